@@ -1,0 +1,217 @@
+"""Read the real machine into a :class:`HardwareProfile`.
+
+Two depths, so ``diffusion-engine info`` stays torch-free where it can:
+
+- the light probe asks ``nvidia-smi`` (or the OS) and looks up installed
+  packages without importing them: a few milliseconds;
+- ``verify=True`` imports torch, reads the device properties, and runs the
+  exact torchao call the int8 path uses on a tiny layer, so a stub torchao
+  (one whose ``quantize_`` is a silent no-op) is found out.
+
+By default the probe verifies when an accelerator is present, since that is
+where torchao and bf16 support decide what can run; a machine without one
+needs neither answer to refuse a GPU-only request.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from engine.hardware.profile import HardwareProfile, native_bf16
+
+MIB_IN_GB = 2**20 / 1e9
+
+
+@dataclass(frozen=True)
+class _Gpu:
+    name: str
+    capability: tuple[int, int] | None
+    total_gb: float
+    free_gb: float | None
+
+
+def probe(*, verify: bool | None = None) -> HardwareProfile:
+    """This machine's profile; ``verify`` as described in the module docstring."""
+    light = _light_probe()
+    if verify is None:
+        verify = light.vendor in ("nvidia", "rocm")
+    return _verify_with_torch(light) if verify else light
+
+
+def _light_probe() -> HardwareProfile:
+    cpu_count = os.cpu_count()
+    torchao_installed = importlib.util.find_spec("torchao") is not None
+    bnb_installed = importlib.util.find_spec("bitsandbytes") is not None
+    gpu = _nvidia_smi()
+    if gpu is not None:
+        consumer = any(tag in gpu.name for tag in ("GeForce", "RTX", "TITAN")) and not any(
+            tag in gpu.name for tag in ("RTX A", "RTX PRO", "Quadro")
+        )
+        return HardwareProfile(
+            name="this-machine",
+            vendor="nvidia",
+            device_name=gpu.name,
+            total_memory_gb=gpu.total_gb,
+            free_memory_gb=gpu.free_gb,
+            capability=gpu.capability,
+            consumer=consumer,
+            native_bf16=native_bf16("nvidia", gpu.capability, False),
+            torchao_functional=torchao_installed,
+            bitsandbytes_usable=bnb_installed,
+            cpu_count=cpu_count,
+            source="probe",
+        )
+    if shutil.which("rocm-smi") or os.path.exists("/dev/kfd"):
+        # ROCm details (memory, bf16) come from torch; the light probe only
+        # knows the vendor, so it says nothing it cannot back.
+        return HardwareProfile(
+            name="this-machine",
+            vendor="rocm",
+            device_name="AMD GPU",
+            total_memory_gb=0.0,
+            free_memory_gb=None,
+            torchao_functional=torchao_installed,
+            bitsandbytes_usable=False,
+            cpu_count=cpu_count,
+            source="probe",
+        )
+    total, free = _host_memory_gb()
+    if platform.system() == "Darwin" and platform.machine() == "arm64":
+        return HardwareProfile(
+            name="this-machine",
+            vendor="mps",
+            device_name="Apple Silicon",
+            total_memory_gb=total,
+            free_memory_gb=free,
+            unified_memory=True,
+            native_bf16=True,
+            torchao_functional=torchao_installed,
+            cpu_count=cpu_count,
+            source="probe",
+        )
+    return HardwareProfile(
+        name="this-machine",
+        vendor="cpu",
+        device_name=platform.processor() or platform.machine() or "CPU",
+        total_memory_gb=total,
+        free_memory_gb=free,
+        native_bf16=True,
+        torchao_functional=torchao_installed,
+        bitsandbytes_usable=False,
+        cpu_count=cpu_count,
+        source="probe",
+    )
+
+
+def _nvidia_smi() -> _Gpu | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    query = "name,compute_cap,memory.total,memory.free"
+    try:
+        out = subprocess.run(
+            [exe, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = out.strip().splitlines()[0] if out.strip() else ""
+    parts = [p.strip() for p in first.split(",")]
+    if len(parts) != 4:
+        return None
+    name, cap, total, free = parts
+    try:
+        major, minor = (int(x) for x in cap.split("."))
+        capability: tuple[int, int] | None = (major, minor)
+    except ValueError:
+        capability = None
+    try:
+        return _Gpu(name, capability, float(total) * MIB_IN_GB, float(free) * MIB_IN_GB)
+    except ValueError:
+        return None
+
+
+def _host_memory_gb() -> tuple[float, float | None]:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as handle:
+            fields = dict(line.split(":", 1) for line in handle if ":" in line)
+        total = int(fields["MemTotal"].split()[0]) * 1024 / 1e9
+        free = int(fields["MemAvailable"].split()[0]) * 1024 / 1e9
+        return total, free
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        total_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total_bytes / 1e9, None
+    except (ValueError, OSError, AttributeError):
+        return 0.0, None
+
+
+def _verify_with_torch(light: HardwareProfile) -> HardwareProfile:
+    import torch
+
+    changes: dict[str, object] = {"source": "probe+torch"}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info(0)
+        vendor = "rocm" if getattr(torch.version, "hip", None) else "nvidia"
+        capability = (props.major, props.minor) if vendor == "nvidia" else None
+        changes.update(
+            vendor=vendor,
+            device_name=props.name,
+            total_memory_gb=total / 1e9,
+            free_memory_gb=free / 1e9,
+            capability=capability,
+            native_bf16=native_bf16(vendor, capability, torch.cuda.is_bf16_supported()),
+            bitsandbytes_usable=light.bitsandbytes_usable and bitsandbytes_usable(),
+        )
+    else:
+        changes.update(bitsandbytes_usable=False)
+        if light.vendor in ("nvidia", "rocm"):
+            # A driver is there but this torch build cannot use it.
+            total, free = _host_memory_gb()
+            changes.update(vendor="cpu", total_memory_gb=total, free_memory_gb=free)
+    changes["torchao_functional"] = light.torchao_functional and torchao_functional()
+    return light.replace(**changes)
+
+
+@functools.cache
+def torchao_functional() -> bool:
+    """True when the symbols the int8 path uses import *and* quantise.
+
+    Some platform builds ship a torchao stub: ``find_spec`` succeeds and even
+    ``from torchao.quantization import quantize_`` imports, but ``quantize_``
+    leaves the layer dense. The only honest check is to run it on a tiny
+    layer and see the weight become a quantised tensor.
+    """
+    try:
+        import torch
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        return False
+    layer = torch.nn.Linear(32, 32, bias=False, dtype=torch.bfloat16)
+    try:
+        quantize_(layer, Int8WeightOnlyConfig())
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    return type(layer.weight) not in (torch.Tensor, torch.nn.Parameter)
+
+
+@functools.cache
+def bitsandbytes_usable() -> bool:
+    """bitsandbytes imports and has a CUDA backend (4-bit loads need one)."""
+    try:
+        import bitsandbytes  # noqa: F401
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())

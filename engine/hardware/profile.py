@@ -1,0 +1,97 @@
+"""What the engine knows about a machine, as plain data.
+
+A :class:`HardwareProfile` is read from the real machine by
+:func:`engine.hardware.probe.probe` or taken from a preset, so every decision
+can be asked for a machine you do not have (``--hardware t4``). Capability
+rules (native bf16, fp8, mxfp8) are derived here from vendor and compute
+capability, never from ``torch.cuda.is_bf16_supported()`` on NVIDIA: it
+reports emulated bf16 on Turing and Volta as supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+Vendor = Literal["nvidia", "rocm", "mps", "cpu"]
+
+GIB_IN_GB = 2**30 / 1e9
+
+#: First NVIDIA architecture with native bf16 tensor cores (Ampere).
+NATIVE_BF16_MIN_CAPABILITY = (8, 0)
+#: fp8 tensor-core GEMMs: Ada, Hopper and newer.
+FP8_MIN_CAPABILITY = (8, 9)
+#: mxfp8 / nvfp4 block-scaled GEMMs: Blackwell (sm100) and newer.
+MX_MIN_CAPABILITY = (10, 0)
+
+
+def native_bf16(vendor: Vendor, capability: tuple[int, int] | None, torch_reports_bf16: bool) -> bool:
+    """Whether bf16 runs natively: NVIDIA by capability, ROCm and MPS as torch says.
+
+    NVIDIA: compute capability major >= 8. ``torch.cuda.is_bf16_supported()``
+    counts emulation there, so it is ignored. ROCm's answer is trustworthy.
+    CPU runs bf16 (slowly) everywhere torch does.
+    """
+    if vendor == "nvidia":
+        return capability is not None and capability >= NATIVE_BF16_MIN_CAPABILITY
+    if vendor == "cpu":
+        return True
+    return torch_reports_bf16
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One machine's accelerator and the libraries usable on it.
+
+    Memory is in decimal GB. ``free_memory_gb`` is what the accelerator has
+    free now (the host's free RAM for ``cpu``), None when unknown.
+    """
+
+    name: str
+    vendor: Vendor
+    device_name: str
+    total_memory_gb: float
+    free_memory_gb: float | None
+    capability: tuple[int, int] | None = None
+    unified_memory: bool = False
+    consumer: bool = False
+    native_bf16: bool = False
+    torchao_functional: bool = True
+    bitsandbytes_usable: bool = False
+    cpu_count: int | None = None
+    #: Where the facts came from: "preset", "probe" or "probe+torch".
+    source: str = "preset"
+
+    @property
+    def cuda(self) -> bool:
+        """A CUDA device in torch's sense (NVIDIA, or ROCm through HIP)."""
+        return self.vendor in ("nvidia", "rocm")
+
+    @property
+    def fp8(self) -> bool:
+        return self.vendor == "nvidia" and self._capability_at_least(FP8_MIN_CAPABILITY)
+
+    @property
+    def mxfp8(self) -> bool:
+        return self.vendor == "nvidia" and self._capability_at_least(MX_MIN_CAPABILITY)
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.mxfp8
+
+    @property
+    def capability_label(self) -> str:
+        return f"sm{self.capability[0]}{self.capability[1]}" if self.capability else "-"
+
+    def _capability_at_least(self, minimum: tuple[int, int]) -> bool:
+        return self.capability is not None and self.capability >= minimum
+
+    def replace(self, **changes: object) -> HardwareProfile:
+        """A copy with ``changes`` (CLI overrides such as ``--free-gb``)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, object]:
+        data = dataclasses.asdict(self)
+        data.update(cuda=self.cuda, fp8=self.fp8, mxfp8=self.mxfp8, nvfp4=self.nvfp4)
+        return data

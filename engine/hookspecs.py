@@ -1,0 +1,147 @@
+"""The plugin contract: every hook a model-family plugin can implement.
+
+Hook names carry the ``engine_`` prefix. No spec has default argument values
+(pluggy drops them silently). ``firstresult`` hooks answer "who owns this";
+they stop at the first non-None result, and the engine's built-in table
+plugin (``trylast``) answers each of them from the registered
+:class:`~engine.types.FamilySpec`, so a family only writes code where its
+table cannot express the rule. Collected hooks gather things to combine.
+
+The plugin author's guide, ``docs/plugins.md``, documents every hook below;
+a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from engine.hardware.profile import HardwareProfile
+    from engine.types import (
+        Checkpoint,
+        ComponentSizes,
+        FamilySpec,
+        Purpose,
+        QuantDeny,
+        TrainingObjective,
+    )
+
+PROJECT_NAME = "diffusion_engine"
+ENTRY_POINT_GROUP = "diffusion_engine.families"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# -------------------------------------------------------------------------
+# Registration
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def engine_register_families(register: Callable[[FamilySpec], None]) -> None:
+    """Register model families by calling ``register(spec)`` once per family.
+
+    :param register: the host's callback; it validates the spec and refuses a
+        family name or alias another plugin already claimed.
+
+    Collected: every plugin's implementation is called. Return nothing.
+    """
+
+
+# -------------------------------------------------------------------------
+# Sizing and quantisation (inference and training policy)
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def engine_component_sizes(
+    family: FamilySpec, checkpoint: Checkpoint | None
+) -> ComponentSizes | None:
+    """bf16 GB of the transformer, text encoders and VAE of ``checkpoint``.
+
+    :param checkpoint: None asks for the family's default checkpoint.
+    :return: the sizes, or None to let another plugin answer.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec
+def engine_quant_deny(family: FamilySpec, purpose: Purpose) -> Iterable[QuantDeny] | None:
+    """Schemes ``family`` must not use for ``purpose``, each with its reason.
+
+    :param purpose: ``"inference"`` or ``"training"``.
+    :return: denies to add (or None). Collected and unioned: any plugin can
+        deny a scheme; none can allow one another plugin denied.
+    """
+
+
+@hookspec(firstresult=True)
+def engine_dense_base(family: FamilySpec, repo: str) -> str | None:
+    """The dense base to use instead of ``repo`` when ``repo`` is pre-quantised.
+
+    :param repo: a hub id or a local folder name.
+    :return: the dense base's repo id, or None when ``repo`` is not
+        pre-quantised (it can be trained or quantised as it is).
+
+    Stops at first non-None result.
+    """
+
+
+# -------------------------------------------------------------------------
+# Training
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def engine_training_precision_modes(
+    family: FamilySpec, hardware: HardwareProfile
+) -> tuple[str, ...] | None:
+    """Base precisions ``family``'s trainer can hold its frozen base in.
+
+    The family's own capability, before the engine's machine rules (native
+    bf16, CUDA, torchao, fp8/mxfp8 capability) and the deny lists filter it.
+    An empty tuple means the trainer ignores ``base_precision`` (a UNet
+    trainer, for instance).
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def engine_training_objective(family: FamilySpec) -> TrainingObjective | None:
+    """What the LoRA trainer needs from this family: the objective (flow
+    matching or epsilon / v prediction), timestep sampling, and the dotted
+    paths of the family's prompt-encoding and latent-packing functions.
+
+    Stops at first non-None result.
+    """
+
+
+# -------------------------------------------------------------------------
+# Runtime
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def engine_compile_regions(family: FamilySpec) -> tuple[str, ...] | None:
+    """Class names of the repeated blocks to compile regionally.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def engine_build_tiny_pipeline(family: FamilySpec, path: Path) -> Path | None:
+    """Write a tiny random-weight diffusers pipeline of ``family``'s real
+    architecture to ``path`` (for tests, demos and benchmarks; no hub needed).
+
+    :return: the folder written, or None when this plugin cannot build it.
+
+    Stops at first non-None result.
+    """

@@ -1,0 +1,293 @@
+"""Loading family plugins into an immutable :class:`Registry`.
+
+``load_registry()`` is a factory: nothing happens at import time and there is
+no module-level registry. It loads each entry point of the
+``diffusion_engine.families`` group on its own, so one plugin that fails to
+import is reported (and listed by ``diffusion-engine families``) instead of
+taking the host down; ``DIFFUSION_ENGINE_STRICT_PLUGINS=1`` makes such a
+failure fatal. ``DIFFUSION_ENGINE_BLOCK_PLUGINS=a,b`` skips entry points by
+name or by distribution. Two plugins claiming one family name (or alias) is
+an error naming both packages.
+
+Core code never calls ``pm.hook.*`` itself: the :class:`Registry` exposes one
+typed method per hook.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import pluggy
+
+from engine import hookspecs
+from engine.errors import FamilyConflict, PluginError, UnknownName
+from engine.types import (
+    PURPOSES,
+    Checkpoint,
+    ComponentSizes,
+    FamilySpec,
+    PluginInfo,
+    PluginLoadError,
+    Purpose,
+    QuantDeny,
+    TrainingObjective,
+)
+
+if TYPE_CHECKING:
+    from engine.hardware.profile import HardwareProfile
+
+STRICT_ENV = "DIFFUSION_ENGINE_STRICT_PLUGINS"
+BLOCK_ENV = "DIFFUSION_ENGINE_BLOCK_PLUGINS"
+TABLE_PLUGIN_NAME = "engine.table_plugin"
+
+
+@dataclass(frozen=True)
+class Registry:
+    """The loaded families and plugins, frozen. Pass it around; do not rebuild it per call."""
+
+    families: Mapping[str, FamilySpec]
+    plugins: tuple[PluginInfo, ...]
+    errors: tuple[PluginLoadError, ...]
+    _pm: pluggy.PluginManager
+    _aliases: Mapping[str, str]
+
+    # -- lookup -------------------------------------------------------------
+
+    def family(self, name: str) -> FamilySpec:
+        """The family called ``name`` (or an alias); :class:`UnknownName` otherwise."""
+        key = name.lower().replace("-", "_")
+        canonical = self._aliases.get(key, key)
+        try:
+            return self.families[canonical]
+        except KeyError:
+            raise UnknownName("family", name, self.families) from None
+
+    def family_for_pipeline_class(self, class_name: str) -> FamilySpec | None:
+        """The family whose pipelines have ``model_index.json`` ``_class_name``."""
+        return next(
+            (f for f in self.families.values() if class_name in f.pipeline_class_names), None
+        )
+
+    def family_for_model_id(self, model_id: str) -> FamilySpec | None:
+        """The family whose checkpoint patterns match a repo id or folder name."""
+        return next((f for f in self.families.values() if f.matches_id(model_id)), None)
+
+    # -- one typed method per hook -----------------------------------------
+
+    def component_sizes(
+        self, family: FamilySpec, checkpoint: Checkpoint | None = None
+    ) -> ComponentSizes:
+        sizes = self._pm.hook.engine_component_sizes(family=family, checkpoint=checkpoint)
+        return sizes if sizes is not None else family.sizes
+
+    def quant_deny(self, family: FamilySpec, purpose: Purpose) -> Mapping[str, str]:
+        """Scheme -> reason for every scheme any plugin denies; reasons joined."""
+        if purpose not in PURPOSES:
+            raise ValueError(f"purpose must be one of {PURPOSES}, not {purpose!r}")
+        denied: dict[str, list[str]] = {}
+        for answer in self._pm.hook.engine_quant_deny(family=family, purpose=purpose):
+            for deny in answer or ():
+                reasons = denied.setdefault(deny.scheme, [])
+                if deny.reason not in reasons:
+                    reasons.append(deny.reason)
+        return MappingProxyType({scheme: "; ".join(r) for scheme, r in denied.items()})
+
+    def dense_base(self, family: FamilySpec, repo: str) -> str | None:
+        return self._pm.hook.engine_dense_base(family=family, repo=repo)
+
+    def training_precision_modes(
+        self, family: FamilySpec, hardware: HardwareProfile
+    ) -> tuple[str, ...]:
+        modes = self._pm.hook.engine_training_precision_modes(family=family, hardware=hardware)
+        return tuple(modes or ())
+
+    def compile_regions(self, family: FamilySpec) -> tuple[str, ...]:
+        return tuple(self._pm.hook.engine_compile_regions(family=family) or ())
+
+    def training_objective(self, family: FamilySpec) -> TrainingObjective | None:
+        return self._pm.hook.engine_training_objective(family=family)
+
+    def build_tiny_pipeline(self, family: FamilySpec, path: Path) -> Path:
+        built = self._pm.hook.engine_build_tiny_pipeline(family=family, path=Path(path))
+        if built is None:
+            raise PluginError(
+                f"no plugin can build a tiny {family.name} pipeline",
+                code="no_tiny_pipeline",
+            )
+        return Path(built)
+
+    # -- introspection --------------------------------------------------------
+
+    @property
+    def hook_names(self) -> tuple[str, ...]:
+        return tuple(sorted(n for n in dir(self._pm.hook) if n.startswith("engine_")))
+
+
+@dataclass
+class _Loading:
+    """Mutable state while one registry is being built; discarded after."""
+
+    pm: pluggy.PluginManager
+    strict: bool
+    errors: list[PluginLoadError]
+    packages: dict[str, tuple[str, str]]  # plugin name -> (package, version)
+
+    def fail(self, plugin: str, package: str, error: BaseException | str) -> None:
+        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        if self.strict:
+            raise PluginError(
+                f"plugin {plugin!r} from {package}: {message} "
+                f"(unset {STRICT_ENV} to report it and go on)",
+                code="plugin_load_failed",
+            )
+        self.errors.append(PluginLoadError(plugin=plugin, package=package, error=message))
+
+
+def load_registry(
+    *,
+    plugins: Iterable[tuple[str, object]] = (),
+    entry_points: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> Registry:
+    """Load every family plugin and freeze the result.
+
+    :param plugins: extra ``(name, plugin)`` pairs registered directly (apps
+        and tests that do not ship an entry point).
+    :param entry_points: load the ``diffusion_engine.families`` entry points.
+    :param env: environment to read the strict and block switches from.
+    """
+    env = os.environ if env is None else env
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    from engine import table_plugin
+
+    pm.register(table_plugin, name=TABLE_PLUGIN_NAME)
+    loading = _Loading(
+        pm=pm,
+        strict=env.get(STRICT_ENV, "") not in ("", "0", "false"),
+        errors=[],
+        packages={TABLE_PLUGIN_NAME: ("diffusion-engine", _version("diffusion-engine"))},
+    )
+    blocked = {b.strip() for b in env.get(BLOCK_ENV, "").split(",") if b.strip()}
+    if entry_points:
+        for ep in importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+            package = ep.dist.name if ep.dist else "?"
+            if ep.name in blocked or package in blocked:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a broken plugin must not take the host down
+                loading.fail(ep.name, package, exc)
+                continue
+            version = ep.dist.version if ep.dist else "?"
+            _register(loading, ep.name, plugin, package, version)
+    for name, plugin in plugins:
+        module = getattr(plugin, "__module__", None) or getattr(plugin, "__name__", name)
+        _register(loading, name, plugin, module.split(".")[0], "")
+    _check_pending(loading)
+    families, owners = _collect_families(loading)
+    aliases = {
+        alias.lower().replace("-", "_"): spec.name
+        for spec in families.values()
+        for alias in spec.aliases
+    }
+    return Registry(
+        families=MappingProxyType(dict(sorted(families.items()))),
+        plugins=_plugin_infos(loading, owners),
+        errors=tuple(loading.errors),
+        _pm=pm,
+        _aliases=MappingProxyType(aliases),
+    )
+
+
+def _register(loading: _Loading, name: str, plugin: object, package: str, version: str) -> None:
+    if loading.pm.has_plugin(name):
+        other = loading.packages.get(name, ("?", ""))[0]
+        loading.fail(name, package, f"plugin name {name!r} is already registered by {other}")
+        return
+    try:
+        loading.pm.register(plugin, name=name)
+    except (ValueError, pluggy.PluginValidationError) as exc:
+        loading.fail(name, package, exc)
+        return
+    loading.packages[name] = (package, version)
+
+
+def _check_pending(loading: _Loading) -> None:
+    """Hook implementations with no spec are typos: drop the plugin, report it."""
+    while True:
+        try:
+            loading.pm.check_pending()
+            return
+        except pluggy.PluginValidationError as exc:
+            name = loading.pm.get_name(exc.plugin) or "?"
+            loading.pm.unregister(exc.plugin)
+            package = loading.packages.pop(name, ("?", ""))[0]
+            loading.fail(name, package, exc)
+
+
+def _collect_families(loading: _Loading) -> tuple[dict[str, FamilySpec], dict[str, str]]:
+    families: dict[str, FamilySpec] = {}
+    owners: dict[str, str] = {}  # family name -> plugin name
+    claimed: dict[str, str] = {}  # family name or alias -> plugin name
+    caller = loading.pm.hook.engine_register_families
+    for impl in reversed(caller.get_hookimpls()):  # registration order
+        plugin_name = impl.plugin_name
+        package = loading.packages.get(plugin_name, ("?", ""))[0]
+
+        def register(spec: FamilySpec, _owner: str = plugin_name, _pkg: str = package) -> None:
+            if not isinstance(spec, FamilySpec):
+                raise PluginError(f"{_pkg} registered {spec!r}, which is not a FamilySpec")
+            for key in (spec.name, *spec.aliases):
+                key = key.lower().replace("-", "_")
+                if key in claimed:
+                    first = loading.packages.get(claimed[key], ("?", ""))[0]
+                    raise FamilyConflict(
+                        f"family {key!r} is claimed by two plugins: {first} "
+                        f"(plugin {claimed[key]!r}) and {_pkg} (plugin {_owner!r}); "
+                        f"uninstall one or block it with {BLOCK_ENV}"
+                    )
+            for key in (spec.name, *spec.aliases):
+                claimed[key.lower().replace("-", "_")] = _owner
+            owners[spec.name] = _owner
+            families[spec.name] = spec
+
+        try:
+            impl.function(register=register)
+        except FamilyConflict:
+            raise
+        except Exception as exc:  # a plugin's own bug is its error, not the host's
+            loading.fail(plugin_name, package, exc)
+    return families, owners
+
+
+def _plugin_infos(loading: _Loading, owners: Mapping[str, str]) -> tuple[PluginInfo, ...]:
+    infos = []
+    for name, plugin in loading.pm.list_name_plugin():
+        package, version = loading.packages.get(name, ("?", ""))
+        callers = loading.pm.get_hookcallers(plugin) or []
+        infos.append(
+            PluginInfo(
+                name=name,
+                package=package,
+                version=version,
+                hooks=tuple(sorted(c.name for c in callers)),
+                families=tuple(sorted(f for f, owner in owners.items() if owner == name)),
+                builtin=name == TABLE_PLUGIN_NAME,
+            )
+        )
+    return tuple(sorted(infos, key=lambda i: (i.builtin, i.name)))
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+

@@ -1,0 +1,39 @@
+"""Transformer weight schemes: how many bytes each keeps, steady and while building.
+
+Factors are fractions of the bf16 transformer's bytes. They sit above the
+pure bit ratio because norms, embeddings, modulation and small layers stay
+in bf16 and scales are stored alongside. ``transient`` is the peak while
+quantising on the fly: the dense weights are loaded first. A pre-quantised
+checkpoint loads at its steady size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class SchemeSize:
+    steady: float
+    transient: float
+
+
+SCHEME_SIZES: Mapping[str, SchemeSize] = MappingProxyType(
+    {
+        "bf16": SchemeSize(steady=1.00, transient=1.00),
+        "int8": SchemeSize(steady=0.55, transient=1.00),
+        "fp8": SchemeSize(steady=0.55, transient=1.00),
+        "mxfp8": SchemeSize(steady=0.58, transient=1.00),
+        "nvfp4": SchemeSize(steady=0.33, transient=1.00),
+        "nf4": SchemeSize(steady=0.30, transient=1.00),
+    }
+)
+
+
+def transformer_gb(bf16_gb: float, scheme: str, *, prequantised: bool = False) -> tuple[float, float]:
+    """(steady, transient) GB of a ``bf16_gb`` transformer held in ``scheme``."""
+    size = SCHEME_SIZES[scheme]
+    steady = bf16_gb * size.steady
+    return steady, steady if prequantised else bf16_gb * size.transient

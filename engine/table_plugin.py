@@ -1,0 +1,87 @@
+"""The built-in plugin that answers per-concern hooks from family tables.
+
+Every implementation here is ``trylast``: a family plugin (or a third-party
+plugin overriding one) answers first when it has something to say, and the
+registered :class:`~engine.types.FamilySpec` answers otherwise. This is why a
+family's hooks module is usually one function long.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from engine.errors import PluginError
+from engine.hardware.profile import HardwareProfile
+from engine.hookspecs import hookimpl
+from engine.types import (
+    TRAINING_PRECISIONS,
+    Checkpoint,
+    ComponentSizes,
+    FamilySpec,
+    Purpose,
+    QuantDeny,
+    TrainingObjective,
+)
+
+
+@hookimpl(trylast=True)
+def engine_component_sizes(
+    family: FamilySpec, checkpoint: Checkpoint | None
+) -> ComponentSizes | None:
+    if checkpoint is not None and checkpoint.sizes is not None:
+        return checkpoint.sizes
+    return family.sizes
+
+
+@hookimpl(trylast=True)
+def engine_quant_deny(family: FamilySpec, purpose: Purpose) -> Iterable[QuantDeny] | None:
+    return family.quant_deny.get(purpose, ())
+
+
+@hookimpl(trylast=True)
+def engine_dense_base(family: FamilySpec, repo: str) -> str | None:
+    if not family.is_prequantised(repo):
+        return None
+    checkpoint = family.checkpoint(repo)
+    if checkpoint is not None:
+        return checkpoint.repo
+    return family.default_dense_base or family.default_checkpoint.repo
+
+
+@hookimpl(trylast=True)
+def engine_training_precision_modes(
+    family: FamilySpec, hardware: HardwareProfile
+) -> tuple[str, ...] | None:
+    return TRAINING_PRECISIONS if family.base_precision_applies else ()
+
+
+@hookimpl(trylast=True)
+def engine_compile_regions(family: FamilySpec) -> tuple[str, ...] | None:
+    return family.compile_regions
+
+
+@hookimpl(trylast=True)
+def engine_training_objective(family: FamilySpec) -> TrainingObjective | None:
+    return family.training_objective
+
+
+@hookimpl(trylast=True)
+def engine_build_tiny_pipeline(family: FamilySpec, path: Path) -> Path | None:
+    if not family.tiny_pipeline:
+        return None
+    return Path(load_object(family.tiny_pipeline)(path))
+
+
+def load_object(dotted: str) -> object:
+    """Import ``"package.module:attribute"`` lazily (family runtime code)."""
+    module_name, _, attribute = dotted.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, attribute) if attribute else module
+    except (ImportError, AttributeError) as exc:
+        raise PluginError(
+            f"cannot load {dotted!r}: {exc}; is the package that provides it installed?",
+            code="plugin_object_missing",
+        ) from exc

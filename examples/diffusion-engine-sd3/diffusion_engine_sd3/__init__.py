@@ -1,0 +1,56 @@
+"""An example third-party family plugin: Stable Diffusion 3.5 Medium.
+
+It lives outside the engine's ``families/`` package and reaches the engine
+only through the ``diffusion_engine.families`` entry point, exactly as a
+package on PyPI would. Its figures are illustrative (bf16 bytes of the 2.5B
+MMDiT, CLIP-L + CLIP-G + T5-XXL, and the VAE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from engine.hookspecs import hookimpl
+from engine.types import Checkpoint, ComponentSizes, FamilySpec, Purpose, QuantDeny
+
+SD3 = FamilySpec(
+    name="sd3",
+    label="Stable Diffusion 3.5",
+    aliases=("sd3.5",),
+    architecture="dit",
+    pipeline_class="StableDiffusion3Pipeline",
+    pipeline_class_names=("StableDiffusion3Pipeline",),
+    checkpoints=(
+        Checkpoint(
+            name="sd3.5-medium",
+            label="SD3.5 Medium",
+            repo="stabilityai/stable-diffusion-3.5-medium",
+            default_steps=40,
+            default_guidance=4.5,
+            matches=("*stable-diffusion-3.5-medium*", "*sd3.5-medium*"),
+        ),
+    ),
+    sizes=ComponentSizes(transformer_gb=4.9, text_encoders_gb=11.1, vae_gb=0.2),
+    training_dense_gb=4.9,
+    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
+    compile_regions=("JointTransformerBlock",),
+    fp16_compute_safe=True,
+    base_precision_applies=True,
+    training_requires_bf16=True,
+    prequantised_patterns=("*nf4*",),
+    runtime_module="diffusion_engine_sd3.runtime",
+)
+
+
+@hookimpl
+def engine_register_families(register: Callable[[FamilySpec], None]) -> None:
+    register(SD3)
+
+
+@hookimpl
+def engine_quant_deny(family: FamilySpec, purpose: Purpose) -> Iterable[QuantDeny] | None:
+    """Code where a table cannot say it: nvfp4 is denied for every family
+    whose transformer is under 6 GB, where 4-bit saves little and costs detail."""
+    if purpose == "inference" and family.sizes.transformer_gb < 6:
+        return (QuantDeny("nvfp4", "under 6 GB the 4-bit saving is not worth the detail lost"),)
+    return None

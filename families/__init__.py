@@ -1,0 +1,1 @@
+"""Built-in model-family plugins, one package per family."""

@@ -1,0 +1,16 @@
+"""Entry point of the sdxl family plugin: registers its table.
+
+Every per-concern hook is answered from the table by the engine's built-in
+table plugin; this module adds code only where a table cannot say it.
+"""
+
+from collections.abc import Callable
+
+from engine.hookspecs import hookimpl
+from engine.types import FamilySpec
+from families.sdxl.table import SDXL
+
+
+@hookimpl
+def engine_register_families(register: Callable[[FamilySpec], None]) -> None:
+    register(SDXL)

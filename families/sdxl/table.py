@@ -1,0 +1,55 @@
+"""Stable Diffusion XL: the family's data sheet. Pure data; no torch.
+
+Figures: bf16 sizes of the 2.6B-parameter UNet (5.1 GB), CLIP-L +
+OpenCLIP-bigG (1.6 GB) and the VAE (0.2 GB). The UNet trainer runs in fp16
+mixed precision where bf16 is missing, so ``base_precision`` does not apply.
+"""
+
+from engine.types import Checkpoint, ComponentSizes, FamilySpec, TrainingObjective
+
+SDXL = FamilySpec(
+    name="sdxl",
+    label="Stable Diffusion XL",
+    aliases=("sd-xl", "stable-diffusion-xl"),
+    architecture="unet",
+    pipeline_class="StableDiffusionXLPipeline",
+    pipeline_class_names=(
+        "StableDiffusionXLPipeline",
+        "StableDiffusionXLImg2ImgPipeline",
+        "StableDiffusionXLInpaintPipeline",
+    ),
+    checkpoints=(
+        Checkpoint(
+            name="sdxl-base-1.0",
+            label="SDXL base 1.0",
+            repo="stabilityai/stable-diffusion-xl-base-1.0",
+            default_steps=30,
+            default_guidance=7.0,
+            matches=("*stable-diffusion-xl*", "*sdxl*", "*sd_xl*"),
+        ),
+        Checkpoint(
+            name="sdxl-turbo",
+            label="SDXL-Turbo",
+            repo="stabilityai/sdxl-turbo",
+            default_steps=3,
+            default_guidance=0.0,
+            matches=("*sdxl-turbo*", "*sdxl_turbo*", "*sd_xl_turbo*"),
+        ),
+    ),
+    sizes=ComponentSizes(transformer_gb=5.1, text_encoders_gb=1.6, vae_gb=0.2),
+    training_dense_gb=5.1,
+    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
+    compile_regions=("BasicTransformerBlock",),
+    fp16_compute_safe=True,
+    base_precision_applies=False,
+    training_requires_bf16=False,
+    prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
+    default_dense_base="stabilityai/stable-diffusion-xl-base-1.0",
+    runtime_module="families.sdxl.runtime",
+    tiny_pipeline="families.sdxl.tiny:build_tiny_pipeline",
+    training_objective=TrainingObjective(
+        prediction="epsilon",
+        timestep_sampling="uniform",
+        runtime_module="families.sdxl.runtime",
+    ),
+)

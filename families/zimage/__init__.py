@@ -1,0 +1,1 @@
+"""The zimage family plugin: table.py (data), hooks.py (entry point), tiny.py (tiny pipeline)."""

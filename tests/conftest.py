@@ -1,0 +1,42 @@
+"""Fixtures shared by the engine's tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.support import EXAMPLE_PLUGIN, write_distribution
+
+# Nothing in the test suite may reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh folder on sys.path (and PYTHONPATH, for child processes)."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
+    return folder
+
+
+@pytest.fixture
+def install_example(site: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Path]:
+    """Make the example third-party family (examples/) visible as installed."""
+
+    def install() -> Path:
+        write_distribution(site, "diffusion-engine-sd3", {"sd3": "diffusion_engine_sd3"})
+        monkeypatch.syspath_prepend(str(EXAMPLE_PLUGIN))
+        monkeypatch.setenv(
+            "PYTHONPATH", os.pathsep.join([str(EXAMPLE_PLUGIN), os.environ["PYTHONPATH"]])
+        )
+        sys.modules.pop("diffusion_engine_sd3", None)
+        return site
+
+    return install

@@ -1,0 +1,52 @@
+"""Test support: fake *distributions* (real entry points on a real sys.path).
+
+Plugins reach the engine through ``importlib.metadata`` entry points. To test
+that path without pip-installing anything, a fixture writes a ``.dist-info``
+folder beside the plugin's module; importlib finds it exactly as it finds an
+installed package. Only the hardware is ever faked, never the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_PLUGIN = ROOT / "examples" / "diffusion-engine-sd3"
+
+
+def write_distribution(
+    site: Path,
+    name: str,
+    entry_points: Mapping[str, str],
+    modules: Mapping[str, str] | None = None,
+    version: str = "0.1.0",
+) -> Path:
+    """Write ``name``'s dist-info (and module sources) under ``site``."""
+    dist = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", encoding="utf-8"
+    )
+    lines = ["[diffusion_engine.families]"] + [f"{k} = {v}" for k, v in entry_points.items()]
+    (dist / "entry_points.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    for module, source in (modules or {}).items():
+        path = site / (module.replace(".", "/") + ".py")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source), encoding="utf-8")
+    return site
+
+
+def run_cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m engine ARGS`` in a child process (a cold start)."""
+    return subprocess.run(
+        [sys.executable, "-m", "engine", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
