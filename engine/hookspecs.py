@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         Checkpoint,
         ComponentSizes,
         FamilySpec,
+        OptimizationDeny,
         Purpose,
         QuantDeny,
         TrainingObjective,
@@ -90,6 +91,15 @@ def engine_dense_base(family: FamilySpec, repo: str) -> str | None:
         pre-quantised (it can be trained or quantised as it is).
 
     Stops at first non-None result.
+    """
+
+
+@hookspec
+def engine_optimization_deny(family: FamilySpec) -> Iterable[OptimizationDeny] | None:
+    """Speed optimisations ``family`` must not get, each with its reason:
+    ``fp16_accumulation``, ``step_cache``, ``compile`` or an attention backend.
+
+    Collected and unioned, like ``engine_quant_deny``.
     """
 
 

@@ -90,13 +90,19 @@ class Registry:
         """Scheme -> reason for every scheme any plugin denies; reasons joined."""
         if purpose not in PURPOSES:
             raise ValueError(f"purpose must be one of {PURPOSES}, not {purpose!r}")
-        denied: dict[str, list[str]] = {}
-        for answer in self._pm.hook.engine_quant_deny(family=family, purpose=purpose):
-            for deny in answer or ():
-                reasons = denied.setdefault(deny.scheme, [])
-                if deny.reason not in reasons:
-                    reasons.append(deny.reason)
-        return MappingProxyType({scheme: "; ".join(r) for scheme, r in denied.items()})
+        return _union(
+            (d.scheme, d.reason)
+            for answer in self._pm.hook.engine_quant_deny(family=family, purpose=purpose)
+            for d in answer or ()
+        )
+
+    def optimization_deny(self, family: FamilySpec) -> Mapping[str, str]:
+        """Optimisation -> reason for everything any plugin denies ``family``."""
+        return _union(
+            (d.optimization, d.reason)
+            for answer in self._pm.hook.engine_optimization_deny(family=family)
+            for d in answer or ()
+        )
 
     def dense_base(self, family: FamilySpec, repo: str) -> str | None:
         return self._pm.hook.engine_dense_base(family=family, repo=repo)
@@ -127,6 +133,16 @@ class Registry:
     @property
     def hook_names(self) -> tuple[str, ...]:
         return tuple(sorted(n for n in dir(self._pm.hook) if n.startswith("engine_")))
+
+
+def _union(pairs: Iterable[tuple[str, str]]) -> Mapping[str, str]:
+    """Name -> reasons joined, over every plugin's deny answers."""
+    denied: dict[str, list[str]] = {}
+    for name, reason in pairs:
+        reasons = denied.setdefault(name, [])
+        if reason not in reasons:
+            reasons.append(reason)
+    return MappingProxyType({name: "; ".join(r) for name, r in denied.items()})
 
 
 @dataclass

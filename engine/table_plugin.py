@@ -20,6 +20,7 @@ from engine.types import (
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    OptimizationDeny,
     Purpose,
     QuantDeny,
     TrainingObjective,
@@ -38,6 +39,11 @@ def engine_component_sizes(
 @hookimpl(trylast=True)
 def engine_quant_deny(family: FamilySpec, purpose: Purpose) -> Iterable[QuantDeny] | None:
     return family.quant_deny.get(purpose, ())
+
+
+@hookimpl(trylast=True)
+def engine_optimization_deny(family: FamilySpec) -> Iterable[OptimizationDeny] | None:
+    return family.optimization_deny
 
 
 @hookimpl(trylast=True)

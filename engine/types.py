@@ -48,6 +48,19 @@ class QuantDeny:
 
 
 @dataclass(frozen=True)
+class OptimizationDeny:
+    """A speed optimisation a family must not get, and the measured reason.
+
+    ``optimization`` is one of ``fp16_accumulation``, ``step_cache``,
+    ``compile``, or an attention backend (``sage``, ``flash``, ``flash3``,
+    ``xformers``).
+    """
+
+    optimization: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """One published checkpoint of a family, with its sampling defaults.
 
@@ -134,6 +147,14 @@ class FamilySpec:
     default_dense_base: str = ""
     #: ``"module:function"`` writing a tiny random-weight pipeline to a folder.
     tiny_pipeline: str = ""
+    #: The pipeline component that denoises (``transformer`` or ``unet``).
+    denoiser: str = "transformer"
+    #: The pipeline call's guidance argument (``true_cfg_scale`` for real CFG).
+    guidance_kwarg: str = "guidance_scale"
+    #: Substrings of state-dict keys that identify this family's denoiser in a
+    #: single-file checkpoint (diffusers or original key names).
+    single_file_markers: tuple[str, ...] = ()
+    optimization_deny: tuple[OptimizationDeny, ...] = ()
     training_objective: TrainingObjective | None = None
 
     def __hash__(self) -> int:  # dict fields make the default hash fail

@@ -150,6 +150,20 @@ def test_a_plugin_overrides_a_family_table_answer() -> None:
     assert registry.compile_regions(registry.family("sdxl")) == ("BasicTransformerBlock",)
 
 
+def test_optimization_denies_from_several_plugins_are_unioned() -> None:
+    from engine.types import OptimizationDeny
+
+    class NoSage:
+        @hookimpl
+        def engine_optimization_deny(self, family: FamilySpec) -> tuple[OptimizationDeny, ...]:
+            return (OptimizationDeny("sage", "black frames in our A/B"),)
+
+    registry = load_registry(plugins=[("no_sage", NoSage())])
+    zimage = registry.optimization_deny(registry.family("zimage"))
+    assert set(zimage) == {"sage", "step_cache"}
+    assert registry.optimization_deny(registry.family("flux")) == {"sage": "black frames in our A/B"}
+
+
 def test_registry_is_immutable() -> None:
     registry = load_registry()
     with pytest.raises(TypeError):
@@ -186,7 +200,7 @@ def hook_names() -> list[str]:
 def test_every_hook_is_a_firstresult_or_collected_hook_as_documented() -> None:
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
-    collected = {"engine_register_families", "engine_quant_deny"}
+    collected = {"engine_register_families", "engine_quant_deny", "engine_optimization_deny"}
     for name in hook_names():
         opts = getattr(pm.hook, name).spec.opts
         assert opts["firstresult"] is (name not in collected), name

@@ -97,6 +97,12 @@ class FamilyContract:
             assert all(reason.strip() for reason in denied.values()), "every deny needs a reason"
             assert "bf16" not in denied, "the dense reference cannot be denied"
 
+    def test_engine_optimization_deny(self, registry: Registry, family: FamilySpec) -> None:
+        known = {"fp16_accumulation", "step_cache", "compile", "sage", "flash", "flash3", "xformers"}
+        denied = registry.optimization_deny(family)
+        assert set(denied) <= known, denied
+        assert all(reason.strip() for reason in denied.values())
+
     def test_engine_dense_base(self, registry: Registry, family: FamilySpec) -> None:
         for checkpoint in family.checkpoints:
             assert registry.dense_base(family, checkpoint.repo) is None

@@ -65,6 +65,7 @@ FLUX = FamilySpec(
     training_requires_bf16=True,
     prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
     default_dense_base="black-forest-labs/FLUX.1-dev",
+    single_file_markers=("single_transformer_blocks.", "double_blocks."),
     runtime_module="families.flux.runtime",
     tiny_pipeline="families.flux.tiny:build_tiny_pipeline",
     training_objective=TrainingObjective(

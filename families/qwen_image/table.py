@@ -77,6 +77,9 @@ QWEN_IMAGE = FamilySpec(
     },
     prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
     default_dense_base="Qwen/Qwen-Image",
+    # Real classifier-free guidance: the pipeline's guidance knob is true_cfg_scale.
+    guidance_kwarg="true_cfg_scale",
+    single_file_markers=("txt_norm.", "img_mod."),
     runtime_module="families.qwen_image.runtime",
     tiny_pipeline="families.qwen_image.tiny:build_tiny_pipeline",
     training_objective=TrainingObjective(

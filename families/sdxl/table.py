@@ -5,7 +5,13 @@ OpenCLIP-bigG (1.6 GB) and the VAE (0.2 GB). The UNet trainer runs in fp16
 mixed precision where bf16 is missing, so ``base_precision`` does not apply.
 """
 
-from engine.types import Checkpoint, ComponentSizes, FamilySpec, TrainingObjective
+from engine.types import (
+    Checkpoint,
+    ComponentSizes,
+    FamilySpec,
+    OptimizationDeny,
+    TrainingObjective,
+)
 
 SDXL = FamilySpec(
     name="sdxl",
@@ -45,6 +51,14 @@ SDXL = FamilySpec(
     training_requires_bf16=False,
     prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
     default_dense_base="stabilityai/stable-diffusion-xl-base-1.0",
+    denoiser="unet",
+    single_file_markers=("add_embedding.linear_1.", "conditioner.embedders.1."),
+    optimization_deny=(
+        OptimizationDeny(
+            "step_cache",
+            "First-Block-Cache hooks transformer blocks; diffusers' SDXL UNet has none it caches",
+        ),
+    ),
     runtime_module="families.sdxl.runtime",
     tiny_pipeline="families.sdxl.tiny:build_tiny_pipeline",
     training_objective=TrainingObjective(

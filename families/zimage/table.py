@@ -4,7 +4,13 @@ Figures: bf16 sizes of the 6B single-stream DiT (12.3 GB), the Qwen3-4B text
 encoder (8.0 GB) and the 16-channel VAE (0.2 GB).
 """
 
-from engine.types import Checkpoint, ComponentSizes, FamilySpec, TrainingObjective
+from engine.types import (
+    Checkpoint,
+    ComponentSizes,
+    FamilySpec,
+    OptimizationDeny,
+    TrainingObjective,
+)
 
 ZIMAGE = FamilySpec(
     name="zimage",
@@ -41,6 +47,13 @@ ZIMAGE = FamilySpec(
     training_requires_bf16=True,
     prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
     default_dense_base="Tongyi-MAI/Z-Image-Turbo",
+    single_file_markers=("noise_refiner.", "context_refiner."),
+    optimization_deny=(
+        OptimizationDeny(
+            "step_cache",
+            "diffusers' ZImageTransformer2DModel has no cache hooks (not a CacheMixin)",
+        ),
+    ),
     runtime_module="families.zimage.runtime",
     tiny_pipeline="families.zimage.tiny:build_tiny_pipeline",
     training_objective=TrainingObjective(
