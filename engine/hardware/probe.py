@@ -16,9 +16,11 @@ needs neither answer to refuse a GPU-only request.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import os
 import platform
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -44,7 +46,32 @@ def probe(*, verify: bool | None = None) -> HardwareProfile:
     return _verify_with_torch(light) if verify else light
 
 
+ATTENTION_PACKAGES = ("flash_attn", "flash_attn_interface", "sageattention", "xformers")
+
+
+def installed_attention_packages() -> tuple[str, ...]:
+    return tuple(p for p in ATTENTION_PACKAGES if importlib.util.find_spec(p) is not None)
+
+
+def _torch_exposes_fp16_accumulation() -> bool:
+    """torch 2.7+ has the flag; read the version without importing torch."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    major, minor = (int(p) for p in re.findall(r"\d+", version)[:2])
+    return (major, minor) >= (2, 7)
+
+
 def _light_probe() -> HardwareProfile:
+    profile = _light_probe_device()
+    return profile.replace(
+        attention_packages=installed_attention_packages(),
+        torch_fp16_accumulation=_torch_exposes_fp16_accumulation(),
+    )
+
+
+def _light_probe_device() -> HardwareProfile:
     cpu_count = os.cpu_count()
     torchao_installed = importlib.util.find_spec("torchao") is not None
     bnb_installed = importlib.util.find_spec("bitsandbytes") is not None

@@ -60,6 +60,11 @@ class HardwareProfile:
     torchao_functional: bool = True
     bitsandbytes_usable: bool = False
     cpu_count: int | None = None
+    #: Optional attention kernels installed (import names: ``flash_attn``,
+    #: ``flash_attn_interface`` (FA3), ``sageattention``, ``xformers``).
+    attention_packages: tuple[str, ...] = ()
+    #: torch exposes ``torch.backends.cuda.matmul.allow_fp16_accumulation`` (2.7+).
+    torch_fp16_accumulation: bool = True
     #: Where the facts came from: "preset", "probe" or "probe+torch".
     source: str = "preset"
 

@@ -1,0 +1,138 @@
+"""Memory plan: keep everything resident, or offload, from sizes and budget.
+
+budget = free device memory, capped at total - reserve, where reserve is
+max(2 GiB, 10% of VRAM) (20% on unified memory, which the OS shares). A
+plan is resident when weights + base overhead fit within 0.85 x budget
+(and the brief peak of building a quantised transformer fits what is free);
+model offload when the largest component does; group offload (the
+transformer streamed block by block) otherwise, or sequential offload for a
+torchao-quantised transformer, whose tensor subclasses and group-offload
+streams are known to clash on device placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from engine.errors import PreflightError
+from engine.hardware.profile import GIB_IN_GB, HardwareProfile
+from engine.policy.resolved import Resolved, auto, explicit
+
+MEMORY_MODES: tuple[str, ...] = ("resident", "model_offload", "group_offload", "sequential_offload")
+
+
+@dataclass(frozen=True)
+class MemoryThresholds:
+    """Starting values of the memory knobs; a config may override them."""
+
+    resident_fraction: float = 0.85
+    reserve_min_gb: float = 2 * GIB_IN_GB
+    reserve_fraction: float = 0.10
+    unified_reserve_fraction: float = 0.20
+    #: CUDA context and the activations floor.
+    overhead_gb: float = 2 * GIB_IN_GB
+
+
+@dataclass(frozen=True)
+class Components:
+    """GB each part holds in the planned dtype and scheme."""
+
+    transformer_gb: float
+    #: Peak while building the transformer (dense weights before quantising).
+    transformer_transient_gb: float
+    text_encoders_gb: float
+    vae_gb: float
+    quantised: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    components: Components
+    overhead_gb: float
+    budget_gb: float
+    resident_gb: float
+    peak_gb: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(self).items()} | {
+            "components": {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self.components).items()}
+        }
+
+
+def budget_gb(hardware: HardwareProfile, thresholds: MemoryThresholds = MemoryThresholds()) -> float:
+    fraction = thresholds.unified_reserve_fraction if hardware.unified_memory else thresholds.reserve_fraction
+    reserve = max(thresholds.reserve_min_gb, fraction * hardware.total_memory_gb)
+    ceiling = hardware.total_memory_gb - reserve
+    free = hardware.free_memory_gb
+    return max(0.0, ceiling if free is None else min(free, ceiling))
+
+
+def plan_memory(
+    parts: Components,
+    hardware: HardwareProfile,
+    requested: str = "auto",
+    thresholds: MemoryThresholds = MemoryThresholds(),
+) -> tuple[Resolved[str], MemoryEstimate]:
+    """The memory mode for ``parts`` on ``hardware``, and the arithmetic behind it."""
+    if requested not in ("auto", *MEMORY_MODES):
+        raise PreflightError(
+            f"memory mode {requested!r} is not one of auto, {', '.join(MEMORY_MODES)}",
+            code="invalid_memory_mode",
+        )
+    budget = budget_gb(hardware, thresholds)
+    overhead = thresholds.overhead_gb
+    limit = thresholds.resident_fraction * budget
+    weights = parts.transformer_gb + parts.text_encoders_gb + parts.vae_gb
+    resident = weights + overhead
+    largest = max(parts.transformer_gb, parts.text_encoders_gb, parts.vae_gb) + overhead
+    # Building a quantised transformer on the fly holds its dense weights
+    # briefly: that peak may use the reserve, but not more than is free.
+    hard = hardware.total_memory_gb if hardware.free_memory_gb is None else hardware.free_memory_gb
+    build_peak = weights - parts.transformer_gb + parts.transformer_transient_gb
+    fits = {
+        "resident": resident <= limit and build_peak <= hard,
+        "model_offload": largest <= limit and parts.transformer_transient_gb <= hard,
+    }
+    peaks = {"resident": resident, "model_offload": largest}
+
+    def estimate(mode: str) -> MemoryEstimate:
+        return MemoryEstimate(parts, overhead, budget, resident, peaks.get(mode, overhead))
+
+    sizing = f"{resident:.1f} GB resident (weights {weights:.1f} + overhead {overhead:.1f}) vs 0.85 x {budget:.1f} GB budget"
+    if hardware.vendor == "cpu":
+        if resident > budget and requested == "auto":
+            raise PreflightError(
+                f"the model needs {sizing}; this machine's RAM cannot hold it. "
+                "Choose a quantised transformer (quant=int8) or a smaller model.",
+                code="insufficient_memory",
+            )
+        return auto("resident", f"CPU: every component in host RAM ({sizing})"), estimate("resident")
+    if requested != "auto":
+        if requested in fits and not fits[requested]:
+            raise PreflightError(
+                f"memory={requested} cannot fit: {sizing}. Use memory=auto.",
+                code="does_not_fit",
+            )
+        return explicit(requested), estimate(requested)
+    if fits["resident"]:
+        return auto("resident", f"fits: {sizing}"), estimate("resident")
+    if fits["model_offload"]:
+        return auto(
+            "model_offload",
+            f"{sizing} does not fit; one component at a time does ({largest:.1f} GB peak)",
+        ), estimate("model_offload")
+    if parts.quantised:
+        return auto(
+            "sequential_offload",
+            f"even the transformer alone ({largest:.1f} GB) does not fit; sequential offload "
+            "(group offload's streams clash with torchao-quantised weights)",
+        ), estimate("sequential_offload")
+    return auto(
+        "group_offload",
+        f"even the transformer alone ({largest:.1f} GB) does not fit; its blocks are streamed",
+    ), estimate("group_offload")
+
+
+def mode_rank(mode: str) -> int:
+    """Lower is faster: resident < model < group < sequential offload."""
+    return MEMORY_MODES.index(mode)
