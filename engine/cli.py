@@ -13,9 +13,10 @@ import json
 import sys
 from collections.abc import Sequence
 
-from engine.errors import EngineError
+from engine.errors import EngineError, UnknownName
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry, load_registry
+from engine.policy.inference import InferenceRequest
 
 EXIT_REFUSED = 2
 
@@ -54,6 +55,27 @@ def _parser() -> argparse.ArgumentParser:
     _add_json(info)
     info.set_defaults(run=_cmd_info)
 
+    plan = commands.add_parser("plan", help="every inference control, decided with its reason")
+    _add_model_args(plan, tiny=False)
+    _add_plan_args(plan)
+    _add_machine_args(plan)
+    _add_json(plan)
+    plan.set_defaults(run=_cmd_plan)
+
+    generate = commands.add_parser("generate", help="generate images on this machine")
+    _add_model_args(generate, tiny=True)
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--negative-prompt")
+    generate.add_argument("-o", "--output", default="out.png", help="PNG path (-N suffix when --count > 1)")
+    generate.add_argument("--guidance", type=float)
+    generate.add_argument("--width", type=int)
+    generate.add_argument("--height", type=int)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--count", type=int, default=1)
+    _add_plan_args(generate)
+    _add_json(generate)
+    generate.set_defaults(run=_cmd_generate)
+
     doctor = commands.add_parser("doctor", help="probe this machine with torch, in depth")
     _add_json(doctor)
     doctor.set_defaults(run=_cmd_doctor)
@@ -70,6 +92,40 @@ def _add_machine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--free-gb", type=float, metavar="N", help="override free device memory")
     group.add_argument(
         "--no-torchao", action="store_true", help="treat torchao as missing or a stub"
+    )
+
+
+def _add_model_args(parser: argparse.ArgumentParser, *, tiny: bool) -> None:
+    group = parser.add_argument_group("model")
+    which = group.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="PATH", help="pipeline folder, single file, GGUF or hub id")
+    if tiny:
+        which.add_argument("--tiny", metavar="FAMILY", help="a tiny random-weight pipeline of FAMILY")
+    else:
+        which.add_argument("--family", dest="family_only", metavar="F", help="plan from F's table")
+        group.add_argument("--checkpoint", metavar="C", help="with --family: which checkpoint")
+    group.add_argument("--base", metavar="PATH", help="pipeline providing the rest of a single file / GGUF")
+    group.add_argument("--model-family", dest="model_family", metavar="F", help="override detection")
+
+
+def _add_plan_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("plan (auto: the engine decides and says why)")
+    group.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 | fp32")
+    group.add_argument("--quant", default="auto", help="auto | none | int8 | fp8 | mxfp8 | nvfp4 | nf4")
+    group.add_argument("--memory", default="auto", help="auto | resident | model_offload | group_offload | sequential_offload")
+    group.add_argument("--attention", default="auto", help="auto | native | flash | flash3 | sage | xformers")
+    group.add_argument("--step-cache", default="auto", help="auto | off | fbcache")
+    group.add_argument("--compile", default="auto", help="auto | on | off")
+    group.add_argument("--speed", default="default", help="off | eager | default | max")
+    group.add_argument("--steps", type=int)
+    group.add_argument("--threads", type=int)
+
+
+def _request_from_args(args: argparse.Namespace) -> InferenceRequest:
+    return InferenceRequest(
+        dtype=args.dtype, quant=args.quant, memory=args.memory, attention=args.attention,
+        step_cache=args.step_cache, compile=args.compile, speed=args.speed,
+        steps=args.steps, threads=args.threads,
     )
 
 
@@ -187,6 +243,126 @@ def _cmd_info(args: argparse.Namespace) -> int:
     for error in registry.errors:
         print(f"\nplugin {error.plugin} ({error.package}) failed to load: {error.error}")
     return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from engine.policy.inference import CONTROLS, ModelFacts, plan_inference
+    from engine.preflight.model import resolve_model
+
+    registry = load_registry()
+    hardware = machine_from_args(args)
+    if args.family_only:
+        family = registry.family(args.family_only)
+        checkpoint = family.checkpoint(args.checkpoint) if args.checkpoint else family.default_checkpoint
+        if checkpoint is None:
+            raise UnknownName("checkpoint", args.checkpoint, [c.name for c in family.checkpoints])
+        facts = ModelFacts(family, checkpoint, registry.component_sizes(family, checkpoint))
+    else:
+        source = resolve_model(registry, args.model, family=args.model_family, base=args.base)
+        facts = source.facts(registry)
+    plan = plan_inference(registry, facts, hardware, _request_from_args(args))
+    if args.json:
+        print(json.dumps({"hardware": hardware.to_dict(), "plan": plan.to_dict()}, indent=2))
+        return 0
+    print(f"{facts.family.label} ({plan.checkpoint or 'unknown checkpoint'}) on {hardware.name} "
+          f"({hardware.device_name}); device {plan.device}")
+    for name in CONTROLS:
+        resolved = plan[name]
+        label = "Auto" if resolved.source == "auto" else "Set"
+        print(f"  {name:<19} {str(resolved.value):<18} {label}: {resolved.reason}")
+    for kind, sizes in plan.sizes.items():
+        print(f"  sizes ({kind}): transformer {sizes.transformer_gb:.3g} GB, text encoders "
+              f"{sizes.text_encoders_gb:.3g} GB, VAE {sizes.vae_gb:.3g} GB")
+    estimate = plan.estimate
+    print(f"  memory: {estimate.resident_gb:.1f} GB resident, {estimate.peak_gb:.1f} GB peak, "
+          f"budget {estimate.budget_gb:.1f} GB")
+    if plan.fallback:
+        fb = plan.fallback
+        print(f"  fallback if the {plan.value('transformer_quant')} build fails: "
+              f"{fb.value('memory_mode')} ({fb['memory_mode'].reason})")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from engine.hardware.probe import probe
+    from engine.policy.inference import plan_inference
+    from engine.preflight.model import resolve_model
+
+    _quiet_libraries()
+    from engine.runtime.session import GenerateRequest, InferenceSession
+
+    registry = load_registry()
+    request = _request_from_args(args)
+    with tempfile.TemporaryDirectory(prefix="diffusion-engine-tiny-") as scratch:
+        model = args.model
+        if args.tiny:
+            model = str(registry.build_tiny_pipeline(registry.family(args.tiny), Path(scratch) / args.tiny))
+        source = resolve_model(registry, model, family=args.model_family, base=args.base)
+        plan = plan_inference(registry, source.facts(registry), probe(), request)
+        session = InferenceSession(registry, source, plan, request)
+        started = time.perf_counter()
+        session.load()
+        loaded = time.perf_counter()
+        try:
+            images = session.generate(
+                GenerateRequest(
+                    prompt=args.prompt, steps=args.steps, guidance=args.guidance, width=args.width,
+                    height=args.height, seed=args.seed, count=args.count,
+                    negative_prompt=args.negative_prompt,
+                ),
+                progress=None if args.json else _progress_bar(),
+            )
+            status = session.status()
+        finally:
+            session.unload()
+    done = time.perf_counter()
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    paths = [output] if len(images) == 1 else [
+        output.with_name(f"{output.stem}-{i}{output.suffix}") for i in range(len(images))
+    ]
+    for image, path in zip(images, paths):
+        image.save(path)
+    if args.json:
+        print(json.dumps({
+            "images": [str(p) for p in paths], "load_s": round(loaded - started, 3),
+            "generate_s": round(done - loaded, 3), "status": status,
+        }, indent=2))
+    else:
+        for path, image in zip(paths, images):
+            print(f"wrote {path} ({image.width}x{image.height})")
+        print(f"load {loaded - started:.2f} s, generate {done - loaded:.2f} s")
+    return 0
+
+
+def _progress_bar():  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    bar: dict[str, tqdm] = {}
+
+    def update(step: int, total: int) -> None:
+        if "bar" not in bar:
+            bar["bar"] = tqdm(total=total, desc="denoising", unit="step", leave=False)
+        bar["bar"].update(step - bar["bar"].n)
+        if step >= total:
+            bar.pop("bar").close()
+
+    return update
+
+
+def _quiet_libraries() -> None:
+    """The CLI shows its own progress; silence the libraries' loading bars."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

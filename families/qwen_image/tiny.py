@@ -173,7 +173,7 @@ def build_tiny_pipeline(path: pathlib.Path) -> pathlib.Path:
         patch_size=2,
         in_channels=64,  # 16 latent channels * 2x2 packing
         out_channels=16,
-        num_layers=1,
+        num_layers=2,  # First-Block-Cache needs a head and a tail block
         attention_head_dim=128,
         num_attention_heads=4,
         joint_attention_dim=_TEXT_HIDDEN,

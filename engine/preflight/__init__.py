@@ -1,0 +1,1 @@
+"""Cheap, CPU-only checks that run before anything is evicted or loaded."""

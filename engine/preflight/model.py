@@ -1,0 +1,269 @@
+"""What a model argument points at, decided cheaply before anything loads.
+
+A model is one of:
+
+- ``pipeline``: a local folder with ``model_index.json`` (family from its
+  ``_class_name``); every component it lists must be there;
+- ``single_file``: a ``.safetensors`` file, or a folder holding exactly one
+  and no ``model_index.json``: the family's denoiser in one file, the other
+  components from a base pipeline;
+- ``gguf``: a ``.gguf`` transformer (or a folder with exactly one), loaded
+  through diffusers' GGUF support on top of a base pipeline;
+- ``hub``: a repo id (``org/name``) that is not a local path.
+
+A local folder that is none of these is refused here, naming the folder and
+what is missing, before anything is evicted or loaded. Sizes of local
+checkpoints are read from the safetensors headers (a few KB per file, no
+weights, no torch), so fine-tunes and unknown checkpoints are planned from
+what they are.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from engine.errors import EngineError
+from engine.plugins import Registry
+from engine.policy.inference import ModelFacts
+from engine.types import Checkpoint, ComponentSizes, FamilySpec
+
+ModelKind = Literal["pipeline", "single_file", "gguf", "hub"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+#: Bytes per element of safetensors dtypes, to count parameters.
+_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+    "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+}
+
+
+class ModelNotFound(EngineError, FileNotFoundError):
+    """A local path that does not exist, or a file a local pipeline lacks."""
+
+    code = "model_not_found"
+
+
+class NotAPipeline(EngineError):
+    """A local folder that is neither a diffusers pipeline nor a single file."""
+
+    code = "not_a_pipeline"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: ModelKind
+    location: str
+    family: FamilySpec
+    checkpoint: Checkpoint | None
+    #: The pipeline that provides configs and the other components
+    #: (single-file and GGUF models); None for full pipelines and hub ids.
+    base: str | None = None
+    measured_sizes: ComponentSizes | None = None
+    gguf_gb: float | None = None
+    prequantised_scheme: str | None = None
+
+    def facts(self, registry: Registry) -> ModelFacts:
+        return ModelFacts(
+            family=self.family,
+            checkpoint=self.checkpoint,
+            table_sizes=registry.component_sizes(self.family, self.checkpoint),
+            measured_sizes=self.measured_sizes,
+            gguf_transformer_gb=self.gguf_gb,
+            prequantised_scheme=self.prequantised_scheme,
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "kind": self.kind,
+            "location": self.location,
+            "family": self.family.name,
+            "checkpoint": self.checkpoint.name if self.checkpoint else None,
+            "base": self.base,
+        }
+
+
+def resolve_model(
+    registry: Registry,
+    model: str | Path,
+    *,
+    family: str | None = None,
+    base: str | Path | None = None,
+) -> ModelSource:
+    """Classify ``model`` and find its family; refuse what cannot load."""
+    text = str(model)
+    path = Path(text).expanduser()
+    forced = registry.family(family) if family else None
+    if path.is_file():
+        return _single_file_source(registry, path, forced, base)
+    if path.is_dir():
+        if (path / "model_index.json").is_file():
+            return _pipeline_source(registry, path, forced)
+        singles = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.gguf"))
+        if len(singles) == 1:
+            return _single_file_source(registry, singles[0], forced, base)
+        found = f"{len(singles)} .safetensors/.gguf files" if singles else "no weights file"
+        raise NotAPipeline(
+            f"{path} is not a diffusers pipeline: it has no model_index.json, and {found} "
+            "(a single-file checkpoint folder holds exactly one). Point at a pipeline folder "
+            "(saved with save_pretrained) or at the checkpoint file itself."
+        )
+    if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
+        spec = forced or registry.family_for_model_id(text)
+        if spec is None:
+            raise _unknown_family(registry, text)
+        return ModelSource(
+            "hub", text, spec, spec.checkpoint(text),
+            prequantised_scheme="nf4" if spec.is_prequantised(text) else None,
+        )
+    raise ModelNotFound(f"{path} does not exist (and is not a hub repo id like org/name)")
+
+
+def _pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None) -> ModelSource:
+    index = _read_json(folder / "model_index.json")
+    class_name = str(index.get("_class_name", ""))
+    spec = forced or registry.family_for_pipeline_class(class_name)
+    if spec is None:
+        known = sorted(c for f in registry.families.values() for c in f.pipeline_class_names)
+        raise NotAPipeline(
+            f"{folder}/model_index.json names pipeline class {class_name!r}, which no installed "
+            f"family plugin handles (known: {', '.join(known)}); pass --family or install its plugin",
+            code="family_unknown",
+        )
+    components = {
+        name: value for name, value in index.items()
+        if not name.startswith("_") and isinstance(value, list) and value and value[0]
+    }
+    missing = [name for name in components if not (folder / name).is_dir()]
+    if missing:
+        raise ModelNotFound(
+            f"{folder} is missing {', '.join(missing)} (listed in its model_index.json); "
+            "the pipeline folder is incomplete: copy or download it again",
+            code="model_file_missing",
+        )
+    denoiser_config = folder / spec.denoiser / "config.json"
+    if spec.denoiser in components and not denoiser_config.is_file():
+        raise ModelNotFound(
+            f"{folder / spec.denoiser} has no config.json; the pipeline folder is incomplete",
+            code="model_file_missing",
+        )
+    quantised = spec.is_prequantised(folder.name) or "quantization_config" in (
+        _read_json(denoiser_config) if denoiser_config.is_file() else {}
+    )
+    return ModelSource(
+        "pipeline",
+        str(folder),
+        spec,
+        spec.checkpoint(folder.name),
+        measured_sizes=_measured_sizes(folder, spec, components),
+        prequantised_scheme="nf4" if quantised else None,
+    )
+
+
+def _single_file_source(
+    registry: Registry, file: Path, forced: FamilySpec | None, base: str | Path | None
+) -> ModelSource:
+    suffix = file.suffix.lower()
+    if suffix not in (".safetensors", ".gguf"):
+        raise NotAPipeline(
+            f"{file} is neither .safetensors nor .gguf; point at a pipeline folder or a "
+            "single-file checkpoint"
+        )
+    keys = _gguf_tensor_names(file) if suffix == ".gguf" else tuple(_safetensors_header(file))
+    spec = forced or _family_from_keys(registry, keys) or registry.family_for_model_id(file.name)
+    if spec is None:
+        raise _unknown_family(registry, str(file))
+    checkpoint = spec.checkpoint(file.name)
+    base_id = str(base) if base else (checkpoint or spec.default_checkpoint).repo
+    others = registry.component_sizes(spec, checkpoint)
+    if base and Path(base_id).expanduser().is_dir():
+        base_source = _pipeline_source(registry, Path(base_id).expanduser(), spec)
+        base_id = base_source.location
+        others = base_source.measured_sizes or others
+    if suffix == ".gguf":
+        return ModelSource(
+            "gguf", str(file), spec, checkpoint, base=base_id, gguf_gb=file.stat().st_size / 1e9,
+            measured_sizes=others if base else None,
+        )
+    return ModelSource(
+        "single_file", str(file), spec, checkpoint, base=base_id,
+        measured_sizes=ComponentSizes(_bf16_gb(file), others.text_encoders_gb, others.vae_gb),
+    )
+
+
+def _family_from_keys(registry: Registry, keys: tuple[str, ...]) -> FamilySpec | None:
+    for spec in registry.families.values():
+        if any(marker in key for marker in spec.single_file_markers for key in keys):
+            return spec
+    return None
+
+
+def _unknown_family(registry: Registry, what: str) -> EngineError:
+    return EngineError(
+        f"could not tell the model family of {what}; pass --family "
+        f"({', '.join(registry.families)})",
+        code="family_unknown",
+    )
+
+
+def _measured_sizes(folder: Path, spec: FamilySpec, components: dict[str, list[str]]) -> ComponentSizes | None:
+    """bf16 GB per part from the safetensors headers; None if any part has none."""
+    totals = {"denoiser": 0.0, "text": 0.0, "vae": 0.0}
+    for name in components:
+        files = sorted((folder / name).glob("*.safetensors"))
+        if name in (spec.denoiser, "vae") or name.startswith("text_encoder"):
+            if not files:
+                return None
+            part = "denoiser" if name == spec.denoiser else "vae" if name == "vae" else "text"
+            totals[part] += sum(_bf16_gb(f) for f in files)
+    return ComponentSizes(totals["denoiser"], totals["text"], totals["vae"])
+
+
+def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
+    try:
+        with file.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > 100_000_000:
+                raise ValueError("header too large")
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError, struct.error) as exc:
+        raise NotAPipeline(
+            f"{file} is not a readable safetensors file ({exc}); re-download or re-export it",
+            code="corrupt_checkpoint",
+        ) from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def _bf16_gb(file: Path) -> float:
+    """Parameters in a safetensors file, as bf16 GB (2 bytes each)."""
+    count = 0
+    for info in _safetensors_header(file).values():
+        shape = info.get("shape", [])
+        numel = 1
+        for dim in shape:  # type: ignore[union-attr]
+            numel *= int(dim)
+        count += numel
+    return count * 2 / 1e9
+
+
+def _gguf_tensor_names(file: Path) -> tuple[str, ...]:
+    from gguf import GGUFReader  # numpy only; no torch
+
+    try:
+        return tuple(t.name for t in GGUFReader(str(file)).tensors)
+    except (OSError, ValueError) as exc:
+        raise NotAPipeline(f"{file} is not a readable GGUF file ({exc})", code="corrupt_checkpoint") from None
+
+
+def _read_json(path: Path) -> dict[str, object]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise NotAPipeline(f"{path} is not valid JSON ({exc})", code="corrupt_checkpoint") from None
+    if not isinstance(data, dict):
+        raise NotAPipeline(f"{path} is not a JSON object", code="corrupt_checkpoint")
+    return data
