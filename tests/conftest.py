@@ -40,3 +40,20 @@ def install_example(site: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[],
         return site
 
     return install
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Build (once per session) and return a family's tiny pipeline folder."""
+    from engine.plugins import load_registry
+
+    registry = load_registry()
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            folder = tmp_path_factory.mktemp(f"tiny-{family}") / family
+            built[family] = registry.build_tiny_pipeline(registry.family(family), folder)
+        return built[family]
+
+    return get

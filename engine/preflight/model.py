@@ -176,13 +176,16 @@ def _single_file_source(
     spec = forced or _family_from_keys(registry, keys) or registry.family_for_model_id(file.name)
     if spec is None:
         raise _unknown_family(registry, str(file))
-    checkpoint = spec.checkpoint(file.name)
+    checkpoint = spec.checkpoint(file.name) or spec.checkpoint(file.parent.name)
     base_id = str(base) if base else (checkpoint or spec.default_checkpoint).repo
     others = registry.component_sizes(spec, checkpoint)
     if base and Path(base_id).expanduser().is_dir():
         base_source = _pipeline_source(registry, Path(base_id).expanduser(), spec)
         base_id = base_source.location
         others = base_source.measured_sizes or others
+        checkpoint = checkpoint or base_source.checkpoint
+    elif base:
+        checkpoint = checkpoint or spec.checkpoint(base_id)
     if suffix == ".gguf":
         return ModelSource(
             "gguf", str(file), spec, checkpoint, base=base_id, gguf_gb=file.stat().st_size / 1e9,

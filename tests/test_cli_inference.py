@@ -1,0 +1,62 @@
+"""The plan and generate commands, run as a user runs them (a child process)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from PIL import Image
+
+from tests.support import run_cli
+
+
+def test_plan_family_on_a_preset_prints_every_control_with_its_reason() -> None:
+    result = run_cli("plan", "--family", "flux", "--hardware", "rtx4090")
+    assert result.returncode == 0, result.stderr
+    for control in ("dtype", "transformer_quant", "memory_mode", "step_cache", "fp16_accumulation"):
+        assert control in result.stdout
+    assert "int8" in result.stdout and "Auto:" in result.stdout and "fallback" in result.stdout
+
+
+def test_plan_json_for_a_checkpoint_and_explicit_choices() -> None:
+    result = run_cli(
+        "plan", "--family", "flux", "--checkpoint", "flux.1-schnell", "--hardware", "h100",
+        "--quant", "fp8", "--json",
+    )
+    plan = json.loads(result.stdout)["plan"]
+    assert plan["checkpoint"] == "flux.1-schnell"
+    assert plan["resolved"]["transformer_quant"] == {"value": "fp8", "source": "explicit", "reason": "requested"}
+    assert plan["resolved"]["step_cache"]["value"] == "off"  # 4-step schedule
+
+
+def test_plan_for_a_local_model_shows_table_and_measured_sizes(tiny_pipeline: Callable[[str], Path]) -> None:
+    result = run_cli("plan", "--model", str(tiny_pipeline("sdxl")), "--hardware", "t4", "--json")
+    assert result.returncode == 0, result.stderr
+    sizes = json.loads(result.stdout)["plan"]["sizes"]
+    assert sizes["table"]["transformer_gb"] == 5.1
+    assert 0 < sizes["measured"]["transformer_gb"] < 0.1
+    text = run_cli("plan", "--model", str(tiny_pipeline("sdxl")), "--hardware", "t4").stdout
+    assert "sizes (table)" in text and "sizes (measured)" in text
+
+
+def test_plan_refuses_a_doomed_request_with_exit_2(tmp_path: Path) -> None:
+    doomed = run_cli("plan", "--family", "qwen-image", "--hardware", "t4")
+    assert doomed.returncode == 2 and "error[no_safe_dtype]" in doomed.stderr
+    not_pipeline = run_cli("plan", "--model", str(tmp_path))
+    assert not_pipeline.returncode == 2 and "error[not_a_pipeline]" in not_pipeline.stderr
+    assert str(tmp_path) in not_pipeline.stderr and "Traceback" not in not_pipeline.stderr
+
+
+def test_generate_tiny_writes_pngs_of_the_asked_size(tmp_path: Path) -> None:
+    out = tmp_path / "fox.png"
+    result = run_cli(
+        "generate", "--tiny", "zimage", "--prompt", "a fox", "-o", str(out), "--width", "64",
+        "--height", "32", "--steps", "2", "--count", "2", "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    paths = [Path(p) for p in payload["images"]]
+    assert [p.name for p in paths] == ["fox-0.png", "fox-1.png"]
+    assert all(Image.open(p).size == (64, 32) for p in paths)
+    assert payload["status"]["plan"]["resolved"]["dtype"]["value"] == "fp32"

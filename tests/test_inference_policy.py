@@ -1,0 +1,291 @@
+"""The inference plan: every preset x family x scheme, and each rule's reason."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engine.errors import PreflightError
+from engine.hardware.presets import PRESETS, preset
+from engine.hardware.profile import HardwareProfile
+from engine.plugins import load_registry
+from engine.policy.inference import CONTROLS, InferenceRequest, ModelFacts, Plan, plan_inference
+from engine.policy.quant import QUANT_REQUESTS, quant_ladder
+from engine.policy.speed import ATTENTION_INSTALL_ENV, FP16_ACCUM_KILL_SWITCH
+
+REGISTRY = load_registry()
+FAMILIES = sorted(REGISTRY.families)
+NO_ENV: dict[str, str] = {}
+
+
+def plan(family: str, hw: str | HardwareProfile, env: dict[str, str] | None = None, **request: object) -> Plan:
+    spec = REGISTRY.family(family)
+    hardware = PRESETS[hw] if isinstance(hw, str) else hw
+    facts = ModelFacts(spec, spec.default_checkpoint, REGISTRY.component_sizes(spec))
+    return plan_inference(
+        REGISTRY, facts, hardware, InferenceRequest(**request), env=NO_ENV if env is None else env  # type: ignore[arg-type]
+    )
+
+
+def plan_or_code(family: str, hw: str, **request: object) -> Plan | str:
+    try:
+        return plan(family, hw, **request)
+    except PreflightError as exc:
+        return exc.code
+
+
+MATRIX = list(itertools.product(sorted(PRESETS), FAMILIES, QUANT_REQUESTS))
+
+
+@pytest.mark.parametrize(("hw", "family", "quant"), MATRIX)
+def test_every_preset_family_and_scheme_plans_or_refuses_with_a_code(hw: str, family: str, quant: str) -> None:
+    result = plan_or_code(family, hw, quant=quant)
+    if isinstance(result, str):
+        assert result in {"no_safe_dtype", "insufficient_memory"}, result
+        return
+    assert set(result.controls) == set(CONTROLS)
+    for name in CONTROLS:
+        resolved = result[name]
+        assert resolved.source in ("auto", "explicit") and resolved.reason, (name, resolved)
+    scheme = result.value("transformer_quant")
+    denied = REGISTRY.quant_deny(REGISTRY.family(family), "inference")
+    assert scheme not in denied
+    if quant not in ("auto", "none") and scheme is None:
+        assert "falling back" in result["transformer_quant"].reason
+    if scheme is not None and quant != "auto":
+        assert scheme == quant and result.fallback is not None
+    json.dumps(result.to_dict())  # the record is JSON-ready
+
+
+@pytest.mark.parametrize(("hw", "quant"), list(itertools.product(sorted(PRESETS), QUANT_REQUESTS)))
+def test_qwen_image_never_gets_fp8_family_schemes_nor_fp16_compute(hw: str, quant: str) -> None:
+    result = plan_or_code("qwen_image", hw, quant=quant)
+    if isinstance(result, str):
+        assert result in ("no_safe_dtype", "insufficient_memory")
+        assert result != "no_safe_dtype" or not PRESETS[hw].native_bf16
+        return
+    assert result.value("transformer_quant") not in ("fp8", "mxfp8", "nvfp4")
+    assert result.value("dtype") != "fp16"
+
+
+def test_explicit_denied_scheme_yields_no_scheme_with_the_measured_reason() -> None:
+    result = plan("qwen_image", "b200", quant="fp8")
+    quant = result["transformer_quant"]
+    assert quant.value is None and quant.source == "explicit"
+    assert "black" in quant.reason and "falling back" in quant.reason
+
+
+def test_explicit_unsupported_scheme_falls_back_with_the_reason() -> None:
+    quant = plan("flux", "a100-80g", quant="fp8")["transformer_quant"]
+    assert quant.value is None and "8.9+" in quant.reason
+    assert plan("flux", "h100", quant="nvfp4")["transformer_quant"].value is None
+    assert plan("flux", "b200", quant="nvfp4")["transformer_quant"].value == "nvfp4"
+
+
+def test_h100_flux_is_bf16_resident_without_quantisation() -> None:
+    result = plan("flux", "h100")
+    assert (result.value("dtype"), result.value("memory_mode")) == ("bf16", "resident")
+    assert result.value("transformer_quant") is None and result.fallback is None
+
+
+def test_rtx4090_flux_picks_int8_first_and_keeps_a_fallback() -> None:
+    result = plan("flux", "rtx4090")
+    assert result.value("transformer_quant") == "int8"
+    assert result.value("memory_mode") == "model_offload"
+    assert result.fallback is not None
+    assert result.fallback.value("transformer_quant") is None
+    assert result.fallback.value("memory_mode") == "group_offload"
+
+
+@pytest.mark.parametrize(
+    ("hw", "ladder"),
+    [("b200", ("fp8", "mxfp8", "int8")), ("h100", ("fp8", "int8")), ("l40s", ("fp8", "int8")),
+     ("a100-80g", ("int8",)), ("rtx4090", ("int8", "fp8")), ("rtx5090", ("int8", "fp8", "mxfp8"))],
+)
+def test_quant_ladder_by_capability_with_consumer_int8_first(hw: str, ladder: tuple[str, ...]) -> None:
+    assert quant_ladder(PRESETS[hw]) == ladder
+
+
+def test_auto_skips_denied_schemes_for_the_family() -> None:
+    tight = preset("l40s").replace(free_memory_gb=45.0)
+    qwen = plan("qwen_image", tight)["transformer_quant"]
+    assert qwen.value == "int8" and "fp8" in qwen.reason  # skipped, and says so
+    assert plan("flux", tight.replace(free_memory_gb=30.0))["transformer_quant"].value == "fp8"
+
+
+def test_a_candidate_whose_build_peak_does_not_fit_is_not_taken() -> None:
+    # int8 would sit in 22.5 GB, but building it holds the 40.9 GB dense weights first.
+    result = plan("qwen_image", preset("l40s").replace(free_memory_gb=40.0))
+    assert result.value("transformer_quant") is None
+    assert result.value("memory_mode") == "group_offload"
+
+
+def test_dense_quant_candidate_beats_offload_only_when_it_improves_the_plan() -> None:
+    # Qwen-Image on a 4090: int8 (22.5 GB) still cannot sit beside a transformer-sized peak.
+    result = plan("qwen_image", "rtx4090")
+    assert result.value("transformer_quant") is None
+    assert "would not improve" in result["transformer_quant"].reason
+
+
+def test_max_tier_quantises_for_speed_even_when_dense_fits() -> None:
+    assert plan("flux", "h100", speed="max").value("transformer_quant") == "fp8"
+    assert plan("flux", "h100").value("transformer_quant") is None
+
+
+@pytest.mark.parametrize("hw", ["t4", "v100", "rtx2080ti"])
+def test_no_native_bf16_gives_fp16_only_to_fp16_safe_families(hw: str) -> None:
+    assert plan("flux", hw).value("dtype") == "fp16"
+    assert plan("sdxl", hw).value("dtype") == "fp16"
+    for family in ("qwen_image", "zimage"):
+        result = plan_or_code(family, hw)
+        assert result == "no_safe_dtype" or result.value("dtype") == "fp32"  # type: ignore[union-attr]
+
+
+def test_unsafe_family_gets_fp32_when_it_fits() -> None:
+    big_v100 = preset("v100").replace(total_memory_gb=80.0, free_memory_gb=79.0)
+    result = plan("zimage", big_v100)
+    assert result.value("dtype") == "fp32" and "fails in attention" in result["dtype"].reason
+
+
+def test_explicit_bf16_on_t4_and_fp16_on_qwen_image_are_refused() -> None:
+    with pytest.raises(PreflightError) as raised:
+        plan("flux", "t4", dtype="bf16")
+    assert raised.value.code == "bf16_unsupported"
+    with pytest.raises(PreflightError) as raised:
+        plan("qwen_image", "h100", dtype="fp16")
+    assert raised.value.code == "fp16_unsafe" and "black" in raised.value.message
+
+
+def test_memory_budget_reserve_and_resident_fraction() -> None:
+    result = plan("zimage", preset("h100"))
+    estimate = result.estimate
+    assert estimate.budget_gb == pytest.approx(85.0 - 8.5)  # 10% reserve > 2 GiB
+    unified = plan("zimage", "apple-m3-max").estimate
+    assert unified.budget_gb == pytest.approx(min(96.0, 128.0 * 0.8))
+
+
+def test_explicit_memory_mode_that_cannot_fit_is_refused() -> None:
+    with pytest.raises(PreflightError) as raised:
+        plan("qwen_image", "rtx4090", memory="resident")
+    assert raised.value.code == "does_not_fit"
+    assert plan("qwen_image", "rtx4090", memory="sequential_offload").value("memory_mode") == "sequential_offload"
+
+
+@pytest.mark.parametrize(("steps", "engaged"), [(28, True), (20, True), (19, False), (4, False)])
+def test_step_cache_engages_from_20_steps(steps: int, engaged: bool) -> None:
+    result = plan("flux", "h100", steps=steps)
+    assert (result.value("step_cache") == "fbcache") is engaged
+    assert result.step_cache_threshold == 0.08
+
+
+def test_step_cache_threshold_is_higher_on_a_quantised_transformer() -> None:
+    result = plan("flux", "rtx4090", steps=28)
+    assert result.value("step_cache") == "fbcache" and result.step_cache_threshold == 0.12
+
+
+def test_step_cache_follows_the_checkpoints_schedule_and_pins() -> None:
+    assert plan("flux", "h100").value("step_cache") == "fbcache"  # FLUX.1-dev: 28 steps
+    schnell = REGISTRY.family("flux").checkpoint("flux.1-schnell")
+    facts = ModelFacts(REGISTRY.family("flux"), schnell, REGISTRY.component_sizes(REGISTRY.family("flux")))
+    assert plan_inference(REGISTRY, facts, preset("h100"), env=NO_ENV).value("step_cache") == "off"
+    pinned = plan("flux", "h100", steps=4, step_cache="fbcache")["step_cache"]
+    assert (pinned.value, pinned.source) == ("fbcache", "explicit")
+
+
+def test_step_cache_is_off_where_the_family_denies_it() -> None:
+    result = plan("zimage", "h100", steps=28)
+    assert result.value("step_cache") == "off" and "cache hooks" in result["step_cache"].reason
+
+
+def test_compile_drops_fullgraph_when_an_auto_cache_could_engage() -> None:
+    assert plan("flux", "h100").compile_fullgraph is False
+    assert plan("flux", "h100", step_cache="off").compile_fullgraph is True
+    assert plan("zimage", "h100").compile_fullgraph is True  # no cache can engage
+    assert plan("sdxl", "cpu").value("compile") == "off"
+    assert plan("flux", "h100", speed="eager").value("compile") == "off"
+
+
+@pytest.mark.parametrize(
+    ("hw", "family", "speed", "env", "expected"),
+    [
+        ("rtx4090", "flux", "default", {}, True),  # consumer, bf16: neutral, engage
+        ("h100", "flux", "default", {}, False),  # datacenter: no gain
+        ("rtx2080ti", "sdxl", "default", {}, False),  # fp16 compute: only on max
+        ("rtx2080ti", "sdxl", "max", {}, True),
+        ("rtx4090", "flux", "off", {}, False),
+        ("rtx4090", "flux", "default", {FP16_ACCUM_KILL_SWITCH: "1"}, False),
+        ("apple-m3-max", "sdxl", "max", {}, False),
+    ],
+)
+def test_fp16_accumulation_gate(hw: str, family: str, speed: str, env: dict[str, str], expected: bool) -> None:
+    assert plan(family, hw, env=env, speed=speed).value("fp16_accumulation") is expected
+
+
+def test_fp16_accumulation_needs_torch_that_exposes_the_flag() -> None:
+    old_torch = preset("rtx4090").replace(torch_fp16_accumulation=False)
+    result = plan("flux", old_torch)["fp16_accumulation"]
+    assert result.value is False and "2.7" in result.reason
+
+
+def test_attention_explicit_backend_the_card_cannot_run_falls_back_to_native() -> None:
+    result = plan("flux", "t4", attention="sage")
+    assert result.value("attention_backend") == "native" and "sm80" in result["attention_backend"].reason
+    assert result.attention_install is None
+    assert plan("flux", "rtx4090", attention="flash3").value("attention_backend") == "native"
+
+
+def test_attention_install_only_for_explicit_requests_after_the_arch_gate() -> None:
+    result = plan("flux", "rtx4090", attention="sage")
+    assert result.value("attention_backend") == "sage" and result.attention_install == "sageattention"
+    assert plan("flux", "rtx4090").attention_install is None
+    off = plan("flux", "rtx4090", env={ATTENTION_INSTALL_ENV: "0"}, attention="sage")
+    assert off.value("attention_backend") == "native" and off.attention_install is None
+    installed = preset("rtx4090").replace(attention_packages=("sageattention",))
+    ready = plan("flux", installed, attention="sage")
+    assert ready.value("attention_backend") == "sage" and ready.attention_install is None
+
+
+def test_attention_auto_uses_flash3_on_hopper_when_installed() -> None:
+    hopper = preset("h100").replace(attention_packages=("flash_attn_interface",))
+    assert plan("flux", hopper).value("attention_backend") == "flash3"
+    assert plan("flux", "h100").value("attention_backend") == "native"
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(16, 8), (2, 1), (1, 1), (None, 8)])
+def test_cpu_threads_are_half_the_logical_cores(cpus: int | None, threads: int) -> None:
+    cpu = preset("cpu").replace(cpu_count=cpus)
+    assert plan("sdxl", cpu).value("threads") == threads
+    assert plan("sdxl", "h100").value("threads") is None
+
+
+def test_invalid_request_values_are_refused_with_a_code() -> None:
+    for field, value in (("speed", "turbo"), ("attention", "magic"), ("compile", "yes"), ("dtype", "fp8")):
+        with pytest.raises(PreflightError):
+            plan("flux", "h100", **{field: value})
+
+
+def test_planning_imports_no_torch() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from engine.hardware.presets import PRESETS
+        from engine.plugins import load_registry
+        from engine.policy.inference import ModelFacts, plan_inference
+        from engine.errors import PreflightError
+        r = load_registry()
+        for hw in PRESETS.values():
+            for f in r.families.values():
+                try:
+                    plan_inference(r, ModelFacts(f, f.default_checkpoint, r.component_sizes(f)), hw)
+                except PreflightError:
+                    pass
+        print("torch" in sys.modules)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
