@@ -1,4 +1,4 @@
-"""``make demo``: the engine's main job on an embedded default.
+"""``make demo`` (examples/demo.py): the engine's main job on an embedded default.
 
 No weights can be downloaded, so the demo builds a tiny random-weight FLUX.1
 pipeline (the real diffusers architecture, tiny widths), asks the planner how
