@@ -155,6 +155,9 @@ class FamilySpec:
     #: single-file checkpoint (diffusers or original key names).
     single_file_markers: tuple[str, ...] = ()
     optimization_deny: tuple[OptimizationDeny, ...] = ()
+    #: Steady size factors per scheme for this family's transformer, where
+    #: they differ from the generic ones (its layer mix, under the filter).
+    quant_factors: dict[str, float] = field(default_factory=dict)
     training_objective: TrainingObjective | None = None
 
     def __hash__(self) -> int:  # dict fields make the default hash fail

@@ -289,3 +289,32 @@ def test_planning_imports_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_quant_filter_sizes_from_tensor_shapes_match_the_rule() -> None:
+    from engine.policy.quant_filter import quantised_gb, quantises
+
+    tensors = [
+        ("blocks.0.attn.to_q.weight", (1024, 1024)),  # quantised
+        ("blocks.0.attn.to_q.bias", (1024,)),  # stays bf16
+        ("blocks.0.norm1.linear.weight", (6144, 1024)),  # int8 skips modulation
+        ("proj_small.weight", (64, 1024)),  # under 512 features
+        ("conv_in.weight", (320, 4, 3, 3)),  # not a Linear
+    ]
+    int8 = quantised_gb(tensors, "int8") * 1e9
+    assert int8 == pytest.approx(1024 * 1024 * 1 + 1024 * 5 + (1024 + 6144 * 1024 + 64 * 1024 + 320 * 36) * 2)
+    fp8 = quantised_gb(tensors, "fp8") * 1e9
+    assert fp8 < int8  # fp8 takes the modulation Linear too
+    assert not quantises("int8", "time_text_embed.timestep_embedder.linear_1", 1024, 1024)
+    assert quantises("fp8", "time_text_embed.timestep_embedder.linear_1", 1024, 1024)
+    assert not quantises("mxfp8", "x", 528, 1024)  # dims must divide by 32
+
+
+def test_local_checkpoints_are_planned_with_their_own_quantised_sizes(tiny_pipeline) -> None:  # type: ignore[no-untyped-def]
+    from engine.preflight.model import resolve_model
+
+    facts = resolve_model(REGISTRY, tiny_pipeline("flux")).facts(REGISTRY)
+    assert facts.measured_scheme_gb is not None
+    assert facts.measured_scheme_gb["int8"] < facts.measured_sizes.transformer_gb  # type: ignore[union-attr]
+    result = plan_inference(REGISTRY, facts, preset("cpu"), InferenceRequest(quant="int8"), env=NO_ENV)
+    assert result.estimate.components.transformer_gb == facts.measured_scheme_gb["int8"]

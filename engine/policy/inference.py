@@ -86,6 +86,8 @@ class ModelFacts:
     table_sizes: ComponentSizes
     #: Sizes read from the checkpoint's own files, when it is local.
     measured_sizes: ComponentSizes | None = None
+    #: The denoiser's steady GB per scheme, sized from its tensor shapes.
+    measured_scheme_gb: Mapping[str, float] | None = None
     #: Size of a GGUF transformer file given instead of the dense one, GB.
     gguf_transformer_gb: float | None = None
     #: The transformer is stored pre-quantised in this scheme (``nf4``).
@@ -160,8 +162,11 @@ def plan_inference(
         sizes = model.sizes
         if scheme is not None:
             steady, transient = transformer_gb(
-                sizes.transformer_gb, scheme, prequantised=scheme == model.prequantised_scheme
+                sizes.transformer_gb, scheme, prequantised=scheme == model.prequantised_scheme,
+                factor=family.quant_factors.get(scheme),
             )
+            if model.measured_scheme_gb and scheme in model.measured_scheme_gb:
+                steady = model.measured_scheme_gb[scheme]
         elif model.gguf_transformer_gb is not None:
             steady = transient = model.gguf_transformer_gb
         else:

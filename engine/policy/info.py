@@ -60,7 +60,12 @@ class TrainingInfo:
 def images_info(registry: Registry, family: FamilySpec) -> ImagesInfo:
     sizes = registry.component_sizes(family, None)
     resident = {
-        scheme: round(transformer_gb(sizes.transformer_gb, scheme)[0] + sizes.text_encoders_gb + sizes.vae_gb, 2)
+        scheme: round(
+            transformer_gb(sizes.transformer_gb, scheme, factor=family.quant_factors.get(scheme))[0]
+            + sizes.text_encoders_gb
+            + sizes.vae_gb,
+            2,
+        )
         for scheme in SCHEME_SIZES
     }
     return ImagesInfo(

@@ -32,8 +32,14 @@ SCHEME_SIZES: Mapping[str, SchemeSize] = MappingProxyType(
 )
 
 
-def transformer_gb(bf16_gb: float, scheme: str, *, prequantised: bool = False) -> tuple[float, float]:
-    """(steady, transient) GB of a ``bf16_gb`` transformer held in ``scheme``."""
+def transformer_gb(
+    bf16_gb: float, scheme: str, *, prequantised: bool = False, factor: float | None = None
+) -> tuple[float, float]:
+    """(steady, transient) GB of a ``bf16_gb`` transformer held in ``scheme``.
+
+    :param factor: the family's own steady factor for ``scheme`` (its table's
+        ``quant_factors``), which beats the scheme's generic one.
+    """
     size = SCHEME_SIZES[scheme]
-    steady = bf16_gb * size.steady
+    steady = bf16_gb * (size.steady if factor is None else factor)
     return steady, steady if prequantised else bf16_gb * size.transient

@@ -23,13 +23,16 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Literal
 
 from engine.errors import EngineError
 from engine.plugins import Registry
 from engine.policy.inference import ModelFacts
+from engine.policy.quant_filter import LAYOUTS, quantised_gb
 from engine.types import Checkpoint, ComponentSizes, FamilySpec
 
 ModelKind = Literal["pipeline", "single_file", "gguf", "hub"]
@@ -63,6 +66,8 @@ class ModelSource:
     #: (single-file and GGUF models); None for full pipelines and hub ids.
     base: str | None = None
     measured_sizes: ComponentSizes | None = None
+    #: The denoiser's GB under each scheme, sized from its tensor shapes.
+    scheme_gb: Mapping[str, float] | None = None
     gguf_gb: float | None = None
     prequantised_scheme: str | None = None
 
@@ -72,6 +77,7 @@ class ModelSource:
             checkpoint=self.checkpoint,
             table_sizes=registry.component_sizes(self.family, self.checkpoint),
             measured_sizes=self.measured_sizes,
+            measured_scheme_gb=self.scheme_gb,
             gguf_transformer_gb=self.gguf_gb,
             prequantised_scheme=self.prequantised_scheme,
         )
@@ -153,12 +159,14 @@ def _pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None
     quantised = spec.is_prequantised(folder.name) or "quantization_config" in (
         _read_json(denoiser_config) if denoiser_config.is_file() else {}
     )
+    denoiser_files = sorted((folder / spec.denoiser).glob("*.safetensors"))
     return ModelSource(
         "pipeline",
         str(folder),
         spec,
         spec.checkpoint(folder.name),
         measured_sizes=_measured_sizes(folder, spec, components),
+        scheme_gb=_scheme_gb(denoiser_files) if denoiser_files and not quantised else None,
         prequantised_scheme="nf4" if quantised else None,
     )
 
@@ -194,6 +202,7 @@ def _single_file_source(
     return ModelSource(
         "single_file", str(file), spec, checkpoint, base=base_id,
         measured_sizes=ComponentSizes(_bf16_gb(file), others.text_encoders_gb, others.vae_gb),
+        scheme_gb=_scheme_gb([file]),
     )
 
 
@@ -223,6 +232,16 @@ def _measured_sizes(folder: Path, spec: FamilySpec, components: dict[str, list[s
             part = "denoiser" if name == spec.denoiser else "vae" if name == "vae" else "text"
             totals[part] += sum(_bf16_gb(f) for f in files)
     return ComponentSizes(totals["denoiser"], totals["text"], totals["vae"])
+
+
+def _scheme_gb(files: list[Path]) -> Mapping[str, float]:
+    """The denoiser's GB under each scheme, from tensor names and shapes alone."""
+    tensors = [
+        (name, tuple(int(d) for d in info.get("shape", [])))  # type: ignore[union-attr]
+        for file in files
+        for name, info in _safetensors_header(file).items()
+    ]
+    return MappingProxyType({scheme: quantised_gb(tensors, scheme) for scheme in LAYOUTS})
 
 
 def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:

@@ -1,9 +1,7 @@
 """Transformer quantisation through torchao (and bitsandbytes for nf4).
 
-The module filter keeps small and sensitive layers dense: every Linear under
-512 features on either side (their GEMMs are too small to gain, and scales
-would cost more than they save), and for int8 also norms, modulation and the
-timestep / guidance / pooled-text embeddings, whose ranges int8 clips.
+Which layers a scheme takes is decided by :mod:`engine.policy.quant_filter`,
+the same rule the planner sizes with.
 """
 
 from __future__ import annotations
@@ -13,28 +11,20 @@ from collections.abc import Callable
 import torch
 
 from engine.errors import EngineError
-
-MIN_FEATURES = 512
-#: Name fragments int8 leaves dense (norms, modulation, embeddings).
-INT8_SKIP = ("norm", "mod", "adaln", "embed", "timestep", "guidance", "pooled")
+from engine.policy.quant_filter import MIN_FEATURES, quantises
 
 
 class QuantisationFailed(EngineError):
     code = "quantisation_failed"
 
 
-def module_filter(scheme: str, min_features: int = MIN_FEATURES) -> Callable[[torch.nn.Module, str], bool]:
+def module_filter(scheme: str) -> Callable[[torch.nn.Module, str], bool]:
     """torchao ``filter_fn``: which Linears ``scheme`` quantises."""
-    multiple = 32 if scheme in ("mxfp8", "nvfp4") else 16 if scheme == "fp8" else 1
 
     def keep(module: torch.nn.Module, name: str) -> bool:
-        if not isinstance(module, torch.nn.Linear):
-            return False
-        if min(module.in_features, module.out_features) < min_features:
-            return False
-        if module.in_features % multiple or module.out_features % multiple:
-            return False
-        return not (scheme == "int8" and any(s in name.lower() for s in INT8_SKIP))
+        return isinstance(module, torch.nn.Linear) and quantises(
+            scheme, name, module.in_features, module.out_features
+        )
 
     return keep
 

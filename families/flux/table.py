@@ -65,6 +65,9 @@ FLUX = FamilySpec(
     training_requires_bf16=True,
     prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
     default_dense_base="black-forest-labs/FLUX.1-dev",
+    # Measured with bench/planner_accuracy.py --factors (full-size config, the
+    # engine's module filter): int8 keeps modulation and embeddings in bf16.
+    quant_factors={"int8": 0.64},
     single_file_markers=("single_transformer_blocks.", "double_blocks."),
     runtime_module="families.flux.runtime",
     tiny_pipeline="families.flux.tiny:build_tiny_pipeline",

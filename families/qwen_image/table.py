@@ -79,6 +79,9 @@ QWEN_IMAGE = FamilySpec(
     default_dense_base="Qwen/Qwen-Image",
     # Real classifier-free guidance: the pipeline's guidance knob is true_cfg_scale.
     guidance_kwarg="true_cfg_scale",
+    # Measured with bench/planner_accuracy.py --factors (full-size config, the
+    # engine's module filter): int8 keeps modulation and embeddings in bf16.
+    quant_factors={"int8": 0.67},
     single_file_markers=("txt_norm.", "img_mod."),
     runtime_module="families.qwen_image.runtime",
     tiny_pipeline="families.qwen_image.tiny:build_tiny_pipeline",

@@ -52,6 +52,9 @@ SDXL = FamilySpec(
     prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
     default_dense_base="stabilityai/stable-diffusion-xl-base-1.0",
     denoiser="unet",
+    # Measured with bench/planner_accuracy.py --factors (full-size config, the
+    # engine's module filter): the UNet's convolutions stay dense in every scheme.
+    quant_factors={"int8": 0.57, "fp8": 0.57, "mxfp8": 0.58, "nvfp4": 0.38, "nf4": 0.38},
     single_file_markers=("add_embedding.linear_1.", "conditioner.embedders.1."),
     optimization_deny=(
         OptimizationDeny(

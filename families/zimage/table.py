@@ -47,6 +47,9 @@ ZIMAGE = FamilySpec(
     training_requires_bf16=True,
     prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
     default_dense_base="Tongyi-MAI/Z-Image-Turbo",
+    # Measured with bench/planner_accuracy.py --factors (full-size config, the
+    # engine's module filter): int8 keeps modulation and embeddings in bf16.
+    quant_factors={"int8": 0.52},
     single_file_markers=("noise_refiner.", "context_refiner."),
     optimization_deny=(
         OptimizationDeny(

@@ -1,0 +1,102 @@
+"""Planner accuracy: predicted vs measured bytes of each family's denoiser, bf16 and int8.
+
+Each family's denoiser is built at its real widths with fewer blocks (a
+"reduced config": the real layer shapes, at a size this machine holds) and
+saved as safetensors. Predicted bytes are what the engine plans with, read
+torch-free from that file's header (engine.preflight.model: parameter count
+for bf16; the int8 module filter applied to tensor names and shapes for
+int8). Measured bytes are the real tensors after loading in bf16 and after
+the engine's own int8 quantisation. Target: error <= 5%.
+
+``--factors`` prints each family's steady factor per scheme at full size
+(config on the meta device, no weights): the ``quant_factors`` in the
+family tables come from it.
+
+    .venv/bin/python bench/planner_accuracy.py [--families flux zimage] [--factors]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine.policy.quant_filter import LAYOUTS, quantised_gb
+from engine.preflight.model import _bf16_gb, _scheme_gb
+from engine.runtime.quantize import quantize_transformer, storage_bytes
+
+SDXL_UNET = dict(
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
+    block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20),
+    cross_attention_dim=2048, use_linear_projection=True, addition_embed_type="text_time",
+    addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
+)
+
+#: family -> (diffusers class, full-size config, reduced overrides)
+MODELS = {
+    "flux": ("FluxTransformer2DModel", dict(guidance_embeds=True), dict(num_layers=1, num_single_layers=2)),
+    "qwen_image": ("QwenImageTransformer2DModel", {}, dict(num_layers=2)),
+    "zimage": ("ZImageTransformer2DModel", {}, dict(n_layers=2, n_refiner_layers=1)),
+    "sdxl": ("UNet2DConditionModel", SDXL_UNET, dict(transformer_layers_per_block=(1, 2, 2))),
+}
+
+
+def model_class(family: str):  # type: ignore[no-untyped-def]
+    import diffusers
+
+    return getattr(diffusers, MODELS[family][0])
+
+
+def full_size_factors(families: list[str]) -> None:
+    print(f"{'family':<11} {'params':>8}  " + "  ".join(f"{s:>6}" for s in LAYOUTS))
+    for family in families:
+        _, full, _ = MODELS[family]
+        with torch.device("meta"):
+            model = model_class(family).from_config(full)
+        tensors = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        bf16 = sum(p.numel() for p in model.parameters()) * 2 / 1e9
+        factors = "  ".join(f"{quantised_gb(tensors, s) / bf16:>6.3f}" for s in LAYOUTS)
+        print(f"{family:<11} {bf16 / 2:>7.2f}B  {factors}")
+
+
+def accuracy(families: list[str]) -> None:
+    print(f"{'family':<11} {'params':>8} {'bf16 pred GB':>12} {'meas':>7} {'err':>6}   "
+          f"{'int8 pred GB':>12} {'meas':>7} {'err':>6}  quantised")
+    for family in families:
+        _, full, reduced = MODELS[family]
+        started = time.perf_counter()
+        torch.manual_seed(0)
+        model = model_class(family).from_config({**full, **reduced}).to(torch.bfloat16)
+        with tempfile.TemporaryDirectory() as scratch:
+            model.save_pretrained(scratch)
+            files = sorted(Path(scratch).glob("*.safetensors"))
+            predicted_bf16 = sum(_bf16_gb(f) for f in files)
+            predicted_int8 = _scheme_gb(files)["int8"]
+        numel = sum(p.numel() for p in model.parameters())
+        measured_bf16 = storage_bytes(model) / 1e9
+        layers = quantize_transformer(model, "int8", "cpu")
+        measured_int8 = storage_bytes(model) / 1e9
+        err_bf16 = abs(predicted_bf16 - measured_bf16) / measured_bf16
+        err_int8 = abs(predicted_int8 - measured_int8) / measured_int8
+        print(f"{family:<11} {numel / 1e6:>7.0f}M {predicted_bf16:>12.3f} {measured_bf16:>7.3f} {err_bf16:>6.2%}   "
+              f"{predicted_int8:>12.3f} {measured_int8:>7.3f} {err_int8:>6.2%}  {layers} Linears "
+              f"({time.perf_counter() - started:.0f} s)")
+        del model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="*", default=list(MODELS))
+    parser.add_argument("--factors", action="store_true", help="print full-size factors instead")
+    args = parser.parse_args()
+    (full_size_factors if args.factors else accuracy)(args.families)
+
+
+if __name__ == "__main__":
+    main()
