@@ -240,3 +240,38 @@ def test_progress_reports_every_step(tiny_pipeline: Callable[[str], Path]) -> No
     finally:
         session.unload()
     assert seen == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_gpu_only_quantisation_configs_are_built_and_planned_on_cpu() -> None:
+    """nf4 and the fp8 family need a GPU to run; their config objects and
+    their plans are exercised here, where no GPU is."""
+    from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig
+
+    from engine.hardware.presets import preset
+    from engine.runtime.quantize import nf4_config, torchao_config
+
+    bnb = nf4_config(torch.bfloat16)
+    assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "nf4"  # type: ignore[attr-defined]
+    assert isinstance(torchao_config("fp8", "cuda"), Float8DynamicActivationFloat8WeightConfig)
+    assert isinstance(torchao_config("mxfp8", "cuda"), MXDynamicActivationMXWeightConfig)
+    assert type(torchao_config("int8", "cuda")).__name__ == "Int8DynamicActivationInt8WeightConfig"
+    assert type(torchao_config("int8", "cpu")).__name__ == "Int8WeightOnlyConfig"
+    flux = REGISTRY.family("flux")
+    from engine.policy.inference import ModelFacts
+
+    facts = ModelFacts(flux, flux.default_checkpoint, REGISTRY.component_sizes(flux))
+    assert plan_inference(REGISTRY, facts, preset("rtx4090"), InferenceRequest(quant="nf4")).value("transformer_quant") == "nf4"
+    cpu = plan_inference(REGISTRY, facts, preset("rtx4090").replace(bitsandbytes_usable=False), InferenceRequest(quant="nf4"))
+    assert cpu.value("transformer_quant") is None and "bitsandbytes" in cpu["transformer_quant"].reason
+
+
+def test_hub_id_offline_fails_as_a_load_error_not_a_traceback() -> None:
+    from engine.runtime.session import LoadFailed
+
+    source = resolve_model(REGISTRY, "black-forest-labs/FLUX.1-schnell")
+    plan = plan_inference(REGISTRY, source.facts(REGISTRY), HARDWARE.replace(total_memory_gb=200, free_memory_gb=200))
+    session = InferenceSession(REGISTRY, source, plan)
+    with pytest.raises(LoadFailed) as raised:
+        session.load()
+    assert "FLUX.1-schnell" in raised.value.message

@@ -124,3 +124,15 @@ def test_missing_local_path_and_hub_ids() -> None:
     with pytest.raises(EngineError) as unknown:
         resolve_model(REGISTRY, "someone/some-unknown-model")
     assert unknown.value.code == "family_unknown"
+
+
+def test_component_without_weights_is_file_not_found_naming_the_folder(
+    tiny_pipeline: Callable[[str], Path], tmp_path: Path
+) -> None:
+    copy = tmp_path / "no-weights"
+    shutil.copytree(tiny_pipeline("flux"), copy)
+    for weights in (copy / "transformer").glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(FileNotFoundError) as raised:
+        resolve_model(REGISTRY, copy)
+    assert str(copy) in str(raised.value) and "transformer" in str(raised.value)

@@ -150,6 +150,17 @@ def _pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None
             "the pipeline folder is incomplete: copy or download it again",
             code="model_file_missing",
         )
+    weightless = [
+        name for name in components
+        if (folder / name / "config.json").is_file()
+        and not any(next((folder / name).glob(p), None) for p in ("*.safetensors", "*.bin"))
+    ]
+    if weightless:
+        raise ModelNotFound(
+            f"{folder} has no weights in {', '.join(weightless)} (a config.json but no "
+            ".safetensors or .bin file); the pipeline folder is incomplete",
+            code="model_file_missing",
+        )
     denoiser_config = folder / spec.denoiser / "config.json"
     if spec.denoiser in components and not denoiser_config.is_file():
         raise ModelNotFound(
