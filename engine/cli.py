@@ -76,6 +76,36 @@ def _parser() -> argparse.ArgumentParser:
     _add_json(generate)
     generate.set_defaults(run=_cmd_generate)
 
+    train = commands.add_parser("train", help="train a LoRA on a folder of images")
+    which = train.add_mutually_exclusive_group(required=True)
+    which.add_argument("--base", metavar="PATH", help="the base pipeline folder or hub id")
+    which.add_argument("--tiny", metavar="FAMILY", help="a tiny random-weight pipeline of FAMILY")
+    train.add_argument("--data", required=True, metavar="DIR", help="images with .txt/.caption sidecars or metadata.jsonl")
+    train.add_argument("--family", help="the base's family (detected when omitted)")
+    train.add_argument("--steps", type=int)
+    train.add_argument("--epochs", type=int)
+    train.add_argument("--resolution", type=int, default=512)
+    train.add_argument("--batch-size", type=int, default=1)
+    train.add_argument("--lr", type=float, default=1e-4)
+    train.add_argument("--rank", type=int, default=16)
+    train.add_argument("--base-precision", default="auto", help="nf4 | bf16 | int8 | fp8 | mxfp8 | auto")
+    train.add_argument("--mixed-precision", default="bf16", help="bf16 | fp16 | no")
+    train.add_argument("--compile", default="auto", help="auto | on | off")
+    train.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--export-kohya", action="store_true")
+    train.add_argument("--output", metavar="DIR", help="run folder (default: RUNS_DIR/<run id>)")
+    train.add_argument("--runs-dir", default="runs", metavar="DIR")
+    train.add_argument("--dry-run", action="store_true", help="run every preflight, load nothing")
+    _add_machine_args(train)
+    _add_json(train)
+    train.set_defaults(run=_cmd_train)
+
+    runs = commands.add_parser("runs", help="list training runs")
+    runs.add_argument("--runs-dir", default="runs", metavar="DIR")
+    _add_json(runs)
+    runs.set_defaults(run=_cmd_runs)
+
     doctor = commands.add_parser("doctor", help="probe this machine with torch, in depth")
     _add_json(doctor)
     doctor.set_defaults(run=_cmd_doctor)
@@ -129,8 +159,11 @@ def _request_from_args(args: argparse.Namespace) -> InferenceRequest:
     )
 
 
-def machine_from_args(args: argparse.Namespace) -> HardwareProfile:
-    """The profile the flags describe: a preset or a probe, with overrides."""
+def machine_from_args(args: argparse.Namespace, *, verify: bool | None = None) -> HardwareProfile:
+    """The profile the flags describe: a preset or a probe, with overrides.
+
+    :param verify: probe with torch (None: only where an accelerator is).
+    """
     if args.hardware:
         from engine.hardware.presets import preset
 
@@ -138,7 +171,7 @@ def machine_from_args(args: argparse.Namespace) -> HardwareProfile:
     else:
         from engine.hardware.probe import probe
 
-        profile = probe()
+        profile = probe(verify=verify)
     if args.free_gb is not None:
         profile = profile.replace(free_memory_gb=args.free_gb)
     if args.no_torchao:
@@ -363,6 +396,107 @@ def _quiet_libraries() -> None:
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from engine.training.config import TrainingConfig
+    from engine.training.preflight import preflight_training
+
+    if args.hardware and not args.dry_run:
+        raise EngineError(
+            "--hardware describes a machine you do not have: use it with --dry-run",
+            code="invalid_request",
+        )
+    registry = load_registry()
+    with tempfile.TemporaryDirectory(prefix="diffusion-engine-tiny-") as scratch:
+        base = args.base
+        if args.tiny:
+            family = registry.family(args.tiny)
+            base = str(registry.build_tiny_pipeline(family, Path(scratch) / family.name))
+        config = TrainingConfig.from_data({
+            "base_model": base, "family": args.family, "dataset_dir": args.data,
+            "output_dir": args.output, "steps": args.steps, "epochs": args.epochs,
+            "resolution": args.resolution, "batch_size": args.batch_size,
+            "learning_rate": args.lr, "lora_rank": args.rank, "base_precision": args.base_precision,
+            "mixed_precision": args.mixed_precision, "compile": args.compile, "device": args.device,
+            "seed": args.seed, "export_kohya": args.export_kohya,
+        })
+        # A start is heavy anyway: verify torchao and bf16 for real, not by name.
+        hardware = machine_from_args(args, verify=True)
+        plan = preflight_training(registry, config, hardware)
+        if args.dry_run:
+            if args.json:
+                print(json.dumps({"ok": True, "plan": plan.to_dict()}, indent=2))
+            else:
+                _print_training_plan(plan)
+            return 0
+        return _run_training(plan, Path(args.runs_dir), args.json)
+
+
+def _print_training_plan(plan) -> None:  # type: ignore[no-untyped-def]
+    print(f"{plan.family.label} LoRA on {plan.hardware.name} ({plan.hardware.device_name}); "
+          f"device {plan.device}; {plan.steps} steps over {len(plan.dataset.items)} images")
+    for name in ("base_precision", "weight_dtype", "compile"):
+        resolved = getattr(plan, name)
+        label = "Auto" if resolved.source == "auto" else "Set"
+        print(f"  {name:<15} {resolved.value:<10} {label}: {resolved.reason}")
+    print(f"  lora targets    {', '.join(plan.lora_targets)}")
+    for file, reason in plan.dataset.skipped:
+        print(f"  skipped {file}: {reason}")
+    if plan.dataset.uncaptioned:
+        print(f"  {len(plan.dataset.uncaptioned)} images have no caption (trained with an empty one)")
+
+
+def _run_training(plan, runs_dir, as_json: bool) -> int:  # type: ignore[no-untyped-def]
+    import time
+
+    from engine.training.runner import TrainingRun
+
+    run = TrainingRun(plan, runs_dir)
+    run.start()
+    bar = None if as_json else _progress_bar()
+    try:
+        while not run.poll().finished:
+            if bar is not None and run.record.step:
+                bar(run.record.step, run.record.steps)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        run.stop(save=True)
+        run.wait(timeout=600)
+    record = run.record
+    if as_json:
+        print(json.dumps(record.to_dict(), indent=2))
+    else:
+        losses = record.metrics["loss"].points
+        print(f"run {record.run_id}: {record.status} at step {record.step}/{record.steps}"
+              + (f", final loss {losses[-1][1]:.4f}" if losses else ""))
+        for name, path in record.outputs.items():
+            print(f"  {name}: {path}")
+        print(f"  record: {record.path}")
+        if record.error:
+            print(f"error[{record.error['code']}]: {record.error['message']}", file=sys.stderr)
+    return 0 if record.status in ("completed", "stopped") else 1
+
+
+def _cmd_runs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.training.records import list_runs
+
+    records = list_runs(Path(args.runs_dir))
+    if args.json:
+        print(json.dumps([r.to_dict() for r in records], indent=2))
+        return 0
+    for record in records:
+        losses = record.metrics["loss"].points
+        loss = f"loss {losses[-1][1]:.4f}" if losses else ""
+        print(f"{record.run_id:<40} {record.status:<10} {record.step}/{record.steps} {loss}")
+    if not records:
+        print(f"no runs in {args.runs_dir}")
+    return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

@@ -26,7 +26,6 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Literal
 
 from engine.errors import EngineError
@@ -252,7 +251,7 @@ def _scheme_gb(files: list[Path]) -> Mapping[str, float]:
         for file in files
         for name, info in _safetensors_header(file).items()
     ]
-    return MappingProxyType({scheme: quantised_gb(tensors, scheme) for scheme in LAYOUTS})
+    return {scheme: quantised_gb(tensors, scheme) for scheme in LAYOUTS}
 
 
 def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
