@@ -372,14 +372,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_bar():  # type: ignore[no-untyped-def]
+def _progress_bar(description: str = "denoising"):  # type: ignore[no-untyped-def]
     from tqdm import tqdm
 
     bar: dict[str, tqdm] = {}
 
     def update(step: int, total: int) -> None:
         if "bar" not in bar:
-            bar["bar"] = tqdm(total=total, desc="denoising", unit="step", leave=False)
+            bar["bar"] = tqdm(total=total, desc=description, unit="step", leave=False)
         bar["bar"].update(step - bar["bar"].n)
         if step >= total:
             bar.pop("bar").close()
@@ -457,7 +457,7 @@ def _run_training(plan, runs_dir, as_json: bool) -> int:  # type: ignore[no-unty
 
     run = TrainingRun(plan, runs_dir)
     run.start()
-    bar = None if as_json else _progress_bar()
+    bar = None if as_json else _progress_bar("training")
     try:
         while not run.poll().finished:
             if bar is not None and run.record.step:

@@ -1,10 +1,11 @@
-"""``make demo`` (examples/demo.py): the engine's main job on an embedded default.
+"""``make demo`` (examples/demo.py): the engine's two jobs on an embedded default.
 
 No weights can be downloaded, so the demo builds a tiny random-weight FLUX.1
 pipeline (the real diffusers architecture, tiny widths), asks the planner how
-to run it here, generates an image through the real load/generate path, and
-then shows what the same engine would decide for the real model on an RTX
-4090. Everything goes through the public CLI entry points.
+to run it here, generates an image through the real load/generate path,
+trains a LoRA on it for a few steps (a small drawn dataset, the real trainer
+in its child process), and shows what the same engine would decide for the
+real model on an RTX 4090. Everything goes through the public CLI.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from engine.cli import main as cli
+from engine.testing.datasets import write_dataset
 
 OUT = Path("out")
 
@@ -23,6 +25,7 @@ def main() -> int:
 
         registry = load_registry()
         tiny = registry.build_tiny_pipeline(registry.family("flux"), Path(scratch) / "tiny-flux")
+        data = write_dataset(OUT / "demo-data", count=4, size=64)
         steps = [
             ("families installed", ["families"]),
             ("plan for the tiny FLUX.1 pipeline on this machine", ["plan", "--model", str(tiny)]),
@@ -31,6 +34,12 @@ def main() -> int:
                 ["generate", "--model", str(tiny), "--prompt", "a lighthouse at dusk",
                  "--width", "128", "--height", "96", "--steps", "8", "-o", str(OUT / "demo-flux.png")],
             ),
+            (
+                "train a LoRA on it (8 steps, CPU)",
+                ["train", "--base", str(tiny), "--data", str(data), "--steps", "8", "--resolution", "64",
+                 "--rank", "4", "--lr", "1e-3", "--device", "cpu", "--runs-dir", str(OUT / "runs")],
+            ),
+            ("the runs so far", ["runs", "--runs-dir", str(OUT / "runs")]),
             ("the real FLUX.1-dev on an RTX 4090 (--hardware rtx4090)",
              ["plan", "--family", "flux", "--hardware", "rtx4090"]),
         ]
@@ -39,7 +48,8 @@ def main() -> int:
             status = cli(argv)
             if status:
                 return status
-    print(f"\nThe image is at {(OUT / 'demo-flux.png').resolve()}")
+    print(f"\nThe image is at {(OUT / 'demo-flux.png').resolve()}; the LoRA, its run record "
+          f"and loss / LR / grad-norm charts are in the run folder above, under {(OUT / 'runs').resolve()}")
     return 0
 
 

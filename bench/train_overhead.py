@@ -1,0 +1,124 @@
+"""Engine trainer steps/s vs a plain peft loop on the same tiny model.
+
+Both train the same LoRA (same targets, rank, AdamW, lr, batch, seed) on the
+same cached latents and prompt embeddings with the same family forward; the
+plain loop is the textbook peft loop with nothing around it. Steady state:
+the first steps are warm-up and not counted. Target: engine / plain >= 0.95.
+
+    .venv/bin/python bench/train_overhead.py [--families sdxl zimage] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from diffusers import DiffusionPipeline  # noqa: E402
+from diffusers.utils import logging as diffusers_logging  # noqa: E402
+from peft import LoraConfig  # noqa: E402
+
+from engine.hardware.probe import probe  # noqa: E402
+from engine.plugins import load_registry  # noqa: E402
+from engine.testing.datasets import write_dataset  # noqa: E402
+from engine.training.config import TrainingConfig  # noqa: E402
+from engine.training.preflight import preflight_training  # noqa: E402
+from engine.training.trainer import _load_pixels, run_training  # noqa: E402
+
+WARMUP = 5
+
+
+def engine_steps_per_s(plan, scratch: Path) -> float:  # type: ignore[no-untyped-def]
+    times: list[float] = []
+    last = [0.0]
+
+    def emit(event: dict[str, object]) -> None:
+        if event["type"] == "started":
+            last[0] = time.perf_counter()
+        elif event["type"] == "progress":
+            now = time.perf_counter()
+            if int(event["step"]) > WARMUP:  # type: ignore[arg-type]
+                times.append(now - last[0])
+            last[0] = now
+
+    run_training(plan, scratch / "engine-out", emit, lambda: None)
+    return 1 / statistics.median(times)
+
+
+def plain_steps_per_s(plan, steps: int) -> float:  # type: ignore[no-untyped-def]
+    runtime = importlib.import_module(plan.objective.runtime_module)
+    torch.manual_seed(plan.config.seed)
+    pipe = DiffusionPipeline.from_pretrained(plan.base.location, dtype=torch.float32)
+    denoiser = getattr(pipe, plan.family.denoiser)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.requires_grad_(False)
+    device = torch.device("cpu")
+    with torch.no_grad():
+        latents = [runtime.encode_images(pipe, _load_pixels(i.image, plan.config.resolution))[0] for i in plan.dataset.items]
+        captions = sorted({i.caption for i in plan.dataset.items})
+        cond_all = runtime.encode_prompts(pipe, captions, device, torch.float32)
+    index = [captions.index(i.caption) for i in plan.dataset.items]
+    denoiser.add_adapter(LoraConfig(r=plan.config.lora_rank, lora_alpha=plan.config.lora_rank,
+                                    init_lora_weights="gaussian", target_modules=list(plan.lora_targets)))
+    params = [p for p in denoiser.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=plan.config.learning_rate)
+    scheduler = runtime.training_scheduler(pipe) if plan.objective.prediction != "flow_matching" else None
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    denoiser.train()
+    for step in range(steps):
+        start = time.perf_counter()
+        batch = torch.randint(0, len(latents), (plan.config.batch_size,), generator=generator).tolist()
+        x0 = torch.stack([latents[i] for i in batch])
+        cond = {k: v[[index[i] for i in batch]] for k, v in cond_all.items()}
+        noise = torch.randn(x0.shape, generator=generator)
+        if scheduler is None:
+            sigmas = torch.sigmoid(torch.randn(len(batch), generator=generator))
+            s = sigmas.view(-1, 1, 1, 1)
+            noisy, t, target = (1 - s) * x0 + s * noise, sigmas, noise - x0
+        else:
+            t = torch.randint(0, scheduler.config.num_train_timesteps, (len(batch),), generator=generator)
+            noisy, target = scheduler.add_noise(x0, noise, t), noise
+        loss = torch.nn.functional.mse_loss(runtime.predict(pipe, denoiser, noisy, t, cond).float(), target)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, plan.config.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= WARMUP:
+            times.append(time.perf_counter() - start)
+    return 1 / statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="*", default=["sdxl", "zimage", "qwen_image", "flux"])
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    diffusers_logging.set_verbosity_error()
+    registry = load_registry()
+    print(f"{'family':<12} {'engine it/s':>11} {'plain it/s':>11} {'ratio':>7}   (CPU, batch 1, 64 px, median after {WARMUP} warm-up steps)")
+    with tempfile.TemporaryDirectory() as scratch_dir:
+        scratch = Path(scratch_dir)
+        data = write_dataset(scratch / "data", count=4, size=64)
+        for family in args.families:
+            base = registry.build_tiny_pipeline(registry.family(family), scratch / family)
+            config = TrainingConfig.from_data({
+                "base_model": str(base), "dataset_dir": str(data), "resolution": 64,
+                "steps": args.steps, "lora_rank": 4, "learning_rate": 1e-4, "device": "cpu",
+            })
+            plan = preflight_training(registry, config, probe(verify=False))
+            plain = plain_steps_per_s(plan, args.steps)
+            engine = engine_steps_per_s(plan, scratch)
+            print(f"{family:<12} {engine:>11.2f} {plain:>11.2f} {engine / plain:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()
