@@ -1,0 +1,239 @@
+"""The Engine facade: doomed requests never evict; accepted ones evict once, after the checks."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from engine import Engine
+from engine.errors import EngineError
+from engine.hardware.presets import PRESETS
+from engine.hardware.probe import probe
+from engine.plugins import load_registry
+from engine.policy.inference import InferenceRequest
+from engine.residency import Residency
+from engine.service import Busy
+from engine.testing.checkpoints import write_single_file
+from engine.testing.datasets import write_dataset
+from engine.types import TRAINING_PRECISIONS
+
+REGISTRY = load_registry()
+FAMILIES = ["flux", "qwen_image", "zimage", "sdxl"]
+
+
+class HostModel:
+    """A model the host app keeps on the GPU; counts how often it was evicted."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.evicted = 0
+        engine.register_resident("host.chat-model", self.evict, size_gb=8.0)
+
+    def evict(self) -> None:
+        self.evicted += 1
+
+
+@pytest.fixture(scope="module")
+def fixtures_root(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str], Path]) -> dict[str, Path]:
+    """Bad bases and bad datasets, real files on disk."""
+    root = tmp_path_factory.mktemp("doomed")
+    good_data = write_dataset(root / "good-data", count=2)
+    corrupt = write_dataset(root / "corrupt-data", count=2)
+    (corrupt / "zero.png").write_bytes(b"")
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), "blue").save(buffer, format="PNG")
+    (corrupt / "cut.png").write_bytes(buffer.getvalue()[:40])
+    empty = root / "empty-data"
+    empty.mkdir()
+    not_pipeline = root / "not-a-pipeline"
+    not_pipeline.mkdir()
+    (not_pipeline / "notes.txt").write_text("no model here", encoding="utf-8")
+    single = write_single_file(tiny_pipeline("sdxl"), "unet", root / "single" / "unet.safetensors").parent
+    return {
+        "good_data": good_data, "corrupt_data": corrupt, "empty_data": empty,
+        "missing_data": root / "no-such-data", "not_pipeline": not_pipeline,
+        "missing_base": root / "no-such-base", "single_file": single,
+    }
+
+
+def _bases(fx: dict[str, Path], tiny: Callable[[str], Path], family: str) -> dict[str, Path]:
+    return {"good": tiny(family), "not_pipeline": fx["not_pipeline"], "missing": fx["missing_base"], "single_file": fx["single_file"]}
+
+
+def doomed_cases(fx: dict[str, Path], tiny: Callable[[str], Path]) -> list[tuple[str, str, dict[str, object]]]:
+    """(preset, label, config): every one of these is doomed somewhere in the preflight."""
+    cases: list[tuple[str, str, dict[str, object]]] = []
+    bad_data = ("corrupt_data", "empty_data", "missing_data")
+    for preset, family, precision in itertools.product(sorted(PRESETS), FAMILIES, (*TRAINING_PRECISIONS, "int4")):
+        bases = _bases(fx, tiny, family)
+        for base_kind in ("not_pipeline", "missing", "single_file"):
+            cases.append((preset, f"{family}/{precision}/base={base_kind}", {
+                "base_model": str(bases[base_kind]), "family": family, "dataset_dir": str(fx["good_data"]),
+                "base_precision": precision, "resolution": 64, "steps": 2,
+            }))
+        for data_kind in bad_data:
+            cases.append((preset, f"{family}/{precision}/data={data_kind}", {
+                "base_model": str(bases["good"]), "family": family, "dataset_dir": str(fx[data_kind]),
+                "base_precision": precision, "resolution": 64, "steps": 2,
+            }))
+    good = {"base_model": str(tiny("sdxl")), "dataset_dir": str(fx["good_data"])}
+    for bad in ({"resolution": 100}, {"steps": 0}, {"epochs": "three"}, {"learning_rate": -1},
+                {"steps": 5, "epochs": 2}, {"lora_rank": 0}, {"device": "tpu"}, {"unknown": 1},
+                {"mixed_precision": "fp8"}, {"family": "sd15"}):
+        cases.append(("h100", f"config={bad}", {**good, **bad}))
+    return cases
+
+
+@pytest.mark.slow
+def test_five_hundred_doomed_training_starts_evict_nothing(
+    fixtures_root: dict[str, Path], tiny_pipeline: Callable[[str], Path], tmp_path: Path
+) -> None:
+    cases = doomed_cases(fixtures_root, tiny_pipeline)
+    assert len(cases) >= 500
+    engines = {name: Engine(registry=REGISTRY, hardware=hw, runs_dir=tmp_path) for name, hw in PRESETS.items()}
+    hosts = {name: HostModel(engine) for name, engine in engines.items()}
+    codes: dict[str, int] = {}
+    for preset, label, config in cases:
+        engine = engines[preset]
+        with pytest.raises(EngineError) as raised:
+            engine.start_training(config)
+        code = raised.value.code
+        codes[code] = codes.get(code, 0) + 1
+        assert engine.residency.owner is None, (preset, label)
+        assert engine.status()["job"] is None, (preset, label)
+        if "data=" in label and raised.value.code in ("bad_dataset", "empty_dataset", "dataset_not_found"):
+            assert label.endswith(("corrupt_data", "empty_data", "missing_data"))
+    assert all(host.evicted == 0 for host in hosts.values())
+    assert not list(tmp_path.iterdir()), "no run folder was created for a refused start"
+    # Every stage of the preflight refused something.
+    for expected in ("no_native_bf16", "needs_cuda", "quant_denied", "invalid_base_precision", "not_a_pipeline",
+                     "model_not_found", "bad_dataset", "empty_dataset", "dataset_not_found", "invalid_config",
+                     "fp8_unsupported", "mxfp8_unsupported", "unknown_family"):
+        assert codes.get(expected), (expected, codes)
+
+
+def test_doomed_loads_evict_nothing(fixtures_root: dict[str, Path], tiny_pipeline: Callable[[str], Path]) -> None:
+    t4 = Engine(registry=REGISTRY, hardware=PRESETS["t4"])
+    host = HostModel(t4)
+    doomed = [
+        (lambda: t4.load(str(fixtures_root["not_pipeline"])), "not_a_pipeline"),
+        (lambda: t4.load(str(fixtures_root["missing_base"])), "model_not_found"),
+        (lambda: t4.load(str(tiny_pipeline("qwen_image")), request=InferenceRequest(dtype="fp16")), "fp16_unsafe"),
+        (lambda: t4.load(str(tiny_pipeline("sdxl")), request=InferenceRequest(quant="int9")), "invalid_request"),
+        (lambda: t4.load(str(tiny_pipeline("flux")), request=InferenceRequest(dtype="bf16")), "bf16_unsupported"),
+        (lambda: t4.load(str(tiny_pipeline("zimage")), request=InferenceRequest(dtype="fp16")), "fp16_unsafe"),
+        (lambda: t4.load(str(tiny_pipeline("sdxl")), request=InferenceRequest(speed="warp")), "invalid_request"),
+    ]
+    for attempt, code in doomed:
+        with pytest.raises(EngineError) as raised:
+            attempt()
+        assert raised.value.code == code
+    assert host.evicted == 0 and t4.residency.owner is None
+
+
+@pytest.mark.slow
+def test_accepted_training_evicts_exactly_once_after_the_checks_and_releases(
+    fixtures_root: dict[str, Path], tiny_pipeline: Callable[[str], Path], tmp_path: Path
+) -> None:
+    engine = Engine(registry=REGISTRY, hardware=probe(verify=False), runs_dir=tmp_path)
+    host = HostModel(engine)
+    config = {"base_model": str(tiny_pipeline("sdxl")), "dataset_dir": str(fixtures_root["good_data"]),
+              "resolution": 64, "steps": 2, "lora_rank": 2, "device": "cpu"}
+    started = engine.start_training(config)
+    assert host.evicted == 1 and engine.residency.owner == "engine.trainer"
+    with pytest.raises(Busy):
+        engine.start_training(config)  # one run at a time
+    with pytest.raises(Busy):
+        engine.load(str(tiny_pipeline("sdxl")))  # no load while training
+    record = engine.wait_training(timeout=300)
+    assert record.status == "completed" and record.run_id == started["run_id"]
+    assert engine.residency.owner is None and engine.status()["job"] is None
+    assert host.evicted == 1
+
+
+@pytest.mark.slow
+def test_two_training_starts_at_once_exactly_one_runs(
+    fixtures_root: dict[str, Path], tiny_pipeline: Callable[[str], Path], tmp_path: Path
+) -> None:
+    engine = Engine(registry=REGISTRY, hardware=probe(verify=False), runs_dir=tmp_path)
+    config = {"base_model": str(tiny_pipeline("sdxl")), "dataset_dir": str(fixtures_root["good_data"]),
+              "resolution": 64, "steps": 2, "lora_rank": 2, "device": "cpu"}
+    outcomes: list[str] = []
+    barrier = threading.Barrier(2)
+
+    def start() -> None:
+        barrier.wait()
+        try:
+            engine.start_training(config)
+            outcomes.append("started")
+        except Busy:
+            outcomes.append("busy")
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["busy", "started"]
+    assert engine.wait_training(timeout=300).status == "completed"
+
+
+@pytest.mark.slow
+def test_loading_a_pipeline_evicts_the_host_model_once_and_generates(
+    tiny_pipeline: Callable[[str], Path],
+) -> None:
+    engine = Engine(registry=REGISTRY, hardware=probe(verify=False))
+    host = HostModel(engine)
+    status = engine.load(str(tiny_pipeline("zimage")))
+    assert status["loaded"] and host.evicted == 1 and engine.residency.owner == "engine.pipeline"
+    [image] = engine.generate("a fox", steps=2, width=64, height=64)
+    assert image.size == (64, 64)
+    assert engine.unload() and engine.residency.owner is None
+
+
+@pytest.mark.slow
+def test_killed_trainer_fails_cleanly_releases_the_gpu_and_the_next_start_works(
+    fixtures_root: dict[str, Path], tiny_pipeline: Callable[[str], Path], tmp_path: Path
+) -> None:
+    engine = Engine(registry=REGISTRY, hardware=probe(verify=False), runs_dir=tmp_path)
+    config = {"base_model": str(tiny_pipeline("sdxl")), "dataset_dir": str(fixtures_root["good_data"]),
+              "resolution": 64, "steps": 100_000, "lora_rank": 2, "device": "cpu"}
+    engine.start_training(config)
+    deadline = time.monotonic() + 120
+    while (engine.training_status() or {}).get("step", 0) < 1 and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.1)
+    os.kill(engine._run.pid, signal.SIGKILL)  # noqa: SLF001 - the test plays the OOM killer
+    record = engine.wait_training(timeout=60)
+    assert record.status == "failed" and record.error and record.error["code"] == "trainer_died"
+    saved = json.loads(record.path.read_text(encoding="utf-8"))
+    assert saved["status"] == "failed" and saved["error"]["code"] == "trainer_died"
+    assert engine.residency.owner is None
+    engine.start_training({**config, "steps": 2})
+    assert engine.wait_training(timeout=300).status == "completed"
+
+
+def test_residency_release_if_never_releases_a_newer_owner() -> None:
+    residency = Residency()
+    residency.acquire("engine.trainer")
+    assert not residency.release_if(lambda owner: owner == "engine.pipeline")
+    assert residency.owner == "engine.trainer"
+    assert residency.release_if(lambda owner: owner == "engine.trainer") and residency.owner is None
+
+
+def test_engine_import_stays_light() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, engine; engine.Engine; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
