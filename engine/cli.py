@@ -106,6 +106,17 @@ def _parser() -> argparse.ArgumentParser:
     _add_json(runs)
     runs.set_defaults(run=_cmd_runs)
 
+    serve = commands.add_parser("serve", help="serve the HTTP API (extra [server])")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--token", help="require this bearer token (or DIFFUSION_ENGINE_TOKEN)")
+    serve.add_argument("--models", action="append", default=[], metavar="DIR", help="a model root (repeatable)")
+    serve.add_argument("--datasets", action="append", default=[], metavar="DIR", help="a dataset root")
+    serve.add_argument("--outputs", default="runs", metavar="DIR", help="where runs are written")
+    serve.add_argument("--allow-hub", action="store_true", help="accept hub repo ids as models")
+    serve.add_argument("--load", metavar="PATH", help="load this model at start")
+    serve.set_defaults(run=_cmd_serve)
+
     doctor = commands.add_parser("doctor", help="probe this machine with torch, in depth")
     _add_json(doctor)
     doctor.set_defaults(run=_cmd_doctor)
@@ -496,6 +507,39 @@ def _cmd_runs(args: argparse.Namespace) -> int:
         print(f"{record.run_id:<40} {record.status:<10} {record.step}/{record.steps} {loss}")
     if not records:
         print(f"no runs in {args.runs_dir}")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    try:
+        import uvicorn
+
+        from engine.server.app import ServerSettings, create_app
+    except ImportError as exc:
+        raise EngineError(
+            f"the server needs its extra: pip install 'diffusion-engine[server]' ({exc})",
+            code="missing_extra",
+        ) from None
+    from engine.service import Engine
+
+    outputs = Path(args.outputs)
+    outputs.mkdir(parents=True, exist_ok=True)
+    settings = ServerSettings(
+        model_roots=tuple(Path(p) for p in args.models),
+        dataset_roots=tuple(Path(p) for p in args.datasets),
+        output_roots=(outputs,),
+        token=args.token or os.environ.get("DIFFUSION_ENGINE_TOKEN") or None,
+        allow_hub=args.allow_hub,
+    )
+    engine = Engine(runs_dir=outputs)
+    if args.load:
+        engine.load(args.load)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and settings.token is None:
+        print("warning: serving beyond loopback without --token", file=sys.stderr)
+    uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level="info")
     return 0
 
 

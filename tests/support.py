@@ -50,3 +50,31 @@ def run_cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.Comp
         env={**os.environ, **(env or {})},
         timeout=120,
     )
+
+
+class LiveServer:
+    """The real app on a real loopback port, served by uvicorn in a thread."""
+
+    def __init__(self, app: object) -> None:
+        import threading
+
+        import uvicorn
+
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        import time
+
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)

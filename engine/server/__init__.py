@@ -1,0 +1,1 @@
+"""The HTTP interface (extra ``[server]``): FastAPI over the same Engine."""
