@@ -85,20 +85,21 @@ def pinned_sdpa(device: str) -> Iterator[None]:
         yield
 
 
-def install_rms_norm_patch() -> bool:
-    """Route diffusers' RMSNorm through ``F.rms_norm`` where torch has it.
+@contextlib.contextmanager
+def rms_norm_patch() -> Iterator[bool]:
+    """Route diffusers' RMSNorm through ``F.rms_norm`` for the run, then put it back.
 
-    A fused kernel instead of four eager ops; skipped (False) on torch builds
-    without ``F.rms_norm`` rather than failing at forward time.
+    A fused kernel instead of four eager ops. Yields False, and patches
+    nothing, on torch builds without ``F.rms_norm``, rather than failing at
+    forward time.
     """
     functional = torch.nn.functional
     if not hasattr(functional, "rms_norm"):
-        return False
+        yield False
+        return
     from diffusers.models import normalization
 
     norm = normalization.RMSNorm
-    if getattr(norm.forward, "_engine_patched", False):
-        return True
     original = norm.forward
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -107,6 +108,8 @@ def install_rms_norm_patch() -> bool:
             return original(self, hidden_states)
         return functional.rms_norm(hidden_states, self.dim, weight, self.eps)  # type: ignore[arg-type]
 
-    forward._engine_patched = True  # type: ignore[attr-defined]
     norm.forward = forward  # type: ignore[method-assign]
-    return True
+    try:
+        yield True
+    finally:
+        norm.forward = original  # type: ignore[method-assign]

@@ -11,6 +11,7 @@ the objective says how to noise and what to regress: flow matching
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import time
@@ -23,7 +24,7 @@ import torch
 from PIL import Image, ImageOps
 
 from engine.runtime import flags
-from engine.training.precision import apply_base_precision, install_rms_norm_patch, pinned_sdpa
+from engine.training.precision import apply_base_precision, pinned_sdpa, rms_norm_patch
 from engine.training.preflight import TrainingPlan
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -37,8 +38,9 @@ StopCheck = Callable[[], str | None]
 def run_training(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCheck) -> dict[str, object]:
     """Train; emit events; return the terminal event (completed / stopped / cancelled)."""
     snapshot = flags.snapshot()
+    fused_norm = rms_norm_patch() if plan.device == "cuda" else contextlib.nullcontext()
     try:
-        with pinned_sdpa(plan.device):
+        with pinned_sdpa(plan.device), fused_norm:
             return _train(plan, output_dir, emit, should_stop)
     finally:
         snapshot.restore()
@@ -51,7 +53,6 @@ def _train(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCh
     runtime = importlib.import_module(plan.objective.runtime_module)
     torch.manual_seed(config.seed)
     if plan.device == "cuda":
-        install_rms_norm_patch()
         torch.cuda.reset_peak_memory_stats()
     emit({"type": "phase", "phase": "loading", "message": f"loading {plan.base.location}"})
     pipe = _load_pipeline(plan, dtype)
