@@ -35,7 +35,6 @@ from engine.types import (
     PluginInfo,
     PluginLoadError,
     Purpose,
-    QuantDeny,
     TrainingObjective,
 )
 

@@ -171,7 +171,7 @@ def test_unload_releases_the_pipeline(tiny_pipeline: Callable[[str], Path]) -> N
     gc.collect()
     assert ref() is None
     with pytest.raises(EngineError) as raised:
-        session.pipeline
+        _ = session.pipeline
     assert raised.value.code == "not_loaded"
 
 

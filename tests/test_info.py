@@ -13,7 +13,7 @@ import pytest
 
 from engine.hardware.presets import PRESETS
 from engine.plugins import load_registry
-from engine.policy.info import images_info, training_info
+from engine.policy.info import images_info
 from tests.support import run_cli
 
 REGISTRY = load_registry()

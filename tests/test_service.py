@@ -6,7 +6,6 @@ import io
 import itertools
 import json
 import os
-import shutil
 import signal
 import threading
 import time

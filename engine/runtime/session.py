@@ -21,7 +21,7 @@ from PIL import Image
 from engine.errors import EngineError
 from engine.plugins import Registry
 from engine.policy.inference import InferenceRequest, Plan
-from engine.policy.resolved import Resolved, auto, explicit
+from engine.policy.resolved import Resolved, explicit
 from engine.policy.speed import resolve_step_cache
 from engine.preflight.model import ModelSource
 from engine.runtime import flags
