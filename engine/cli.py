@@ -399,14 +399,10 @@ def _progress_bar(description: str = "denoising"):  # type: ignore[no-untyped-de
 
 
 def _quiet_libraries() -> None:
-    """The CLI shows its own progress; silence the libraries' loading bars."""
-    import diffusers
-    import transformers
+    """The CLI shows its own progress; silence the libraries' chatter and loading bars."""
+    from engine.logs import quiet_library_logs
 
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    quiet_library_logs(progress_bars=False)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -421,6 +417,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
             "--hardware describes a machine you do not have: use it with --dry-run",
             code="invalid_request",
         )
+    from engine.logs import quiet_library_logs
+
+    quiet_library_logs()  # env and loggers only: a dry run must not import torch
     registry = load_registry()
     with tempfile.TemporaryDirectory(prefix="diffusion-engine-tiny-") as scratch:
         base = args.base

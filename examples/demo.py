@@ -14,12 +14,14 @@ import tempfile
 from pathlib import Path
 
 from engine.cli import main as cli
+from engine.logs import quiet_library_logs
 from engine.testing.datasets import write_dataset
 
 OUT = Path("out")
 
 
 def main() -> int:
+    quiet_library_logs(progress_bars=False)
     with tempfile.TemporaryDirectory(prefix="diffusion-engine-demo-") as scratch:
         from engine.plugins import load_registry
 

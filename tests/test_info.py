@@ -125,3 +125,19 @@ def test_info_on_this_machine_works_without_flags() -> None:
     result = run_cli("info", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["hardware"]["source"].startswith("probe")
+
+
+def test_families_all_lists_the_builtin_table_plugin_and_its_hooks() -> None:
+    result = run_cli("families", "--all", "--json")
+    plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
+    table = plugins["engine.table_plugin"]
+    assert table["builtin"] and "engine_component_sizes" in table["hooks"]
+    assert "engine.table_plugin" not in {p["name"] for p in json.loads(run_cli("families", "--json").stdout)["plugins"]}
+
+
+def test_doctor_probes_this_machine_with_torch() -> None:
+    result = run_cli("doctor", "--json")
+    assert result.returncode == 0, result.stderr
+    profile = json.loads(result.stdout)
+    assert profile["source"] == "probe+torch"
+    assert isinstance(profile["torchao_functional"], bool)

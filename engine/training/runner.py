@@ -134,6 +134,9 @@ class TrainingRun:
 
 def child_main(plan: TrainingPlan, folder: str, events: Any, control: Any) -> None:
     """Entry point of the spawned trainer process."""
+    from engine.logs import quiet_library_logs
+
+    quiet_library_logs(progress_bars=False)
     from engine.training.trainer import run_training
 
     def emit(event: dict[str, object]) -> None:
