@@ -151,13 +151,17 @@ class Engine:
         finally:
             self._release_job("loading")
 
-    def generate(self, prompt: str, **options: object) -> list[Any]:
+    def generate(
+        self, prompt: str, *, progress: Callable[[int, int], None] | None = None, **options: object
+    ) -> list[Any]:
+        """Images for ``prompt`` (options: steps, guidance, width, height, seed,
+        count, negative_prompt); ``progress(step, total)`` after each step."""
         from engine.runtime.session import GenerateRequest
 
         session = self._session
         if session is None:
             raise EngineError("no image pipeline is loaded; load one first", code="not_loaded")
-        return session.generate(GenerateRequest(prompt=prompt, **options))  # type: ignore[arg-type]
+        return session.generate(GenerateRequest(prompt=prompt, **options), progress)  # type: ignore[arg-type]
 
     def status(self) -> dict[str, object]:
         session = self._session

@@ -172,3 +172,28 @@ def test_trainer_killed_while_serving_fails_cleanly_and_the_next_start_works(
     again = httpx.post(f"{url}/v1/training/start", json={**body, "steps": 2}, headers=AUTH, timeout=60)
     assert again.status_code == 200, again.text
     assert engine.wait_training(timeout=300).status == "completed"
+
+
+def test_serve_command_binds_loopback_and_requires_its_token(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine", "serve", "--port", "0", "--token", "cli-token",
+         "--models", str(tmp_path), "--outputs", str(tmp_path / "runs")],
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        url = None
+        deadline = time.monotonic() + 60
+        while url is None and time.monotonic() < deadline:
+            line = process.stderr.readline()  # type: ignore[union-attr]
+            if "running on" in line.lower():
+                url = line.split("running on ")[1].split()[0]
+        assert url is not None and url.startswith("http://127.0.0.1:")
+        assert httpx.get(f"{url}/v1/families").status_code == 401
+        families = httpx.get(f"{url}/v1/families", headers={"Authorization": "Bearer cli-token"})
+        assert {f["name"] for f in families.json()} >= {"flux", "sdxl"}
+    finally:
+        process.terminate()
+        process.wait(timeout=10)

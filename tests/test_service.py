@@ -195,8 +195,9 @@ def test_loading_a_pipeline_evicts_the_host_model_once_and_generates(
     host = HostModel(engine)
     status = engine.load(str(tiny_pipeline("zimage")))
     assert status["loaded"] and host.evicted == 1 and engine.residency.owner == "engine.pipeline"
-    [image] = engine.generate("a fox", steps=2, width=64, height=64)
-    assert image.size == (64, 64)
+    steps: list[tuple[int, int]] = []
+    [image] = engine.generate("a fox", steps=2, width=64, height=64, progress=lambda s, t: steps.append((s, t)))
+    assert image.size == (64, 64) and steps == [(1, 2), (2, 2)]
     assert engine.unload() and engine.residency.owner is None
 
 
