@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from engine.policy.quant_filter import LAYOUTS, quantised_gb
-from engine.preflight.model import _bf16_gb, _scheme_gb
+from engine.policy.quant_filter import dense_gb
+from engine.preflight.model import sizes_by_scheme, tensor_shapes
 from engine.runtime.quantize import quantize_transformer, storage_bytes
 
 SDXL_UNET = dict(
@@ -76,8 +77,9 @@ def accuracy(families: list[str]) -> None:
         with tempfile.TemporaryDirectory() as scratch:
             model.save_pretrained(scratch)
             files = sorted(Path(scratch).glob("*.safetensors"))
-            predicted_bf16 = sum(_bf16_gb(f) for f in files)
-            predicted_int8 = _scheme_gb(files)["int8"]
+            shapes = tensor_shapes(files)
+            predicted_bf16 = dense_gb(shapes)
+            predicted_int8 = sizes_by_scheme(shapes)["int8"]
         numel = sum(p.numel() for p in model.parameters())
         measured_bf16 = storage_bytes(model) / 1e9
         layers = quantize_transformer(model, "int8", "cpu")

@@ -9,11 +9,12 @@ machine without a GPU: they answer in a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 
-from engine.errors import EngineError, UnknownName
+from engine.errors import EngineError
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry, load_registry
 from engine.policy.inference import InferenceRequest
@@ -163,11 +164,8 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _request_from_args(args: argparse.Namespace) -> InferenceRequest:
-    return InferenceRequest(
-        dtype=args.dtype, quant=args.quant, memory=args.memory, attention=args.attention,
-        step_cache=args.step_cache, compile=args.compile, speed=args.speed,
-        steps=args.steps, threads=args.threads,
-    )
+    """The plan flags' destinations are InferenceRequest's field names."""
+    return InferenceRequest(**{f.name: getattr(args, f.name) for f in dataclasses.fields(InferenceRequest)})
 
 
 def machine_from_args(args: argparse.Namespace, *, verify: bool | None = None) -> HardwareProfile:
@@ -290,25 +288,23 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from engine.policy.inference import CONTROLS, ModelFacts, plan_inference
-    from engine.preflight.model import resolve_model
+    from engine.policy.inference import CONTROLS
+    from engine.service import Engine
 
     registry = load_registry()
     hardware = machine_from_args(args)
-    if args.family_only:
-        family = registry.family(args.family_only)
-        checkpoint = family.checkpoint(args.checkpoint) if args.checkpoint else family.default_checkpoint
-        if checkpoint is None:
-            raise UnknownName("checkpoint", args.checkpoint, [c.name for c in family.checkpoints])
-        facts = ModelFacts(family, checkpoint, registry.component_sizes(family, checkpoint))
-    else:
-        source = resolve_model(registry, args.model, family=args.model_family, base=args.base)
-        facts = source.facts(registry)
-    plan = plan_inference(registry, facts, hardware, _request_from_args(args))
+    plan = Engine(registry=registry, hardware=hardware).plan(
+        args.model,
+        family=args.family_only or args.model_family,
+        checkpoint=args.checkpoint,
+        base=args.base,
+        request=_request_from_args(args),
+    )
+    family = registry.family(plan.family)
     if args.json:
         print(json.dumps({"hardware": hardware.to_dict(), "plan": plan.to_dict()}, indent=2))
         return 0
-    print(f"{facts.family.label} ({plan.checkpoint or 'unknown checkpoint'}) on {hardware.name} "
+    print(f"{family.label} ({plan.checkpoint or 'unknown checkpoint'}) on {hardware.name} "
           f"({hardware.device_name}); device {plan.device}")
     for name in CONTROLS:
         resolved = plan[name]
@@ -336,7 +332,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from engine.policy.inference import plan_inference
     from engine.preflight.model import resolve_model
 
-    _quiet_libraries()
+    from engine.logs import quiet_library_logs
+
+    quiet_library_logs(progress_bars=False)  # the CLI shows its own progress
     from engine.runtime.session import GenerateRequest, InferenceSession
 
     registry = load_registry()
@@ -396,13 +394,6 @@ def _progress_bar(description: str = "denoising"):  # type: ignore[no-untyped-de
             bar.pop("bar").close()
 
     return update
-
-
-def _quiet_libraries() -> None:
-    """The CLI shows its own progress; silence the libraries' chatter and loading bars."""
-    from engine.logs import quiet_library_logs
-
-    quiet_library_logs(progress_bars=False)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -127,12 +127,6 @@ class Registry:
             )
         return Path(built)
 
-    # -- introspection --------------------------------------------------------
-
-    @property
-    def hook_names(self) -> tuple[str, ...]:
-        return tuple(sorted(n for n in dir(self._pm.hook) if n.startswith("engine_")))
-
 
 def _union(pairs: Iterable[tuple[str, str]]) -> Mapping[str, str]:
     """Name -> reasons joined, over every plugin's deny answers."""

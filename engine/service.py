@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.errors import EngineError
+from engine.errors import EngineError, UnknownName
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry, load_registry
 from engine.policy.inference import InferenceRequest, ModelFacts, Plan, plan_inference
@@ -111,7 +111,7 @@ class Engine:
             spec = self.registry.family(family)
             chosen = spec.checkpoint(checkpoint) if checkpoint else spec.default_checkpoint
             if chosen is None:
-                raise EngineError(f"{family} has no checkpoint {checkpoint!r}", code="unknown_checkpoint")
+                raise UnknownName("checkpoint", str(checkpoint), [c.name for c in spec.checkpoints])
             facts = ModelFacts(spec, chosen, self.registry.component_sizes(spec, chosen))
         else:
             raise EngineError("give a model path or a family", code="invalid_request")

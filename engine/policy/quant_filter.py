@@ -15,6 +15,7 @@ takes every Linear.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -57,6 +58,11 @@ def quantises(scheme: str, module_name: str, in_features: int, out_features: int
     return not (scheme == "int8" and any(s in module_name.lower() for s in INT8_SKIP))
 
 
+def dense_gb(tensors: Iterable[tuple[str, tuple[int, ...]]]) -> float:
+    """GB of ``(name, shape)`` tensors held in bf16 (2 bytes each)."""
+    return sum(2 * math.prod(shape) for _, shape in tensors) / 1e9
+
+
 def quantised_gb(tensors: Iterable[tuple[str, tuple[int, ...]]], scheme: str) -> float:
     """GB of a denoiser whose tensors are ``(name, shape)``, held in ``scheme``.
 
@@ -66,9 +72,7 @@ def quantised_gb(tensors: Iterable[tuple[str, tuple[int, ...]]], scheme: str) ->
     layout = LAYOUTS[scheme]
     total = 0.0
     for name, shape in tensors:
-        numel = 1
-        for dim in shape:
-            numel *= dim
+        numel = math.prod(shape)
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and len(shape) == 2 and quantises(scheme, module, shape[1], shape[0]):
             total += numel * layout.bytes_per_weight + shape[0] * layout.bytes_per_row

@@ -31,7 +31,9 @@ from typing import Literal
 from engine.errors import EngineError
 from engine.plugins import Registry
 from engine.policy.inference import ModelFacts
-from engine.policy.quant_filter import LAYOUTS, quantised_gb
+from engine.policy.quant_filter import LAYOUTS, dense_gb, quantised_gb
+
+Shapes = list[tuple[str, tuple[int, ...]]]
 from engine.types import Checkpoint, ComponentSizes, FamilySpec
 
 ModelKind = Literal["pipeline", "single_file", "gguf", "hub"]
@@ -169,14 +171,14 @@ def _pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None
     quantised = spec.is_prequantised(folder.name) or "quantization_config" in (
         _read_json(denoiser_config) if denoiser_config.is_file() else {}
     )
-    denoiser_files = sorted((folder / spec.denoiser).glob("*.safetensors"))
+    sizes, denoiser_shapes = _measured_sizes(folder, spec, components)
     return ModelSource(
         "pipeline",
         str(folder),
         spec,
         spec.checkpoint(folder.name),
-        measured_sizes=_measured_sizes(folder, spec, components),
-        scheme_gb=_scheme_gb(denoiser_files) if denoiser_files and not quantised else None,
+        measured_sizes=sizes,
+        scheme_gb=sizes_by_scheme(denoiser_shapes) if denoiser_shapes and not quantised else None,
         prequantised_scheme="nf4" if quantised else None,
     )
 
@@ -190,7 +192,8 @@ def _single_file_source(
             f"{file} is neither .safetensors nor .gguf; point at a pipeline folder or a "
             "single-file checkpoint"
         )
-    keys = _gguf_tensor_names(file) if suffix == ".gguf" else tuple(_safetensors_header(file))
+    shapes = [] if suffix == ".gguf" else tensor_shapes([file])  # the one header read
+    keys = _gguf_tensor_names(file) if suffix == ".gguf" else tuple(name for name, _ in shapes)
     spec = forced or _family_from_keys(registry, keys) or registry.family_for_model_id(file.name)
     if spec is None:
         raise _unknown_family(registry, str(file))
@@ -211,8 +214,8 @@ def _single_file_source(
         )
     return ModelSource(
         "single_file", str(file), spec, checkpoint, base=base_id,
-        measured_sizes=ComponentSizes(_bf16_gb(file), others.text_encoders_gb, others.vae_gb),
-        scheme_gb=_scheme_gb([file]),
+        measured_sizes=ComponentSizes(dense_gb(shapes), others.text_encoders_gb, others.vae_gb),
+        scheme_gb=sizes_by_scheme(shapes),
     )
 
 
@@ -231,27 +234,42 @@ def _unknown_family(registry: Registry, what: str) -> EngineError:
     )
 
 
-def _measured_sizes(folder: Path, spec: FamilySpec, components: dict[str, list[str]]) -> ComponentSizes | None:
-    """bf16 GB per part from the safetensors headers; None if any part has none."""
+def _measured_sizes(
+    folder: Path, spec: FamilySpec, components: dict[str, list[str]]
+) -> tuple[ComponentSizes | None, Shapes]:
+    """bf16 GB per part from the safetensors headers (None if a part has none),
+    and the denoiser's tensor shapes, so its headers are read once."""
     totals = {"denoiser": 0.0, "text": 0.0, "vae": 0.0}
+    denoiser: Shapes = []
+    complete = True
     for name in components:
+        if not (name in (spec.denoiser, "vae") or name.startswith("text_encoder")):
+            continue
         files = sorted((folder / name).glob("*.safetensors"))
-        if name in (spec.denoiser, "vae") or name.startswith("text_encoder"):
-            if not files:
-                return None
-            part = "denoiser" if name == spec.denoiser else "vae" if name == "vae" else "text"
-            totals[part] += sum(_bf16_gb(f) for f in files)
-    return ComponentSizes(totals["denoiser"], totals["text"], totals["vae"])
+        if not files:
+            complete = False
+            continue
+        shapes = tensor_shapes(files)
+        if name == spec.denoiser:
+            denoiser = shapes
+        part = "denoiser" if name == spec.denoiser else "vae" if name == "vae" else "text"
+        totals[part] += dense_gb(shapes)
+    sizes = ComponentSizes(totals["denoiser"], totals["text"], totals["vae"]) if complete else None
+    return sizes, denoiser
 
 
-def _scheme_gb(files: list[Path]) -> Mapping[str, float]:
-    """The denoiser's GB under each scheme, from tensor names and shapes alone."""
-    tensors = [
+def sizes_by_scheme(shapes: Shapes) -> dict[str, float]:
+    """A denoiser's GB under each scheme, from tensor names and shapes alone."""
+    return {scheme: quantised_gb(shapes, scheme) for scheme in LAYOUTS}
+
+
+def tensor_shapes(files: list[Path]) -> Shapes:
+    """(name, shape) of every tensor in ``files``, from their headers (no weights read)."""
+    return [
         (name, tuple(int(d) for d in info.get("shape", [])))  # type: ignore[union-attr]
         for file in files
         for name, info in _safetensors_header(file).items()
     ]
-    return {scheme: quantised_gb(tensors, scheme) for scheme in LAYOUTS}
 
 
 def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
@@ -268,18 +286,6 @@ def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
         ) from None
     header.pop("__metadata__", None)
     return header
-
-
-def _bf16_gb(file: Path) -> float:
-    """Parameters in a safetensors file, as bf16 GB (2 bytes each)."""
-    count = 0
-    for info in _safetensors_header(file).values():
-        shape = info.get("shape", [])
-        numel = 1
-        for dim in shape:  # type: ignore[union-attr]
-            numel *= int(dim)
-        count += numel
-    return count * 2 / 1e9
 
 
 def _gguf_tensor_names(file: Path) -> tuple[str, ...]:
