@@ -220,11 +220,12 @@ class Engine:
         self._release_job("training")
 
     def training_status(self) -> dict[str, object] | None:
+        """The run's record as the watcher thread last folded it (every 0.2 s);
+        only the watcher polls the child, so events are applied exactly once."""
         run = self._run
         if run is None:
             return None
-        record = run.poll()
-        return {**record.to_dict(), "phase": run.phase}
+        return {**run.record.to_dict(), "phase": run.phase}
 
     def stop_training(self, *, save: bool = True) -> dict[str, object]:
         run = self._run
@@ -234,14 +235,16 @@ class Engine:
         return run.record.to_dict()
 
     def wait_training(self, timeout: float | None = None) -> RunRecord:
+        """Block until the run has finished and the watcher gave the GPU back."""
         run = self._run
         if run is None:
             raise EngineError("no training run was started", code="not_training")
-        record = run.wait(timeout)
-        deadline = time.monotonic() + 10
-        while self._job == "training" and time.monotonic() < deadline:
-            time.sleep(0.05)  # the watcher releases the GPU right after
-        return record
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not run.record.finished or self._job == "training":
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {run.record.run_id} still running after {timeout} s")
+            time.sleep(0.05)
+        return run.record
 
     def runs(self) -> list[dict[str, object]]:
         return [r.to_dict() for r in list_runs(self.runs_dir)]
