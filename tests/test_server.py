@@ -1,4 +1,5 @@
-"""The HTTP API on a real loopback server: OpenAI client, confinement, token, fuzzing, a killed trainer."""
+"""The HTTP API on a real loopback server: OpenAI client, confinement, token, body cap,
+one error shape, strict bodies, cancelled generates, a killed trainer."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +26,7 @@ from tests.support import LiveServer
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+MAX_BODY = 256 * 1024
 
 
 class Roots:
@@ -47,7 +50,8 @@ def served(
     engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=roots.outputs)
     host = HostModel(engine)
     settings = ServerSettings(
-        model_roots=(roots.models,), dataset_roots=(roots.datasets,), output_roots=(roots.outputs,), token=TOKEN
+        model_roots=(roots.models,), dataset_roots=(roots.datasets,), output_roots=(roots.outputs,), token=TOKEN,
+        max_body_bytes=MAX_BODY,
     )
     with LiveServer(create_app(engine, settings)) as url:
         yield url, engine, roots, host
@@ -197,3 +201,266 @@ def test_serve_command_binds_loopback_and_requires_its_token(tmp_path: Path) -> 
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+# -- hardening: start-up refusals, auth before the body, one error shape --------------------
+
+
+def test_an_empty_token_or_a_public_bind_without_one_refuses_to_start(tmp_path: Path) -> None:
+    from engine.server.settings import InsecureServer, is_loopback
+    from tests.support import run_cli
+
+    # 192.0.2.1 (TEST-NET) is never this machine's: were the refusal missing, the bind would fail, not open.
+    runs = ["--outputs", str(tmp_path / "runs"), "--port", "0"]
+    empty = run_cli("serve", "--token", "", *runs)
+    empty_env = run_cli("serve", *runs, env={"DIFFUSION_ENGINE_TOKEN": ""})
+    public = run_cli("serve", "--host", "192.0.2.1", *runs)
+    assert empty.returncode == 2 and "error[empty_token]" in empty.stderr and "--token" in empty.stderr
+    assert empty_env.returncode == 2 and "error[empty_token]" in empty_env.stderr
+    assert public.returncode == 2 and "error[token_required]" in public.stderr
+    assert "--insecure-no-token" in public.stderr
+    assert not (tmp_path / "runs").exists()  # refused before anything was set up
+    with pytest.raises(InsecureServer):
+        ServerSettings(token="   ")
+    ServerSettings(insecure_no_token=True).check_bind("0.0.0.0")  # the explicit opt-out
+    ServerSettings(token="t").check_bind("0.0.0.0")
+    for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"):
+        assert is_loopback(host)
+        ServerSettings().check_bind(host)
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
+
+
+def test_serve_flags_reach_the_app_insecure_opt_out_and_body_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The app ``serve`` builds for a public host with ``--insecure-no-token``,
+    served here on loopback instead (uvicorn.run only hands it over)."""
+    import uvicorn
+
+    from engine.cli import main
+
+    handed: dict[str, Any] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **_: handed.update(app=app, host=host))
+    monkeypatch.delenv("DIFFUSION_ENGINE_TOKEN", raising=False)
+    code = main(["serve", "--host", "192.0.2.1", "--insecure-no-token", "--max-body-mb", "0.001",
+                 "--outputs", str(tmp_path / "runs")])
+    assert code == 0 and handed["host"] == "192.0.2.1"
+    with LiveServer(handed["app"]) as url:
+        assert httpx.get(f"{url}/v1/families").status_code == 200  # no token: the operator opted out
+        big = httpx.post(f"{url}/v1/images/plan", json={"family": "x" * 2000})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
+
+
+def _raw(url: str, head: str, chunks: Sequence[bytes] = ()) -> tuple[int, dict[str, Any]]:
+    """One request on a raw socket: ``head`` (request line and headers), then
+    ``chunks`` as they are (never more than the test says), then the response."""
+    import json
+    import socket
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.replace("\n", "\r\n").encode() + b"\r\n")
+        for chunk in chunks:
+            sock.sendall(chunk)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536) or _closed(data)
+        header, _, body = data.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in header.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += sock.recv(65536) or _closed(data)
+    return int(header.split()[1]), json.loads(body)
+
+
+def _closed(data: bytes) -> bytes:
+    raise AssertionError(f"the server closed the connection before a full response: {data[:200]!r}")
+
+
+def test_the_token_is_checked_before_the_body_is_read(served: tuple[str, Engine, Roots, HostModel]) -> None:
+    url, *_ = served
+    # A 200 MB body is declared and never sent: the 401 can only come before the body was read.
+    status, body = _raw(url, "POST /v1/images/generate HTTP/1.1\nHost: x\nContent-Type: application/json\n"
+                        "Content-Length: 200000000\n")
+    assert status == 401 and body["error"]["code"] == "unauthorized"
+    chunked = _raw(url, "POST /v1/training/start HTTP/1.1\nHost: x\nTransfer-Encoding: chunked\n", [b"10\r\n"])
+    assert chunked[0] == 401
+    # The schema stays readable without the token; every other path needs it, even an unknown one.
+    assert httpx.get(f"{url}/openapi.json").status_code == 200
+    assert httpx.get(f"{url}/v1/nowhere").status_code == 401
+
+
+def test_bodies_over_the_cap_are_refused_declared_or_streamed(served: tuple[str, Engine, Roots, HostModel]) -> None:
+    url, *_ = served
+    head = f"POST /v1/images/plan HTTP/1.1\nHost: x\nAuthorization: Bearer {TOKEN}\nContent-Type: application/json\n"
+    status, body = _raw(url, head + f"Content-Length: {MAX_BODY + 1}\n")
+    assert status == 413 and body["error"]["code"] == "body_too_large" and str(MAX_BODY) in body["error"]["message"]
+    # Chunked: no length is declared; the bytes are counted as they arrive (the body is never finished).
+    chunk = b"x" * 65536
+    chunks = [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * (MAX_BODY // len(chunk) + 1)
+    status, body = _raw(url, head + "Transfer-Encoding: chunked\n", chunks)
+    assert status == 413 and body["error"]["code"] == "body_too_large"
+    # Under the cap, the same route answers.
+    assert httpx.post(f"{url}/v1/images/plan", json={"family": "sdxl"}, headers=AUTH).status_code == 200
+
+
+def _assert_error_shape(response: httpx.Response, status: int, code: str) -> dict[str, str]:
+    assert response.status_code == status, response.text[:500]
+    payload = response.json()
+    assert list(payload) == ["error"] and set(payload["error"]) == {"code", "message"}, payload
+    assert payload["error"]["code"] == code and payload["error"]["message"]
+    return payload["error"]
+
+
+def test_every_status_has_the_one_error_shape(served: tuple[str, Engine, Roots, HostModel]) -> None:
+    url, *_ = served
+    _assert_error_shape(httpx.get(f"{url}/v1/nowhere", headers=AUTH), 404, "not_found")
+    _assert_error_shape(httpx.delete(f"{url}/v1/families", headers=AUTH), 405, "method_not_allowed")
+    _assert_error_shape(httpx.post(f"{url}/v1/images/plan", content=b"{not json", headers=AUTH), 422, "invalid_request")
+    _assert_error_shape(httpx.post(f"{url}/v1/images/plan", json=[1], headers=AUTH), 422, "invalid_request")
+    _assert_error_shape(httpx.get(f"{url}/v1/families"), 401, "unauthorized")
+    _assert_error_shape(httpx.post(f"{url}/v1/images/generate", json={"prompt": "x"}, headers=AUTH), 409, "not_loaded")
+
+
+def test_an_unexpected_failure_is_a_500_in_the_shape_logged_not_sent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=tmp_path)
+    app = create_app(engine, ServerSettings(token=TOKEN))
+
+    @app.get("/v1/broken")
+    def broken() -> None:  # a bug nothing foresaw, deep in a route
+        raise ZeroDivisionError("internal detail 0xdeadbeef")
+
+    with LiveServer(app) as url, caplog.at_level("ERROR", logger="engine.server"):
+        error = _assert_error_shape(httpx.get(f"{url}/v1/broken", headers=AUTH), 500, "internal_error")
+        assert httpx.get(f"{url}/v1/families", headers=AUTH).status_code == 200  # the server lives on
+    assert "0xdeadbeef" not in error["message"] and "Traceback" not in error["message"]
+    assert any("0xdeadbeef" in record.getMessage() + str(record.exc_info) for record in caplog.records)
+
+
+def test_messages_echo_at_most_200_characters_of_any_input(served: tuple[str, Engine, Roots, HostModel]) -> None:
+    import re
+
+    url, *_ = served
+    huge = "q" * 200_000
+    for route, body in [
+        ("/v1/images/plan", {"family": huge}),
+        ("/v1/images/plan", {"model": huge}),
+        ("/v1/images/plan", {"model": "a/" + "b" * 3000}),
+        ("/v1/images/plan", {huge: 1}),
+        ("/v1/training/start", {"base_model": "tiny-sdxl", "dataset_dir": "d/" * 1500}),
+        ("/v1/images/generate", {"prompt": "x", "width": huge}),
+    ]:
+        response = httpx.post(f"{url}{route}", json=body, headers=AUTH)
+        assert 400 <= response.status_code < 500, response.text[:300]
+        message = response.json()["error"]["message"]
+        assert len(message) <= 1100 and not re.search(r"[qb]{201}", message), (route, message[:300])
+    named = httpx.post(f"{url}/v1/images/plan", json={"family": "z" * 150}, headers=AUTH)
+    assert named.status_code == 404 and "z" * 150 in named.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/images/plan", {"family": "sdxl", "steps": True}),
+        ("/v1/images/plan", {"family": "sdxl", "threads": "4"}),
+        ("/v1/images/generate", {"prompt": "x", "steps": True}),
+        ("/v1/images/generate", {"prompt": "x", "count": 2.0}),
+        ("/v1/images/generate", {"prompt": "x", "guidance": "7"}),
+        ("/v1/images/generations", {"prompt": "x", "n": True}),
+        ("/v1/training/start", {"base_model": "tiny-sdxl", "dataset_dir": "shapes", "steps": True}),
+        ("/v1/training/start", {"base_model": "tiny-sdxl", "dataset_dir": "shapes", "steps": "2"}),
+        ("/v1/training/stop", {"save": 1}),
+    ],
+)
+def test_json_types_are_strict(served: tuple[str, Engine, Roots, HostModel], route: str, body: dict[str, object]) -> None:
+    url, engine, _, host = served
+    before = host.evicted
+    run_before = (engine.training_status() or {}).get("run_id")  # an earlier test's run, if any
+    _assert_error_shape(httpx.post(f"{url}{route}", json=body, headers=AUTH), 422, "invalid_request")
+    assert host.evicted == before and (engine.training_status() or {}).get("run_id") == run_before
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/images/generations", {"prompt": "x", "size": "9984x9984"}),
+        ("/v1/images/generations", {"prompt": "x", "size": "16x16"}),
+        ("/v1/images/generations", {"prompt": "x", "size": "1000x1000"}),
+        ("/v1/images/generations", {"prompt": "x", "n": 9}),
+        ("/v1/images/generate", {"prompt": "x", "width": 9984, "height": 64}),
+        ("/v1/images/generate", {"prompt": "x", "width": 16, "height": 16, "guidance": 0}),
+        ("/v1/images/generate", {"prompt": "x", "steps": 201}),
+        ("/v1/images/generate", {"prompt": "x", "count": 9}),
+    ],
+)
+def test_every_generate_route_has_the_same_caps(served: tuple[str, Engine, Roots, HostModel], route: str, body: dict[str, object]) -> None:
+    url, *_ = served
+    _assert_error_shape(httpx.post(f"{url}{route}", json=body, headers=AUTH), 422, "invalid_request")
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/images/plan", {"model": "m" * 256}),  # one part over NAME_MAX: ENAMETOOLONG
+        ("/v1/images/load", {"model": "org/" + "m" * 300}),
+        ("/v1/training/start", {"base_model": "tiny-sdxl", "dataset_dir": "d" * 300}),
+        ("/v1/training/start", {"base_model": "tiny-sdxl", "dataset_dir": "shapes", "output_dir": "o" * 300}),
+        ("/v1/images/plan", {"model": "~no-such-user-here/model"}),
+        ("/v1/images/plan", {"model": "a\x00b"}),
+    ],
+)
+def test_paths_no_file_system_can_take_are_invalid_requests(
+    served: tuple[str, Engine, Roots, HostModel], route: str, body: dict[str, object]
+) -> None:
+    url, engine, _, host = served
+    before = host.evicted
+    run_before = (engine.training_status() or {}).get("run_id")  # an earlier test's run, if any
+    _assert_error_shape(httpx.post(f"{url}{route}", json=body, headers=AUTH), 422, "invalid_path")
+    assert host.evicted == before and (engine.training_status() or {}).get("run_id") == run_before
+
+
+@pytest.mark.parametrize(
+    ("route", "raw"),
+    [
+        ("/v1/images/plan", '{"family": "\\ud800"}'),
+        ("/v1/images/plan", '{"model": "tiny-\\udfff"}'),
+        ("/v1/images/generate", '{"prompt": "a \\ud83d fox"}'),
+        ("/v1/images/plan", '{"\\ud800": 1}'),
+        ("/v1/training/start", '{"base_model": "tiny-sdxl", "dataset_dir": "shapes", "lora_targets": ["\\ud800"]}'),
+        ("/v1/images/generations", '{"prompt": "x", "user": "\\ud800"}'),
+    ],
+)
+def test_lone_surrogates_are_invalid_requests(served: tuple[str, Engine, Roots, HostModel], route: str, raw: str) -> None:
+    url, *_ = served
+    response = httpx.post(f"{url}{route}", content=raw, headers={**AUTH, "Content-Type": "application/json"})
+    error = _assert_error_shape(response, 422, "invalid_request")
+    assert "surrogate" in error["message"]
+
+
+@pytest.mark.slow
+def test_a_generate_whose_client_went_away_is_cancelled(served: tuple[str, Engine, Roots, HostModel]) -> None:
+    import json
+    import socket
+
+    url, engine, _, _ = served
+    assert httpx.post(f"{url}/v1/images/load", json={"model": "tiny-sdxl"}, headers=AUTH, timeout=120).status_code == 200
+    try:
+        body = json.dumps({"prompt": "a slow fox", "steps": 200, "width": 64, "height": 64}).encode()
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        sock.sendall(f"POST /v1/images/generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/v1/images/status", headers=AUTH).json()["generate"]["step"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        sock.close()  # the client goes away mid-generate
+        while (progress := httpx.get(f"{url}/v1/images/status", headers=AUTH).json()["generate"])["state"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert progress["state"] == "cancelled" and progress["step"] < progress["steps"] == 200
+        # The engine is free again, and the smallest size every route allows renders, without guidance too.
+        small = httpx.post(f"{url}/v1/images/generate", json={"prompt": "x", "steps": 2, "width": 64, "height": 64,
+                                                              "guidance": 0}, headers=AUTH, timeout=120)
+        assert small.status_code == 200 and len(small.json()["images"]) == 1
+    finally:
+        assert httpx.post(f"{url}/v1/images/unload", headers=AUTH).json() == {"unloaded": True}

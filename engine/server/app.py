@@ -1,118 +1,59 @@
 """The HTTP API: FastAPI over one :class:`~engine.service.Engine`.
 
 Routes mirror the Python facade (families, images info / plan / load /
-generate / status / unload, training info / start / status / stop / runs),
+generate / status / unload, training info / start / status / stop / cancel / runs),
 plus an OpenAI-compatible ``POST /v1/images/generations`` on the loaded
-pipeline, so existing clients work unchanged. Every error is JSON
-``{"error": {"code", "message"}}`` with a stable code: 400 for a request that
-cannot succeed here, 404 for an unknown name or path, 409 for a busy engine
-or a missing prerequisite, 422 for a malformed body. Model, dataset and
-output paths are confined to the configured roots; a bearer token, when set,
-guards every route.
+pipeline, so existing clients work unchanged.
+
+Every error, whatever its status, is JSON ``{"error": {"code", "message"}}``
+(:mod:`engine.server.responses`): 400 for a request that cannot succeed here,
+401 without the token, 404 for an unknown name, path or route, 405, 409 for a
+busy engine or a missing prerequisite, 413 for a body over the cap, 422 for a
+malformed body, 500 ``internal_error`` for a failure nothing foresaw (logged
+on the server, never sent). The token and the body cap are checked by an ASGI
+middleware (:mod:`engine.server.guard`) before a byte of the body is read.
+Model, dataset, LoRA and output paths are confined to the configured roots.
+A generate whose client disconnects is cancelled at the next step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
-import re
 import secrets
+import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from engine import __version__
-from engine.errors import EngineError, UnknownName
-from engine.policy.inference import InferenceRequest
-from engine.server.paths import PathRefused, confine
-from engine.service import Busy, Engine
-from engine.training.config import InvalidConfig, TrainingConfig
+from engine.errors import EngineError
+from engine.server import responses
+from engine.server.bodies import (
+    GenerateBody,
+    LoadBody,
+    LoraBody,
+    OpenAIImagesBody,
+    PlanBody,
+    StopBody,
+    TrainingStartBody,
+)
+from engine.server.guard import Guard
+from engine.server.paths import confine, confine_model
+from engine.server.settings import ServerSettings
+from engine.service import Engine
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-NOT_FOUND = {"unknown_family", "unknown_preset", "unknown_checkpoint", "model_not_found", "dataset_not_found"}
-CONFLICT = {"busy", "not_loaded", "not_training"}
-UNPROCESSABLE = {"invalid_config", "invalid_request"}
+__all__ = ["ServerSettings", "create_app"]
 
-
-@dataclass(frozen=True)
-class ServerSettings:
-    model_roots: tuple[Path, ...] = ()
-    dataset_roots: tuple[Path, ...] = ()
-    output_roots: tuple[Path, ...] = ()
-    token: str | None = None
-    #: Accept hub repo ids for models (the server may download them).
-    allow_hub: bool = False
-    extra: dict[str, str] = field(default_factory=dict)
-
-
-# -- bodies --------------------------------------------------------------------
-
-
-class PlanControls(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    dtype: str = "auto"
-    quant: str = "auto"
-    memory: str = "auto"
-    attention: str = "auto"
-    step_cache: str = "auto"
-    compile: str = "auto"
-    speed: str = "default"
-    steps: int | None = Field(None, ge=1, le=1000)
-    threads: int | None = Field(None, ge=1, le=1024)
-
-    def request(self) -> InferenceRequest:
-        return InferenceRequest(**self.model_dump(include=set(PlanControls.model_fields)))
-
-
-class PlanBody(PlanControls):
-    model: str | None = None
-    family: str | None = None
-    checkpoint: str | None = None
-    base: str | None = None
-
-
-class LoadBody(PlanControls):
-    model: str
-    family: str | None = None
-    base: str | None = None
-
-
-class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: str = Field(..., max_length=4000)
-    negative_prompt: str | None = Field(None, max_length=4000)
-    steps: int | None = Field(None, ge=1, le=200)
-    guidance: float | None = Field(None, ge=0, le=50)
-    width: int | None = Field(None, ge=16, le=4096, multiple_of=16)
-    height: int | None = Field(None, ge=16, le=4096, multiple_of=16)
-    seed: int = Field(0, ge=0, le=2**63 - 1)
-    count: int = Field(1, ge=1, le=8)
-
-
-class StopBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    save: bool = True
-
-
-class OpenAIImagesBody(BaseModel):
-    """The OpenAI images API request; unknown fields are ignored as OpenAI does."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    prompt: str = Field(..., max_length=4000)
-    n: int = Field(1, ge=1, le=8)
-    size: str | None = Field("1024x1024", pattern=r"^\d{2,4}x\d{2,4}$")
-    response_format: Literal["b64_json", "url"] = "b64_json"
-    model: str | None = None
+#: Seconds between checks that a generating client is still connected.
+DISCONNECT_POLL_S = 0.25
 
 
 class ErrorBody(BaseModel):
@@ -124,6 +65,18 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+@dataclass
+class GenerateProgress:
+    """The latest generate's progress, for ``GET /v1/images/status``."""
+
+    state: str = "idle"  # running, done, cancelled, failed
+    step: int = 0
+    steps: int = 0
+
+    def to_dict(self) -> dict[str, object]:
+        return {"state": self.state, "step": self.step, "steps": self.steps}
+
+
 # -- the app -------------------------------------------------------------------
 
 
@@ -132,20 +85,48 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         title="diffusion-engine",
         version=__version__,
         description="Run diffusion image models and train LoRA adapters, the fastest way this machine allows.",
-        responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 422)},
+        responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 500)},
     )
-    app.add_exception_handler(EngineError, _engine_error)  # type: ignore[arg-type]
-    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
-    guard = [Depends(_token_guard(settings.token))]
-    api = APIRouter(prefix="/v1", dependencies=guard)
+    app.add_exception_handler(EngineError, responses.engine_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, responses.validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, responses.http_error)  # type: ignore[arg-type]
+    public = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url} - {None}
+    app.add_middleware(
+        Guard, token=settings.token, max_body_bytes=settings.max_body_bytes, public_paths=public  # type: ignore[arg-type]
+    )
+    progress = GenerateProgress()
+    api = APIRouter(prefix="/v1")
 
     def model_path(value: str) -> str:
-        if settings.allow_hub and _HUB_ID.match(value) and not Path(value).is_absolute():
-            try:
-                return str(confine(value, settings.model_roots, "model"))
-            except PathRefused:
-                return value
-        return str(confine(value, settings.model_roots, "model"))
+        return confine_model(value, settings.model_roots, allow_hub=settings.allow_hub)
+
+    def lora_paths(bodies: list[LoraBody] | None) -> list[dict[str, object]] | None:
+        if bodies is None:
+            return None
+        return [{"path": str(confine(b.path, settings.lora_roots, "LoRA")), "scale": b.scale} for b in bodies]
+
+    async def generate_watched(request: Request, prompt: str, **options: Any) -> list[str]:
+        """Generate in a worker thread, cancelled when the client disconnects; PNGs as base64."""
+        cancel = threading.Event()
+        watcher = asyncio.create_task(_watch_disconnect(request, cancel))
+
+        def step(done: int, total: int) -> None:
+            progress.step, progress.steps = done, total
+
+        progress.state, progress.step, progress.steps = "running", 0, options.get("steps") or 0
+        try:
+            images = await run_in_threadpool(engine.generate, prompt, progress=step, cancel=cancel, **options)
+            progress.state = "done"
+        except EngineError as error:
+            progress.state = "cancelled" if error.code == "cancelled" else "failed"
+            raise
+        except BaseException:
+            progress.state = "failed"
+            raise
+        finally:
+            cancel.set()  # also stops the engine if this task itself was cancelled
+            watcher.cancel()
+        return await run_in_threadpool(lambda: [_png_b64(image) for image in images])
 
     @api.get("/families")
     def families() -> list[dict[str, Any]]:
@@ -165,47 +146,51 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     @api.post("/images/load")
     def load(body: LoadBody) -> dict[str, Any]:
         base = model_path(body.base) if body.base else None
-        return engine.load(model_path(body.model), base=base, family=body.family, request=body.request())
+        return engine.load(
+            model_path(body.model), base=base, family=body.family, request=body.request(),
+            loras=lora_paths(body.loras) or [], switching=body.lora_switching,
+        )
 
     @api.post("/images/generate")
-    def generate(body: GenerateBody) -> dict[str, Any]:
+    async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
         started = time.perf_counter()
-        images = engine.generate(**body.model_dump())
-        return {"images": [_png_b64(i) for i in images], "seconds": round(time.perf_counter() - started, 3)}
+        options = body.model_dump(exclude={"prompt", "loras"})
+        loras = await run_in_threadpool(lora_paths, body.loras)
+        images = await generate_watched(request, body.prompt, loras=loras, **options)
+        return {"images": images, "seconds": round(time.perf_counter() - started, 3)}
 
     @api.get("/images/status")
     def status() -> dict[str, Any]:
-        return engine.status()
+        return {**engine.status(), "generate": progress.to_dict()}
 
     @api.post("/images/unload")
     def unload() -> dict[str, Any]:
         return {"unloaded": engine.unload()}
 
     @api.post("/images/generations")
-    def openai_images(body: OpenAIImagesBody) -> dict[str, Any]:
+    async def openai_images(body: OpenAIImagesBody, request: Request) -> dict[str, Any]:
         if body.response_format != "b64_json":
             raise EngineError("only response_format=b64_json is served (no image hosting)", code="invalid_request")
-        width = height = None
-        if body.size:
-            width, height = (int(v) for v in body.size.split("x"))
-            if width % 16 or height % 16:
-                raise EngineError(f"size {body.size}: width and height must be multiples of 16", code="invalid_request")
-        images = engine.generate(body.prompt, count=body.n, width=width, height=height, seed=secrets.randbelow(2**31))
-        return {"created": int(time.time()), "data": [{"b64_json": _png_b64(i)} for i in images]}
+        width, height = body.dimensions()
+        loras = await run_in_threadpool(lora_paths, body.loras)
+        images = await generate_watched(
+            request, body.prompt, count=body.n, width=width, height=height, seed=secrets.randbelow(2**31), loras=loras
+        )
+        return {"created": int(time.time()), "data": [{"b64_json": image} for image in images]}
 
     @api.get("/training/info")
     def training_info() -> dict[str, Any]:
         return engine.train_info()
 
     @api.post("/training/start")
-    def start_training(body: TrainingConfig) -> dict[str, Any]:
+    def start_training(body: TrainingStartBody) -> dict[str, Any]:
         confined: dict[str, Any] = {
             "base_model": model_path(body.base_model),
             "dataset_dir": confine(str(body.dataset_dir), settings.dataset_roots, "dataset"),
         }
         if body.output_dir is not None:
             confined["output_dir"] = confine(str(body.output_dir), settings.output_roots, "output")
-        return engine.start_training(body.model_copy(update=confined))
+        return engine.start_training(body.config(**confined))
 
     @api.get("/training/status")
     def training_status() -> dict[str, Any]:
@@ -215,6 +200,10 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     def stop_training(body: StopBody) -> dict[str, Any]:
         return engine.stop_training(save=body.save)
 
+    @api.post("/training/cancel")
+    def cancel_training() -> dict[str, Any]:
+        return engine.cancel_training()
+
     @api.get("/training/runs")
     def runs() -> list[dict[str, Any]]:
         return engine.runs()
@@ -223,44 +212,16 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     return app
 
 
-def _token_guard(token: str | None):  # type: ignore[no-untyped-def]
-    def check(request: Request) -> None:
-        if token is None:
+async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
+    """Set ``cancel`` once the client has gone; the engine stops at its next step."""
+    while not cancel.is_set():
+        if await request.is_disconnected():
+            cancel.set()
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), token.encode()):
-            raise EngineError("missing or wrong bearer token", code="unauthorized")
-
-    return check
-
-
-def _status_for(error: EngineError) -> int:
-    if error.code == "unauthorized":
-        return 401
-    if isinstance(error, Busy) or error.code in CONFLICT:
-        return 409
-    if isinstance(error, UnknownName) or error.code in NOT_FOUND:
-        return 404
-    if isinstance(error, InvalidConfig) or error.code in UNPROCESSABLE:
-        return 422
-    return 400
-
-
-async def _engine_error(_: Request, error: EngineError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.code == "unauthorized" else None
-    return JSONResponse({"error": error.to_dict()}, status_code=_status_for(error), headers=headers)
-
-
-async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-    problems = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in error.errors()
-    )
-    return JSONResponse({"error": {"code": "invalid_request", "message": problems}}, status_code=422)
+        await asyncio.sleep(DISCONNECT_POLL_S)
 
 
 def _png_b64(image: Any) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return base64.b64encode(buffer.getvalue()).decode("ascii")
-

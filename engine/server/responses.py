@@ -1,0 +1,113 @@
+"""The one error shape, ``{"error": {"code", "message"}}``, for every status.
+
+Clients switch on ``code``; ``message`` is for people. Every error the server
+sends goes through :func:`error_payload`, which bounds what a message may
+echo of the request (a 1 MB name is not sent back whole) and makes it valid
+UTF-8 (a lone surrogate from a JSON ``\\ud800`` escape would otherwise fail
+the encoding of the response itself).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from engine.errors import EngineError, UnknownName
+from engine.service import Busy
+from engine.training.config import InvalidConfig
+
+#: The most characters of any one input (a run without whitespace) a message echoes.
+ECHO_LIMIT = 200
+#: The most characters of a whole message.
+MESSAGE_LIMIT = 1000
+#: Validation problems listed in one 422 message; the rest are counted.
+PROBLEMS_LISTED = 5
+
+NOT_FOUND = {"unknown_family", "unknown_preset", "unknown_checkpoint", "model_not_found", "dataset_not_found",
+             "lora_not_found"}
+CONFLICT = {"busy", "not_loaded", "not_training"}
+UNPROCESSABLE = {"invalid_config", "invalid_request", "invalid_path"}
+#: The client went away and its job was stopped (nginx's "client closed request").
+CLIENT_CLOSED = 499
+
+HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    500: "internal_error",
+}
+
+_LONG_RUN = re.compile(r"\S{%d,}" % (ECHO_LIMIT + 1))
+
+
+def clip(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters, marked when cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def valid_text(text: str) -> str:
+    """``text`` with lone surrogates replaced, so it encodes as UTF-8."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def error_payload(code: str, message: str) -> dict[str, dict[str, str]]:
+    message = _LONG_RUN.sub(lambda match: clip(match.group()), valid_text(message))
+    return {"error": {"code": valid_text(code)[:64], "message": clip(message, MESSAGE_LIMIT)}}
+
+
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_payload(code, message), status_code=status, headers=headers)
+
+
+def error_bytes(code: str, message: str) -> bytes:
+    """The payload encoded, for the ASGI middleware that answers without FastAPI."""
+    return json.dumps(error_payload(code, message)).encode("utf-8")
+
+
+def status_for(error: EngineError) -> int:
+    if error.code == "unauthorized":
+        return 401
+    if error.code == "cancelled":
+        return CLIENT_CLOSED
+    if isinstance(error, Busy) or error.code in CONFLICT:
+        return 409
+    if isinstance(error, UnknownName) or error.code in NOT_FOUND:
+        return 404
+    if isinstance(error, InvalidConfig) or error.code in UNPROCESSABLE:
+        return 422
+    return 400
+
+
+async def engine_error(_: Request, error: EngineError) -> JSONResponse:
+    return error_response(status_for(error), error.code, error.message)
+
+
+async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+    """Starlette's own errors (404 route, 405 method, 413 body) in the one shape."""
+    code = HTTP_CODES.get(error.status_code, "http_error")
+    message = error.detail if isinstance(error.detail, str) else code.replace("_", " ")
+    return error_response(error.status_code, code, message, headers=error.headers)
+
+
+async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+    return error_response(422, "invalid_request", describe_problems(error.errors()))
+
+
+def describe_problems(problems: Any) -> str:
+    """``where: what`` for the first few problems; inputs are never echoed whole."""
+    listed = [
+        f"{'.'.join(clip(str(part), 60) for part in problem.get('loc', ()))}: {clip(str(problem.get('msg', '')))}"
+        for problem in list(problems)[:PROBLEMS_LISTED]
+    ]
+    more = len(problems) - len(listed)
+    return "; ".join(listed) + (f"; and {more} more" if more > 0 else "")

@@ -1,0 +1,83 @@
+"""What the operator configured for a server, checked before it binds.
+
+Kept free of FastAPI and torch so ``diffusion-engine serve`` can refuse a
+bad configuration (an empty token, a public bind without one) in a fraction
+of a second, before anything heavy is imported or any port is opened.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import EngineError
+
+#: Default cap on a request body. The largest legitimate body (a generate
+#: request with two 4000-character prompts, every character escaped) is
+#: under 64 KiB, so 1 MiB leaves ample room and bounds what a client can
+#: make the server hold.
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+
+
+class InsecureServer(EngineError):
+    """A configuration that would expose the engine without meaning to."""
+
+    code = "insecure_server"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_roots: tuple[Path, ...] = ()
+    dataset_roots: tuple[Path, ...] = ()
+    output_roots: tuple[Path, ...] = ()
+    #: Bearer token every route but the schema and docs requires; ``None``
+    #: serves without one (loopback only, unless ``insecure_no_token``).
+    token: str | None = None
+    #: Accept hub repo ids for models (the server may download them).
+    allow_hub: bool = False
+    #: Where LoRA files may be read from (``serve --loras DIR``).
+    lora_roots: tuple[Path, ...] = ()
+    #: Let a non-loopback bind run without a token (an explicit opt-out).
+    insecure_no_token: bool = False
+    #: Requests whose body is larger are refused with 413 before it is held.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.token is not None and not self.token.strip():
+            # ``--token "$TOKEN"`` with TOKEN unset lands here: serving without
+            # auth would be the silent opposite of what the operator asked for.
+            raise InsecureServer(
+                "the bearer token is empty (--token \"\" or an empty DIFFUSION_ENGINE_TOKEN, "
+                "often an unset shell variable); give a non-empty token, or leave --token "
+                "out to serve loopback without one",
+                code="empty_token",
+            )
+        if self.max_body_bytes < 1:
+            raise EngineError(
+                f"max body size must be at least 1 byte (got {self.max_body_bytes}); "
+                "set --max-body-mb to a positive number",
+                code="invalid_config",
+            )
+
+    def check_bind(self, host: str) -> None:
+        """Refuse to serve ``host`` beyond loopback without a token, unless opted out."""
+        if self.token is None and not is_loopback(host) and not self.insecure_no_token:
+            raise InsecureServer(
+                f"refusing to serve {host!r} (beyond loopback) without a bearer token: anyone "
+                "who can reach it could load models, write runs and use the GPU; give --token "
+                "(or DIFFUSION_ENGINE_TOKEN), bind 127.0.0.1, or pass --insecure-no-token to "
+                "accept the risk",
+                code="token_required",
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` binds only loopback interfaces (names other than localhost are not assumed)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
