@@ -1,0 +1,227 @@
+"""LoRA files, checked cheaply before anything is loaded or evicted.
+
+A LoRA argument is ``PATH[:SCALE]``: a ``.safetensors`` file, or a folder
+holding ``pytorch_lora_weights.safetensors`` (a training run's folder). Its
+safetensors header (no weights, no torch) says which keys it has, its
+largest rank and its size, which the planner uses, and which family's key
+markers it matches best, which a refusal names. Whether every key lands on a
+module of the model is checked against the model's own module tree by
+:func:`engine.runtime.lora.check_loras` (also before anything is evicted).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+from engine.errors import EngineError, PreflightError
+from engine.plugins import Registry
+from engine.policy.inference import LoraPlanInput
+from engine.types import FamilySpec
+
+#: The file a training run (and diffusers' ``save_lora_weights``) writes.
+RUN_LORA_FILE = "pytorch_lora_weights.safetensors"
+
+#: Key suffixes of the "down" (A) matrix in the spellings diffusers converts.
+_DOWN = (".lora_A.weight", ".lora_down.weight", ".lora.down.weight", "_lora.down.weight")
+
+#: Scales outside this range are almost surely a typo (``:10`` for ``:1.0``).
+MAX_SCALE = 8.0
+
+
+class LoraNotFound(EngineError, FileNotFoundError):
+    """A LoRA path that does not exist, or a folder with no LoRA file in it."""
+
+    code = "lora_not_found"
+
+
+class LoraMismatch(PreflightError):
+    """A LoRA whose keys do not all land on the model: refused, never half-applied."""
+
+    code = "lora_mismatch"
+
+
+@dataclass(frozen=True)
+class LoraChoice:
+    """A LoRA the caller asked for: where it is and how strongly to apply it."""
+
+    path: str
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.scale) or abs(self.scale) > MAX_SCALE:
+            raise PreflightError(
+                f"LoRA scale {self.scale} for {self.path} is outside -{MAX_SCALE}..{MAX_SCALE}; "
+                "give a scale such as 0.8 (PATH:0.8)",
+                code="invalid_request",
+            )
+
+
+@dataclass(frozen=True)
+class LoraFile:
+    """A LoRA file read from its header: what the planner and the loader need."""
+
+    path: Path
+    scale: float
+    keys: tuple[str, ...]
+    #: The largest rank among its adapted modules.
+    rank: int
+    #: Parameters in its LoRA matrices.
+    params: int
+
+    @property
+    def name(self) -> str:
+        """Its name for reports: the file's stem, or the run folder's name."""
+        return self.path.parent.name if self.path.name == RUN_LORA_FILE else self.path.stem
+
+    def to_dict(self) -> dict[str, object]:
+        return {"path": str(self.path), "name": self.name, "scale": self.scale, "rank": self.rank}
+
+
+def parse_lora_arg(text: str) -> LoraChoice:
+    """``PATH[:SCALE]`` -> a :class:`LoraChoice` (scale 1.0 when none is given).
+
+    The scale is the part after the last ``:`` only when it reads as a number,
+    so a path that itself holds a colon still works."""
+    path, sep, tail = text.rpartition(":")
+    if sep and path:
+        try:
+            return LoraChoice(path, float(tail))
+        except ValueError:
+            pass
+    return LoraChoice(text, 1.0)
+
+
+#: What callers may give for a LoRA: ``"PATH[:SCALE]"``, ``{"path", "scale"}``,
+#: ``(path, scale)`` or a :class:`LoraChoice`.
+LoraLike = Union[str, Path, LoraChoice, Mapping[str, object], tuple]
+
+
+def lora_choices(items: Iterable[LoraLike]) -> tuple[LoraChoice, ...]:
+    """Every way a caller may name a LoRA, as :class:`LoraChoice` values."""
+    choices = []
+    for item in items:
+        if isinstance(item, LoraChoice):
+            choices.append(item)
+        elif isinstance(item, (str, Path)):
+            choices.append(parse_lora_arg(str(item)))
+        elif isinstance(item, Mapping) and "path" in item:
+            choices.append(LoraChoice(str(item["path"]), float(item.get("scale", 1.0))))  # type: ignore[arg-type]
+        elif isinstance(item, tuple) and len(item) == 2:
+            choices.append(LoraChoice(str(item[0]), float(item[1])))
+        else:
+            raise PreflightError(
+                f"cannot read {item!r} as a LoRA; give 'PATH[:SCALE]' or {{'path': ..., 'scale': ...}}",
+                code="invalid_request",
+            )
+    return tuple(choices)
+
+
+def read_lora(choice: LoraChoice) -> LoraFile:
+    """The LoRA file ``choice`` names, read from its header; refused if absent or unreadable."""
+    path = Path(choice.path).expanduser()
+    if path.is_dir():
+        inside = path / RUN_LORA_FILE
+        if not inside.is_file():
+            raise LoraNotFound(
+                f"{path} holds no {RUN_LORA_FILE}; give the .safetensors file itself or a "
+                "training run's folder"
+            )
+        path = inside
+    elif not path.is_file():
+        raise LoraNotFound(f"LoRA {choice.path} does not exist; give a .safetensors file or a run folder")
+    if path.suffix != ".safetensors":
+        raise PreflightError(
+            f"LoRA {path} is not a .safetensors file; convert it (pickled .bin/.pt LoRAs are not loaded)",
+            code="invalid_lora",
+        )
+    shapes = _header_shapes(path)
+    lora_shapes = {k: s for k, s in shapes.items() if "lora" in k.lower() or k.endswith(".alpha")}
+    ranks = [s[0] for k, s in shapes.items() if k.endswith(_DOWN) and s]
+    if not ranks:
+        raise PreflightError(
+            f"{path} holds no LoRA matrices (no lora_A / lora_down keys); is it a full checkpoint? "
+            "Load full checkpoints with --model",
+            code="invalid_lora",
+        )
+    return LoraFile(
+        path=path.resolve(),
+        scale=choice.scale,
+        keys=tuple(shapes),
+        rank=max(ranks),
+        params=sum(math.prod(s) for s in lora_shapes.values()),
+    )
+
+
+def read_loras(choices: Iterable[LoraChoice]) -> tuple[LoraFile, ...]:
+    """Every LoRA read; the same file twice is refused (its adapters would collide)."""
+    files = tuple(read_lora(c) for c in choices)
+    seen: set[Path] = set()
+    for file in files:
+        if file.path in seen:
+            raise PreflightError(f"LoRA {file.path} is given twice; give it once with one scale", code="invalid_request")
+        seen.add(file.path)
+    return files
+
+
+def looks_like(registry: Registry, keys: Sequence[str]) -> FamilySpec | None:
+    """The family whose LoRA key markers match the most keys (None: no marker matches)."""
+    best, best_hits = None, 0
+    for family in registry.families.values():
+        hits = sum(1 for key in keys if any(marker in key for marker in family.lora_key_markers))
+        if hits > best_hits:
+            best, best_hits = family, hits
+    return best
+
+
+def mismatch_error(
+    registry: Registry, family: FamilySpec, file: LoraFile, unmatched: Sequence[str], total: int
+) -> LoraMismatch:
+    """The refusal for a LoRA whose keys do not all land on ``family``'s model."""
+    guess = looks_like(registry, file.keys)
+    if guess is not None and guess.name != family.name:
+        kind = f"it looks like a {guess.label} LoRA"
+    else:
+        kind = f"its keys do not match this {family.label} model's modules or shapes"
+    examples = ", ".join(unmatched[:3])
+    return LoraMismatch(
+        f"LoRA {file.path} does not fit the loaded {family.label} model: {kind}; "
+        f"{len(unmatched)} of {total} adapted modules match nothing here (e.g. {examples}). "
+        f"Nothing was applied; give a LoRA trained for {family.label}"
+    )
+
+
+def plan_input(files: Sequence[LoraFile], *, switching: bool = False) -> LoraPlanInput:
+    """What the torch-free planner needs to know about ``files``."""
+    return LoraPlanInput(
+        count=len(files),
+        max_rank=max((f.rank for f in files), default=0),
+        params=sum(f.params for f in files),
+        switching=switching,
+    )
+
+
+def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    try:
+        with path.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > 100_000_000:
+                raise ValueError("header too large")
+            header = json.loads(handle.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (OSError, ValueError, struct.error) as exc:
+        raise PreflightError(
+            f"{path} is not a readable safetensors file ({exc}); re-download or re-export it",
+            code="invalid_lora",
+        ) from None
+    header.pop("__metadata__", None)
+    return {
+        str(name): tuple(int(d) for d in info.get("shape", []))
+        for name, info in header.items() if isinstance(info, dict)
+    }

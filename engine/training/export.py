@@ -1,0 +1,167 @@
+"""A trained adapter in the layout kohya's sd-scripts and ComfyUI load.
+
+The run always writes diffusers' format (``pytorch_lora_weights.safetensors``);
+with ``export_kohya`` it also writes ``lora_kohya.safetensors``: keys
+``lora_unet_<module>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``
+with ``ss_*`` metadata, the layout both tools read.
+
+Module names follow the family's ``lora_kohya_map`` where the original
+checkpoint's layout differs from diffusers' (a rule may fuse several
+diffusers Linears into one original Linear, e.g. q, k and v into ``qkv``);
+other modules keep their diffusers path with dots turned into underscores,
+which is how kohya names diffusers-layout modules and what diffusers'
+``lora_state_dict`` converters read back.
+
+A fused module stacks the parts' LoRAs block-diagonally: ``down`` is the
+parts' ``A`` matrices stacked (rank = the sum of the parts' ranks), ``up``
+has each part's ``B`` in its own rows and columns, zeros elsewhere; a part
+the run did not adapt contributes zero rows (its weight is unchanged). With
+``alpha`` scaled by the number of parts, ``alpha / rank`` stays the
+adapter's scale, so the fused delta equals the parts' deltas exactly, and
+diffusers' kohya converter recognises the block structure and splits it
+back into the original matrices.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.types import FamilySpec
+
+if TYPE_CHECKING:
+    from engine.training.preflight import TrainingPlan
+
+KOHYA_FILE = "lora_kohya.safetensors"
+_A, _B = ".lora_A.weight", ".lora_B.weight"
+
+#: The out features of a module of the denoiser (for parts the run did not adapt).
+OutFeatures = Callable[[str], int]
+
+
+@dataclass(frozen=True)
+class _Rule:
+    target: str
+    sources: tuple[str, ...]
+
+    def match(self, module: str) -> tuple[int, str] | None:
+        """(which source, block index) when ``module`` is one of this rule's sources."""
+        for position, source in enumerate(self.sources):
+            pattern = "^" + re.escape(source).replace(r"\{i\}", r"(\d+)") + "$"
+            found = re.match(pattern, module)
+            if found:
+                return position, (found.group(1) if found.groups() else "")
+        return None
+
+
+def kohya_state_dict(
+    family: FamilySpec,
+    state: Mapping[str, torch.Tensor],
+    alpha: float,
+    out_features: OutFeatures,
+) -> dict[str, torch.Tensor]:
+    """``state`` (peft keys ``<module>.lora_A.weight``, no adapter name) in the
+    kohya / ComfyUI layout for ``family``; ``alpha`` is the adapter's alpha."""
+    rules = [_Rule(target, sources) for target, sources in family.lora_kohya_map]
+    modules = sorted({k[: -len(_A)] for k in state if k.endswith(_A)})
+    groups: dict[tuple[int, str], dict[int, str]] = {}
+    kohya: dict[str, torch.Tensor] = {}
+    for module in modules:
+        hit = next(((n, m) for n, rule in enumerate(rules) if (m := rule.match(module))), None)
+        if hit is None:
+            _put(kohya, "lora_unet_" + module.replace(".", "_"), state[module + _A], state[module + _B], alpha)
+            continue
+        rule_index, (position, block) = hit
+        groups.setdefault((rule_index, block), {})[position] = module
+    for (rule_index, block), parts in groups.items():
+        rule = rules[rule_index]
+        name = "lora_unet_" + rule.target.replace("{i}", block)
+        if len(rule.sources) == 1:
+            module = parts[0]
+            _put(kohya, name, state[module + _A], state[module + _B], alpha)
+            continue
+        downs, ups = [], []
+        rank = max(state[m + _A].shape[0] for m in parts.values())
+        reference = state[next(iter(parts.values())) + _A]
+        for position, source in enumerate(rule.sources):
+            module = parts.get(position)
+            if module is not None:
+                downs.append(state[module + _A])
+                ups.append(state[module + _B])
+            else:  # a part the run did not adapt: zero rows, its weight unchanged
+                rows = out_features(source.replace("{i}", block))
+                downs.append(reference.new_zeros(rank, reference.shape[1]))
+                ups.append(reference.new_zeros(rows, rank))
+        _put(kohya, name, torch.cat(downs), torch.block_diag(*ups), alpha * len(rule.sources))
+    return kohya
+
+
+def _put(kohya: dict[str, torch.Tensor], name: str, down: torch.Tensor, up: torch.Tensor, alpha: float) -> None:
+    kohya[f"{name}.lora_down.weight"] = down.contiguous()
+    kohya[f"{name}.lora_up.weight"] = up.contiguous()
+    kohya[f"{name}.alpha"] = torch.tensor(float(alpha))
+
+
+def kohya_metadata(
+    *, family: FamilySpec, base_model: str, rank: int, alpha: float, resolution: int, steps: int,
+    targets: tuple[str, ...],
+) -> dict[str, str]:
+    """The ``ss_*`` fields kohya's sd-scripts write and UIs show (all strings)."""
+    return {
+        "ss_network_module": "networks.lora",
+        "ss_network_dim": str(rank),
+        "ss_network_alpha": str(alpha),
+        "ss_base_model_version": family.name,
+        "ss_sd_model_name": Path(base_model).name or base_model,
+        "ss_resolution": f"({resolution}, {resolution})",
+        "ss_max_train_steps": str(steps),
+        "ss_steps": str(steps),
+        "ss_network_args": json.dumps({"target_modules": list(targets)}),
+        "ss_training_comment": f"trained with diffusion-engine on {base_model}",
+    }
+
+
+def denoiser_out_features(denoiser: torch.nn.Module) -> OutFeatures:
+    """Out features of a denoiser module by name (peft-wrapped or not)."""
+
+    def out_features(name: str) -> int:
+        module = denoiser.get_submodule(name)
+        module = getattr(module, "base_layer", module)
+        return int(getattr(module, "out_features"))
+
+    return out_features
+
+
+def write_kohya(
+    family: FamilySpec,
+    state: Mapping[str, torch.Tensor],
+    alpha: float,
+    out_features: OutFeatures,
+    metadata: Mapping[str, str],
+    output_dir: Path,
+) -> Path:
+    """Write :data:`KOHYA_FILE` into ``output_dir``; return its path."""
+    from safetensors.torch import save_file
+
+    path = output_dir / KOHYA_FILE
+    save_file(kohya_state_dict(family, state, alpha, out_features), str(path), metadata=dict(metadata))
+    return path
+
+
+def export_kohya(
+    plan: TrainingPlan, denoiser: torch.nn.Module, state: Mapping[str, torch.Tensor], output_dir: Path
+) -> Path:
+    """The run's adapter as :data:`KOHYA_FILE`, with the run's ``ss_*`` metadata."""
+    config = plan.config
+    alpha = float(config.lora_alpha or config.lora_rank)
+    metadata = kohya_metadata(
+        family=plan.family, base_model=str(plan.base.location), rank=config.lora_rank, alpha=alpha,
+        resolution=config.resolution, steps=plan.steps, targets=tuple(plan.lora_targets),
+    )
+    return write_kohya(plan.family, state, alpha, denoiser_out_features(denoiser), metadata, output_dir)
