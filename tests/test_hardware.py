@@ -64,9 +64,11 @@ def test_unknown_preset_lists_valid_names() -> None:
     assert raised.value.code == "unknown_preset" and "rtx4090" in raised.value.message
 
 
-def test_consumer_flag_marks_geforce_cards_only() -> None:
+def test_consumer_flag_marks_consumer_and_workstation_cards() -> None:
+    # Workstation cards (RTX A4000) and unknown names share the consumer
+    # policy; datacenter parts and the RTX 6000 Ada do not.
     assert {n for n, p in PRESETS.items() if p.consumer} == {
-        "rtx2080ti", "rtx3090", "rtx4090", "rtx5090"
+        "rtx2080ti", "rtx3090", "rtx4090", "rtx5090", "rtx-a4000", "dgx-spark"
     }
 
 
@@ -98,7 +100,9 @@ def _fake_nvidia_smi(bin_dir: Path, line: str) -> None:
     [
         ("NVIDIA GeForce RTX 4090, 8.9, 24564, 23000", (8, 9), True, True),
         ("Tesla T4, 7.5, 15360, 15000", (7, 5), False, False),
-        ("NVIDIA RTX A6000, 8.6, 49140, 48000", (8, 6), False, True),
+        # A workstation card: consumer-class policy (int8 first, fp16 accumulation).
+        ("NVIDIA RTX A6000, 8.6, 49140, 48000", (8, 6), True, True),
+        ("NVIDIA RTX 6000 Ada Generation, 8.9, 49140, 48000", (8, 9), False, True),
     ],
 )
 def test_light_probe_parses_nvidia_smi(

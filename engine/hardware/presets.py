@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from engine.errors import UnknownName
+from engine.hardware.probe import gpu_class
 from engine.hardware.profile import HardwareProfile, Vendor, native_bf16
 
 
@@ -22,22 +23,24 @@ def _gpu(
     capability: tuple[int, int] | None,
     *,
     vendor: Vendor = "nvidia",
-    consumer: bool = False,
     unified: bool = False,
     torch_reports_bf16: bool = True,
     cpu_count: int | None = None,
 ) -> HardwareProfile:
     cuda = vendor in ("nvidia", "rocm")
+    klass = gpu_class(device_name) if vendor == "nvidia" else ""
     return HardwareProfile(
         name=name,
         vendor=vendor,
         device_name=device_name,
         total_memory_gb=total_gb,
         # An idle card: everything but the ~0.5 GB a CUDA context takes.
-        free_memory_gb=round(total_gb - 0.5, 1) if cuda else round(total_gb * 0.75, 1),
+        free_memory_gb=round(total_gb - 0.5, 1) if cuda and not unified else round(total_gb * 0.75, 1),
         capability=capability,
         unified_memory=unified,
-        consumer=consumer,
+        # Consumer and workstation cards: int8 first, fp16 accumulation gains.
+        consumer=klass in ("consumer", "workstation"),
+        gpu_class=klass,
         native_bf16=native_bf16(vendor, capability, torch_reports_bf16),
         torchao_functional=True,
         bitsandbytes_usable=cuda,
@@ -50,10 +53,12 @@ _PRESETS: tuple[HardwareProfile, ...] = (
     _gpu("cpu", "x86-64 CPU", 32.0, None, vendor="cpu", cpu_count=8),
     _gpu("t4", "Tesla T4", 15.8, (7, 5)),
     _gpu("v100", "Tesla V100-SXM2-32GB", 34.1, (7, 0)),
-    _gpu("rtx2080ti", "GeForce RTX 2080 Ti", 11.8, (7, 5), consumer=True),
-    _gpu("rtx3090", "GeForce RTX 3090", 25.4, (8, 6), consumer=True),
-    _gpu("rtx4090", "GeForce RTX 4090", 25.3, (8, 9), consumer=True),
-    _gpu("rtx5090", "GeForce RTX 5090", 33.7, (12, 0), consumer=True),
+    _gpu("rtx2080ti", "GeForce RTX 2080 Ti", 11.8, (7, 5)),
+    _gpu("rtx3090", "GeForce RTX 3090", 25.4, (8, 6)),
+    _gpu("rtx4090", "GeForce RTX 4090", 25.3, (8, 9)),
+    _gpu("rtx5090", "GeForce RTX 5090", 33.7, (12, 0)),
+    _gpu("rtx-a4000", "NVIDIA RTX A4000", 17.2, (8, 6)),
+    _gpu("rtx6000-ada", "NVIDIA RTX 6000 Ada Generation", 51.5, (8, 9)),
     _gpu("a100-40g", "A100-SXM4-40GB", 42.4, (8, 0)),
     _gpu("a100-80g", "A100-SXM4-80GB", 85.1, (8, 0)),
     _gpu("l40s", "L40S", 48.3, (8, 9)),
@@ -62,6 +67,8 @@ _PRESETS: tuple[HardwareProfile, ...] = (
     _gpu("b200", "B200", 191.5, (10, 0)),
     _gpu("mi300x", "AMD Instinct MI300X", 205.8, None, vendor="rocm"),
     _gpu("apple-m3-max", "Apple M3 Max", 128.0, None, vendor="mps", unified=True),
+    # An integrated NVIDIA GPU sharing 128 GB with the host (GB10).
+    _gpu("dgx-spark", "NVIDIA GB10", 128.5, (12, 1), unified=True),
 )
 
 PRESETS: Mapping[str, HardwareProfile] = MappingProxyType({p.name: p for p in _PRESETS})

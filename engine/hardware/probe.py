@@ -36,6 +36,39 @@ class _Gpu:
     capability: tuple[int, int] | None
     total_gb: float
     free_gb: float | None
+    #: The GPU reports no memory of its own: it shares the host's (integrated).
+    unified: bool = False
+
+
+#: Datacenter parts, and pro cards built like them (full-rate fp32
+#: accumulation): int8 is not moved first and fp16 accumulation gains nothing.
+_DATACENTER = re.compile(
+    r"\b(A100|A800|H100|H800|H200|GH200|B100|B200|GB200|B300|GB300|L40S?|L20|L4|A40|A30|A16|A10G?|A2|"
+    r"T4|V100|P100|P40|Tesla|RTX 6000 Ada)\b",
+    re.IGNORECASE,
+)
+#: Workstation cards: consumer-class tensor cores under a pro name.
+_WORKSTATION = re.compile(r"\b(RTX A\d{4}|Quadro|RTX PRO|RTX \d{4} Ada)\b", re.IGNORECASE)
+
+
+def gpu_class(name: str) -> str:
+    """``consumer``, ``workstation`` or ``datacenter`` for an NVIDIA device name.
+
+    Datacenter parts are recognised by name; pro cards (RTX A4000/A5000,
+    Quadro, RTX PRO) are workstation; everything else, unknown names
+    included, is taken for a consumer card: those are the many, and a new
+    datacenter part is added here when it ships.
+    """
+    if _DATACENTER.search(name):
+        return "datacenter"
+    if _WORKSTATION.search(name):
+        return "workstation"
+    return "consumer"
+
+
+def consumer_class(name: str) -> bool:
+    """Consumer and workstation cards share the policy (int8 first, fp16 accumulation)."""
+    return gpu_class(name) != "datacenter"
 
 
 def probe(*, verify: bool | None = None) -> HardwareProfile:
@@ -63,11 +96,40 @@ def _torch_exposes_fp16_accumulation() -> bool:
     return (major, minor) >= (2, 7)
 
 
+def _torch_version() -> str | None:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def torchao_exposes_fp8_floor() -> bool:
+    """Whether the installed torchao's float8 config takes ``activation_value_lb``.
+
+    Read from torchao's source without importing it (importing pulls torch).
+    """
+    spec = importlib.util.find_spec("torchao")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, "quantization", "quant_api.py")
+        try:
+            with open(path, encoding="utf-8") as handle:
+                if "activation_value_lb" in handle.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def _light_probe() -> HardwareProfile:
     profile = _light_probe_device()
     return profile.replace(
         attention_packages=installed_attention_packages(),
         torch_fp16_accumulation=_torch_exposes_fp16_accumulation(),
+        torch_version=_torch_version(),
+        fp8_activation_floor=torchao_exposes_fp8_floor(),
+        swap_free_gb=_swap_free_gb(),
     )
 
 
@@ -77,17 +139,17 @@ def _light_probe_device() -> HardwareProfile:
     bnb_installed = importlib.util.find_spec("bitsandbytes") is not None
     gpu = _nvidia_smi()
     if gpu is not None:
-        consumer = any(tag in gpu.name for tag in ("GeForce", "RTX", "TITAN")) and not any(
-            tag in gpu.name for tag in ("RTX A", "RTX PRO", "Quadro")
-        )
+        total_gb, free_gb = (gpu.total_gb, gpu.free_gb) if not gpu.unified else _host_memory_gb()
         return HardwareProfile(
             name="this-machine",
             vendor="nvidia",
             device_name=gpu.name,
-            total_memory_gb=gpu.total_gb,
-            free_memory_gb=gpu.free_gb,
+            total_memory_gb=total_gb,
+            free_memory_gb=free_gb,
             capability=gpu.capability,
-            consumer=consumer,
+            unified_memory=gpu.unified,
+            consumer=consumer_class(gpu.name),
+            gpu_class=gpu_class(gpu.name),
             native_bf16=native_bf16("nvidia", gpu.capability, False),
             torchao_functional=torchao_installed,
             bitsandbytes_usable=bnb_installed,
@@ -164,6 +226,17 @@ def _nvidia_smi() -> _Gpu | None:
     try:
         return _Gpu(name, capability, float(total) * MIB_IN_GB, float(free) * MIB_IN_GB)
     except ValueError:
+        # Integrated GPUs (Jetson, GB10) report "[N/A]": they use host memory.
+        return _Gpu(name, capability, 0.0, None, unified=True)
+
+
+def _swap_free_gb() -> float | None:
+    """Free swap in GB (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as handle:
+            fields = dict(line.split(":", 1) for line in handle if ":" in line)
+        return int(fields["SwapFree"].split()[0]) * 1024 / 1e9
+    except (OSError, KeyError, ValueError):
         return None
 
 
@@ -192,12 +265,14 @@ def _verify_with_torch(light: HardwareProfile) -> HardwareProfile:
         free, total = torch.cuda.mem_get_info(0)
         vendor = "rocm" if getattr(torch.version, "hip", None) else "nvidia"
         capability = (props.major, props.minor) if vendor == "nvidia" else None
+        integrated = bool(getattr(props, "is_integrated", False))
         changes.update(
             vendor=vendor,
             device_name=props.name,
             total_memory_gb=total / 1e9,
             free_memory_gb=free / 1e9,
             capability=capability,
+            unified_memory=light.unified_memory or integrated,
             native_bf16=native_bf16(vendor, capability, torch.cuda.is_bf16_supported()),
             bitsandbytes_usable=light.bitsandbytes_usable and bitsandbytes_usable(),
         )
@@ -208,6 +283,9 @@ def _verify_with_torch(light: HardwareProfile) -> HardwareProfile:
             total, free = _host_memory_gb()
             changes.update(vendor="cpu", total_memory_gb=total, free_memory_gb=free)
     changes["torchao_functional"] = light.torchao_functional and torchao_functional()
+    device = changes.get("device_name")
+    if device and changes.get("vendor") == "nvidia":
+        changes.update(consumer=consumer_class(str(device)), gpu_class=gpu_class(str(device)))
     return light.replace(**changes)
 
 

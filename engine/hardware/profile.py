@@ -65,6 +65,16 @@ class HardwareProfile:
     attention_packages: tuple[str, ...] = ()
     #: torch exposes ``torch.backends.cuda.matmul.allow_fp16_accumulation`` (2.7+).
     torch_fp16_accumulation: bool = True
+    #: The installed torch's version (``2.8.0+cu128``), None when unknown
+    #: (presets): picks the xformers wheel built against it.
+    torch_version: str | None = None
+    #: torchao's float8 config takes ``activation_value_lb``, the floor on
+    #: fp8 activation scales that keeps all-zero rows finite.
+    fp8_activation_floor: bool = True
+    #: Free swap, GB: host memory a CPU run may spill into (slowly).
+    swap_free_gb: float | None = None
+    #: "consumer", "workstation" or "datacenter", by the device name.
+    gpu_class: str = ""
     #: Where the facts came from: "preset", "probe" or "probe+torch".
     source: str = "preset"
 

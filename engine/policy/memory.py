@@ -1,13 +1,20 @@
 """Memory plan: keep everything resident, or offload, from sizes and budget.
 
-budget = free device memory, capped at total - reserve, where reserve is
-max(2 GiB, 10% of VRAM) (20% on unified memory, which the OS shares). A
-plan is resident when weights + base overhead fit within 0.85 x budget
-(and the brief peak of building a quantised transformer fits what is free);
-model offload when the largest component does; group offload (the
-transformer streamed block by block) otherwise, or sequential offload for a
-torchao-quantised transformer, whose tensor subclasses and group-offload
-streams are known to clash on device placement.
+budget = free device memory - reserve, where reserve is max(2 GiB, 10% of
+VRAM) (20% on unified memory, which the OS shares): the reserve is taken
+from what is free, since what other processes hold is not ours to plan
+with. A plan is resident when weights + base overhead fit within 0.85 x
+budget (and the brief peak of building a quantised transformer fits what is
+free); model offload when the largest component does (the transformer then
+stays on the device for every step of an image); group offload (the
+transformer streamed block by block, every step) otherwise, or sequential
+offload for a torchao-quantised transformer, whose tensor subclasses and
+group-offload streams are known to clash on device placement.
+
+Unified memory (Apple silicon, integrated NVIDIA GPUs) has one pool: moving
+a component "off" the device frees nothing, so it is planned resident or
+refused. A CPU run may spill into free swap, slowly; beyond RAM and swap it
+is refused.
 """
 
 from __future__ import annotations
@@ -59,12 +66,20 @@ class MemoryEstimate:
         }
 
 
-def budget_gb(hardware: HardwareProfile, thresholds: MemoryThresholds = MemoryThresholds()) -> float:
+def reserve_gb(hardware: HardwareProfile, thresholds: MemoryThresholds = MemoryThresholds()) -> float:
+    """What the plan leaves untouched: max(2 GiB, 10% of the total; 20% unified)."""
     fraction = thresholds.unified_reserve_fraction if hardware.unified_memory else thresholds.reserve_fraction
-    reserve = max(thresholds.reserve_min_gb, fraction * hardware.total_memory_gb)
-    ceiling = hardware.total_memory_gb - reserve
-    free = hardware.free_memory_gb
-    return max(0.0, ceiling if free is None else min(free, ceiling))
+    return max(thresholds.reserve_min_gb, fraction * hardware.total_memory_gb)
+
+
+def budget_gb(hardware: HardwareProfile, thresholds: MemoryThresholds = MemoryThresholds()) -> float:
+    """Free memory less the reserve (the total less the reserve when free is unknown).
+
+    A 16 GiB card with 15.87 GiB free plans with 13.87 GiB, not with the
+    14 GiB "total - reserve" would claim while something else holds memory.
+    """
+    free = hardware.total_memory_gb if hardware.free_memory_gb is None else hardware.free_memory_gb
+    return max(0.0, free - reserve_gb(hardware, thresholds))
 
 
 def plan_memory(
@@ -100,13 +115,9 @@ def plan_memory(
 
     sizing = f"{resident:.1f} GB resident (weights {weights:.1f} + overhead {overhead:.1f}) vs 0.85 x {budget:.1f} GB budget"
     if hardware.vendor == "cpu":
-        if resident > budget and requested == "auto":
-            raise PreflightError(
-                f"the model needs {sizing}; this machine's RAM cannot hold it. "
-                "Choose a quantised transformer (quant=int8) or a smaller model.",
-                code="insufficient_memory",
-            )
-        return auto("resident", f"CPU: every component in host RAM ({sizing})"), estimate("resident")
+        return _cpu_plan(resident, budget, hardware, requested, sizing), estimate("resident")
+    if hardware.unified_memory:
+        return _unified_plan(fits["resident"], requested, sizing, hardware), estimate("resident")
     if requested != "auto":
         if requested in fits and not fits[requested]:
             raise PreflightError(
@@ -119,7 +130,9 @@ def plan_memory(
     if fits["model_offload"]:
         return auto(
             "model_offload",
-            f"{sizing} does not fit; one component at a time does ({largest:.1f} GB peak)",
+            f"{sizing} does not fit; one component at a time does ({largest:.1f} GB peak), "
+            "so the transformer stays on the device for every step (streaming its blocks "
+            "would move it every step)",
         ), estimate("model_offload")
     if parts.quantised:
         return auto(
@@ -131,6 +144,43 @@ def plan_memory(
         "group_offload",
         f"even the transformer alone ({largest:.1f} GB) does not fit; its blocks are streamed",
     ), estimate("group_offload")
+
+
+def _cpu_plan(resident: float, budget: float, hardware: HardwareProfile, requested: str, sizing: str) -> Resolved[str]:
+    """Resident in RAM, spilling into free swap if it must; refused beyond both."""
+    swap = hardware.swap_free_gb or 0.0
+    if resident <= budget:
+        return auto("resident", f"CPU: every component in host RAM ({sizing})")
+    if resident <= budget + swap:
+        return auto(
+            "resident",
+            f"CPU: {sizing}; {resident - budget:.1f} GB spill into swap ({swap:.1f} GB free): slow",
+        )
+    if requested != "auto":
+        return explicit("resident", f"CPU: host RAM only ({sizing}; {swap:.1f} GB swap free): may not fit")
+    raise PreflightError(
+        f"the model needs {sizing}; this machine's RAM and free swap ({swap:.1f} GB) cannot hold it. "
+        "Choose a quantised transformer (quant=int8), a smaller model, or add swap.",
+        code="insufficient_memory",
+    )
+
+
+def _unified_plan(fits: bool, requested: str, sizing: str, hardware: HardwareProfile) -> Resolved[str]:
+    """One memory pool: offload frees nothing, so resident or refused."""
+    shared = f"{hardware.device_name} shares one memory pool with the host"
+    if not fits:
+        raise PreflightError(
+            f"the model needs {sizing}; {shared}, so offloading frees nothing. "
+            "Free memory (close other apps), choose a quantised transformer, or a smaller model.",
+            code="insufficient_memory",
+        )
+    if requested in ("auto", "resident"):
+        source = auto if requested == "auto" else explicit
+        return source("resident", f"fits: {sizing} ({shared})")
+    return Resolved(
+        "resident", "explicit", f"{requested} not applicable: {shared}, offloading frees nothing; resident ({sizing})",
+        requested, "not applicable",
+    )
 
 
 def mode_rank(mode: str) -> int:

@@ -12,19 +12,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engine.hardware.profile import HardwareProfile
+from engine.hardware.profile import NATIVE_BF16_MIN_CAPABILITY, HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
+from engine.types import FamilySpec
 
 QUANT_REQUESTS: tuple[str, ...] = ("auto", "none", "int8", "fp8", "mxfp8", "nvfp4", "nf4")
+#: Schemes torchao builds (nf4 is bitsandbytes).
+TORCHAO_SCHEMES: tuple[str, ...] = ("int8", "fp8", "mxfp8", "nvfp4")
 
 
-def quant_ladder(hardware: HardwareProfile) -> tuple[str, ...]:
-    """Schemes ``auto`` may pick on this machine, best first. nvfp4 only when asked."""
+def quant_ladder(hardware: HardwareProfile, dtype: str | None = None) -> tuple[str, ...]:
+    """Schemes ``auto`` may pick on this machine, best first. nvfp4 only when asked.
+
+    No dense (torchao) quantisation below sm80, on the CPU, or with fp16
+    compute: there it runs slowly or not at all (see :func:`scheme_unsupported_reason`).
+    """
+    if dtype == "fp16":
+        return ()
     if hardware.vendor == "nvidia" and hardware.mxfp8:
         ladder: tuple[str, ...] = ("fp8", "mxfp8", "int8")
     elif hardware.vendor == "nvidia" and hardware.fp8:
         ladder = ("fp8", "int8")
-    elif hardware.vendor in ("nvidia", "rocm", "cpu"):
+    elif hardware.vendor == "nvidia" and _below_sm80(hardware):
+        ladder = ()
+    elif hardware.vendor in ("nvidia", "rocm"):
         ladder = ("int8",)
     else:
         ladder = ()
@@ -34,8 +45,33 @@ def quant_ladder(hardware: HardwareProfile) -> tuple[str, ...]:
     return ladder
 
 
-def scheme_unsupported_reason(scheme: str, hardware: HardwareProfile) -> str | None:
-    """Why ``scheme`` cannot run here, or None when it can."""
+def _below_sm80(hardware: HardwareProfile) -> bool:
+    return hardware.capability is not None and hardware.capability < NATIVE_BF16_MIN_CAPABILITY
+
+
+def lift_denials(
+    denied: Mapping[str, str], family: FamilySpec, hardware: HardwareProfile
+) -> Mapping[str, str]:
+    """The inference deny list less the entries this machine's libraries fix.
+
+    A family's table names, per denied scheme, the capability that lifts the
+    deny (``fp8_activation_floor``: torchao's float8 config floors activation
+    scales, which the runtime then always sets). The deny and its fix move
+    together: without the capability the deny stands.
+    """
+    lifted = {
+        scheme for scheme, capability in family.inference_deny_lifted_by.items()
+        if scheme in denied and bool(getattr(hardware, capability, False))
+    }
+    return {scheme: why for scheme, why in denied.items() if scheme not in lifted}
+
+
+def scheme_unsupported_reason(scheme: str, hardware: HardwareProfile, dtype: str | None = None) -> str | None:
+    """Why ``scheme`` cannot run here, or None when it can.
+
+    An explicit int8 on the CPU is honoured (weight-only int8 halves host
+    RAM and runs), though ``auto`` never picks it there.
+    """
     if scheme == "nf4":
         if hardware.vendor != "nvidia":
             return "nf4 (bitsandbytes 4-bit) needs an NVIDIA GPU"
@@ -44,6 +80,13 @@ def scheme_unsupported_reason(scheme: str, hardware: HardwareProfile) -> str | N
         return None
     if not hardware.torchao_functional:
         return f"{scheme} needs a functional torchao (missing, or a stub whose quantize_ does nothing)"
+    if hardware.vendor == "nvidia" and _below_sm80(hardware):
+        return (
+            f"torchao {scheme} needs sm80+ (its int8 / float8 GEMM paths); "
+            f"{hardware.device_name} is {hardware.capability_label}"
+        )
+    if dtype == "fp16":
+        return f"torchao {scheme} is built for bf16 compute; this plan computes in fp16"
     if scheme == "fp8" and not hardware.fp8:
         return f"fp8 needs an NVIDIA GPU of capability 8.9+; this is {hardware.device_name} ({hardware.capability_label})"
     if scheme in ("mxfp8", "nvfp4") and not hardware.mxfp8:
@@ -59,6 +102,7 @@ def resolve_quant_request(
     denied: Mapping[str, str],
     *,
     family_label: str,
+    dtype: str | None = None,
 ) -> Resolved[str | None]:
     """The scheme to build (explicit), or the auto candidate, with the reason.
 
@@ -75,16 +119,29 @@ def resolve_quant_request(
                 None,
                 f"{requested} is denied for {family_label}: {denied[requested]}; "
                 "falling back to the GGUF file if given, else the dense transformer",
+                requested=requested,
             )
-        unsupported = scheme_unsupported_reason(requested, hardware)
+        unsupported = scheme_unsupported_reason(requested, hardware, dtype)
         if unsupported:
-            return explicit(None, f"{unsupported}; falling back to GGUF/dense")
+            return explicit(None, f"{unsupported}; falling back to GGUF/dense", requested=requested)
         return explicit(requested)
+    if not quant_ladder(hardware, dtype):
+        return auto(None, f"no dense quantisation is planned here: {_no_ladder_reason(hardware, dtype)}")
     skipped = []
-    for scheme in quant_ladder(hardware):
-        why_not = denied.get(scheme) or scheme_unsupported_reason(scheme, hardware)
+    for scheme in quant_ladder(hardware, dtype):
+        why_not = denied.get(scheme) or scheme_unsupported_reason(scheme, hardware, dtype)
         if why_not is None:
             note = f" (skipped: {'; '.join(skipped)})" if skipped else ""
             return auto(scheme, f"{scheme} is the first usable scheme on {hardware.device_name}{note}")
         skipped.append(f"{scheme}: {why_not}")
     return auto(None, "no quantisation scheme is usable here" + (f" ({'; '.join(skipped)})" if skipped else ""))
+
+
+def _no_ladder_reason(hardware: HardwareProfile, dtype: str | None) -> str:
+    if dtype == "fp16":
+        return "fp16 compute (torchao schemes are built for bf16)"
+    if hardware.vendor == "cpu":
+        return "CPU: torchao schemes run slower than dense there (quant=int8 to halve RAM)"
+    if hardware.vendor == "nvidia" and _below_sm80(hardware):
+        return f"{hardware.capability_label} is below sm80"
+    return f"{hardware.vendor}: no torchao scheme runs here"

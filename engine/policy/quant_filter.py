@@ -8,20 +8,25 @@ the bytes the build makes (``bench/planner_accuracy.py`` measures both).
 The filter keeps small and sensitive layers dense: every Linear under 512
 features on either side (its GEMM is too small to gain, and scales would cost
 more than they save), and for int8 also norms, modulation and the timestep /
-guidance / pooled-text embeddings, whose ranges int8 clips. fp8 needs dims
-divisible by 16, mxfp8 and nvfp4 by 32 (their block size). bitsandbytes nf4
-takes every Linear.
+guidance / pooled-text embeddings (run at M = batch, and their ranges int8
+clips), plus what each family's table lists in ``int8_dense_modules``: its
+own names for those embedders, and layers run at M = prompt tokens, which
+CUDA's int8 matmul (at least 16 rows) fails on for short prompts. A context
+embedder (M = text tokens, padded) is quantised. fp8 needs dims divisible by
+16, mxfp8 and nvfp4 by 32 (their block size). bitsandbytes nf4 takes every
+Linear.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 MIN_FEATURES = 512
-#: Name fragments int8 leaves dense (norms, modulation, embeddings).
-INT8_SKIP: tuple[str, ...] = ("norm", "mod", "adaln", "embed", "timestep", "guidance", "pooled")
+#: Name fragments int8 leaves dense in every family (norms, modulation, the
+#: timestep / guidance / pooled embedders); families add theirs.
+INT8_SKIP: tuple[str, ...] = ("norm", "mod", "adaln", "timestep", "guidance", "pooled")
 
 
 @dataclass(frozen=True)
@@ -48,14 +53,26 @@ LAYOUTS = {
 }
 
 
-def quantises(scheme: str, module_name: str, in_features: int, out_features: int) -> bool:
-    """Whether ``scheme`` quantises the Linear called ``module_name``."""
+def quantises(
+    scheme: str,
+    module_name: str,
+    in_features: int,
+    out_features: int,
+    dense_modules: Sequence[str] = (),
+) -> bool:
+    """Whether ``scheme`` quantises the Linear called ``module_name``.
+
+    :param dense_modules: the family's ``int8_dense_modules`` (int8 only).
+    """
     layout = LAYOUTS[scheme]
     if min(in_features, out_features) < layout.min_features:
         return False
     if in_features % layout.dims_multiple or out_features % layout.dims_multiple:
         return False
-    return not (scheme == "int8" and any(s in module_name.lower() for s in INT8_SKIP))
+    if scheme != "int8":
+        return True
+    name = module_name.lower()
+    return not any(token.lower() in name for token in (*INT8_SKIP, *dense_modules))
 
 
 def dense_gb(tensors: Iterable[tuple[str, tuple[int, ...]]]) -> float:
@@ -63,7 +80,9 @@ def dense_gb(tensors: Iterable[tuple[str, tuple[int, ...]]]) -> float:
     return sum(2 * math.prod(shape) for _, shape in tensors) / 1e9
 
 
-def quantised_gb(tensors: Iterable[tuple[str, tuple[int, ...]]], scheme: str) -> float:
+def quantised_gb(
+    tensors: Iterable[tuple[str, tuple[int, ...]]], scheme: str, dense_modules: Sequence[str] = ()
+) -> float:
     """GB of a denoiser whose tensors are ``(name, shape)``, held in ``scheme``.
 
     A 2-D ``*.weight`` is taken for a Linear ``[out, in]``; everything left
@@ -74,7 +93,7 @@ def quantised_gb(tensors: Iterable[tuple[str, tuple[int, ...]]], scheme: str) ->
     for name, shape in tensors:
         numel = math.prod(shape)
         module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and len(shape) == 2 and quantises(scheme, module, shape[1], shape[0]):
+        if leaf == "weight" and len(shape) == 2 and quantises(scheme, module, shape[1], shape[0], dense_modules):
             total += numel * layout.bytes_per_weight + shape[0] * layout.bytes_per_row
         else:
             total += numel * 2

@@ -1,12 +1,21 @@
-"""A decision with its provenance: what was chosen, by whom, and why."""
+"""A decision with its provenance: what was asked, what was chosen, by whom, and why."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
 T = TypeVar("T")
 Source = Literal["auto", "explicit"]
+Status = Literal["engaged", "fell back", "refused", "not applicable"]
+STATUSES: tuple[str, ...] = ("engaged", "fell back", "refused", "not applicable")
+
+#: Values that mean "nothing of this control is in effect".
+_INACTIVE: tuple[object, ...] = (None, False, "off", "none")
+#: Request spellings that name the same thing as a resolved value.
+_SAME_AS: Mapping[object, object] = {"none": None, "on": "regional"}
 
 
 @dataclass(frozen=True)
@@ -15,19 +24,75 @@ class Resolved(Generic[T]):
 
     ``reason`` names the rule that fired, so a UI can show "Auto: int8" with
     the reason as its tooltip, and a log says why without a debugger.
+    ``requested`` is what the user asked for (``"auto"`` when they left it to
+    the engine; None when not recorded, then read from ``source``), so
+    "fp8 on an A100" says it was asked for and not given; ``status`` says
+    how the request ended (see :func:`derive_status`), derived when None.
     """
 
     value: T
     source: Source
     reason: str
+    requested: object = None
+    status: str | None = None
+
+    @property
+    def asked(self) -> object:
+        """What was asked for: ``requested``, else ``auto`` / the value by source."""
+        if self.requested is not None:
+            return self.requested
+        return "auto" if self.source == "auto" else self.value
+
+    @property
+    def outcome(self) -> str:
+        return self.status or derive_status(self.asked, self.value)
+
+    def with_request(self, requested: object) -> Resolved[T]:
+        """A copy that records ``requested`` (what the user asked for)."""
+        return dataclasses.replace(self, requested=requested)
 
     def to_dict(self) -> dict[str, object]:
-        return {"value": self.value, "source": self.source, "reason": self.reason}
+        return {
+            "value": self.value,
+            "source": self.source,
+            "reason": self.reason,
+            "requested": self.asked,
+            "status": self.outcome,
+        }
+
+
+def derive_status(requested: object, value: object) -> str:
+    """How a request ended.
+
+    - ``engaged``: what was asked is in effect (``auto`` chose something active,
+      or an explicit value is honoured, ``off`` included);
+    - ``not applicable``: ``auto``, and the control is off here (no cache at 4
+      steps, no quantisation on a card that fits the dense model);
+    - ``fell back``: an explicit request replaced by something else active
+      (sage asked, native SDPA used);
+    - ``refused``: an explicit request that left the control off (fp8 asked
+      on an A100: no scheme).
+    """
+    if requested == "auto":
+        return "not applicable" if value in _INACTIVE else "engaged"
+    if _SAME_AS.get(requested, requested) == value or requested == value:
+        return "engaged"
+    return "refused" if value in _INACTIVE else "fell back"
 
 
 def auto(value: T, reason: str) -> Resolved[T]:
     return Resolved(value, "auto", reason)
 
 
-def explicit(value: T, reason: str = "requested") -> Resolved[T]:
-    return Resolved(value, "explicit", reason)
+def explicit(value: T, reason: str = "requested", *, requested: object = None) -> Resolved[T]:
+    """An explicit request's outcome; pass ``requested`` when ``value`` differs from it."""
+    return Resolved(value, "explicit", reason, requested)
+
+
+def with_requests(controls: Mapping[str, Resolved], requested: Mapping[str, object]) -> dict[str, Resolved]:
+    """``controls`` with each one's ``requested`` filled from ``requested``
+    (``auto`` for a control the user cannot set), where its resolver left it open."""
+    return {
+        name: resolved if resolved.requested is not None else resolved.with_request(requested.get(name, "auto"))
+        for name, resolved in controls.items()
+    }

@@ -7,19 +7,30 @@ names the rule that fired.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.hardware.profile import HardwareProfile
-from engine.policy.resolved import Resolved, auto, explicit
+from engine.policy.resolved import Resolved, Source, auto, explicit
 
 SPEED_TIERS: tuple[str, ...] = ("off", "eager", "default", "max")
 STEP_CACHES: tuple[str, ...] = ("auto", "off", "fbcache")
 COMPILE_REQUESTS: tuple[str, ...] = ("auto", "on", "off")
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", "flash", "flash3", "sage", "xformers")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", "cudnn", "flash", "flash3", "sage", "xformers")
 
 FP16_ACCUM_KILL_SWITCH = "DIFFUSION_ENGINE_DISABLE_FP16_ACCUM"
 ATTENTION_INSTALL_ENV = "DIFFUSION_ENGINE_ATTENTION_INSTALL"
+#: torch's own switch: with it set, ``torch.compile`` does nothing.
+DYNAMO_DISABLE_ENV = "TORCHDYNAMO_DISABLE"
+
+#: A dense model compiles before this image (1-based) of a loaded session:
+#: compiling costs 30-60 s, which a one-off image should not pay.
+COMPILE_FROM_IMAGE = 3
+#: cuDNN's fused SDPA kernel: Ampere (sm80) and newer, half-precision inputs.
+CUDNN_ATTENTION_MIN_CAPABILITY = (8, 0)
+CUDNN_ATTENTION_DTYPES: tuple[str | None, ...] = ("bf16", "fp16", None)
 
 
 @dataclass(frozen=True)
@@ -36,17 +47,34 @@ class AttentionBackend:
     """An optional kernel: the package it needs and the cards it runs on."""
 
     package: str
+    #: The pip requirement, with its version floor (``sageattention>=1.0.6``).
     pip_name: str
     min_capability: tuple[int, int]
     max_capability: tuple[int, int] | None = None
+    #: Install without dependencies: the package's own requirements would
+    #: replace the installed torch / triton with whatever pip resolves.
+    no_deps: bool = False
 
 
-#: Backends beyond torch's SDPA (``native``), by our name.
+#: Backends beyond torch's SDPA (``native``, ``cudnn``), by our name.
 OPTIONAL_BACKENDS: Mapping[str, AttentionBackend] = {
     "flash": AttentionBackend("flash_attn", "flash-attn", (8, 0)),
     "flash3": AttentionBackend("flash_attn_interface", "kernels", (9, 0), (9, 0)),
-    "sage": AttentionBackend("sageattention", "sageattention", (8, 0)),
-    "xformers": AttentionBackend("xformers", "xformers", (7, 0)),
+    "sage": AttentionBackend("sageattention", "sageattention>=1.0.6", (8, 0), no_deps=True),
+    # The requirement is pinned per torch release (XFORMERS_FOR_TORCH).
+    "xformers": AttentionBackend("xformers", "xformers", (7, 0), no_deps=True),
+}
+
+#: The xformers release whose wheels are built against each torch release:
+#: any other pairing either pulls a different torch or fails to import.
+XFORMERS_FOR_TORCH: Mapping[tuple[int, int, int], str] = {
+    (2, 4, 0): "0.0.27.post2",
+    (2, 4, 1): "0.0.28.post1",
+    (2, 5, 1): "0.0.28.post3",
+    (2, 6, 0): "0.0.29.post3",
+    (2, 7, 0): "0.0.30",
+    (2, 7, 1): "0.0.31.post1",
+    (2, 8, 0): "0.0.32.post2",
 }
 
 
@@ -59,15 +87,64 @@ def resolve_speed_tier(requested: str) -> Resolved[str]:
 
 
 def attention_arch_error(name: str, hardware: HardwareProfile) -> str | None:
-    """Why this card cannot run backend ``name`` (the arch gate), or None."""
-    backend = OPTIONAL_BACKENDS[name]
-    if hardware.vendor != "nvidia" or hardware.capability is None:
+    """Why this card cannot run backend ``name`` (the arch gate), or None.
+
+    An NVIDIA card whose capability could not be read is let through: the
+    kernel is tried at load, and a failure there falls back to native SDPA
+    with the reason (blocking it would refuse every kernel on a new card).
+    """
+    minimum, maximum = (
+        (CUDNN_ATTENTION_MIN_CAPABILITY, None)
+        if name == "cudnn"
+        else (OPTIONAL_BACKENDS[name].min_capability, OPTIONAL_BACKENDS[name].max_capability)
+    )
+    if hardware.vendor != "nvidia":
         return f"{name} attention needs an NVIDIA GPU; this is {hardware.device_name}"
-    if hardware.capability < backend.min_capability:
-        return f"{name} attention needs sm{backend.min_capability[0]}{backend.min_capability[1]}+; this is {hardware.capability_label}"
-    if backend.max_capability and hardware.capability > backend.max_capability:
+    if hardware.capability is None:
+        return None
+    if hardware.capability < minimum:
+        return f"{name} attention needs sm{minimum[0]}{minimum[1]}+; this is {hardware.capability_label}"
+    if maximum and hardware.capability > maximum:
         return f"{name} attention runs on Hopper (sm90) only; this is {hardware.capability_label}"
     return None
+
+
+def _unknown_capability_note(hardware: HardwareProfile) -> str:
+    if hardware.vendor == "nvidia" and hardware.capability is None:
+        return " (compute capability unknown: tried at load, native SDPA if it fails)"
+    return ""
+
+
+def install_requirement(name: str, hardware: HardwareProfile) -> tuple[str | None, str]:
+    """(pip arguments for backend ``name`` or None, why).
+
+    The arguments are one string the runtime splits: the requirement with
+    its version floor, plus ``--no-deps`` where the package's own
+    requirements would replace the installed torch. xformers is pinned to
+    the release built against the installed torch, or not installed at all.
+    """
+    backend = OPTIONAL_BACKENDS[name]
+    requirement = backend.pip_name
+    if name == "xformers":
+        version = _torch_release(hardware.torch_version)
+        pinned = XFORMERS_FOR_TORCH.get(version) if version else None
+        if pinned is None:
+            return None, (
+                f"no xformers wheel is known to match torch {hardware.torch_version or '(version unknown)'}"
+            )
+        requirement = f"xformers=={pinned}"
+    args = f"{requirement} --no-deps" if backend.no_deps else requirement
+    return args, f"a wheel-only install of {args} is tried at load"
+
+
+def _torch_release(version: str | None) -> tuple[int, int, int] | None:
+    """``2.8.0+cu128`` -> (2, 8, 0); None when unreadable."""
+    if not version:
+        return None
+    numbers = re.findall(r"\d+", version.split("+")[0])[:3]
+    if len(numbers) < 3:
+        return None
+    return int(numbers[0]), int(numbers[1]), int(numbers[2])
 
 
 def resolve_attention(
@@ -75,44 +152,79 @@ def resolve_attention(
     hardware: HardwareProfile,
     denied: Mapping[str, str],
     env: Mapping[str, str],
+    dtype: str | None = None,
 ) -> tuple[Resolved[str], str | None]:
-    """(backend, pip package to try installing at load or None).
+    """(backend, pip arguments to try installing at load or None).
 
-    An explicit request that the card cannot run (or the family denies)
-    falls back to native SDPA with the reason. A missing package is
-    installed best-effort at load, only for an explicit request, only after
-    the arch gate, and only while ``DIFFUSION_ENGINE_ATTENTION_INSTALL`` is
-    not ``0``.
+    ``auto`` takes FlashAttention-3 where it is installed on Hopper, else
+    cuDNN's fused SDPA on sm80+ NVIDIA cards (faster than the kernel SDPA
+    picks by itself there), else native SDPA. An explicit request that the
+    card cannot run (or the family denies) falls back to native SDPA with
+    the reason. A missing package is installed best-effort at load, only for
+    an explicit request, only after the arch gate, and only while
+    ``DIFFUSION_ENGINE_ATTENTION_INSTALL`` is not ``0``.
     """
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention {requested!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     if requested == "native":
         return explicit("native"), None
     if requested == "auto":
-        if (
-            "flash_attn_interface" in hardware.attention_packages
-            and "flash3" not in denied
-            and attention_arch_error("flash3", hardware) is None
-        ):
-            return auto("flash3", "FlashAttention-3 is installed and this is a Hopper GPU"), None
-        return auto("native", "torch SDPA (it picks the flash / memory-efficient kernel itself)"), None
+        return _auto_attention(hardware, denied, dtype), None
     if requested in denied:
-        return explicit("native", f"{requested} is denied for this family: {denied[requested]}; native SDPA"), None
+        why = f"{requested} is denied for this family: {denied[requested]}; native SDPA"
+        return explicit("native", why, requested=requested), None
     arch = attention_arch_error(requested, hardware)
     if arch:
-        return explicit("native", f"{arch}; native SDPA"), None
+        return explicit("native", f"{arch}; native SDPA", requested=requested), None
+    note = _unknown_capability_note(hardware)
+    if requested == "cudnn":
+        if dtype not in CUDNN_ATTENTION_DTYPES:
+            why = f"cuDNN attention runs bf16 / fp16 only; this plan computes in {dtype}; native SDPA"
+            return explicit("native", why, requested=requested), None
+        return explicit("cudnn", f"cuDNN fused SDPA (built into torch){note}"), None
     backend = OPTIONAL_BACKENDS[requested]
     if backend.package in hardware.attention_packages:
-        return explicit(requested), None
+        return explicit(requested, f"requested{note}"), None
     if env.get(ATTENTION_INSTALL_ENV, "auto") == "0":
         return explicit(
-            "native", f"{backend.package} is not installed and {ATTENTION_INSTALL_ENV}=0; native SDPA"
+            "native", f"{backend.package} is not installed and {ATTENTION_INSTALL_ENV}=0; native SDPA",
+            requested=requested,
         ), None
+    args, why = install_requirement(requested, hardware)
+    if args is None:
+        why = f"{backend.package} is not installed and {why}; native SDPA"
+        return explicit("native", why, requested=requested), None
     return explicit(
-        requested,
-        f"{backend.package} is not installed: a wheel-only install of {backend.pip_name} is "
-        "tried at load; native SDPA if it fails",
-    ), backend.pip_name
+        requested, f"{backend.package} is not installed: {why}; native SDPA if it fails{note}"
+    ), args
+
+
+def _auto_attention(hardware: HardwareProfile, denied: Mapping[str, str], dtype: str | None) -> Resolved[str]:
+    if (
+        "flash_attn_interface" in hardware.attention_packages
+        and "flash3" not in denied
+        and hardware.capability is not None
+        and attention_arch_error("flash3", hardware) is None
+    ):
+        return auto("flash3", "FlashAttention-3 is installed and this is a Hopper GPU")
+    if (
+        "cudnn" not in denied
+        and dtype in CUDNN_ATTENTION_DTYPES
+        and hardware.capability is not None
+        and attention_arch_error("cudnn", hardware) is None
+    ):
+        return auto(
+            "cudnn",
+            f"cuDNN fused SDPA on {hardware.capability_label} (sm80+): faster than the kernel "
+            "SDPA picks by itself; native SDPA if it cannot be set",
+        )
+    if "cudnn" in denied:
+        why = f"cudnn denied for this family: {denied['cudnn']}"
+    elif dtype not in CUDNN_ATTENTION_DTYPES:
+        why = f"cuDNN attention runs bf16 / fp16 only, this plan computes in {dtype}"
+    else:
+        why = "not an sm80+ NVIDIA GPU of known capability"
+    return auto("native", f"torch SDPA ({why}; SDPA picks the flash / memory-efficient kernel itself)")
 
 
 def resolve_step_cache(
@@ -123,16 +235,23 @@ def resolve_step_cache(
     tier: str,
     denied: Mapping[str, str],
     thresholds: StepCacheThresholds = StepCacheThresholds(),
+    unsupported: str | None = None,
 ) -> tuple[Resolved[str], float]:
-    """(``fbcache`` or ``off``, residual threshold). Re-asked at every generate."""
+    """(``fbcache`` or ``off``, residual threshold). Re-asked at every generate.
+
+    :param unsupported: why this pipeline cannot carry the cache (its call
+        sets no cache context: the first step would fail), or None.
+    """
     if requested not in STEP_CACHES:
         raise ValueError(f"step cache {requested!r} is not one of {', '.join(STEP_CACHES)}")
     threshold = thresholds.quantised_threshold if quantised else thresholds.threshold
+    source: Source = "auto" if requested == "auto" else "explicit"
     if "step_cache" in denied:
-        source = auto if requested == "auto" else explicit
-        return source("off", f"step cache unavailable: {denied['step_cache']}"), threshold
+        return Resolved("off", source, f"step cache unavailable: {denied['step_cache']}", requested), threshold
     if requested == "off":
         return explicit("off", "pinned off"), threshold
+    if unsupported and (requested == "fbcache" or tier != "off"):
+        return Resolved("off", source, f"step cache unavailable: {unsupported}", requested), threshold
     if requested == "fbcache":
         return explicit("fbcache", f"pinned on (residual threshold {threshold})"), threshold
     if tier == "off":
@@ -149,6 +268,24 @@ def resolve_step_cache(
     ), threshold
 
 
+def step_cache_unsupported(
+    cache_context_pipelines: tuple[str, ...] | None, pipeline_class: str | None
+) -> str | None:
+    """Why ``pipeline_class`` cannot carry the step cache, from the family table.
+
+    First-Block-Cache keeps its state per cache context, which the pipeline's
+    call must open around each denoiser call; a pipeline that opens none
+    fails at the first cached step ("No cache context is set"). None when the
+    table does not say (the runtime checks the loaded pipeline) or the class
+    is listed.
+    """
+    if cache_context_pipelines is None or not pipeline_class:
+        return None
+    if pipeline_class in cache_context_pipelines:
+        return None
+    return f"{pipeline_class} sets no cache context around its denoiser calls (First-Block-Cache would fail)"
+
+
 def resolve_compile(
     requested: str,
     hardware: HardwareProfile,
@@ -158,33 +295,88 @@ def resolve_compile(
     denied: Mapping[str, str],
     gguf: bool,
     cache_may_engage: bool,
+    offloaded: bool = False,
+    dtype: str = "bf16",
+    env: Mapping[str, str] | None = None,
 ) -> tuple[Resolved[str], bool]:
-    """(``regional`` or ``off``, fullgraph)."""
+    """(``regional`` or ``off``, fullgraph).
+
+    fullgraph is off wherever hooks run inside the denoiser: an auto step
+    cache that may engage later, and offload hooks (group / model /
+    sequential), under which a fullgraph compile fails at the first step.
+    """
     if requested not in COMPILE_REQUESTS:
         raise ValueError(f"compile {requested!r} is not one of {', '.join(COMPILE_REQUESTS)}")
-    fullgraph = not cache_may_engage
+    source: Source = "auto" if requested == "auto" else "explicit"
     if requested == "off":
         return explicit("off", "pinned off"), False
-    blocker = None
-    if not regions:
-        blocker = "the family names no repeated blocks to compile"
-    elif "compile" in denied:
-        blocker = denied["compile"]
-    elif gguf:
-        blocker = "torch.compile fails on GGUF-quantised weights"
+    blocker = _compile_blocker(regions, denied, gguf=gguf and requested == "auto", tier=tier, env=env or {})
     if blocker:
-        source = auto if requested == "auto" else explicit
-        return source("off", blocker), False
-    note = "" if fullgraph else "; fullgraph off, an auto step cache may engage"
+        return Resolved("off", source, blocker, requested), False
+    fullgraph = not (cache_may_engage or offloaded or gguf)
+    notes = []
+    if cache_may_engage:
+        notes.append("fullgraph off, an auto step cache may engage")
+    if offloaded:
+        notes.append("fullgraph off under offload hooks")
+    if gguf:
+        notes.append("GGUF weights: regional compile only")
+    note = "".join(f"; {n}" for n in notes)
     if requested == "on":
         return explicit("regional", f"regional compile of {', '.join(regions)} (dynamic shapes){note}"), fullgraph
     if tier in ("off", "eager"):
         return auto("off", f"speed tier {tier}"), False
     if not hardware.cuda:
         return auto("off", f"{hardware.vendor}: compiling costs 30-40 s up front for little gain"), False
+    if dtype == "fp16":
+        return auto(
+            "off",
+            "fp16 compute (a card without native bf16): inductor's kernels gain little there "
+            "and the compile costs 30-60 s; compile=on to force it",
+        ), False
     return auto(
         "regional", f"regional compile of {', '.join(regions)} with dynamic shapes{note}"
     ), fullgraph
+
+
+def _compile_blocker(
+    regions: tuple[str, ...], denied: Mapping[str, str], *, gguf: bool, tier: str, env: Mapping[str, str]
+) -> str | None:
+    if env.get(DYNAMO_DISABLE_ENV, "") not in ("", "0"):
+        return f"{DYNAMO_DISABLE_ENV}={env[DYNAMO_DISABLE_ENV]}: torch.compile is disabled in this process"
+    if not regions:
+        return "the family names no repeated blocks to compile"
+    if "compile" in denied:
+        return denied["compile"]
+    if gguf and tier != "max":
+        return "GGUF weights: compiled (regionally) only on the max tier, where the 30-60 s compile pays"
+    return None
+
+
+def schedule_compile(compiled: Resolved[str], *, quantised: bool) -> tuple[Resolved[str], int]:
+    """(``compiled`` with its schedule in the reason, the image that compiles first).
+
+    A dense auto compile waits for the third image of a loaded session, so a
+    one-off image does not pay 30-60 s; an explicit ``on`` and a
+    torchao-quantised transformer (whose speed comes from the compiled
+    kernels) compile at load (image 1).
+    """
+    if compiled.value != "regional" or compiled.source == "explicit" or quantised:
+        return compiled, 1
+    reason = (
+        f"{compiled.reason}; compiled before image {COMPILE_FROM_IMAGE} of a session "
+        "(a one-off image does not pay the 30-60 s compile)"
+    )
+    return dataclasses.replace(compiled, reason=reason), COMPILE_FROM_IMAGE
+
+
+def resolve_tf32(hardware: HardwareProfile, *, tier: str) -> Resolved[bool]:
+    """TF32 for fp32 matmuls: a precision trade, so only the max tier takes it."""
+    if hardware.vendor != "nvidia" or not hardware.native_bf16:
+        return auto(False, "TF32 needs an NVIDIA GPU of sm80+")
+    if tier != "max":
+        return auto(False, "TF32 changes fp32 results; only the max tier trades exactness for speed")
+    return auto(True, "max tier: fp32 matmuls (encoders, VAE in fp32) run in TF32")
 
 
 def resolve_fp16_accumulation(
