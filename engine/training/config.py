@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.errors import EngineError
 
@@ -20,42 +20,91 @@ class InvalidConfig(EngineError):
     code = "invalid_config"
 
 
+#: Upper bounds that keep every numeric field inside what the trainer, torch
+#: and a GPU can honour; a value past one is refused before anything is freed.
+MAX_STEPS = 1_000_000
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes up to 2**64 - 1; JSON clients stay signed
+MAX_RANK = 1024
+MAX_BATCH = 64
+
+
 class TrainingConfig(BaseModel):
-    """One LoRA training run. ``None`` means the family's default."""
+    """One LoRA training run. ``None`` means the family's default.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Every numeric field has both bounds: an unbounded one (a rank of 10**10,
+    a seed of 2**70) would pass here and fail only after the GPU was taken.
+    """
 
-    base_model: str
-    family: str | None = None
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    base_model: str = Field(..., min_length=1, max_length=4096)
+    family: str | None = Field(None, min_length=1, max_length=128)
     dataset_dir: Path
     output_dir: Path | None = None
     resolution: int = Field(512, ge=64, le=4096, multiple_of=16)
-    steps: int | None = Field(None, ge=1)
-    epochs: int | None = Field(None, ge=1)
-    batch_size: int = Field(1, ge=1)
-    grad_accumulation: int = Field(1, ge=1)
-    learning_rate: float = Field(1e-4, gt=0)
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS)
+    epochs: int | None = Field(None, ge=1, le=100_000)
+    batch_size: int = Field(1, ge=1, le=MAX_BATCH)
+    grad_accumulation: int = Field(1, ge=1, le=1024)
+    learning_rate: float = Field(1e-4, gt=0, le=1.0)
     lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    lora_rank: int = Field(16, ge=1)
-    lora_alpha: float | None = Field(None, gt=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
+    lora_rank: int = Field(16, ge=1, le=MAX_RANK)
+    lora_alpha: float | None = Field(None, gt=0, le=65536)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_targets: tuple[str, ...] | None = None
-    max_grad_norm: float = Field(1.0, gt=0)
-    seed: int = 0
+    lora_targets: tuple[str, ...] | None = Field(None, min_length=1, max_length=256)
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    base_precision: str = "auto"
+    base_precision: str = Field("auto", max_length=32)
     compile: Literal["auto", "on", "off"] = "auto"
-    gradient_checkpointing: bool = False
+    #: None: the engine decides (off when the run fits without it, else on).
+    gradient_checkpointing: bool | None = None
     device: Literal["auto", "cuda", "cpu"] = "auto"
     export_kohya: bool = False
     #: Points kept per metric in the run record (older points are thinned).
-    metric_history: int = Field(500, ge=10)
+    metric_history: int = Field(500, ge=10, le=100_000)
+    #: Write a checkpoint (LoRA, optimizer, scheduler, RNG, step) every N steps; None: never.
+    save_every: int | None = Field(None, ge=1, le=MAX_STEPS)
+    #: Checkpoints kept (the newest); older ones are deleted as new ones land.
+    keep_checkpoints: int = Field(3, ge=1, le=1000)
+    #: A checkpoint folder to continue from (set by ``train --resume``).
+    resume_from: Path | None = None
+    #: Prompts rendered with the current LoRA every ``sample_every`` steps (fixed seeds: seed + index).
+    sample_prompts: tuple[str, ...] | None = Field(None, min_length=1, max_length=16)
+    sample_every: int | None = Field(None, ge=1, le=MAX_STEPS)
+    #: Denoising steps per sample image.
+    sample_steps: int = Field(20, ge=1, le=200)
+
+    @field_validator("base_model")
+    @classmethod
+    def _model_named(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("is empty; give a local pipeline folder (or a hub repo id where allowed)")
+        if "\x00" in value:
+            raise ValueError("contains a NUL byte")
+        return value
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _targets_named(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is not None and any(not t.strip() or len(t) > 256 for t in value):
+            raise ValueError("every LoRA target is a non-empty module name (to_q, attn.to_out.0)")
+        return value
+
+    @field_validator("sample_prompts")
+    @classmethod
+    def _prompts_bounded(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is not None and any(len(p) > 2000 or "\x00" in p for p in value):
+            raise ValueError("every sample prompt is at most 2000 characters, with no NUL byte")
+        return value
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainingConfig:
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give steps or epochs, not both")
+        if self.sample_every is not None and not self.sample_prompts:
+            raise ValueError("sample_every needs at least one sample prompt")
         return self
 
     def total_steps(self, images: int) -> int:
@@ -81,3 +130,53 @@ class TrainingConfig(BaseModel):
                 for error in exc.errors()
             )
             raise InvalidConfig(f"invalid training config: {problems}") from None
+
+
+def read_config_file(path: Path) -> dict[str, object]:
+    """The fields in a TOML (or ``.json``) config file; validated later with the flags merged in.
+
+    :raises InvalidConfig: the file is missing, unreadable or not a table of fields.
+    """
+    import json
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: no TOML reader in the standard library
+        tomllib = None  # type: ignore[assignment]
+    as_json = Path(path).suffix.lower() == ".json"
+    if tomllib is None and not as_json:
+        raise InvalidConfig(f"reading {path} needs Python 3.11+ (tomllib); give a .json config instead")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text) if as_json else tomllib.loads(text)  # type: ignore[union-attr]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidConfig(f"cannot read the config file {path}: {exc}; give a readable TOML file") from None
+    except ValueError as exc:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
+        raise InvalidConfig(f"the config file {path} is not valid TOML/JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidConfig(f"the config file {path} must hold a table of TrainingConfig fields")
+    return data
+
+
+def config_toml(config: TrainingConfig) -> str:
+    """The resolved config as TOML (unset fields left out), readable by :func:`read_config_file`.
+
+    Floats are written with ``repr`` so the file reproduces the run bit for bit;
+    ``output_dir`` and ``resume_from`` belong to this run and are left out.
+    """
+    import json
+
+    def value(item: object) -> str:
+        if isinstance(item, bool):
+            return "true" if item else "false"
+        if isinstance(item, (int, float)):
+            return repr(item)
+        if isinstance(item, (list, tuple)):
+            return "[" + ", ".join(value(v) for v in item) + "]"
+        return json.dumps(str(item), ensure_ascii=False)
+
+    lines = ["# A resolved TrainingConfig: `diffusion-engine train --config THIS_FILE` repeats the run."]
+    this_run_only = {"output_dir", "resume_from"}  # a repeat writes a new folder and starts afresh
+    lines += [f"{key} = {value(item)}" for key, item in config.public_dict().items()
+              if item is not None and key not in this_run_only]
+    return "\n".join(lines) + "\n"

@@ -6,7 +6,18 @@
   ``add_adapter`` (quantising first trips peft's torchao LoRA layer); eager.
 - fp8: torchao ``convert_to_float8_training`` on the frozen Linears; the
   filter skips ``lora_*`` modules, ``proj_out`` and dims not divisible by 16.
-- mxfp8: likewise with the MX recipe: dims divisible by 32, no biased Linears.
+- mxfp8: likewise with the MX recipe: dims divisible by 32, no biased Linears
+  (``MXLinearConfig`` where torchao has it, else its successor
+  ``MXFP8TrainingOpConfig``).
+
+Quantise on the way in: :func:`place_base` sets the precision up on the
+host, one repeated block at a time, and only then moves the denoiser to the
+device (:func:`engine.runtime.quantize.quantize_on_host_then_place`), so an
+int8 base never sits on the GPU in dense bf16. Every mode converts on the
+host: int8 quantises with plain torch ops, and the fp8 / mxfp8 training
+recipes swap modules (or wrap weights) without a kernel. Those two keep the
+frozen weights in bf16 by design (they cast per forward), so their base is
+dense on the GPU whatever the order.
 
 During the run SDPA is pinned to flash / memory-efficient attention (the
 cuDNN backend fails on some DiT training shapes) and restored afterwards.
@@ -20,6 +31,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from engine.policy.quant_filter import quantises
+from engine.runtime.quantize import ModuleFilter, Placement, Transform, move_to, quantize_on_host_then_place
+
+#: Base precisions that change the frozen Linears after the adapter is added.
+CONVERTED_MODES = ("int8", "fp8", "mxfp8")
 
 
 def _frozen_linear(name: str, module: torch.nn.Module) -> bool:
@@ -48,29 +63,68 @@ def int8_training_filter(module: torch.nn.Module, name: str) -> bool:
 
 
 def apply_base_precision(denoiser: torch.nn.Module, mode: str) -> int:
-    """Quantise the frozen base of ``denoiser`` for ``mode``; return layers changed."""
+    """Convert the frozen base of ``denoiser`` for ``mode`` where it lies; return layers changed."""
+    if mode not in CONVERTED_MODES:
+        return 0
+    transform, keep = base_transform(mode)
+    chosen = sum(1 for name, module in denoiser.named_modules() if keep(module, name))
+    transform(denoiser, keep)
+    return chosen
+
+
+def place_base(denoiser: torch.nn.Module, mode: str, device: str) -> Placement | None:
+    """Set the base precision up on the host, block by block, then move the
+    denoiser to ``device``. Returns how it was placed (None: nothing to convert).
+
+    Raises :class:`~engine.runtime.quantize.QuantisationFailed` or
+    :class:`~engine.runtime.quantize.PlacementFailed` (out of memory included).
+    """
+    if mode not in CONVERTED_MODES:
+        move_to(denoiser, device, f"the {mode} denoiser")
+        return None
+    transform, keep = base_transform(mode)
+    return quantize_on_host_then_place(denoiser, mode, device, transform=transform, keep=keep, site="host")
+
+
+def base_transform(mode: str) -> tuple[Transform, ModuleFilter]:
+    """The in-place conversion of ``mode`` and the filter of the Linears it takes."""
     if mode == "int8":
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
-        chosen = [n for n, m in denoiser.named_modules() if int8_training_filter(m, n)]
-        quantize_(denoiser, Int8WeightOnlyConfig(), filter_fn=int8_training_filter)
-        return len(chosen)
+        return _int8_transform, int8_training_filter
     if mode == "fp8":
-        from torchao.float8 import convert_to_float8_training
-
-        keep = fp8_training_filter(16)
-        chosen = [n for n, m in denoiser.named_modules() if keep(m, n)]
-        convert_to_float8_training(denoiser, module_filter_fn=keep)
-        return len(chosen)
+        return _fp8_transform, fp8_training_filter(16)
     if mode == "mxfp8":
-        from torchao.prototype.mx_formats import MXLinearConfig
-        from torchao.quantization import quantize_
+        return _mxfp8_transform, fp8_training_filter(32, allow_bias=False)
+    raise ValueError(f"no base conversion for {mode!r}")
 
-        keep = fp8_training_filter(32, allow_bias=False)
-        chosen = [n for n, m in denoiser.named_modules() if keep(m, n)]
-        quantize_(denoiser, MXLinearConfig(), filter_fn=keep)
-        return len(chosen)
-    return 0
+
+def _int8_transform(module: torch.nn.Module, keep: ModuleFilter) -> None:
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    quantize_(module, Int8WeightOnlyConfig(), filter_fn=keep)
+
+
+def _fp8_transform(module: torch.nn.Module, keep: ModuleFilter) -> None:
+    from torchao.float8 import convert_to_float8_training
+
+    convert_to_float8_training(module, module_filter_fn=keep)
+
+
+def _mxfp8_transform(module: torch.nn.Module, keep: ModuleFilter) -> None:
+    from torchao.quantization import quantize_
+
+    quantize_(module, mxfp8_training_config(), filter_fn=keep)
+
+
+def mxfp8_training_config() -> object:
+    """torchao's MX training config: ``MXLinearConfig`` (up to 0.1x), renamed
+    ``MXFP8TrainingOpConfig`` (weights wrapped, matmuls cast per call) in 0.18."""
+    try:
+        from torchao.prototype.mx_formats import MXLinearConfig  # type: ignore[attr-defined]
+    except ImportError:
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+
+        return MXFP8TrainingOpConfig()
+    return MXLinearConfig()
 
 
 @contextlib.contextmanager

@@ -14,9 +14,18 @@ from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry
 from engine.policy.resolved import Resolved, auto, explicit
-from engine.policy.training import resolve_training_precision, training_precision_preflight_error
+from engine.policy.available import AvailableMemory, available_memory
+from engine.policy.training import (
+    InsufficientMemory,
+    MemoryRequest,
+    resolve_checkpointing,
+    resolve_training_precision,
+    training_memory_error,
+    training_precision_preflight_error,
+)
+from engine.policy.training_memory import BaseFacts, TrainingMemoryEstimate, TrainingShape
 from engine.preflight.dataset import DatasetReport, discover_dataset
-from engine.preflight.model import ModelSource, resolve_model
+from engine.preflight.model import ModelSource, hub_access_error, lora_target_error, resolve_model
 from engine.training.config import TrainingConfig
 from engine.types import FamilySpec, TrainingObjective
 
@@ -35,9 +44,17 @@ class TrainingPlan:
     lora_targets: tuple[str, ...]
     objective: TrainingObjective
     dataset: DatasetReport
+    #: The run's estimated device memory, and the memory it was checked against.
+    memory: TrainingMemoryEstimate | None = None
+    available: AvailableMemory | None = None
+    gradient_checkpointing: Resolved[bool] = explicit(False)
 
     def to_dict(self) -> dict[str, object]:
         return {
+            "memory": {
+                "estimate": self.memory.to_dict() if self.memory else None,
+                "available": self.available.to_dict() if self.available else None,
+            },
             "family": self.family.name,
             "base": self.base.to_dict(),
             "device": self.device,
@@ -48,6 +65,7 @@ class TrainingPlan:
                 "base_precision": self.base_precision.to_dict(),
                 "weight_dtype": self.weight_dtype.to_dict(),
                 "compile": self.compile.to_dict(),
+                "gradient_checkpointing": self.gradient_checkpointing.to_dict(),
             },
             "dataset": self.dataset.to_dict(),
         }
@@ -57,8 +75,16 @@ def preflight_training(
     registry: Registry,
     config: TrainingConfig,
     hardware: HardwareProfile,
+    available: AvailableMemory | None = None,
 ) -> TrainingPlan:
-    """The plan for ``config`` on ``hardware``, or the first :class:`PreflightError`."""
+    """The plan for ``config`` on ``hardware``, or the first :class:`PreflightError`.
+
+    :param available: the memory the run will have after eviction (the
+        service's figure, with its sources); its free figure replaces
+        ``hardware``'s. Without it, ``hardware``'s free memory is used as is.
+    """
+    available = available or available_memory(hardware)
+    hardware = available.apply(hardware)
     family = registry.family(config.family) if config.family else None
     if family is not None:
         _precision_check(registry, family, config, hardware)
@@ -72,19 +98,28 @@ def preflight_training(
             "needs a diffusers pipeline folder (with model_index.json) or a hub repo id",
             code="not_a_pipeline",
         )
+    _base_check(base, config.lora_targets or family.lora_targets)
     objective = registry.training_objective(family)
     if objective is None:
         raise PreflightError(f"the {family.name} plugin provides no trainer", code="not_trainable")
-    dataset = discover_dataset(config.dataset_dir)
     device = "cpu" if config.device == "cpu" or not hardware.cuda else "cuda"
+    memory = memory_request(registry, family, base, config)
     precision = (
         resolve_training_precision(
             registry, family, hardware, config.base_precision,
-            base_repo=config.base_model, device=config.device,
+            base_repo=config.base_model, device=config.device, memory=memory,
         )
         if family.base_precision_applies
         else auto("none", f"{family.label}'s trainer ignores base_precision")
     )
+    _precision_check(registry, family, config, hardware, memory)
+    checkpointing = resolve_checkpointing(family, precision.value, memory, hardware, config.device)
+    if not family.base_precision_applies:  # the precision preflight stops early for these
+        error = training_memory_error(registry, family, hardware, "none", memory, device=config.device)
+        if error is not None:
+            raise error
+    dataset = discover_dataset(config.dataset_dir)
+    _output_check(config)
     return TrainingPlan(
         config=config,
         family=family,
@@ -98,17 +133,93 @@ def preflight_training(
         lora_targets=config.lora_targets or family.lora_targets,
         objective=objective,
         dataset=dataset,
+        memory=memory.settled(checkpointing.value).estimate(family, precision.value, device),
+        available=available,
+        gradient_checkpointing=checkpointing,
+    )
+
+
+def _base_check(base: ModelSource, targets: tuple[str, ...]) -> None:
+    """Refuse a hub base the offline hub cannot give, and LoRA targets the base lacks."""
+    error = hub_access_error(base) or lora_target_error(base, targets)
+    if error is not None:
+        raise error
+
+
+def _output_check(config: TrainingConfig) -> None:
+    """Refuse an ``output_dir`` that holds anything: a run never overwrites another's record or LoRA."""
+    folder = config.output_dir
+    if folder is None or not (folder.exists() or folder.is_symlink()):
+        return
+    if not folder.is_dir():
+        raise PreflightError(
+            f"output_dir {folder} is a file, not a folder; give a new folder for the run",
+            code="output_exists",
+        )
+    try:
+        empty = next(folder.iterdir(), None) is None
+    except OSError as exc:
+        raise PreflightError(
+            f"output_dir {folder} cannot be read ({exc.strerror}); give a folder you can write",
+            code="output_exists",
+        ) from None
+    if not empty:
+        what = "an earlier run (run.json)" if (folder / "run.json").exists() else "files"
+        raise PreflightError(
+            f"output_dir {folder} already holds {what}; training there would overwrite them. "
+            "Give a new (or empty) folder, or move that one away",
+            code="output_exists",
+        )
+
+
+def _shape(config: TrainingConfig) -> TrainingShape:
+    return TrainingShape(
+        resolution=config.resolution,
+        batch_size=config.batch_size,
+        lora_rank=config.lora_rank,
+        gradient_checkpointing=config.gradient_checkpointing,
+        lora_targets=config.lora_targets,
+    )
+
+
+def memory_request(
+    registry: Registry, family: FamilySpec, base: ModelSource, config: TrainingConfig
+) -> MemoryRequest:
+    """The estimate's inputs: the base's own header sizes where it has them."""
+    shape = _shape(config)
+    measured = base.measured_sizes
+    if measured is not None and measured.transformer_gb > 0:
+        facts = BaseFacts(
+            measured.transformer_gb, measured.text_encoders_gb, measured.vae_gb,
+            source="file headers", shapes=base.denoiser_shapes,
+        )
+        return MemoryRequest(facts, shape)
+    sizes = registry.component_sizes(family, base.checkpoint)
+    return MemoryRequest(
+        BaseFacts(family.training_dense_gb, sizes.text_encoders_gb, sizes.vae_gb), shape
     )
 
 
 def _precision_check(
-    registry: Registry, family: FamilySpec, config: TrainingConfig, hardware: HardwareProfile
+    registry: Registry,
+    family: FamilySpec,
+    config: TrainingConfig,
+    hardware: HardwareProfile,
+    memory: MemoryRequest | None = None,
 ) -> None:
+    """Refuse a doomed precision request.
+
+    Run early, before the base is read, with the family's table sizes (so
+    ``auto`` resolves as it will), where only the rules may refuse; and again
+    with the base's own sizes, where memory may refuse too.
+    """
+    early = memory is None
     error = training_precision_preflight_error(
         registry, family, hardware, config.base_precision,
         base_repo=config.base_model, device=config.device, mixed_precision=config.mixed_precision,
+        memory=memory or MemoryRequest.from_table(family, _shape(config)),
     )
-    if error is not None:
+    if error is not None and not (early and isinstance(error, InsufficientMemory)):
         raise error
 
 

@@ -5,10 +5,19 @@ config (nothing secret), the resolved plan, progress, metric history
 (thinned to at most ``limit`` points per metric, so a 100k-step run stays a
 small file), outputs and, for a failed run, the error. Files are utf-8 so
 non-ASCII prompts survive on every platform.
+
+A record also names the processes behind it: the engine that started the
+run and, once spawned, the trainer child (PID and start time). Events can
+stop arriving for good (the engine was killed, the machine rebooted); so a
+record that says pending or running is checked against those processes
+whenever it is read, and one whose processes are gone is failed there and
+then. A record never says "running" for a run nobody runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -17,10 +26,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from engine.training.lock import ProcessId
+
 Status = Literal["pending", "running", "completed", "stopped", "cancelled", "failed"]
 TERMINAL: tuple[str, ...] = ("completed", "stopped", "cancelled", "failed")
-METRICS: tuple[str, ...] = ("loss", "lr", "grad_norm", "samples_per_s")
+#: ``loss_scale``: the fp16 GradScaler's scale (absent without loss scaling).
+METRICS: tuple[str, ...] = ("loss", "lr", "grad_norm", "samples_per_s", "loss_scale")
 RECORD_NAME = "run.json"
+#: errno values that mean "the disk (or the user's quota) is full".
+DISK_FULL = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+
+
+def write_error_code(exc: OSError) -> str:
+    """The stable code for a failed write: ``disk_full`` or ``write_failed``."""
+    return "disk_full" if exc.errno in DISK_FULL else "write_failed"
 
 
 def write_json_atomic(path: Path, data: object) -> None:
@@ -68,8 +87,16 @@ class RunRecord:
     peak_memory_gb: float | None = None
     metrics: dict[str, MetricHistory] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)
+    #: Sample images written during the run: ``{"step", "prompt", "path"}`` each.
+    samples: list[dict[str, object]] = field(default_factory=list)
     error: dict[str, str] | None = None
     history_limit: int = 500
+    #: The engine process that started the run and the trainer child (PID,
+    #: start time in clock ticks): what liveness is checked against.
+    owner_pid: int | None = None
+    owner_started: int | None = None
+    pid: int | None = None
+    pid_started: int | None = None
 
     def __post_init__(self) -> None:
         for name in METRICS:
@@ -99,12 +126,41 @@ class RunRecord:
             peak = event.get("peak_memory_gb")
             if isinstance(peak, (int, float)):
                 self.peak_memory_gb = max(self.peak_memory_gb or 0.0, float(peak))
+        elif kind == "samples":
+            self.samples.extend(dict(s) for s in event.get("samples") or [])  # type: ignore[union-attr]
+        elif kind == "checkpoint":
+            self.outputs["checkpoint"] = str(event.get("path"))
         elif kind in ("completed", "stopped", "cancelled"):
             self.status = kind  # type: ignore[assignment]
             self.finished_at = time.time()
             self.outputs.update({k: str(v) for k, v in dict(event.get("outputs") or {}).items()})  # type: ignore[arg-type]
         elif kind == "error":
             self.fail(str(event.get("code", "trainer_error")), str(event.get("message", "")))
+
+    def set_owner(self, process: ProcessId) -> None:
+        self.owner_pid, self.owner_started = process.pid, process.started
+
+    def set_trainer(self, process: ProcessId) -> None:
+        self.pid, self.pid_started = process.pid, process.started
+
+    def orphaned(self) -> bool:
+        """Unfinished, yet the process that would finish it is gone.
+
+        The trainer child decides once it was spawned; before that, the
+        engine that started the run. A record naming neither (written by an
+        older version) cannot be judged and is left as it says; nor is one
+        this very process started: its watcher, which outlives the child,
+        writes how it ended (a completed child is gone before that lands).
+        """
+        if self.finished:
+            return False
+        if self.owner_pid is not None and ProcessId(self.owner_pid, self.owner_started) == ProcessId.current():
+            return False
+        if self.pid is not None:
+            return not ProcessId(self.pid, self.pid_started).alive()
+        if self.owner_pid is not None:
+            return not ProcessId(self.owner_pid, self.owner_started).alive()
+        return False
 
     def fail(self, code: str, message: str) -> None:
         self.status = "failed"
@@ -122,6 +178,11 @@ class RunRecord:
 
     @classmethod
     def load(cls, path: Path) -> RunRecord:
+        """Read a record; one left unfinished by a process that is gone comes back failed.
+
+        The failure is written back when the disk allows (reading never
+        fails for a read-only or full disk).
+        """
         data = json.loads(path.read_text(encoding="utf-8"))
         limit = int(data.get("history_limit", 500))
         data["folder"] = Path(data["folder"])
@@ -129,7 +190,48 @@ class RunRecord:
             name: MetricHistory(limit, [(int(s), float(v)) for s, v in points])
             for name, points in data.get("metrics", {}).items()
         }
-        return cls(**data)
+        record = cls(**data)
+        if record.orphaned():
+            record.fail("trainer_gone", record._gone_message())
+            with contextlib.suppress(OSError):
+                record.save()
+        return record
+
+    def _gone_message(self) -> str:
+        who = f"trainer process {self.pid}" if self.pid is not None else f"engine process {self.owner_pid}"
+        return (
+            f"the record said {self.status} at step {self.step} of {self.steps}, but its {who} is gone "
+            "(the engine or CLI was killed, or the machine restarted); start the run again"
+        )
+
+
+def default_runs_dir() -> Path:
+    """One runs folder per user, wherever the command is run from.
+
+    ``$DIFFUSION_ENGINE_HOME/runs`` when set; else the platform's data folder:
+    ``%LOCALAPPDATA%`` on Windows, ``~/Library/Application Support`` on macOS,
+    ``$XDG_DATA_HOME`` (``~/.local/share``) elsewhere.
+    """
+    import sys
+
+    home = os.environ.get("DIFFUSION_ENGINE_HOME")
+    if home:
+        return Path(home).expanduser() / "runs"
+    if sys.platform == "win32":
+        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Application Support"
+    else:
+        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "diffusion-engine" / "runs"
+
+
+def find_run(root: Path, name: str) -> RunRecord | None:
+    """The run ``name`` names: an id in ``root`` (or a folder there), or a run folder's path."""
+    for folder in (Path(root) / name, Path(name)):
+        if (folder / RECORD_NAME).is_file():
+            return RunRecord.load(folder / RECORD_NAME)
+    return next((r for r in list_runs(root) if r.run_id == name), None)  # a run with its own --output name
 
 
 def list_runs(root: Path) -> list[RunRecord]:

@@ -1,26 +1,59 @@
-"""A training run in a spawned child process, watched from the parent.
+"""A training run in a child process, watched from the parent.
 
-The child gets the whole :class:`TrainingPlan` (it decides nothing anew),
-sends events back on one queue (phase, started, progress, completed /
-stopped / cancelled, error) and reads stop requests from another. The parent
-folds events into the :class:`RunRecord` and writes it atomically. A child
-that dies without saying why (killed, out of memory, a segfault in a
-kernel) becomes a failed run whose record names the exit code.
+The child (``python -m engine.training.child``, see there why not
+``multiprocessing``) gets the whole :class:`TrainingPlan` (it decides
+nothing anew), sends events back on one socket (phase, started, progress,
+checkpoint, completed / stopped / cancelled, error) and reads stop requests
+from it. The parent folds events into the :class:`RunRecord` and writes it
+atomically. A child that dies without saying why (killed, out of memory, a
+segfault in a kernel) becomes a failed run whose record names the exit code.
+
+Reliability rules, each learned from a run that outlived its welcome:
+
+* The child dies with its parent. On Linux it asks the kernel for SIGKILL
+  when its parent goes (``PR_SET_PDEATHSIG``); everywhere, a thread in the
+  child watches the parent PID, and its socket reads EOF, and either ends it.
+  The kernel ties that signal to the *thread* that spawned the child, so the
+  child is spawned from a keeper thread that lives exactly as long as it
+  (a server's request thread may end long before the run).
+* The child has its own session (so process group) and ignores SIGINT: a terminal's
+  Ctrl-C reaches the CLI only, which asks for a stop that saves.
+* The record names the trainer's PID and start time, so a reader can tell a
+  live run from one whose processes are gone (see :mod:`records`).
+* A record that cannot be written (a full disk) is an error of the run: the
+  run fails with ``disk_full`` and the child is stopped; ``poll`` never
+  raises for it, so whoever watches the run always sees it finish.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
-import queue
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
-import traceback
 import uuid
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
 from typing import Any
 
 from engine.errors import EngineError
+from engine.training.lock import ProcessId
 from engine.training.preflight import TrainingPlan
-from engine.training.records import RunRecord, write_charts
+from engine.training.records import DISK_FULL, RunRecord, write_charts, write_error_code
+
+#: The folder that holds the ``engine`` package: the child imports it from there.
+ENGINE_ROOT = Path(__file__).resolve().parents[2]
+
+#: How often the child's parent watch looks at the parent PID (seconds).
+PARENT_CHECK_S = 0.25
+#: Exit status of a child that ended because its parent was gone.
+ORPHAN_EXIT = 75
 
 
 def new_run_id(family: str) -> str:
@@ -28,12 +61,16 @@ def new_run_id(family: str) -> str:
 
 
 class TrainingRun:
-    """One run: start it, poll it, stop it. Not shared between threads."""
+    """One run: start it, poll it, stop it. One thread polls; ``flush`` may come from another."""
 
-    def __init__(self, plan: TrainingPlan, runs_root: Path, run_id: str | None = None) -> None:
+    def __init__(
+        self, plan: TrainingPlan, runs_root: Path, run_id: str | None = None, folder: Path | None = None
+    ) -> None:
+        """``folder``: an existing run's folder (a resumed run continues in it)."""
         self.plan = plan
         run_id = run_id or new_run_id(plan.family.name)
-        folder = Path(plan.config.output_dir) if plan.config.output_dir else Path(runs_root) / run_id
+        if folder is None:
+            folder = Path(plan.config.output_dir) if plan.config.output_dir else Path(runs_root) / run_id
         self.record = RunRecord(
             run_id=run_id,
             folder=folder.resolve(),
@@ -44,9 +81,8 @@ class TrainingRun:
             steps=plan.steps,
             history_limit=plan.config.metric_history,
         )
-        self._process: Any = None
-        self._events: Any = None
-        self._control: Any = None
+        self._process: _Child | None = None
+        self._unsaved = False
         self.phase = "pending"
 
     @property
@@ -54,34 +90,118 @@ class TrainingRun:
         return self._process.pid if self._process is not None else None
 
     def start(self) -> RunRecord:
-        context = multiprocessing.get_context("spawn")
-        self._events, self._control = context.Queue(), context.Queue()
-        self._process = context.Process(
-            target=child_main,
-            args=(self.plan, str(self.record.folder), self._events, self._control),
-            name=f"diffusion-engine-train-{self.record.run_id}",
-            daemon=True,
-        )
-        self.record.save()
-        self._process.start()
+        """Write the record, start the child, and write the record again naming it.
+
+        :raises EngineError: ``disk_full`` / ``write_failed`` when the record
+            cannot be written (the child is then not left running).
+        """
+        self.record.set_owner(ProcessId.current())
+        self._save_or_raise()
+        self._write_config()
+        try:
+            self._process = _start_child(self.plan, self.record.folder, self.record.run_id)
+            self.record.set_trainer(ProcessId.of(self._process.pid))
+            self._save_or_raise()
+        except EngineError as exc:
+            self.abort(exc.code, exc.message)
+            raise
+        except Exception as exc:  # a start that failed: the record must not stay "pending"
+            self.abort("trainer_start_failed", f"the trainer process could not start: {type(exc).__name__}: {exc}")
+            raise
         return self.record
 
+    def carry_over(self, previous: RunRecord) -> None:
+        """A resumed run keeps its creation time and its history up to the checkpoint it resumes from."""
+        from engine.training.checkpoints import checkpoint_step
+
+        resume_from = self.plan.config.resume_from
+        upto = checkpoint_step(Path(resume_from)) if resume_from is not None else 0
+        self.record.created_at = previous.created_at
+        for name, history in previous.metrics.items():
+            if name in self.record.metrics:
+                self.record.metrics[name].points = [(s, v) for s, v in history.points if s <= upto]
+        self.record.samples = [s for s in previous.samples if int(s.get("step", 0)) <= upto]  # type: ignore[call-overload]
+        self.record.step = upto
+
+    def _write_config(self) -> None:
+        """``config.toml`` beside the record: ``train --config`` with it repeats the run."""
+        from engine.training.config import config_toml
+
+        path = self.record.folder / "config.toml"
+        try:
+            path.write_text(config_toml(self.plan.config), encoding="utf-8")
+        except OSError as exc:
+            self.abort(write_error_code(exc), self._write_failed_message(exc))
+            raise EngineError(self._write_failed_message(exc), code=write_error_code(exc)) from exc
+        self.record.outputs["config"] = str(path)
+
     def stop(self, *, save: bool = True) -> None:
-        """Ask the child to stop after the current step, saving the LoRA or not."""
-        if self._control is not None:
-            self._control.put("save" if save else "discard")
+        """Ask the child to stop after the current step (or phase), saving the LoRA or not."""
+        if self._process is not None:
+            self._process.send("save" if save else "discard")
 
     def cancel(self) -> None:
-        if self._control is not None:
-            self._control.put("cancel")
+        """Ask the child to stop at the next check and keep nothing of this run."""
+        if self._process is not None:
+            self._process.send("cancel")
+
+    def halt(self) -> RunRecord:
+        """Stop now: end the child mid-step; the run is stopped, its last checkpoint kept.
+
+        The partial step is discarded. The second Ctrl-C at the CLI comes here.
+        """
+        self.kill()
+        self._drain()
+        if not self.record.finished:
+            self.record.apply({"type": "stopped", "outputs": self._latest_outputs()})
+            self.record.error = None
+            self.phase = self.record.status
+            self._unsaved = True
+            self.flush()
+        return self.record
+
+    def _latest_outputs(self) -> dict[str, str]:
+        from engine.training.checkpoints import latest_checkpoint, remove_partial
+
+        remove_partial(self.record.folder)  # the child may have died mid-write
+        latest = latest_checkpoint(self.record.folder)
+        return {"checkpoint": str(latest)} if latest is not None else {}
 
     def kill(self) -> None:
         """End the child at once (a crash, as far as the record is concerned)."""
-        if self._process is not None and self._process.is_alive():
-            self._process.kill()
+        process = self._process
+        if process is not None and process.is_alive():
+            process.kill()
+            process.join(timeout=10)
+
+    def abort(self, code: str, message: str) -> RunRecord:
+        """Fail the run for a reason found on this side (the record, the watcher): stop the child."""
+        self.kill()
+        self._drain()
+        self.record.fail(code, message)
+        self._unsaved = True
+        self.flush()
+        return self.record
+
+    def flush(self) -> bool:
+        """Write a record the disk refused before (it was full); True once it is on disk.
+
+        Until then the file may say "running" for a run this process ended;
+        whoever lists runs in this process calls this first.
+        """
+        if self._unsaved:
+            try:
+                self.record.save()
+            except OSError:
+                return False
+            self._unsaved = False
+        return True
 
     def poll(self) -> RunRecord:
-        """Fold pending events into the record; notice a child that died."""
+        """Fold pending events into the record; notice a child that died.
+
+        Never raises for a record it cannot write: that fails the run.
+        """
         changed = self._drain()
         process = self._process
         if process is not None and not self.record.finished and not process.is_alive():
@@ -98,8 +218,12 @@ class TrainingRun:
                 changed = True
         if changed:
             if self.record.finished:
+                self.phase = self.record.status  # the phase ends in the terminal state
                 self._finish()
-            self.record.save()
+            try:
+                self.record.save()
+            except OSError as exc:
+                self.abort(write_error_code(exc), self._write_failed_message(exc))
         return self.record
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.2) -> RunRecord:
@@ -112,16 +236,26 @@ class TrainingRun:
 
     def _drain(self) -> bool:
         changed = False
-        while self._events is not None:
-            try:
-                event = self._events.get_nowait()
-            except queue.Empty:
-                break
+        for event in self._process.events() if self._process is not None else ():
             if event.get("type") == "phase":
                 self.phase = str(event.get("phase"))
             self.record.apply(event)
             changed = True
         return changed
+
+    def _save_or_raise(self) -> None:
+        try:
+            self.record.save()
+        except OSError as exc:
+            raise EngineError(self._write_failed_message(exc), code=write_error_code(exc)) from exc
+
+    def _write_failed_message(self, exc: OSError) -> str:
+        what = "the disk is full" if exc.errno in DISK_FULL else (exc.strerror or str(exc))
+        return (
+            f"cannot write the run record {self.record.path}: {what}; the trainer was stopped at "
+            f"step {self.record.step} of {self.record.steps}. Free space in {self.record.folder.parent} "
+            "(or choose another output_dir) and start the run again"
+        )
 
     def _finish(self) -> None:
         try:
@@ -132,30 +266,136 @@ class TrainingRun:
             self._process.join(timeout=10)
 
 
-def child_main(plan: TrainingPlan, folder: str, events: Any, control: Any) -> None:
-    """Entry point of the spawned trainer process."""
-    from engine.logs import quiet_library_logs
+class _Child:
+    """The trainer process, its socket and the keeper thread that reaps it.
 
-    quiet_library_logs(progress_bars=False)
-    from engine.training.trainer import run_training
+    Linux sends the parent-death signal when the *thread* that started the
+    child ends, so the child is started from a keeper thread that lives
+    exactly as long as it (a server's request thread may end long before
+    the run); the keeper waits for the exit, so ``exitcode`` is the real one.
+    """
 
-    def emit(event: dict[str, object]) -> None:
-        events.put(event)
+    def __init__(self, process: subprocess.Popen[bytes], conn: Connection) -> None:
+        self._popen = process
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._exited = threading.Event()
+        self._eof = False
 
-    def should_stop() -> str | None:
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.returncode if self._exited.is_set() else None
+
+    def is_alive(self) -> bool:
+        return not self._exited.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._exited.wait(timeout)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, OSError):
+            self._popen.kill()
+
+    def send(self, message: object) -> None:
+        """Send to the child; a child that is gone has nothing left to stop."""
+        with self._send_lock, contextlib.suppress(OSError, EOFError, ValueError):
+            self._conn.send(message)
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every event the child has sent so far (never blocks)."""
+        received: list[dict[str, Any]] = []
+        while not self._eof:
+            try:
+                if not self._conn.poll(0):
+                    break
+                received.append(self._conn.recv())
+            except (EOFError, OSError):
+                self._eof = True
+        return received
+
+    def keep(self) -> None:
         try:
-            return str(control.get_nowait())
-        except queue.Empty:
-            return None
+            self._popen.wait()
+        finally:
+            self._exited.set()
 
+
+def _start_child(plan: TrainingPlan, folder: Path, run_id: str) -> _Child:
+    """Start ``python -m engine.training.child`` and hand it the plan over a socket.
+
+    Not ``multiprocessing``: its spawn would re-run the host's ``__main__``
+    in the child (see :mod:`engine.training.child`). The child gets its own
+    process group, so a terminal's Ctrl-C reaches only the CLI.
+    """
+    parent_end, child_end = socket.socketpair()
+    command = [sys.executable, "-m", "engine.training.child", str(child_end.fileno()), str(os.getpid())]
+    options: dict[str, Any] = {"start_new_session": True} if os.name == "posix" else {
+        "creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}  # no terminal SIGINT reaches it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ENGINE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    failure: list[BaseException] = []
+    launched = threading.Event()
+    holder: list[_Child] = []
+
+    def keep() -> None:
+        try:
+            process = subprocess.Popen(command, pass_fds=(child_end.fileno(),), env=env, **options)
+            holder.append(_Child(process, Connection(os.dup(parent_end.fileno()))))
+        except BaseException as exc:  # handed to the caller below, re-raised there
+            failure.append(exc)
+            return
+        finally:
+            child_end.close()
+            parent_end.close()
+            launched.set()
+        holder[0].keep()
+
+    threading.Thread(target=keep, name=f"diffusion-engine-train-{run_id}-keeper", daemon=True).start()
+    launched.wait()
+    if failure:
+        raise failure[0]
+    child = holder[0]
+    child.send([p for p in sys.path if p])
+    child.send((plan, str(folder)))
+    return child
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make this (child) process end when ``parent_pid`` does, however the parent ends.
+
+    SIGKILL/SIGTERM of a server or CLI runs no cleanup in it, so the child
+    must notice on its own: the kernel's parent-death signal on Linux, and a
+    watch thread everywhere (the parent pipe closes, or we get reparented).
+    """
+    if sys.platform.startswith("linux"):
+        _set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(ORPHAN_EXIT)  # the parent died before the signal was armed
+    parent = multiprocessing.parent_process()
+    sentinel = parent.sentinel if parent is not None else None
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            if sentinel is not None:
+                if wait_ready([sentinel], timeout=PARENT_CHECK_S):
+                    break
+            else:
+                time.sleep(PARENT_CHECK_S)
+        os._exit(ORPHAN_EXIT)  # no cleanup: there is nobody left to report to
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _set_parent_death_signal(signum: int) -> None:
+    import ctypes
+
+    pr_set_pdeathsig = 1
     try:
-        emit(run_training(plan, Path(folder), emit, should_stop))
-    except EngineError as exc:
-        emit({"type": "error", "code": exc.code, "message": exc.message})
-    except Exception as exc:  # the child reports every failure; the parent decides
-        emit({
-            "type": "error",
-            "code": "trainer_crashed",
-            "message": f"{type(exc).__name__}: {exc}",
-            "traceback": traceback.format_exc(limit=8),
-        })
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # no prctl (an unusual libc): the watch thread still ends the child

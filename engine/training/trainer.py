@@ -1,12 +1,15 @@
 """The one LoRA trainer loop every family plugs into.
 
 The loop is generic: load the base pipeline, cache latents and prompt
-embeddings, add a peft LoRA to the denoiser, set up the base precision, and
-optimise with AdamW, an LR schedule and gradient clipping (reporting the
-pre-clip norm). The family's runtime module (named by its training
-objective) supplies ``encode_prompts``, ``encode_images`` and ``predict``;
-the objective says how to noise and what to regress: flow matching
-(target = noise - x0 at sigma) or epsilon / v prediction on a DDPM schedule.
+embeddings, add a peft LoRA to the denoiser, set up the base precision on the
+host and only then move the denoiser to the device (a quantised base is never
+on the GPU in dense bf16; the ``placing`` phase event and the ``started``
+event say which path was taken), and optimise with AdamW, an LR schedule and
+gradient clipping (reporting the pre-clip norm). The family's runtime
+module (named by its training objective) supplies ``encode_prompts``,
+``encode_images`` and ``predict``; the objective says how to noise and what
+to regress: flow matching (target = noise - x0 at sigma) or epsilon / v
+prediction on a DDPM schedule.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from typing import Any
 import torch
 from PIL import Image, ImageOps
 
+from engine.errors import EngineError
 from engine.runtime import flags
-from engine.training.precision import apply_base_precision, pinned_sdpa, rms_norm_patch
+from engine.training.precision import pinned_sdpa, place_base, rms_norm_patch
 from engine.training.preflight import TrainingPlan
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -35,15 +39,36 @@ Emit = Callable[[dict[str, object]], None]
 StopCheck = Callable[[], str | None]
 
 
+class _StoppedEarly(Exception):
+    """A stop request that arrived before training began (loading, caching): nothing to save."""
+
+    def __init__(self, request: str) -> None:
+        super().__init__(request)
+        self.request = request
+
+
 def run_training(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCheck) -> dict[str, object]:
-    """Train; emit events; return the terminal event (completed / stopped / cancelled)."""
+    """Train; emit events; return the terminal event (completed / stopped / cancelled).
+
+    A stop is honoured in every phase: between loading and caching, between
+    cached images, and after every optimizer step.
+    """
     snapshot = flags.snapshot()
     fused_norm = rms_norm_patch() if plan.device == "cuda" else contextlib.nullcontext()
     try:
         with pinned_sdpa(plan.device), fused_norm:
             return _train(plan, output_dir, emit, should_stop)
+    except _StoppedEarly as early:
+        kind = "cancelled" if early.request == "cancel" else "stopped"
+        return {"type": kind, "step": 0, "outputs": {}}
     finally:
         snapshot.restore()
+
+
+def _check_stop(should_stop: StopCheck) -> None:
+    request = should_stop()
+    if request is not None:
+        raise _StoppedEarly(request)
 
 
 def _train(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCheck) -> dict[str, object]:
@@ -56,19 +81,23 @@ def _train(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCh
         torch.cuda.reset_peak_memory_stats()
     emit({"type": "phase", "phase": "loading", "message": f"loading {plan.base.location}"})
     pipe = _load_pipeline(plan, dtype)
+    _check_stop(should_stop)
     denoiser: torch.nn.Module = getattr(pipe, plan.family.denoiser)
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             component.requires_grad_(False)
     emit({"type": "phase", "phase": "caching", "message": "encoding images and captions"})
-    latents, conditioning, caption_index = _cache_inputs(plan, pipe, runtime, device, dtype)
+    latents, conditioning, caption_index = _cache_inputs(plan, pipe, runtime, device, dtype, should_stop)
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module) and name != plan.family.denoiser:
             component.to("cpu")  # the encoders are done: give their memory back
-    denoiser.to(device)
-    params = _add_lora(plan, denoiser)
-    quantised = apply_base_precision(denoiser, plan.base_precision.value)
-    if config.gradient_checkpointing and hasattr(denoiser, "enable_gradient_checkpointing"):
+    _add_lora(plan, denoiser)  # on the host: the base is converted after the adapter is in
+    placement = place_base(denoiser, plan.base_precision.value, plan.device)
+    if placement is not None:
+        emit({"type": "phase", "phase": "placing", "message": placement.path})
+    quantised = placement.layers if placement is not None else 0
+    params = [p for p in denoiser.parameters() if p.requires_grad]  # as placed on the device
+    if plan.gradient_checkpointing.value and hasattr(denoiser, "enable_gradient_checkpointing"):
         denoiser.enable_gradient_checkpointing()
     forward = _compiled(plan, denoiser)
     denoiser.train()
@@ -82,11 +111,17 @@ def _train(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCh
     noise_schedule = runtime.training_scheduler(pipe) if plan.objective.prediction != "flow_matching" else None
     generator = torch.Generator().manual_seed(config.seed)
     emit({"type": "started", "steps": plan.steps, "trainable_params": sum(p.numel() for p in params),
-          "quantised_layers": quantised})
+          "quantised_layers": quantised,
+          "base_placement": placement.to_dict() if placement is not None else None})
+    scaler = _grad_scaler(plan)
     order: list[int] = []
-    stop: str | None = None
     step = 0
-    for step in range(1, plan.steps + 1):
+    if config.resume_from is not None:
+        step, order = _resume(Path(config.resume_from), denoiser, optimizer, schedule, generator, scaler)
+        emit({"type": "phase", "phase": "training", "message": f"resumed from step {step}"})
+    _check_stop(should_stop)
+    stop: str | None = None
+    for step in range(step + 1, plan.steps + 1):
         started = time.perf_counter()
         total_loss = 0.0
         for _ in range(config.grad_accumulation):
@@ -98,10 +133,15 @@ def _train(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCh
             noisy, timesteps, target = _noise(plan, x0, noise_schedule, generator)
             prediction = runtime.predict(pipe, forward, noisy, timesteps, cond)
             loss = torch.nn.functional.mse_loss(prediction.float(), target.float())
-            (loss / config.grad_accumulation).backward()
-            total_loss += loss.item() / config.grad_accumulation
+            value = loss.item()
+            if not math.isfinite(value):
+                raise NonFiniteLoss(step, value, output_dir)
+            scaler.scale(loss / config.grad_accumulation).backward()
+            total_loss += value / config.grad_accumulation
+        scaler.unscale_(optimizer)  # clip and report the true gradient, not the scaled one
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
-        optimizer.step()
+        scaler.step(optimizer)  # skipped (and the scale lowered) when fp16 gradients overflowed
+        scaler.update()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
@@ -110,14 +150,92 @@ def _train(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCh
             "lr": schedule.get_last_lr()[0], "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
             "samples_per_s": config.batch_size * config.grad_accumulation / elapsed,
             "peak_memory_gb": _peak_memory_gb(plan.device),
+            "loss_scale": scaler.get_scale() if scaler.is_enabled() else None,
         })
         stop = should_stop()
+        if config.save_every and (step % config.save_every == 0 or stop == "save"):
+            path = _checkpoint(plan, pipe, denoiser, output_dir, step, optimizer, schedule, generator, order, scaler)
+            emit({"type": "checkpoint", "step": step, "path": str(path)})
+        if config.sample_every and step % config.sample_every == 0:
+            from engine.training.samples import write_samples
+
+            emit({"type": "samples", "step": step, "samples": write_samples(plan, pipe, denoiser, output_dir, step)})
         if stop is not None:
             break
     if stop in ("discard", "cancel"):
         return {"type": "stopped" if stop == "discard" else "cancelled", "step": step, "outputs": {}}
     outputs = save_lora(plan, pipe, denoiser, output_dir)
     return {"type": "stopped" if stop == "save" else "completed", "step": step, "outputs": outputs}
+
+
+class NonFiniteLoss(EngineError):
+    """The loss became NaN or infinite: the run stops before that step touches the LoRA."""
+
+    code = "non_finite_loss"
+
+    def __init__(self, step: int, value: float, output_dir: Path) -> None:
+        from engine.training.checkpoints import latest_checkpoint
+
+        kept = latest_checkpoint(output_dir)
+        super().__init__(
+            f"the loss became {value} at step {step}; the run was stopped before that step changed the LoRA. "
+            + (f"The last good checkpoint is {kept} (train --resume continues from it). " if kept else "")
+            + "Try a lower --lr, or --mixed-precision bf16 (or no) instead of fp16"
+        )
+
+
+def _grad_scaler(plan: TrainingPlan) -> torch.amp.GradScaler:
+    """Loss scaling for fp16: without it small fp16 gradients flush to zero and large ones
+    overflow, and the LoRA silently turns NaN (a black image). Off (a no-op) otherwise."""
+    fp16 = plan.weight_dtype.value == "fp16" or plan.config.mixed_precision == "fp16"
+    return torch.amp.GradScaler(plan.device, enabled=fp16)
+
+
+def _checkpoint(
+    plan: TrainingPlan, pipe: Any, denoiser: torch.nn.Module, output_dir: Path, step: int,
+    optimizer: torch.optim.Optimizer, schedule: Any, generator: torch.Generator, order: list[int],
+    scaler: torch.amp.GradScaler,
+) -> Path:
+    """Everything the next step depends on, so a resumed run continues bit for bit."""
+    from engine.training.checkpoints import save_checkpoint
+
+    state = {
+        "trainable": {n: p.detach().to("cpu").clone() for n, p in denoiser.named_parameters() if p.requires_grad},
+        "optimizer": optimizer.state_dict(),
+        "scheduler": schedule.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if plan.device == "cuda" else None,
+        "generator": generator.get_state(),
+        "order": list(order),
+        "scaler": scaler.state_dict(),
+    }
+    return save_checkpoint(
+        output_dir, step, state, lambda folder: save_lora(plan, pipe, denoiser, folder), plan.config.keep_checkpoints
+    )
+
+
+def _resume(
+    path: Path, denoiser: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: Any,
+    generator: torch.Generator, scaler: torch.amp.GradScaler,
+) -> tuple[int, list[int]]:
+    """Load a checkpoint over the freshly built run; the step it was taken at and the batch order."""
+    from engine.training.checkpoints import load_checkpoint
+
+    state = load_checkpoint(path)
+    trainable = state["trainable"]
+    with torch.no_grad():
+        for name, param in denoiser.named_parameters():
+            if param.requires_grad:
+                param.copy_(trainable[name].to(param.device, param.dtype))
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    generator.set_state(state["generator"])
+    if state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    return int(state["step"]), list(state["order"])
 
 
 def _load_pipeline(plan: TrainingPlan, dtype: torch.dtype) -> Any:
@@ -139,7 +257,8 @@ def _load_pipeline(plan: TrainingPlan, dtype: torch.dtype) -> Any:
 
 
 def _cache_inputs(
-    plan: TrainingPlan, pipe: Any, runtime: ModuleType, device: torch.device, dtype: torch.dtype
+    plan: TrainingPlan, pipe: Any, runtime: ModuleType, device: torch.device, dtype: torch.dtype,
+    should_stop: StopCheck,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[int]]:
     """Latents per image and prompt embeddings per distinct caption, computed once."""
     for name, component in pipe.components.items():
@@ -148,6 +267,7 @@ def _cache_inputs(
     size = plan.config.resolution
     latents = []
     for item in plan.dataset.items:
+        _check_stop(should_stop)
         pixels = _load_pixels(item.image, size).to(device, dtype)
         latents.append(runtime.encode_images(pipe, pixels)[0].to("cpu"))
     captions = sorted({item.caption for item in plan.dataset.items})
@@ -239,26 +359,8 @@ def save_lora(plan: TrainingPlan, pipe: Any, denoiser: torch.nn.Module, output_d
         save_file({f"{prefix}.{k}": v for k, v in state.items()}, str(lora_path))
     outputs = {"lora": str(lora_path)}
     if plan.config.export_kohya:
-        alpha = plan.config.lora_alpha or plan.config.lora_rank
-        outputs["lora_kohya"] = str(_export_kohya(state, float(alpha), output_dir))
+        from engine.training.export import export_kohya
+
+        outputs["lora_kohya"] = str(export_kohya(plan, denoiser, state, output_dir))
     return outputs
 
-
-def _export_kohya(state: dict[str, torch.Tensor], alpha: float, output_dir: Path) -> Path:
-    """The same adapter with kohya key names (``lora_unet_<module>.lora_down``,
-    ``.lora_up``, ``.alpha``), the layout kohya's sd-scripts write for
-    diffusers module names and ComfyUI reads."""
-    from safetensors.torch import save_file
-
-    kohya: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        module, _, leaf = key.rpartition(".lora_")
-        base = "lora_unet_" + module.replace(".", "_")
-        if leaf.startswith("A"):
-            kohya[f"{base}.lora_down.weight"] = value
-            kohya[f"{base}.alpha"] = torch.tensor(alpha)
-        elif leaf.startswith("B"):
-            kohya[f"{base}.lora_up.weight"] = value
-    path = output_dir / "lora_kohya.safetensors"
-    save_file(kohya, str(path))
-    return path
