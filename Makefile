@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test install clean bench
+.PHONY: demo test install clean bench gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,14 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python bench/info_latency.py
+
+# Every GPU path, measured, on the GPU this machine has (report: gpu-check.json).
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

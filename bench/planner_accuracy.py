@@ -18,6 +18,7 @@ family tables come from it.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,15 +30,8 @@ from engine.policy.quant_filter import dense_gb
 from engine.preflight.model import sizes_by_scheme, tensor_shapes
 from engine.runtime.quantize import quantize_transformer, storage_bytes
 
-SDXL_UNET = dict(
-    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
-    block_out_channels=(320, 640, 1280),
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20),
-    cross_attention_dim=2048, use_linear_projection=True, addition_embed_type="text_time",
-    addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_configs import SDXL_UNET  # noqa: E402  (bench/ is not a package)
 
 #: family -> (diffusers class, full-size config, reduced overrides)
 MODELS = {

@@ -6,6 +6,11 @@ engine's own jobs (the image pipeline, a training run) are owners too.
 ``acquire(owner)`` evicts every other resident under one lock; the service
 calls it only after the last cheap check of a request passed, so a request
 that cannot succeed never evicts anything.
+
+An evict callback that raises is the host's bug, but it must not wedge the
+engine: the resident is dropped (its memory is the host's to free now), the
+job that asked is refused with ``evict_failed`` naming it, and the next job
+runs.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from engine.errors import EngineError
 
 
 @dataclass
@@ -23,6 +30,12 @@ class Resident:
     evict: Callable[[], None]
     size_gb: float = 0.0
     evictions: int = field(default=0, compare=False)
+
+
+class EvictFailed(EngineError):
+    """A resident's evict callback raised; it was dropped, the job refused."""
+
+    code = "evict_failed"
 
 
 class Residency:
@@ -41,11 +54,13 @@ class Residency:
         with self._lock:
             self._residents[resident.name] = resident
 
-    def unregister(self, name: str) -> None:
+    def unregister(self, name: str) -> bool:
+        """Forget ``name``; True when it was registered."""
         with self._lock:
-            self._residents.pop(name, None)
+            known = self._residents.pop(name, None) is not None
             if self._owner == name:
                 self._owner = None
+            return known
 
     def residents(self) -> list[Resident]:
         with self._lock:
@@ -55,13 +70,22 @@ class Residency:
         """Make ``owner`` the GPU's owner, evicting every other resident.
 
         :return: the names evicted, in order.
+        :raises EvictFailed: a callback raised; that resident is dropped, the
+            ones after it are left alone, and the owner is unchanged.
         """
         with self._lock:
             evicted = []
             for resident in list(self._residents.values()):
                 if resident.name == owner:
                     continue
-                resident.evict()
+                try:
+                    resident.evict()
+                except Exception as exc:  # noqa: BLE001 - a host callback may raise anything
+                    self._residents.pop(resident.name, None)
+                    raise EvictFailed(
+                        f"evicting {resident.name!r} failed ({type(exc).__name__}: {exc}); it was "
+                        "unregistered, so its memory may still be held. Free it, then start again."
+                    ) from exc
                 resident.evictions += 1
                 evicted.append(resident.name)
                 # An evicted engine job stops being a resident; a host model

@@ -10,26 +10,34 @@ so nothing is evicted before the last cheap check passed. The rule for jobs:
 one GPU job at a time. Starting a training run evicts a loaded image
 pipeline (and the host's residents); loading a pipeline while a run trains
 is refused with :class:`Busy` (HTTP 409), as is a second training start.
+A generate is a GPU job too: while one runs, a training start, a load or an
+unload is Busy, and a generate while a load or a run holds the engine is
+Busy; concurrent generates queue and run one after another.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from engine.errors import EngineError, UnknownName
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry, load_registry
+from engine.policy.available import AvailableMemory, Releasable, available_memory
 from engine.policy.inference import InferenceRequest, ModelFacts, Plan, plan_inference
 from engine.policy.info import images_info, training_info
-from engine.preflight.model import resolve_model
+from engine.preflight.lora import LoraLike, lora_choices, read_loras
+from engine.preflight.lora import plan_input as lora_plan_input
+from engine.preflight.model import hub_access_error, resolve_model
 from engine.residency import Residency, Resident
 from engine.training.config import TrainingConfig
 from engine.training.preflight import preflight_training
-from engine.training.records import RunRecord, list_runs
+from engine.training.lock import RunLock
+from engine.training.records import RunRecord, list_runs, write_error_code
 
 PIPELINE = "engine.pipeline"
 TRAINER = "engine.trainer"
@@ -39,6 +47,12 @@ class Busy(EngineError):
     """Another job holds the engine; try again when it is done."""
 
     code = "busy"
+
+
+class Cancelled(EngineError):
+    """A generate was stopped at a step boundary because its caller asked (``cancel`` was set)."""
+
+    code = "cancelled"
 
 
 class Engine:
@@ -57,9 +71,14 @@ class Engine:
         self.runs_dir = Path(runs_dir)
         self._hardware = hardware
         self._lock = threading.Lock()
+        #: Serialises generates (see :meth:`generate`); never held while reserving other jobs.
+        self._generate_lock = threading.Lock()
         self._job: str | None = None
         self._session: Any = None
         self._run: Any = None
+        self._watcher: threading.Thread | None = None
+        #: The run's status as last published by its watcher (see training_status).
+        self._published: dict[str, object] | None = None
         self._load_phase = "idle"
 
     # -- machine --------------------------------------------------------------
@@ -72,6 +91,21 @@ class Engine:
 
         return probe(verify=verify)
 
+    def available_memory(self, *, verify: bool | None = None) -> AvailableMemory:
+        """The memory a new job would have: free now plus what evicting the
+        engine's pipeline and every registered resident would release.
+
+        Measured before anything is evicted, so a doomed request is still
+        refused with every resident in place."""
+        releasable = [
+            Releasable(r.name, r.size_gb, "declared by the host")
+            for r in self.residency.residents() if r.name not in (PIPELINE, TRAINER)
+        ]
+        session = self._session
+        if session is not None:
+            releasable.append(Releasable(PIPELINE, _held_gb(session.plan), "the engine's loaded pipeline (its plan)"))
+        return available_memory(self.hardware(verify=verify), releasable)
+
     # -- light questions ------------------------------------------------------------
 
     def families(self) -> list[dict[str, object]]:
@@ -82,9 +116,11 @@ class Engine:
         ]
 
     def info(self) -> dict[str, object]:
-        hardware = self.hardware()
+        available = self.available_memory()
+        hardware = available.apply(self.hardware())
         return {
             "hardware": hardware.to_dict(),
+            "available_memory": available.to_dict(),
             "families": {
                 f.name: {"images": images_info(self.registry, f).to_dict(),
                          "training": training_info(self.registry, f, hardware).to_dict()}
@@ -93,7 +129,7 @@ class Engine:
         }
 
     def train_info(self) -> dict[str, object]:
-        hardware = self.hardware()
+        hardware = self.available_memory().apply(self.hardware())
         return {f.name: training_info(self.registry, f, hardware).to_dict() for f in self.registry.families.values()}
 
     def plan(
@@ -115,7 +151,9 @@ class Engine:
             facts = ModelFacts(spec, chosen, self.registry.component_sizes(spec, chosen))
         else:
             raise EngineError("give a model path or a family", code="invalid_request")
-        return plan_inference(self.registry, facts, self.hardware(), request)
+        return plan_inference(
+            self.registry, facts, self.hardware(), request, available=self.available_memory()
+        )
 
     # -- images -----------------------------------------------------------------
 
@@ -126,18 +164,36 @@ class Engine:
         base: str | None = None,
         family: str | None = None,
         request: InferenceRequest = InferenceRequest(),
+        loras: Sequence[LoraLike] = (),
+        switching: bool = False,
     ) -> dict[str, object]:
-        """Load a pipeline; every check runs before anything is evicted."""
+        """Load a pipeline; every check runs before anything is evicted.
+
+        ``loras`` (``PATH[:SCALE]`` strings, ``{"path", "scale"}`` mappings or
+        :class:`~engine.preflight.lora.LoraChoice`) are applied at load; each
+        is checked against the model's module tree first, so a LoRA for
+        another model is refused with every resident in place. ``switching``
+        says LoRAs will be changed later (they then stay unfused)."""
+        from engine.runtime.lora import check_loras
         from engine.runtime.session import InferenceSession
 
         source = resolve_model(self.registry, model, family=family, base=base)
-        plan = plan_inference(self.registry, source.facts(self.registry), self.hardware(verify=True), request)
+        offline = hub_access_error(source)
+        if offline is not None:
+            raise offline
+        lora_files = read_loras(lora_choices(loras))
+        check_loras(self.registry, source, lora_files)
+        request = dataclasses.replace(request, loras=lora_plan_input(lora_files, switching=switching))
+        plan = plan_inference(
+            self.registry, source.facts(self.registry), self.hardware(verify=True), request,
+            available=self.available_memory(verify=True),
+        )
         self._reserve("loading")
         try:
             self._load_phase = "evicting"
             self._drop_session()
             self.residency.acquire(PIPELINE)
-            session = InferenceSession(self.registry, source, plan, request)
+            session = InferenceSession(self.registry, source, plan, request, loras=lora_files)
             self._load_phase = "loading"
             session.load()
             self._session = session
@@ -152,16 +208,48 @@ class Engine:
             self._release_job("loading")
 
     def generate(
-        self, prompt: str, *, progress: Callable[[int, int], None] | None = None, **options: object
+        self,
+        prompt: str,
+        *,
+        progress: Callable[[int, int], None] | None = None,
+        loras: Sequence[LoraLike] | None = None,
+        cancel: threading.Event | None = None,
+        **options: object,
     ) -> list[Any]:
         """Images for ``prompt`` (options: steps, guidance, width, height, seed,
-        count, negative_prompt); ``progress(step, total)`` after each step."""
+        count, negative_prompt); ``progress(step, total)`` after each step.
+
+        ``loras`` (as for :meth:`load`) replaces the loaded pipeline's LoRAs
+        or their scales for this and later calls without reloading the base
+        (``[]`` removes them; None keeps them).
+
+        A generate is a GPU job: it holds the ``generating`` reservation for
+        its whole duration, so a training start or a load meanwhile is
+        :class:`Busy`, and a generate while one of those holds the engine is
+        Busy too. Concurrent generates are serialised (they queue on a lock,
+        one pipeline call at a time) rather than refused, so several clients
+        of one loaded pipeline all get their images.
+
+        ``cancel``, set from any thread (a server whose client went away),
+        stops the call with :class:`Cancelled` before it starts or after the
+        step that is running, and frees the engine for the next job."""
         from engine.runtime.session import GenerateRequest
 
-        session = self._session
-        if session is None:
-            raise EngineError("no image pipeline is loaded; load one first", code="not_loaded")
-        return session.generate(GenerateRequest(prompt=prompt, **options), progress)  # type: ignore[arg-type]
+        if cancel is not None:
+            progress = _cancellable(progress, cancel)
+
+        with self._generate_lock:
+            self._reserve("generating")
+            try:
+                session = self._session
+                if session is None:
+                    raise EngineError("no image pipeline is loaded; load one first", code="not_loaded")
+                files = None if loras is None else read_loras(lora_choices(loras))
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled("the generate was cancelled before it started")
+                return session.generate(GenerateRequest(prompt=prompt, loras=files, **options), progress)  # type: ignore[arg-type]
+            finally:
+                self._release_job("generating")
 
     def status(self) -> dict[str, object]:
         session = self._session
@@ -174,6 +262,8 @@ class Engine:
 
     def unload(self) -> bool:
         with self._lock:
+            if self._job in ("loading", "generating"):
+                raise Busy(f"the engine is busy {self._job}; unload when it is done")
             dropped = self._drop_session()
         self.residency.release_if(lambda owner: owner == PIPELINE)
         return dropped
@@ -193,60 +283,140 @@ class Engine:
     # -- training --------------------------------------------------------------
 
     def start_training(self, config: TrainingConfig | Mapping[str, object]) -> dict[str, object]:
-        """Start a LoRA run in a child process, after every check has passed."""
+        """Start a LoRA run in a child process, after every check has passed.
+
+        Besides this engine's job reservation, the runs folder's run lock must
+        be free: a trainer another engine started (one killed since, whose
+        child still runs) refuses the start with ``run_in_progress``, before
+        anything is evicted.
+        """
         from engine.training.runner import TrainingRun
 
         if not isinstance(config, TrainingConfig):
             config = TrainingConfig.from_data(dict(config))
-        plan = preflight_training(self.registry, config, self.hardware(verify=True))
+        plan = preflight_training(
+            self.registry, config, self.hardware(verify=True), self.available_memory(verify=True)
+        )
+        run = TrainingRun(plan, self.runs_dir)
         self._reserve("training")
+        run_lock = RunLock(self.runs_dir)
+        token = None
         try:
+            token = self._take_run_lock(run_lock, run)
             self._drop_session()
             self.residency.acquire(TRAINER)
-            run = TrainingRun(plan, self.runs_dir)
             run.start()
+            try:
+                run_lock.set_trainer(token, run.pid)
+            except OSError:
+                pass  # the lock still names this engine; the run's own record write reports the disk
         except BaseException:
+            run.kill()
             self.residency.release_if(lambda owner: owner == TRAINER)
+            if token is not None:
+                run_lock.release(token)
             self._release_job("training")
             raise
-        self._run = run
-        threading.Thread(target=self._watch, args=(run,), daemon=True, name="engine-run-watch").start()
-        return run.record.to_dict()
+        watcher = threading.Thread(target=self._watch, args=(run, run_lock, token), daemon=True, name="engine-run-watch")
+        with self._lock:
+            self._run, self._watcher = run, watcher
+        self._publish(run)
+        started = self.training_status() or {}
+        watcher.start()
+        return started
 
-    def _watch(self, run: Any) -> None:
-        while not run.poll().finished:
-            time.sleep(0.2)
-        self.residency.release_if(lambda owner: owner == TRAINER)
-        self._release_job("training")
+    def _take_run_lock(self, run_lock: RunLock, run: Any) -> str:
+        try:
+            token, holder = run_lock.acquire(run.record.run_id, run.record.folder)
+        except OSError as exc:
+            raise EngineError(
+                f"cannot write the run lock {run_lock.path}: {exc.strerror or exc}; "
+                f"free space in (or fix the permissions of) {self.runs_dir}",
+                code=write_error_code(exc),
+            ) from exc
+        if holder is not None or token is None:
+            who = holder.describe() if holder is not None else "another process"
+            raise Busy(
+                f"a training run is in progress in {self.runs_dir}: {who} is alive (lock "
+                f"{run_lock.path}); wait for it to finish, or stop that process, then start again",
+                code="run_in_progress",
+            )
+        return token
+
+    def _watch(self, run: Any, run_lock: RunLock, token: str) -> None:
+        """Fold the child's events until the run ends, then give everything back.
+
+        Whatever happens here (a record the disk refuses, a bug), the job,
+        the GPU and the run lock are released and the run ends: a dead
+        watcher would leave the engine busy forever. The finished status is
+        published only after the release, so a client that sees it can
+        start the next job at once.
+        """
+        try:
+            while not run.poll().finished:
+                self._publish(run)
+                time.sleep(0.2)
+        except Exception as exc:  # any failure here must end the run, not the engine
+            run.abort("watcher_failed", f"the engine could not follow the run ({type(exc).__name__}: {exc}); "
+                      "the trainer was stopped; start the run again")
+        finally:
+            self.residency.release_if(lambda owner: owner == TRAINER)
+            try:
+                run_lock.release(token)
+            except OSError:
+                pass  # the lock names a trainer that is gone: the next start takes it over
+            self._release_job("training")
+            self._publish(run)
+
+    def _publish(self, run: Any) -> None:
+        snapshot = {**run.record.to_dict(), "phase": run.phase}
+        with self._lock:
+            if self._run is run:
+                self._published = snapshot
 
     def training_status(self) -> dict[str, object] | None:
-        """The run's record as the watcher thread last folded it (every 0.2 s);
-        only the watcher polls the child, so events are applied exactly once."""
-        run = self._run
-        if run is None:
-            return None
-        return {**run.record.to_dict(), "phase": run.phase}
+        """The run's record as its watcher last published it (every 0.2 s).
+
+        Only the watcher polls the child, so events are applied exactly
+        once; and it publishes the final status only after it released the
+        job, so "completed" (or failed...) always means a new start is welcome.
+        """
+        with self._lock:
+            published = self._published
+        return dict(published) if published is not None else None
 
     def stop_training(self, *, save: bool = True) -> dict[str, object]:
+        """Stop after the current step (or loading / caching phase), saving the LoRA unless ``save`` is False."""
         run = self._run
         if run is None or run.record.finished:
             raise EngineError("no training run is in progress", code="not_training")
         run.stop(save=save)
-        return run.record.to_dict()
+        return self.training_status() or {}
+
+    def cancel_training(self) -> dict[str, object]:
+        """Stop the run at its next check (any phase) and keep no LoRA; its checkpoints stay."""
+        run = self._run
+        if run is None or run.record.finished:
+            raise EngineError("no training run is in progress", code="not_training")
+        run.cancel()
+        return self.training_status() or {}
 
     def wait_training(self, timeout: float | None = None) -> RunRecord:
         """Block until the run has finished and the watcher gave the GPU back."""
-        run = self._run
-        if run is None:
+        with self._lock:
+            run, watcher = self._run, self._watcher
+        if run is None or watcher is None:
             raise EngineError("no training run was started", code="not_training")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not run.record.finished or self._job == "training":
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"run {run.record.run_id} still running after {timeout} s")
-            time.sleep(0.05)
+        watcher.join(timeout)
+        if watcher.is_alive():
+            raise TimeoutError(f"run {run.record.run_id} still running after {timeout} s")
         return run.record
 
     def runs(self) -> list[dict[str, object]]:
+        """Every run in the runs folder; one whose processes are gone reads as failed."""
+        run = self._run
+        if run is not None and run.record.finished:
+            run.flush()  # a final record the full disk refused is written once it can be
         return [r.to_dict() for r in list_runs(self.runs_dir)]
 
     # -- jobs -----------------------------------------------------------------
@@ -264,6 +434,43 @@ class Engine:
 
     def register_resident(self, name: str, evict: Callable[[], None], size_gb: float = 0.0) -> Resident:
         """Register a host-owned model the engine may evict when it needs the GPU."""
+        _check_host_name(name)
         resident = Resident(name, evict, size_gb)
         self.residency.register(resident)
         return resident
+
+    def unregister_resident(self, name: str) -> bool:
+        """Forget a host-owned model (the host freed it itself); True when it was registered."""
+        _check_host_name(name)
+        return self.residency.unregister(name)
+
+
+def _check_host_name(name: str) -> None:
+    if name in (PIPELINE, TRAINER):
+        raise EngineError(
+            f"{name!r} is the engine's own job name; register host models under another name",
+            code="invalid_request",
+        )
+
+
+def _held_gb(plan: Plan) -> float:
+    """Device GB a loaded pipeline holds between calls: its weights when
+    resident (or when the device is the host), little when offloaded."""
+    if plan.value("memory_mode") == "resident" or plan.device == "cpu":
+        return plan.estimate.resident_gb
+    return 0.0
+
+
+def _cancellable(
+    progress: Callable[[int, int], None] | None, cancel: threading.Event
+) -> Callable[[int, int], None]:
+    """``progress`` that first raises :class:`Cancelled` once ``cancel`` is set;
+    the session calls it after every denoising step, so the pipeline stops there."""
+
+    def step(done: int, total: int) -> None:
+        if cancel.is_set():
+            raise Cancelled(f"the generate was cancelled after step {done} of {total}")
+        if progress is not None:
+            progress(done, total)
+
+    return step

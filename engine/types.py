@@ -60,6 +60,17 @@ class OptimizationDeny:
     reason: str
 
 
+def model_name(model_id: str) -> str:
+    """A model's own name: the last component of a repo id or a local path.
+
+    Rules keyed on names (pre-quantised patterns) read this and never the
+    folders above it: ``/data/checkpoint4/model-dev`` is called ``model-dev``,
+    and its parent's ``int4`` says nothing about the model.
+    """
+    parts = [part for part in model_id.replace("\\", "/").split("/") if part]
+    return parts[-1] if parts else model_id
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """One published checkpoint of a family, with its sampling defaults.
@@ -77,6 +88,9 @@ class Checkpoint:
     default_guidance: float
     matches: tuple[str, ...] = ()
     sizes: ComponentSizes | None = None
+    #: The diffusers pipeline class this checkpoint loads as, where it is not
+    #: the family's ``pipeline_class`` (an edit / Kontext pipeline).
+    pipeline_class: str = ""
 
     def match_score(self, model_id: str) -> int:
         """Length of the longest pattern matching ``model_id`` (0: no match).
@@ -105,6 +119,63 @@ class TrainingObjective:
     prediction: Prediction
     timestep_sampling: Literal["logit_normal", "uniform", "shifted_sigmoid"]
     runtime_module: str
+
+
+@dataclass(frozen=True)
+class LoraTargetShape:
+    """One kind of Linear a LoRA adapts: its name suffix, shape and how many
+    the full-size denoiser holds (``to_q``, 3072 -> 3072, x 57)."""
+
+    target: str
+    in_features: int
+    out_features: int
+    count: int
+
+    def lora_params(self, rank: int) -> int:
+        """Parameters a rank-``rank`` adapter adds over every such layer (A and B)."""
+        return self.count * rank * (self.in_features + self.out_features)
+
+
+@dataclass(frozen=True)
+class ActivationFigures:
+    """Elements a LoRA training step keeps for backward, per token.
+
+    Measured (``bench/memory_accuracy.py --derive``) on a real-width,
+    reduced-depth denoiser and carried here as data, like ``quant_factors``:
+    never guessed. Multiply by the compute dtype's bytes. An *image token* is
+    one 16x16-pixel patch of the training resolution (a 2x2 patch of an
+    8x-downsampled latent), for every family, so one figure serves any
+    resolution. *Text tokens* are the encoded prompt positions the denoiser
+    attends over (``text_tokens`` of them at training time).
+    """
+
+    #: Saved per image / text token by one repeated block, no checkpointing.
+    block_per_image_token: float
+    block_per_text_token: float
+    #: Kept per image / text token by one block under gradient checkpointing
+    #: (its inputs, recomputed in backward).
+    checkpointed_block_per_image_token: float
+    checkpointed_block_per_text_token: float
+    #: Saved per token outside the repeated blocks (embedders, final layers).
+    outside_per_image_token: float
+    outside_per_text_token: float
+    #: Repeated blocks in the full-size denoiser.
+    blocks: int
+    #: Prompt positions the trainer encodes captions to.
+    text_tokens: int
+    #: Outside the blocks under gradient checkpointing, where it differs
+    #: (a UNet: diffusers recomputes its resnets too); None: as above.
+    checkpointed_outside_per_image_token: float | None = None
+    checkpointed_outside_per_text_token: float | None = None
+
+
+@dataclass(frozen=True)
+class TrainingMemoryFigures:
+    """What a family's LoRA training step holds besides its frozen weights."""
+
+    activations: ActivationFigures
+    #: Every Linear the default LoRA targets adapt, in the full-size model.
+    lora_targets: tuple[LoraTargetShape, ...]
 
 
 @dataclass(frozen=True)
@@ -159,6 +230,34 @@ class FamilySpec:
     #: they differ from the generic ones (its layer mix, under the filter).
     quant_factors: dict[str, float] = field(default_factory=dict)
     training_objective: TrainingObjective | None = None
+    #: Activation and LoRA-shape figures for the training memory estimate;
+    #: None where unmeasured (the estimate then says it cannot size the run).
+    training_memory: TrainingMemoryFigures | None = None
+    #: Substrings of LoRA state-dict keys (diffusers, kohya, ComfyUI or
+    #: ai-toolkit spellings) typical of this family; the family whose markers
+    #: match the most keys is the one a foreign LoRA is said to look like.
+    lora_key_markers: tuple[str, ...] = ()
+    #: How the exported kohya / ComfyUI LoRA names this family's modules where
+    #: the original checkpoint's layout differs from diffusers': rules of
+    #: ``(kohya module, (diffusers modules...))`` with ``{i}`` for a block
+    #: index; several diffusers modules are fused (rows stacked in order) into
+    #: one kohya module. Modules no rule covers keep their diffusers path.
+    lora_kohya_map: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    #: Name fragments of Linears int8 keeps dense in this family, beyond the
+    #: engine's generic norm / modulation / timestep rule: layers run at
+    #: M = prompt tokens (CUDA int8 matmuls need M >= 16) or at M = batch.
+    int8_dense_modules: tuple[str, ...] = ()
+    #: Pipeline classes whose call opens a cache context around the denoiser
+    #: (First-Block-Cache needs one); None when undeclared, and the runtime
+    #: reads the loaded pipeline's call instead.
+    cache_context_pipelines: tuple[str, ...] | None = None
+    #: Inference denials a machine capability lifts: scheme -> the
+    #: ``HardwareProfile`` attribute (``fp8_activation_floor``).
+    inference_deny_lifted_by: dict[str, str] = field(default_factory=dict)
+    #: Steady size factors of the inference build where they differ from
+    #: ``quant_factors`` (the trainer's), because ``int8_dense_modules``
+    #: keeps more of the transformer dense there.
+    inference_quant_factors: dict[str, float] = field(default_factory=dict)
 
     def __hash__(self) -> int:  # dict fields make the default hash fail
         return hash((self.name, self.pipeline_class))
@@ -177,7 +276,9 @@ class FamilySpec:
         return best if best.match_score(name) else None
 
     def is_prequantised(self, model_id: str) -> bool:
-        lowered = model_id.lower()
+        """Whether the model's own name (:func:`model_name`) says it is stored
+        pre-quantised. The one test inference and training both use."""
+        lowered = model_name(model_id).lower()
         return any(fnmatch.fnmatch(lowered, p.lower()) for p in self.prequantised_patterns)
 
     def matches_id(self, model_id: str) -> bool:

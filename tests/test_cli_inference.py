@@ -26,7 +26,9 @@ def test_plan_json_for_a_checkpoint_and_explicit_choices() -> None:
     )
     plan = json.loads(result.stdout)["plan"]
     assert plan["checkpoint"] == "flux.1-schnell"
-    assert plan["resolved"]["transformer_quant"] == {"value": "fp8", "source": "explicit", "reason": "requested"}
+    assert plan["resolved"]["transformer_quant"] == {
+        "value": "fp8", "source": "explicit", "reason": "requested", "requested": "fp8", "status": "engaged"
+    }
     assert plan["resolved"]["step_cache"]["value"] == "off"  # 4-step schedule
 
 

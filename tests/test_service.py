@@ -26,6 +26,7 @@ from engine.service import Busy
 from engine.testing.checkpoints import write_single_file
 from engine.testing.datasets import write_dataset
 from engine.types import TRAINING_PRECISIONS
+from tests.test_preflight_hardening import escaping_dataset, truncated_pipeline
 
 REGISTRY = load_registry()
 FAMILIES = ["flux", "qwen_image", "zimage", "sdxl"]
@@ -58,24 +59,37 @@ def fixtures_root(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Calla
     not_pipeline.mkdir()
     (not_pipeline / "notes.txt").write_text("no model here", encoding="utf-8")
     single = write_single_file(tiny_pipeline("sdxl"), "unet", root / "single" / "unet.safetensors").parent
+    secret = root / "outside" / "passwd"
+    secret.parent.mkdir()
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n", encoding="utf-8")
+    truncated = {
+        f"truncated_{family}": truncated_pipeline(tiny_pipeline(family), root / f"cut-{family}", REGISTRY.family(family).denoiser)
+        for family in FAMILIES
+    }
     return {
         "good_data": good_data, "corrupt_data": corrupt, "empty_data": empty,
         "missing_data": root / "no-such-data", "not_pipeline": not_pipeline,
         "missing_base": root / "no-such-base", "single_file": single,
+        "linked_image_data": escaping_dataset(root / "linked-image-data", secret, "passwd.png"),
+        "linked_caption_data": escaping_dataset(root / "linked-caption-data", secret, "image_000.txt"),
+        **truncated,
     }
 
 
 def _bases(fx: dict[str, Path], tiny: Callable[[str], Path], family: str) -> dict[str, Path]:
-    return {"good": tiny(family), "not_pipeline": fx["not_pipeline"], "missing": fx["missing_base"], "single_file": fx["single_file"]}
+    other = FAMILIES[(FAMILIES.index(family) + 1) % len(FAMILIES)]
+    return {"good": tiny(family), "not_pipeline": fx["not_pipeline"], "missing": fx["missing_base"],
+            "single_file": fx["single_file"], "truncated": fx[f"truncated_{family}"],
+            "other_family": tiny(other)}  # its model_index.json names another family than the forced one
 
 
 def doomed_cases(fx: dict[str, Path], tiny: Callable[[str], Path]) -> list[tuple[str, str, dict[str, object]]]:
     """(preset, label, config): every one of these is doomed somewhere in the preflight."""
     cases: list[tuple[str, str, dict[str, object]]] = []
-    bad_data = ("corrupt_data", "empty_data", "missing_data")
+    bad_data = ("corrupt_data", "empty_data", "missing_data", "linked_image_data", "linked_caption_data")
     for preset, family, precision in itertools.product(sorted(PRESETS), FAMILIES, (*TRAINING_PRECISIONS, "int4")):
         bases = _bases(fx, tiny, family)
-        for base_kind in ("not_pipeline", "missing", "single_file"):
+        for base_kind in ("not_pipeline", "missing", "single_file", "truncated", "other_family"):
             cases.append((preset, f"{family}/{precision}/base={base_kind}", {
                 "base_model": str(bases[base_kind]), "family": family, "dataset_dir": str(fx["good_data"]),
                 "base_precision": precision, "resolution": 64, "steps": 2,
@@ -88,7 +102,14 @@ def doomed_cases(fx: dict[str, Path], tiny: Callable[[str], Path]) -> list[tuple
     good = {"base_model": str(tiny("sdxl")), "dataset_dir": str(fx["good_data"])}
     for bad in ({"resolution": 100}, {"steps": 0}, {"epochs": "three"}, {"learning_rate": -1},
                 {"steps": 5, "epochs": 2}, {"lora_rank": 0}, {"device": "tpu"}, {"unknown": 1},
-                {"mixed_precision": "fp8"}, {"family": "sd15"}):
+                {"mixed_precision": "fp8"}, {"family": "sd15"},
+                {"seed": 2**70}, {"lora_rank": 10**10}, {"batch_size": 10**6}, {"steps": 10**12},
+                {"learning_rate": float("inf")}, {"base_model": ""}, {"base_model": "./nope"},
+                {"base_model": "/data/x/no-such-model"}, {"base_model": "nope"},
+                {"base_model": "someone-offline/FLUX.1-dev-not-downloaded"}, {"base_precision": "bf16"},
+                {"lora_targets": ["no_such_proj"]}, {"lora_targets": ["norm"]},
+                {"base_model": str(tiny("flux")), "family": "sdxl"},
+                {"base_model": str(fx["truncated_sdxl"])}):
         cases.append(("h100", f"config={bad}", {**good, **bad}))
     return cases
 
@@ -110,14 +131,16 @@ def test_five_hundred_doomed_training_starts_evict_nothing(
         codes[code] = codes.get(code, 0) + 1
         assert engine.residency.owner is None, (preset, label)
         assert engine.status()["job"] is None, (preset, label)
-        if "data=" in label and raised.value.code in ("bad_dataset", "empty_dataset", "dataset_not_found"):
-            assert label.endswith(("corrupt_data", "empty_data", "missing_data"))
+        if "data=" in label and raised.value.code in ("bad_dataset", "empty_dataset", "dataset_not_found", "path_outside_root"):
+            assert label.endswith(("corrupt_data", "empty_data", "missing_data", "linked_image_data", "linked_caption_data"))
     assert all(host.evicted == 0 for host in hosts.values())
     assert not list(tmp_path.iterdir()), "no run folder was created for a refused start"
     # Every stage of the preflight refused something.
     for expected in ("no_native_bf16", "needs_cuda", "quant_denied", "invalid_base_precision", "not_a_pipeline",
                      "model_not_found", "bad_dataset", "empty_dataset", "dataset_not_found", "invalid_config",
-                     "fp8_unsupported", "mxfp8_unsupported", "unknown_family"):
+                     "fp8_unsupported", "mxfp8_unsupported", "unknown_family", "path_outside_root",
+                     "corrupt_checkpoint", "family_mismatch", "unknown_lora_target", "hub_offline",
+                     "base_precision_not_applicable"):
         assert codes.get(expected), (expected, codes)
 
 
@@ -132,6 +155,12 @@ def test_doomed_loads_evict_nothing(fixtures_root: dict[str, Path], tiny_pipelin
         (lambda: t4.load(str(tiny_pipeline("flux")), request=InferenceRequest(dtype="bf16")), "bf16_unsupported"),
         (lambda: t4.load(str(tiny_pipeline("zimage")), request=InferenceRequest(dtype="fp16")), "fp16_unsafe"),
         (lambda: t4.load(str(tiny_pipeline("sdxl")), request=InferenceRequest(speed="warp")), "invalid_request"),
+        (lambda: t4.load(str(fixtures_root["truncated_sdxl"])), "corrupt_checkpoint"),
+        (lambda: t4.load(""), "invalid_request"),
+        (lambda: t4.load("./nope"), "model_not_found"),
+        (lambda: t4.load("/data/x/no-such-model"), "model_not_found"),
+        (lambda: t4.load("someone-offline/FLUX.1-dev-not-downloaded"), "hub_offline"),
+        (lambda: t4.load(str(tiny_pipeline("flux")), family="sdxl"), "family_mismatch"),
     ]
     for attempt, code in doomed:
         with pytest.raises(EngineError) as raised:

@@ -9,7 +9,12 @@ import pytest
 from engine.hardware.presets import PRESETS, preset
 from engine.plugins import Registry, load_registry
 from engine.policy.info import training_info
-from engine.policy.training import resolve_training_precision, training_precision_preflight_error
+from engine.policy.training import (
+    MemoryRequest,
+    resolve_training_precision,
+    training_precision_preflight_error,
+)
+from engine.policy.training_memory import TrainingShape
 from engine.types import TRAINING_PRECISIONS
 
 REGISTRY = load_registry()
@@ -31,11 +36,14 @@ def test_info_advertises_exactly_what_the_preflight_accepts(hw: str, family: str
     spec = REGISTRY.family(family)
     info = training_info(REGISTRY, spec, PRESETS[hw])
     for mode in TRAINING_PRECISIONS:
-        accepted = refusal(family, hw, mode) is None
+        # info sizes each mode at the default shape (512px, batch 1) from the table
+        memory = MemoryRequest.from_table(spec, TrainingShape(gradient_checkpointing=None))
+        accepted = refusal(family, hw, mode, memory=memory) is None
         if spec.base_precision_applies:
             assert (mode in info.precision_modes) == accepted, (hw, family, mode)
         else:
-            assert info.precision_modes == () and accepted == info.trainable
+            # Only "auto" is accepted: an explicit base_precision would be silently ignored.
+            assert info.precision_modes == () and accepted == (info.trainable and mode == "auto")
     if info.precision_modes:
         assert info.recommended_precision in info.precision_modes
         assert "fp8" != info.recommended_precision != "mxfp8"
@@ -132,7 +140,7 @@ def test_prequantised_repo_trains_nf4_only_and_names_the_dense_base(family: str,
 
 def test_fp16_mixed_precision_refused_on_bf16_families_only() -> None:
     assert refusal("zimage", "h100", "bf16", mixed_precision="fp16") == "fp16_on_bf16_family"
-    assert refusal("sdxl", "t4", "nf4", mixed_precision="fp16") is None
+    assert refusal("sdxl", "t4", "auto", mixed_precision="fp16") is None
 
 
 def test_unknown_mode_and_device_are_refused_by_name() -> None:

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry
+from engine.policy.available import AvailableMemory, available_memory
 from engine.policy.dtype import DTYPE_FACTOR, resolve_dtype
 from engine.policy.memory import (
     Components,
@@ -30,9 +31,9 @@ from engine.policy.memory import (
     mode_rank,
     plan_memory,
 )
-from engine.policy.quant import resolve_quant_request
-from engine.policy.resolved import Resolved, auto, explicit
-from engine.policy.schemes import transformer_gb
+from engine.policy.quant import lift_denials, resolve_quant_request
+from engine.policy.resolved import Resolved, auto, explicit, with_requests
+from engine.policy.schemes import HOST_QUANTISED, transformer_gb
 from engine.policy.speed import (
     StepCacheThresholds,
     resolve_attention,
@@ -41,6 +42,9 @@ from engine.policy.speed import (
     resolve_speed_tier,
     resolve_step_cache,
     resolve_threads,
+    resolve_tf32,
+    schedule_compile,
+    step_cache_unsupported,
 )
 from engine.types import Checkpoint, ComponentSizes, FamilySpec
 
@@ -56,10 +60,48 @@ CONTROLS: tuple[str, ...] = (
     "speed_tier",
     "fp16_accumulation",
     "threads",
+    "lora",
+    "tf32",
 )
 
 #: Steps assumed when neither the request nor a known checkpoint says.
 FALLBACK_STEPS = 28
+
+
+@dataclass(frozen=True)
+class LoraPlanInput:
+    """The LoRAs a load applies, as the planner sees them (read from headers)."""
+
+    count: int = 0
+    #: The largest rank among them (the hot-swap slot size under compile).
+    max_rank: int = 0
+    #: Parameters in their LoRA matrices, all together.
+    params: int = 0
+    #: The caller will change LoRAs or scales on the loaded pipeline.
+    switching: bool = False
+
+
+def resolve_lora(loras: LoraPlanInput, *, quantised: str | None, compiled: bool) -> Resolved[str]:
+    """How LoRAs are applied: ``fused`` into the weights (one LoRA on a dense
+    base, no switch expected: no per-step cost), ``unfused`` (peft layers beside
+    the base: a quantised or GGUF base, several LoRAs, or switching), or
+    ``hotswap`` (unfused, in slots of the largest rank, so a compiled
+    denoiser swaps adapters without recompiling)."""
+    if loras.count == 0:
+        return auto("none", "no LoRA requested")
+    why = []
+    if quantised:
+        why.append(f"the base is {quantised} (a LoRA cannot be fused into quantised weights)")
+    if loras.count > 1:
+        why.append(f"{loras.count} LoRAs keep separate scales")
+    if loras.switching:
+        why.append("LoRAs will be switched on the loaded pipeline")
+    if compiled:
+        because = "; ".join(why) or "compile is on"
+        return auto("hotswap", f"{because}: adapters are hot-swapped in rank-{loras.max_rank} slots so a switch does not recompile")
+    if why:
+        return auto("unfused", "; ".join(why) + ": adapters stay beside the base weights")
+    return auto("fused", "one LoRA on a dense base: fused into the weights, no per-step cost")
 
 
 @dataclass(frozen=True)
@@ -75,6 +117,7 @@ class InferenceRequest:
     speed: str = "default"
     steps: int | None = None
     threads: int | None = None
+    loras: LoraPlanInput = LoraPlanInput()
 
 
 @dataclass(frozen=True)
@@ -112,6 +155,11 @@ class Plan:
     default_steps: int
     fallback: Plan | None = None
     sizes: Mapping[str, ComponentSizes] = field(default_factory=dict)
+    #: The memory the plan was made for (free after eviction, with sources).
+    available: AvailableMemory | None = None
+    #: The image (1-based) of a session before which regional compile runs
+    #: (1: at load; a dense auto compile waits, so a one-off image is not slowed).
+    compile_from_image: int = 1
 
     def __getitem__(self, control: str) -> Resolved:
         return self.controls[control]
@@ -120,8 +168,11 @@ class Plan:
         return self.controls[control].value
 
     def with_control(self, control: str, resolved: Resolved) -> Plan:
-        """A copy with one control re-decided (at load or generate time)."""
+        """A copy with one control re-decided (at load or generate time); it
+        keeps what was requested unless ``resolved`` says."""
         controls = dict(self.controls)
+        if resolved.requested is None and control in controls:
+            resolved = resolved.with_request(controls[control].asked)
         controls[control] = resolved
         return dataclasses.replace(self, controls=MappingProxyType(controls))
 
@@ -130,13 +181,15 @@ class Plan:
             "family": self.family,
             "checkpoint": self.checkpoint,
             "device": self.device,
-            "resolved": {name: self.controls[name].to_dict() for name in CONTROLS},
+            "resolved": {name: self.controls[name].to_dict() for name in CONTROLS if name in self.controls},
             "estimate": self.estimate.to_dict(),
             "step_cache_threshold": self.step_cache_threshold,
             "compile_fullgraph": self.compile_fullgraph,
+            "compile_from_image": self.compile_from_image,
             "attention_install": self.attention_install,
             "sizes": {k: dataclasses.asdict(v) for k, v in self.sizes.items()},
             "fallback": self.fallback.to_dict() if self.fallback else None,
+            "available_memory": self.available.to_dict() if self.available else None,
         }
 
 
@@ -149,12 +202,19 @@ def plan_inference(
     env: Mapping[str, str] | None = None,
     memory_thresholds: MemoryThresholds = MemoryThresholds(),
     cache_thresholds: StepCacheThresholds = StepCacheThresholds(),
+    available: AvailableMemory | None = None,
 ) -> Plan:
-    """Resolve every control; raise :class:`PreflightError` for a doomed request."""
+    """Resolve every control; raise :class:`PreflightError` for a doomed request.
+
+    :param available: the memory the job will have after eviction; its free
+        figure replaces ``hardware``'s (default: ``hardware`` as it is).
+    """
     env = os.environ if env is None else env
+    available = available or available_memory(hardware)
+    hardware = available.apply(hardware)
     family = model.family
     tier = _checked(resolve_speed_tier, request.speed)
-    quant_denied = registry.quant_deny(family, "inference")
+    quant_denied = lift_denials(registry.quant_deny(family, "inference"), family, hardware)
     denied = registry.optimization_deny(family)
 
     def parts(dtype: str, scheme: str | None) -> Components:
@@ -163,14 +223,20 @@ def plan_inference(
         if scheme is not None:
             steady, transient = transformer_gb(
                 sizes.transformer_gb, scheme, prequantised=scheme == model.prequantised_scheme,
-                factor=family.quant_factors.get(scheme),
+                factor=family.inference_quant_factors.get(scheme, family.quant_factors.get(scheme)),
             )
             if model.measured_scheme_gb and scheme in model.measured_scheme_gb:
                 steady = model.measured_scheme_gb[scheme]
+            if scheme in HOST_QUANTISED:
+                # torchao schemes are quantised on the host and moved quantised:
+                # the device never holds the dense transformer.
+                transient = steady
         elif model.gguf_transformer_gb is not None:
             steady = transient = model.gguf_transformer_gb
         else:
             steady = transient = sizes.transformer_gb * factor
+        lora_gb = request.loras.params * 2 * factor / 1e9  # adapters sit beside the denoiser
+        steady, transient = steady + lora_gb, transient + lora_gb
         return Components(
             transformer_gb=steady,
             transformer_transient_gb=transient,
@@ -191,7 +257,8 @@ def plan_inference(
     fp32_fits = fp32_plan is not None and fp32_plan[0].value in ("resident", "model_offload")
     dtype = resolve_dtype(family, hardware, request.dtype, fp32_fits=fp32_fits)
     quant = _checked(
-        resolve_quant_request, request.quant, hardware, quant_denied, family_label=family.label
+        resolve_quant_request, request.quant, hardware, quant_denied, family_label=family.label,
+        dtype=dtype.value,
     )
     base_quant = model.prequantised_scheme
     base_name = "GGUF" if model.gguf_transformer_gb is not None else "dense"
@@ -225,9 +292,14 @@ def plan_inference(
             chosen_quant = auto(None, f"the {base_name} transformer plans {where}; quantising would not improve the plan (candidate: {quant.value})")
             chosen = base
     if chosen is None:
+        try:  # the memory rule's own words (unified memory, RAM and swap, ...)
+            plan_memory(parts(dtype.value, base_quant), hardware, "auto", memory_thresholds)
+            detail = ""
+        except PreflightError as exc:
+            detail = f": {exc.message}"
         raise PreflightError(
             f"{family.label} does not fit this machine ({hardware.device_name}, "
-            f"{hardware.total_memory_gb:.1f} GB) in any plan",
+            f"{hardware.total_memory_gb:.1f} GB) in any plan{detail}",
             code="insufficient_memory",
         )
 
@@ -236,18 +308,26 @@ def plan_inference(
         steps = request.steps or (model.checkpoint.default_steps if model.checkpoint else FALLBACK_STEPS)
         cache, threshold = _checked(
             resolve_step_cache, request.step_cache, steps,
-            quantised=quantised, tier=tier.value, denied=denied,
+            quantised=quantised, tier=tier.value, denied=denied, unsupported=cache_unsupported,
         )
         cache_may_engage = (
             request.step_cache == "auto" and "step_cache" not in denied and tier.value != "off"
+            and cache_unsupported is None
         )
         compiled, fullgraph = _checked(
             resolve_compile, request.compile, hardware, tier=tier.value,
             regions=registry.compile_regions(family), denied=denied,
             gguf=scheme.value is None and model.gguf_transformer_gb is not None,
             cache_may_engage=cache_may_engage,
+            offloaded=hardware.vendor != "cpu" and mem[0].value != "resident",
+            dtype=dtype.value, env=env,
         )
-        attention, install = _checked(resolve_attention, request.attention, hardware, denied, env)
+        compiled, from_image = schedule_compile(
+            compiled, quantised=scheme.value is not None and scheme.value != "nf4"
+        )
+        attention, install = _checked(
+            resolve_attention, request.attention, hardware, denied, env, dtype=dtype.value
+        )
         controls: dict[str, Resolved] = {
             "dtype": dtype,
             "transformer_quant": scheme,
@@ -261,7 +341,14 @@ def plan_inference(
                 hardware, dtype=dtype.value, tier=tier.value, denied=denied, env=env
             ),
             "threads": resolve_threads(hardware, request.threads),
+            "lora": resolve_lora(
+                request.loras,
+                quantised=scheme.value or ("GGUF" if model.gguf_transformer_gb is not None else None),
+                compiled=compiled.value == "regional",
+            ),
+            "tf32": resolve_tf32(hardware, tier=tier.value),
         }
+        controls = with_requests(controls, requested_controls)
         sizes = {"table": model.table_sizes}
         if model.measured_sizes:
             sizes["measured"] = model.measured_sizes
@@ -277,8 +364,16 @@ def plan_inference(
             default_steps=steps,
             fallback=fallback,
             sizes=MappingProxyType(sizes),
+            available=available,
+            compile_from_image=from_image,
         )
 
+    checkpoint = model.checkpoint
+    cache_unsupported = step_cache_unsupported(
+        family.cache_context_pipelines,
+        (checkpoint.pipeline_class or family.pipeline_class) if checkpoint else None,
+    )
+    requested_controls = requested_by_control(request)
     fallback = None
     if fallback_memory is not None:
         fallback = assemble(
@@ -287,6 +382,21 @@ def plan_inference(
             None,
         )
     return assemble(chosen_quant, chosen, fallback)
+
+
+def requested_by_control(request: InferenceRequest) -> dict[str, object]:
+    """What the user asked of each control (``auto`` where they left it)."""
+    return {
+        "dtype": request.dtype,
+        "transformer_quant": request.quant,
+        "text_encoder_dtype": request.dtype,
+        "memory_mode": request.memory,
+        "attention_backend": request.attention,
+        "step_cache": request.step_cache,
+        "compile": request.compile,
+        "speed_tier": "auto" if request.speed == "default" else request.speed,
+        "threads": "auto" if request.threads is None else request.threads,
+    }
 
 
 def _checked(resolver, *args, **kwargs):  # type: ignore[no-untyped-def]

@@ -8,16 +8,18 @@ advertised is exactly what a start would accept.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry
 from engine.policy.schemes import SCHEME_SIZES, transformer_gb
 from engine.policy.training import (
+    MemoryRequest,
     TrainingThresholds,
     resolve_training_precision,
     training_precision_preflight_error,
 )
+from engine.policy.training_memory import TrainingShape
 from engine.types import ComponentSizes, FamilySpec
 
 
@@ -52,6 +54,11 @@ class TrainingInfo:
     recommended_precision: str | None
     supports_compile: bool
     vram_note: str
+    #: Estimated peak GB per advertised mode at the default shape (512px,
+    #: batch 1, rank 16), from the family's table.
+    estimated_peak_gb: dict[str, float] = field(default_factory=dict)
+    #: The recommended mode's breakdown at that shape.
+    memory_breakdown: dict[str, object] | None = None
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -96,9 +103,10 @@ def training_info(
             + ("" if hardware.native_bf16 else " (fp16 mixed precision: no native bf16 here)")
         )
         return TrainingInfo(family.name, error is None, (), None, supports_compile, note)
+    memory = MemoryRequest.from_table(family, TrainingShape(gradient_checkpointing=None))
     errors = {
         mode: training_precision_preflight_error(
-            registry, family, hardware, mode, thresholds=thresholds
+            registry, family, hardware, mode, thresholds=thresholds, memory=memory
         )
         for mode in candidates
     }
@@ -107,7 +115,7 @@ def training_info(
         first = next(e for e in errors.values() if e is not None)
         return TrainingInfo(family.name, False, (), None, supports_compile, first.message)
     recommended = resolve_training_precision(
-        registry, family, hardware, "auto", thresholds=thresholds
+        registry, family, hardware, "auto", thresholds=thresholds, memory=memory
     )
     best = recommended.value if "auto" in modes else next(m for m in modes if m != "auto")
     free = "unknown" if hardware.free_memory_gb is None else f"{hardware.free_memory_gb:.1f} GB"
@@ -115,4 +123,10 @@ def training_info(
         f"{free} free; dense bf16 base {family.training_dense_gb} GB; "
         + (recommended.reason if "auto" in modes else f"auto is unavailable, {best} is")
     )
-    return TrainingInfo(family.name, True, modes, best, supports_compile, note)
+    device = "cuda" if hardware.cuda else "cpu"
+    peaks = {
+        mode: round(memory.estimate(family, mode, device).peak_gb, 1)
+        for mode in modes if mode != "auto" and family.training_memory is not None
+    }
+    breakdown = memory.estimate(family, best, device).to_dict() if family.training_memory else None
+    return TrainingInfo(family.name, True, modes, best, supports_compile, note, peaks, breakdown)

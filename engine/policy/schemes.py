@@ -32,6 +32,12 @@ SCHEME_SIZES: Mapping[str, SchemeSize] = MappingProxyType(
 )
 
 
+#: Schemes the runtime quantises on the host (block by block) and moves to
+#: the device already quantised: their device peak is the steady size.
+#: bitsandbytes nf4 quantises while loading onto the device instead.
+HOST_QUANTISED: frozenset[str] = frozenset({"int8", "fp8", "mxfp8", "nvfp4"})
+
+
 def transformer_gb(
     bf16_gb: float, scheme: str, *, prequantised: bool = False, factor: float | None = None
 ) -> tuple[float, float]:

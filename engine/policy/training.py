@@ -8,13 +8,22 @@ is advertised exactly when its preflight passes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry
 from engine.policy.resolved import Resolved, auto, explicit
+from engine.policy.training_memory import (
+    BaseFacts,
+    TrainingMemoryEstimate,
+    TrainingMemoryThresholds,
+    TrainingShape,
+    estimate_training_memory,
+    usable_gb,
+)
 from engine.types import TRAINING_PRECISIONS, FamilySpec
 
 Device = Literal["auto", "cuda", "cpu"]
@@ -30,6 +39,75 @@ class TrainingThresholds:
     int8_headroom: float = 1.15
 
 
+#: What ``auto`` tries, fastest first; it never picks fp8 or mxfp8.
+AUTO_PREFERENCE: tuple[str, ...] = ("bf16", "int8", "nf4")
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """What the memory estimate needs beyond the family and the machine."""
+
+    base: BaseFacts
+    shape: TrainingShape = TrainingShape()
+    thresholds: TrainingMemoryThresholds = TrainingMemoryThresholds()
+
+    @classmethod
+    def from_table(cls, family: FamilySpec, shape: TrainingShape = TrainingShape()) -> MemoryRequest:
+        """Sized from the family's table alone (hub ids, ``info``)."""
+        sizes = family.sizes
+        return cls(BaseFacts(family.training_dense_gb, sizes.text_encoders_gb, sizes.vae_gb), shape)
+
+    def settled(self, checkpointing: bool) -> MemoryRequest:
+        """This request with gradient checkpointing decided."""
+        return replace(self, shape=replace(self.shape, gradient_checkpointing=checkpointing))
+
+    def variants(self) -> tuple[MemoryRequest, ...]:
+        """The shapes the request allows, fastest first: checkpointing off,
+        then on, when it is left to the engine (None)."""
+        if self.shape.gradient_checkpointing is None:
+            return (self.settled(False), self.settled(True))
+        return (self,)
+
+    def estimate(self, family: FamilySpec, mode: str, device: str) -> TrainingMemoryEstimate:
+        """The estimate; an undecided checkpointing is sized as on (the least)."""
+        if self.shape.gradient_checkpointing is None:
+            return self.settled(True).estimate(family, mode, device)
+        compute = "fp32" if device == "cpu" else "bf16"
+        return estimate_training_memory(
+            family, self.base, mode, self.shape, compute=compute, thresholds=self.thresholds
+        )
+
+
+class InsufficientMemory(PreflightError):
+    """A run whose estimated peak exceeds the memory it would have."""
+
+    code = "insufficient_memory"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        estimate: TrainingMemoryEstimate,
+        available_gb: float,
+        fitting_modes: tuple[str, ...],
+        suggestions: tuple[str, ...],
+    ) -> None:
+        super().__init__(message)
+        self.estimate = estimate
+        self.available_gb = available_gb
+        self.fitting_modes = fitting_modes
+        self.suggestions = suggestions
+
+    def to_dict(self) -> dict[str, object]:  # type: ignore[override]
+        return {
+            **super().to_dict(),
+            "estimate": self.estimate.to_dict(),
+            "available_gb": round(self.available_gb, 2),
+            "fitting_modes": list(self.fitting_modes),
+            "suggestions": list(self.suggestions),
+        }
+
+
 def resolve_training_precision(
     registry: Registry,
     family: FamilySpec,
@@ -39,9 +117,16 @@ def resolve_training_precision(
     base_repo: str | None = None,
     device: Device = "auto",
     thresholds: TrainingThresholds = TrainingThresholds(),
+    memory: MemoryRequest | None = None,
 ) -> Resolved[str]:
     """The base precision a run will use. ``auto`` never picks fp8 or mxfp8
-    (measured slower than compiled bf16 at LoRA shapes, or riskier)."""
+    (measured slower than compiled bf16 at LoRA shapes, or riskier).
+
+    With ``memory`` (the run's shape and base) and a family whose activation
+    figures are measured, ``auto`` picks the fastest mode whose estimated
+    peak fits the free memory; the free-memory bands are the rule only where
+    the estimate cannot be made.
+    """
     if requested != "auto":
         return explicit(requested)
     if base_repo and registry.dense_base(family, base_repo) is not None:
@@ -55,6 +140,8 @@ def resolve_training_precision(
     if free is None or dense <= 0:
         return auto("nf4", "free memory or the dense size is unknown: nf4 is the safe choice")
     denied = registry.quant_deny(family, "training")
+    if memory is not None and family.training_memory is not None:
+        return _auto_by_estimate(family, hardware, free, memory, denied)
     if free > thresholds.bf16_headroom * dense:
         return auto(
             "bf16",
@@ -89,10 +176,13 @@ def training_precision_preflight_error(
     device: Device = "auto",
     mixed_precision: str = "bf16",
     thresholds: TrainingThresholds = TrainingThresholds(),
+    memory: MemoryRequest | None = None,
 ) -> PreflightError | None:
     """The first reason this precision request is doomed on this machine, or None.
 
-    Cheap and CPU-only; called before anything is evicted or loaded.
+    Cheap and CPU-only; called before anything is evicted or loaded. With
+    ``memory``, a mode whose estimated peak exceeds the free memory is
+    refused as :class:`InsufficientMemory`, naming what would fit.
     """
     if base_precision not in TRAINING_PRECISIONS:
         return PreflightError(
@@ -116,7 +206,14 @@ def training_precision_preflight_error(
             code="needs_cuda",
         )
     if not family.base_precision_applies:
-        return None  # this trainer ignores base_precision; a leftover value never fails it
+        if base_precision == "auto":
+            return None
+        return PreflightError(
+            f"{family.label}'s trainer holds its base in the training dtype and ignores "
+            f"base_precision; base_precision={base_precision} would be silently dropped. "
+            "Leave it at auto for this family.",
+            code="base_precision_not_applicable",
+        )
     on_cpu = device == "cpu"
     if not on_cpu and hardware.cuda and family.training_requires_bf16 and not hardware.native_bf16:
         fp16_families = [f.name for f in registry.families.values() if not f.training_requires_bf16]
@@ -136,7 +233,7 @@ def training_precision_preflight_error(
         )
     mode = resolve_training_precision(
         registry, family, hardware, base_precision,
-        base_repo=base_repo, device=device, thresholds=thresholds,
+        base_repo=base_repo, device=device, thresholds=thresholds, memory=memory,
     ).value
     denied = registry.quant_deny(family, "training")
     if mode in denied:
@@ -152,7 +249,161 @@ def training_precision_preflight_error(
             f"base_precision={mode} use the dense base {dense_base}",
             code="prequantised_base",
         )
-    return _mode_requirement_error(mode, hardware, on_cpu)
+    error = _mode_requirement_error(mode, hardware, on_cpu)
+    if error is None and memory is not None:
+        return training_memory_error(registry, family, hardware, mode, memory, device=device)
+    return error
+
+
+def training_memory_error(
+    registry: Registry,
+    family: FamilySpec,
+    hardware: HardwareProfile,
+    mode: str,
+    memory: MemoryRequest,
+    *,
+    device: Device = "auto",
+) -> InsufficientMemory | None:
+    """:class:`InsufficientMemory` when a ``mode`` run's estimated peak exceeds
+    the free memory (with gradient checkpointing, when that is left to the
+    engine), else None; also None when free memory or the activations are
+    unknown: nothing to refuse on."""
+    run_device = "cpu" if device == "cpu" or not hardware.cuda else "cuda"
+    free = hardware.free_memory_gb
+    if free is None or family.training_memory is None:
+        return None
+    usable = usable_gb(free, memory.thresholds)
+    settled = memory.settled(resolve_checkpointing(family, mode, memory, hardware, device).value)
+    estimate = settled.estimate(family, mode, run_device)
+    if estimate.peak_gb <= usable:
+        return None
+    fitting = _fitting_modes(registry, family, hardware, settled, run_device, usable)
+    suggestions = _fitting_shapes(family, mode, settled, run_device, usable)
+    if not fitting and not settled.shape.gradient_checkpointing:
+        lighter = settled.settled(True)
+        modes = _fitting_modes(registry, family, hardware, lighter, run_device, usable)
+        if modes:
+            suggestions += (f"gradient_checkpointing=true with base_precision {' or '.join(modes)}",)
+    shape = settled.shape
+    where = "host RAM" if run_device == "cpu" else hardware.device_name
+    return InsufficientMemory(
+        f"{family.label} LoRA training in {mode} needs about {estimate.peak_gb:.1f} GB at "
+        f"{shape.resolution}px, batch {shape.batch_size}, rank {shape.lora_rank}"
+        f"{', gradient checkpointing' if shape.gradient_checkpointing else ''}; "
+        f"{where} would have {free:.1f} GB free after eviction ({usable:.1f} GB usable). "
+        f"Breakdown: {'; '.join(estimate.lines())}. "
+        + (f"Modes that fit: {', '.join(fitting)}. " if fitting else "No base precision fits this shape. ")
+        + (f"What fits instead: {'; '.join(suggestions)}." if suggestions else ""),
+        estimate=estimate,
+        available_gb=free,
+        fitting_modes=fitting,
+        suggestions=suggestions,
+    )
+
+
+def resolve_checkpointing(
+    family: FamilySpec,
+    mode: str,
+    memory: MemoryRequest,
+    hardware: HardwareProfile,
+    device: Device = "auto",
+) -> Resolved[bool]:
+    """Gradient checkpointing for a ``mode`` run: as asked, else off when the
+    run fits without it (recomputing costs about a third more time per step)
+    and on when only it makes the run fit."""
+    requested = memory.shape.gradient_checkpointing
+    if requested is not None:
+        return explicit(requested)
+    run_device = "cpu" if device == "cpu" or not hardware.cuda else "cuda"
+    free = hardware.free_memory_gb
+    if free is None or family.training_memory is None:
+        if run_device == "cpu":
+            return auto(False, "CPU run of unknown size: off (recomputing only slows it)")
+        return auto(True, "the run cannot be sized here: on, the safe choice")
+    usable = usable_gb(free, memory.thresholds)
+    without = memory.settled(False).estimate(family, mode, run_device).peak_gb
+    if without <= usable:
+        return auto(False, f"fits without it ({without:.1f} GB of {usable:.1f} GB usable): off, the faster")
+    with_it = memory.settled(True).estimate(family, mode, run_device).peak_gb
+    return auto(
+        True,
+        f"without it the run needs {without:.1f} GB of {usable:.1f} GB usable; "
+        f"with it {with_it:.1f} GB: on",
+    )
+
+
+def _fits(family: FamilySpec, mode: str, memory: MemoryRequest, device: str, usable: float) -> bool:
+    """Whether some shape the request allows (checkpointing off or on, when it
+    is the engine's to choose) fits ``usable``."""
+    return any(v.estimate(family, mode, device).peak_gb <= usable for v in memory.variants())
+
+
+def _fitting_modes(
+    registry: Registry,
+    family: FamilySpec,
+    hardware: HardwareProfile,
+    memory: MemoryRequest,
+    device: str,
+    usable: float,
+) -> tuple[str, ...]:
+    """Explicit base precisions that pass every rule here and fit."""
+    denied = registry.quant_deny(family, "training")
+    return tuple(
+        mode for mode in registry.training_precision_modes(family, hardware)
+        if mode != "auto" and mode not in denied
+        and _mode_requirement_error(mode, hardware, device == "cpu") is None
+        and _fits(family, mode, memory, device, usable)
+    )
+
+
+def _fitting_shapes(
+    family: FamilySpec, mode: str, memory: MemoryRequest, device: str, usable: float
+) -> tuple[str, ...]:
+    """Smaller shapes of the same mode that fit: checkpointing, batch, resolution."""
+    shape = memory.shape
+    tries: list[tuple[str, TrainingShape]] = []
+    if not shape.gradient_checkpointing:
+        tries.append((f"{mode} with gradient_checkpointing=true", replace(shape, gradient_checkpointing=True)))
+    tries += [(f"{mode} with batch_size={b}", replace(shape, batch_size=b)) for b in range(shape.batch_size - 1, 0, -1)]
+    tries += [
+        (f"{mode} at resolution={r}", replace(shape, resolution=r))
+        for r in (1024, 768, 512, 384, 256) if r < shape.resolution
+    ]
+    found: list[str] = []
+    for label, smaller in tries:
+        if _fits(family, mode, replace(memory, shape=smaller), device, usable):
+            found.append(label)
+            if "resolution" in label:
+                break  # the largest resolution that fits is the useful one
+    return tuple(found)
+
+
+def _auto_by_estimate(
+    family: FamilySpec,
+    hardware: HardwareProfile,
+    free: float,
+    memory: MemoryRequest,
+    denied: Mapping[str, str],
+) -> Resolved[str]:
+    usable = usable_gb(free, memory.thresholds)
+    shape = memory.shape
+    what = f"{shape.resolution}px, batch {shape.batch_size}"
+    for mode in AUTO_PREFERENCE:
+        if mode in denied or _mode_requirement_error(mode, hardware, False) is not None:
+            continue
+        for variant in memory.variants():
+            peak = variant.estimate(family, mode, "cuda").peak_gb
+            if peak > usable:
+                continue
+            faster = [m for m in AUTO_PREFERENCE[: AUTO_PREFERENCE.index(mode)] if m not in denied]
+            why = f" ({', '.join(faster)} would not fit)" if faster else ""
+            how = ", gradient checkpointing" if variant.shape.gradient_checkpointing else ""
+            return auto(
+                mode,
+                f"estimated peak {peak:.1f} GB at {what}{how} fits {usable:.1f} GB usable of "
+                f"{free:.1f} GB free: {mode}, the fastest mode that fits{why}",
+            )
+    return auto("nf4", f"no mode's estimated peak fits {usable:.1f} GB usable at {what}: nf4, the smallest")
 
 
 def _mode_requirement_error(mode: str, hardware: HardwareProfile, on_cpu: bool) -> PreflightError | None:

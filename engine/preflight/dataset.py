@@ -9,11 +9,18 @@ Captions come from ``metadata.jsonl`` at the dataset root (``file_name`` and
 ``text`` or ``caption``; names matched as posix paths relative to the root,
 so a dataset made on Windows works on Linux), or from a ``.txt`` /
 ``.caption`` file beside the image.
+
+Every file is confined to the dataset folder by its real path: a symlink
+(image, caption or ``metadata.jsonl``) that leads outside the folder's own
+real path refuses the whole dataset, naming the file, before any of them is
+opened. Folder symlinks are not followed (one leading out is refused the
+same way), and what is not a regular file (a FIFO, a device) is skipped.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -71,12 +78,19 @@ def discover_dataset(root: Path | str, *, max_pixels: int = DEFAULT_MAX_PIXELS) 
     root = Path(root).expanduser()
     if not root.is_dir():
         raise DatasetError(f"dataset folder {root} does not exist or is not a folder", code="dataset_not_found")
+    files, skipped, outside = _confined_files(root)
+    if outside:
+        raise DatasetError(
+            f"{len(outside)} file(s) in {root} are symlinks that lead outside the dataset folder; "
+            "copy the files into the folder instead:",
+            outside,
+            code="path_outside_root",
+        )
     captions = _metadata_captions(root)
     items: list[DatasetItem] = []
-    skipped: list[tuple[str, str]] = []
     problems: list[tuple[str, str]] = []
     uncaptioned: list[str] = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for path in files:
         relative = path.relative_to(root).as_posix()
         suffix = path.suffix.lower()
         if suffix not in IMAGE_EXTENSIONS:
@@ -93,7 +107,8 @@ def discover_dataset(root: Path | str, *, max_pixels: int = DEFAULT_MAX_PIXELS) 
         if caption is None:
             uncaptioned.append(relative)
             caption = ""
-        items.append(DatasetItem(path, relative, caption, size))
+        # The real path: the trainer reads what was checked, even if a link is swapped later.
+        items.append(DatasetItem(Path(os.path.realpath(path)), relative, caption, size))
     if problems:
         raise DatasetError(
             f"{len(problems)} of {len(problems) + len(items)} images in {root} cannot be decoded; "
@@ -105,6 +120,36 @@ def discover_dataset(root: Path | str, *, max_pixels: int = DEFAULT_MAX_PIXELS) 
             f"no images in {root} (looked for {', '.join(IMAGE_EXTENSIONS)})", code="empty_dataset"
         )
     return DatasetReport(root, tuple(items), tuple(skipped), tuple(uncaptioned))
+
+
+def _confined_files(root: Path) -> tuple[list[Path], list[tuple[str, str]], list[tuple[str, str]]]:
+    """Regular files under ``root`` whose real path is inside ``root``'s, sorted;
+    (relative, why) for entries skipped; (relative, why) for entries leading out.
+
+    Folder symlinks are never descended (no loops, no second way in); every
+    other entry is judged by ``realpath``, so a link chain is followed to its end.
+    """
+    real_root = Path(os.path.realpath(root))
+    files: list[Path] = []
+    skipped: list[tuple[str, str]] = []
+    outside: list[tuple[str, str]] = []
+    for folder, dirs, names in os.walk(root):  # followlinks=False
+        for name in sorted([*dirs, *names]):
+            path = Path(folder) / name
+            relative = path.relative_to(root).as_posix()
+            real = Path(os.path.realpath(path))
+            if real != real_root and real_root not in real.parents:
+                outside.append((relative, "a symlink that leads outside the dataset folder"))
+            elif name in dirs:
+                if path.is_symlink():
+                    skipped.append((relative, "a symlink to a folder (not followed)"))
+            elif not real.exists():
+                skipped.append((relative, "a broken symlink"))
+            elif not real.is_file():
+                skipped.append((relative, "not a regular file"))
+            else:
+                files.append(path)
+    return sorted(files), skipped, outside
 
 
 def _decode(path: Path, max_pixels: int) -> tuple[str | None, tuple[int, int]]:

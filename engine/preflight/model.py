@@ -12,7 +12,13 @@ A model is one of:
 - ``hub``: a repo id (``org/name``) that is not a local path.
 
 A local folder that is none of these is refused here, naming the folder and
-what is missing, before anything is evicted or loaded. Sizes of local
+what is missing, before anything is evicted or loaded. A string written as a
+path (``./x``, ``/data/x``, ``a/b/c``) that does not exist is a missing path,
+never a hub id; a hub id is accepted only where the caller allows the hub,
+and refused up front when the hub is offline and the repo is not cached. A
+forced family must agree with the pipeline's own ``model_index.json``, and
+every safetensors file must be complete (its header's data offsets cover the
+file exactly), so a truncated download fails here and not in the loader. Sizes of local
 checkpoints are read from the safetensors headers (a few KB per file, no
 weights, no torch), so fine-tunes and unknown checkpoints are planned from
 what they are.
@@ -21,14 +27,16 @@ what they are.
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from engine.errors import EngineError
+from engine.errors import EngineError, PreflightError
 from engine.plugins import Registry
 from engine.policy.inference import ModelFacts
 from engine.policy.quant_filter import LAYOUTS, dense_gb, quantised_gb
@@ -38,6 +46,7 @@ from engine.types import Checkpoint, ComponentSizes, FamilySpec
 
 ModelKind = Literal["pipeline", "single_file", "gguf", "hub"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_TRUTHY = {"1", "ON", "YES", "TRUE"}
 #: Bytes per element of safetensors dtypes, to count parameters.
 _DTYPE_BYTES = {
     "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
@@ -71,6 +80,9 @@ class ModelSource:
     scheme_gb: Mapping[str, float] | None = None
     gguf_gb: float | None = None
     prequantised_scheme: str | None = None
+    #: (name, shape) of every denoiser tensor, from its safetensors headers
+    #: (local pipelines and single files); empty where unread.
+    denoiser_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def facts(self, registry: Registry) -> ModelFacts:
         return ModelFacts(
@@ -99,9 +111,19 @@ def resolve_model(
     *,
     family: str | None = None,
     base: str | Path | None = None,
+    allow_hub: bool = True,
 ) -> ModelSource:
-    """Classify ``model`` and find its family; refuse what cannot load."""
+    """Classify ``model`` and find its family; refuse what cannot load.
+
+    ``allow_hub=False`` refuses repo ids (a server confined to local roots).
+    """
     text = str(model)
+    if not text.strip() or "\x00" in text:
+        raise EngineError(
+            "the model is empty (or holds a NUL byte); give a local pipeline folder, a "
+            "checkpoint file, or a hub repo id (org/name)",
+            code="invalid_request",
+        )
     path = Path(text).expanduser()
     forced = registry.family(family) if family else None
     if path.is_file():
@@ -118,21 +140,129 @@ def resolve_model(
             "(a single-file checkpoint folder holds exactly one). Point at a pipeline folder "
             "(saved with save_pretrained) or at the checkpoint file itself."
         )
-    if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
-        spec = forced or registry.family_for_model_id(text)
-        if spec is None:
-            raise _unknown_family(registry, text)
-        return ModelSource(
-            "hub", text, spec, spec.checkpoint(text),
-            prequantised_scheme="nf4" if spec.is_prequantised(text) else None,
+    if os.path.lexists(path):
+        raise ModelNotFound(f"{path} is a broken symlink or neither a file nor a folder; point at the model itself")
+    if not is_hub_id(text):
+        raise ModelNotFound(f"{path} does not exist (and is not a hub repo id like org/name)")
+    if not allow_hub:
+        raise ModelNotFound(
+            f"{text} is not a local model, and hub repo ids are not accepted here; "
+            "download the model and pass its local folder",
+            code="hub_not_allowed",
         )
-    raise ModelNotFound(f"{path} does not exist (and is not a hub repo id like org/name)")
+    spec = forced or registry.family_for_model_id(text)
+    if spec is None:
+        raise _unknown_family(registry, text)
+    return ModelSource(
+        "hub", text, spec, spec.checkpoint(text),
+        prequantised_scheme="nf4" if spec.is_prequantised(text) else None,
+    )
+
+
+def looks_like_path(text: str) -> bool:
+    """Whether ``text`` is written as a filesystem path, not a hub repo id.
+
+    A repo id is exactly ``org/name``. Anything anchored (``/``, ``./``,
+    ``../``, ``~``), with a backslash, with no slash or more than one, or with a
+    ``.``/``..`` component is a path; a path that does not exist is missing,
+    and is never sent to a hub.
+    """
+    if text.startswith(("/", "~")) or "\\" in text or os.sep in text.replace("/", ""):
+        return True
+    parts = text.split("/")
+    return len(parts) != 2 or any(part in ("", ".", "..") for part in parts)
+
+
+def is_hub_id(text: str) -> bool:
+    """``text`` is written as a hub repo id (``org/name``), not as a path.
+
+    Syntax only: the caller checks first that no such local path exists.
+    """
+    return not looks_like_path(text) and ".." not in text and bool(_HUB_ID.match(text))
+
+
+def hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` is set (read now, not at import time)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in _TRUTHY
+
+
+def hub_access_error(source: ModelSource) -> PreflightError | None:
+    """Why the hub repo ``source`` needs cannot be had now, or None.
+
+    A hub model, or the hub base of a single-file / GGUF model, is refused
+    before anything is evicted when the hub is offline and the repo is not in
+    the local cache, instead of failing inside the loader after the GPU was
+    freed. Reads the cache only; never reaches the network.
+    """
+    if source.kind == "hub":
+        repo: str | None = source.location
+    elif source.base and not Path(source.base).expanduser().is_dir():
+        repo = source.base
+    else:
+        repo = None
+    if repo is None or not hub_offline() or _in_hub_cache(repo):
+        return None
+    return PreflightError(
+        f"{repo} is a hub repo id, the hub is offline here (HF_HUB_OFFLINE is set) and the "
+        f"repo is not in the local cache; download it (huggingface-cli download {repo}) and "
+        "pass the local folder, or allow hub access",
+        code="hub_offline",
+    )
+
+
+def _in_hub_cache(repo: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    return isinstance(try_to_load_from_cache(repo, "model_index.json"), str)
+
+
+def lora_target_error(source: ModelSource, targets: Iterable[str]) -> PreflightError | None:
+    """The LoRA targets that name no layer of the denoiser, or None.
+
+    Read from the safetensors headers (no weights): peft adapts a module whose
+    name is the target or ends with ``.target``. A target that matches nothing
+    would fail (or adapt nothing) only after the GPU was taken. Hub models
+    have no local headers and are not checked here.
+    """
+    modules = _lora_modules(source.denoiser_shapes)
+    if not modules:
+        return None
+    missing = [target for target in targets if target not in modules]
+    if not missing:
+        return None
+    return PreflightError(
+        f"LoRA target(s) {', '.join(repr(t) for t in missing)} name no layer with weights in "
+        f"{source.location}'s {source.family.denoiser}; name modules it has (a module name or "
+        f"its last parts, e.g. {', '.join(source.family.lora_targets[:2]) or 'to_q'})",
+        code="unknown_lora_target",
+    )
+
+
+def _lora_modules(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> frozenset[str]:
+    """Module names with a 2+-dimensional weight, and every dotted suffix of them."""
+    names: set[str] = set()
+    for tensor, shape in shapes:
+        module, _, leaf = tensor.rpartition(".")
+        if leaf != "weight" or len(shape) < 2 or not module:
+            continue
+        parts = module.split(".")
+        names.update(".".join(parts[i:]) for i in range(len(parts)))
+    return frozenset(names)
 
 
 def _pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None) -> ModelSource:
     index = _read_json(folder / "model_index.json")
     class_name = str(index.get("_class_name", ""))
-    spec = forced or registry.family_for_pipeline_class(class_name)
+    own = registry.family_for_pipeline_class(class_name)
+    if forced is not None and own is not None and own.name != forced.name:
+        raise PreflightError(
+            f"{folder} is a {own.label} pipeline ({class_name} in its model_index.json), not "
+            f"{forced.label}; drop the family or pass family={own.name}",
+            code="family_mismatch",
+        )
+    spec = forced or own
     if spec is None:
         known = sorted(c for f in registry.families.values() for c in f.pipeline_class_names)
         raise NotAPipeline(
@@ -180,6 +310,7 @@ def _pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None
         measured_sizes=sizes,
         scheme_gb=sizes_by_scheme(denoiser_shapes) if denoiser_shapes and not quantised else None,
         prequantised_scheme="nf4" if quantised else None,
+        denoiser_shapes=tuple(denoiser_shapes),
     )
 
 
@@ -201,11 +332,18 @@ def _single_file_source(
     base_id = str(base) if base else (checkpoint or spec.default_checkpoint).repo
     others = registry.component_sizes(spec, checkpoint)
     if base and Path(base_id).expanduser().is_dir():
+        if not (Path(base_id).expanduser() / "model_index.json").is_file():
+            raise NotAPipeline(
+                f"base {base_id} has no model_index.json; the base of a single-file or GGUF "
+                "model is a diffusers pipeline folder (or a hub repo id)"
+            )
         base_source = _pipeline_source(registry, Path(base_id).expanduser(), spec)
         base_id = base_source.location
         others = base_source.measured_sizes or others
         checkpoint = checkpoint or base_source.checkpoint
     elif base:
+        if os.path.lexists(Path(base_id).expanduser()) or not is_hub_id(base_id):
+            raise ModelNotFound(f"base {base_id} is not a pipeline folder (and not a hub repo id like org/name)")
         checkpoint = checkpoint or spec.checkpoint(base_id)
     if suffix == ".gguf":
         return ModelSource(
@@ -216,6 +354,7 @@ def _single_file_source(
         "single_file", str(file), spec, checkpoint, base=base_id,
         measured_sizes=ComponentSizes(dense_gb(shapes), others.text_encoders_gb, others.vae_gb),
         scheme_gb=sizes_by_scheme(shapes),
+        denoiser_shapes=tuple(shapes),
     )
 
 
@@ -243,13 +382,13 @@ def _measured_sizes(
     denoiser: Shapes = []
     complete = True
     for name in components:
+        files = sorted((folder / name).glob("*.safetensors"))
+        shapes = tensor_shapes(files)  # every component: a truncated file fails here
         if not (name in (spec.denoiser, "vae") or name.startswith("text_encoder")):
             continue
-        files = sorted((folder / name).glob("*.safetensors"))
         if not files:
             complete = False
             continue
-        shapes = tensor_shapes(files)
         if name == spec.denoiser:
             denoiser = shapes
         part = "denoiser" if name == spec.denoiser else "vae" if name == "vae" else "text"
@@ -273,19 +412,50 @@ def tensor_shapes(files: list[Path]) -> Shapes:
 
 
 def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
+    """The header of a complete safetensors file (its tensor data fills the file exactly)."""
     try:
+        size = file.stat().st_size
         with file.open("rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             if length > 100_000_000:
                 raise ValueError("header too large")
+            if 8 + length > size:
+                raise ValueError(f"its {length}-byte header runs past the end of the {size}-byte file")
             header = json.loads(handle.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        header.pop("__metadata__", None)
+        end, data = _data_end(header), size - 8 - length
+        if end != data:
+            raise ValueError(
+                f"truncated or padded: its header describes {end:,} bytes of tensor data, "
+                f"the file holds {data:,}"
+            )
     except (OSError, ValueError, struct.error) as exc:
         raise NotAPipeline(
-            f"{file} is not a readable safetensors file ({exc}); re-download or re-export it",
+            f"{file} is not a complete safetensors file ({exc}); re-download or re-export it",
             code="corrupt_checkpoint",
         ) from None
-    header.pop("__metadata__", None)
     return header
+
+
+def _data_end(header: dict[str, object]) -> int:
+    """Where the last tensor's bytes end; ValueError for an entry that cannot be read."""
+    end = 0
+    for name, info in header.items():
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not (
+            isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and o >= 0 for o in offsets) and offsets[0] <= offsets[1]
+            and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+        ):
+            raise ValueError(f"tensor {name!r} has no valid shape and data_offsets")
+        width = _DTYPE_BYTES.get(str(info.get("dtype")))  # type: ignore[union-attr]
+        if width is not None and math.prod(shape) * width != offsets[1] - offsets[0]:
+            raise ValueError(f"tensor {name!r} ({shape}) does not fill its {offsets[1] - offsets[0]} bytes")
+        end = max(end, offsets[1])
+    return end
 
 
 def _gguf_tensor_names(file: Path) -> tuple[str, ...]:

@@ -1,9 +1,16 @@
 """One loaded pipeline: load it as the plan says, generate, report, unload.
 
 The plan's provenance follows what really happened: a quantised build that
-fails falls back to the plan's fallback, an attention kernel that cannot be
-installed falls back to native SDPA, and the step cache is re-decided for the
-actual step count of every generate call. ``status()`` reports the record.
+fails, or any failure to place weights on the device (out of memory while
+moving, quantising or installing offload hooks), releases what was placed and
+loads the plan's fallback, with the reason recorded; an attention kernel that
+cannot be installed falls back to native SDPA, and the step cache is
+re-decided for the actual step count of every generate call. ``status()``
+reports the record.
+
+A torchao-quantised transformer is quantised on the way in (see
+:func:`engine.runtime.quantize.quantize_on_host_then_place`): it is never
+resident on the GPU in dense bf16.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ import dataclasses
 import gc
 import inspect
 import threading
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,11 +30,19 @@ from engine.errors import EngineError
 from engine.plugins import Registry
 from engine.policy.inference import InferenceRequest, Plan
 from engine.policy.resolved import Resolved, explicit
-from engine.policy.speed import resolve_step_cache
+from engine.policy.speed import resolve_step_cache, step_cache_unsupported
+from engine.preflight.lora import LoraFile
 from engine.preflight.model import ModelSource
-from engine.runtime import flags
+from engine.runtime import flags, quantize
 from engine.runtime.attention import DIFFUSERS_BACKENDS, Installer, pip_install_wheel
-from engine.runtime.quantize import QuantisationFailed, nf4_config, quantize_transformer
+from engine.runtime.lora import LoraSet, check_on_pipeline
+from engine.runtime.quantize import (
+    Placement,
+    PlacementFailed,
+    QuantisationFailed,
+    nf4_config,
+    quantize_on_host_then_place,
+)
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -47,6 +63,8 @@ class GenerateRequest:
     seed: int = 0
     count: int = 1
     negative_prompt: str | None = None
+    #: The LoRAs (with scales) to generate with; None keeps those applied now.
+    loras: tuple[LoraFile, ...] | None = None
 
 
 class InferenceSession:
@@ -62,6 +80,7 @@ class InferenceSession:
         *,
         installer: Installer = pip_install_wheel,
         compile_backend: str = "inductor",
+        loras: Sequence[LoraFile] = (),
     ) -> None:
         self.registry = registry
         self.source = source
@@ -74,6 +93,13 @@ class InferenceSession:
         self._cache_on = False
         self._lock = threading.Lock()
         self.quantised_layers = 0
+        #: How the quantised transformer was placed, when one was.
+        self.placement: Placement | None = None
+        #: Why the planned fallback was loaded instead of the plan, if it was.
+        self.fallback: dict[str, object] | None = None
+        self._initial_loras = tuple(loras)
+        #: The LoRAs applied to the pipeline (see :mod:`engine.runtime.lora`).
+        self.loras: LoraSet | None = None
 
     # -- load -------------------------------------------------------------------
 
@@ -93,6 +119,7 @@ class InferenceSession:
             self._apply_process_flags()
             self._pipe = self._build(self.plan, progress)
             self._apply_attention()
+            self._apply_loras()
             self._apply_compile()
             self._set_step_cache(self.plan["step_cache"].value == "fbcache")
         except BaseException:
@@ -103,35 +130,59 @@ class InferenceSession:
         threads = self.plan.value("threads")
         if threads:
             torch.set_num_threads(int(threads))  # type: ignore[arg-type]
-        if self.plan.device == "cuda":
+        if self.plan.device == "cuda" and "tf32" in self.plan.controls and self.plan.value("tf32"):
             torch.set_float32_matmul_precision("high")
         if self.plan.value("fp16_accumulation") and flags.fp16_accumulation_available():
             torch.backends.cuda.matmul.allow_fp16_accumulation = True
 
     def _build(self, plan: Plan, progress: Progress | None) -> Any:
+        """Load and place per ``plan``; on any placement or quantisation
+        failure, release what was placed and build the plan's fallback."""
+        while True:
+            try:
+                return self._build_once(plan)
+            except (PlacementFailed, QuantisationFailed) as exc:
+                plan = self._fallback_after(plan, exc)
+
+    def _build_once(self, plan: Plan) -> Any:
         dtype = TORCH_DTYPES[str(plan.value("dtype"))]
         scheme = plan.value("transformer_quant")
         pipe = self._load_pipeline(dtype, str(scheme) if scheme else None)
-        device = plan.device
+        self.quantised_layers, self.placement = 0, None
         if scheme and scheme != "nf4" and self.source.prequantised_scheme is None:
             denoiser = getattr(pipe, self.source.family.denoiser)
-            denoiser.to(device)
-            try:
-                self.quantised_layers = quantize_transformer(denoiser, str(scheme), device)
-            except QuantisationFailed as exc:
-                if plan.fallback is None:
-                    raise
-                del pipe, denoiser
-                gc.collect()
-                fallback = plan.fallback.with_control(
-                    "transformer_quant",
-                    explicit(None, f"{exc.message}; loaded the fallback instead"),
-                )
-                self.plan = fallback
-                return self._build(fallback, progress)
+            self.placement = quantize_on_host_then_place(
+                denoiser, str(scheme), plan.device, resident=_resident(plan),
+                keep=quantize.module_filter(str(scheme), self.source.family.int8_dense_modules),
+            )
+            self.quantised_layers = self.placement.layers
         self._apply_memory_mode(pipe, plan)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def _fallback_after(self, plan: Plan, exc: PlacementFailed | QuantisationFailed) -> Plan:
+        """The fallback plan to build after ``exc``, with the reason recorded;
+        re-raise (with what to do) when the plan has none."""
+        _release(exc)
+        if plan.fallback is None:
+            if isinstance(exc, PlacementFailed):
+                raise PlacementFailed(
+                    f"{exc.message}; free GPU memory (unload other models) or load with a "
+                    "lighter --memory mode (model_offload, sequential_offload) or a --quant scheme",
+                    out_of_memory=exc.out_of_memory,
+                ) from None
+            raise exc
+        scheme = plan.value("transformer_quant")
+        tried = f"the {scheme} build" if scheme else "the planned build"
+        reason = f"{tried} failed: {exc.message}; loaded the fallback instead"
+        self.fallback = {
+            "code": exc.code,
+            "reason": reason,
+            "from": {"transformer_quant": scheme, "memory_mode": plan.value("memory_mode")},
+        }
+        fallback = plan.fallback.with_control("transformer_quant", explicit(None, reason))
+        self.plan = fallback
+        return fallback
 
     def _load_pipeline(self, dtype: torch.dtype, scheme: str | None) -> Any:
         import diffusers
@@ -159,26 +210,34 @@ class InferenceSession:
                     quantization_config=nf4_config(dtype),
                 )
             return diffusers.DiffusionPipeline.from_pretrained(root, dtype=dtype, **components)
+        except torch.OutOfMemoryError as exc:  # nf4 loads onto the GPU as it quantises
+            raise PlacementFailed(
+                f"ran out of memory loading {source.location} ({quantize.first_line(exc)})",
+                out_of_memory=True,
+            ) from exc
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise LoadFailed(f"could not load {source.location} ({source.kind}): {exc}") from exc
 
     def _apply_memory_mode(self, pipe: Any, plan: Plan) -> None:
+        """Place the pipeline per the memory mode; failures raise :class:`PlacementFailed`."""
         device = plan.device
         mode = plan.value("memory_mode")
-        if device == "cpu" or mode == "resident":
-            pipe.to(device)
-        elif mode == "model_offload":
-            pipe.enable_model_cpu_offload(device=device)
-        elif mode == "sequential_offload":
-            pipe.enable_sequential_cpu_offload(device=device)
-        elif mode == "group_offload":
-            pipe.enable_group_offload(
-                onload_device=torch.device(device),
-                offload_device=torch.device("cpu"),
-                offload_type="block_level",
-                num_blocks_per_group=1,
-                use_stream=True,
-            )
+        if _resident(plan):
+            quantize.move_to(pipe, device, "the pipeline")
+            return
+        with quantize.placing(f"the pipeline ({mode})", device):
+            if mode == "model_offload":
+                pipe.enable_model_cpu_offload(device=device)
+            elif mode == "sequential_offload":
+                pipe.enable_sequential_cpu_offload(device=device)
+            elif mode == "group_offload":
+                pipe.enable_group_offload(
+                    onload_device=torch.device(device),
+                    offload_device=torch.device("cpu"),
+                    offload_type="block_level",
+                    num_blocks_per_group=1,
+                    use_stream=True,
+                )
 
     def _apply_attention(self) -> None:
         resolved = self.plan["attention_backend"]
@@ -198,8 +257,18 @@ class InferenceSession:
                 "native", resolved.source, f"{backend} could not be set ({exc}); native SDPA"
             ))
 
-    def _apply_compile(self) -> None:
-        if self.plan.value("compile") != "regional":
+    #: Generate calls since load, and whether the regional compile has run.
+    _images = 0
+    _compiled = False
+
+    def _apply_compile(self, image: int = 1) -> None:
+        """Compile the repeated blocks before image ``image`` of this load (1:
+        at load, which also resets the count) once the plan's
+        ``compile_from_image`` is reached: a dense model is compiled from the
+        third image, so a one-off image does not pay the compile."""
+        if image <= 1:
+            self._images, self._compiled = 0, False
+        if self._compiled or self.plan.value("compile") != "regional" or image < self.plan.compile_from_image:
             return
         regions = set(self.registry.compile_regions(self.source.family))
         for module in self.denoiser.modules():
@@ -207,20 +276,52 @@ class InferenceSession:
                 module.compile(
                     dynamic=True, fullgraph=self.plan.compile_fullgraph, backend=self._compile_backend
                 )
+        self._compiled = True
 
     # -- the step cache, re-decided per call ----------------------------------------
 
-    def _set_step_cache(self, on: bool) -> None:
+    def _cache_unsupported(self) -> str | None:
+        """Why the loaded pipeline cannot carry the step cache, or None.
+
+        The family's table lists the pipelines that open a cache context;
+        where it does not say, the pipeline's call is read for one.
+        """
+        family = self.source.family
+        pipeline = type(self.pipeline)
+        if family.cache_context_pipelines is not None:
+            return step_cache_unsupported(family.cache_context_pipelines, pipeline.__name__)
+        try:
+            call = inspect.getsource(pipeline.__call__)
+        except (OSError, TypeError):
+            return None
+        return None if "cache_context" in call else step_cache_unsupported((), pipeline.__name__)
+
+    def _set_step_cache(self, on: bool) -> str | None:
+        """Engage or release the cache; returns why it could not engage (and
+        records it in the plan, with anything half-enabled rolled back)."""
         if on == self._cache_on:
-            return
+            return None
         denoiser = self.denoiser
-        if on:
+        if not on:
+            denoiser.disable_cache()
+            self._cache_on = False
+            return None
+        failure = self._cache_unsupported()
+        if failure is None:
             from diffusers import FirstBlockCacheConfig
 
-            denoiser.enable_cache(FirstBlockCacheConfig(threshold=self.plan.step_cache_threshold))
-        else:
-            denoiser.disable_cache()
-        self._cache_on = on
+            try:
+                denoiser.enable_cache(FirstBlockCacheConfig(threshold=self.plan.step_cache_threshold))
+            except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as exc:
+                if getattr(denoiser, "is_cache_enabled", False):
+                    denoiser.disable_cache()
+                failure = f"enabling First-Block-Cache failed ({quantize.first_line(exc)}); rolled back"
+        if failure is not None:
+            was = self.plan["step_cache"]
+            self._record("step_cache", Resolved("off", was.source, f"step cache unavailable: {failure}"))
+            return failure
+        self._cache_on = True
+        return None
 
     def _recheck_step_cache(self, steps: int) -> None:
         plan = self.plan
@@ -230,9 +331,10 @@ class InferenceSession:
             quantised=plan.value("transformer_quant") is not None or self.source.kind == "gguf",
             tier=str(plan.value("speed_tier")),
             denied=self.registry.optimization_deny(self.source.family),
+            unsupported=self._cache_unsupported(),
         )
-        self._set_step_cache(resolved.value == "fbcache")
-        self._record("step_cache", resolved)
+        if self._set_step_cache(resolved.value == "fbcache") is None:
+            self._record("step_cache", resolved)
 
     def _record(self, control: str, resolved: Resolved) -> None:
         self.plan = self.plan.with_control(control, resolved)
@@ -243,7 +345,12 @@ class InferenceSession:
         with self._lock:
             pipe = self.pipeline
             steps = request.steps or self.plan.default_steps
+            if request.loras is not None:
+                self.set_loras(request.loras)
             self._recheck_step_cache(steps)
+            self._images += 1
+            if self._images > 1:
+                self._apply_compile(self._images)
             kwargs = self._call_kwargs(pipe, request, steps)
             if progress is not None:
                 def on_step(_pipe: Any, step: int, _t: Any, _kw: dict[str, Any]) -> dict[str, Any]:
@@ -287,11 +394,38 @@ class InferenceSession:
             "plan": self.plan.to_dict(),
             "step_cache_engaged": self._cache_on,
             "quantised_layers": self.quantised_layers,
+            "placement": self.placement.to_dict() if self.placement else None,
+            "fallback": self.fallback,
+            "loras": self.loras.status() if self.loras is not None else None,
         }
+
+    # -- LoRAs ------------------------------------------------------------------
+
+    def _apply_loras(self) -> None:
+        """Apply the LoRAs given at construction as the plan's ``lora`` control
+        says (before compile, so hot-swap slots are declared first)."""
+        mode = str(self.plan.value("lora")) if "lora" in self.plan.controls else "unfused"
+        ranks = self.request.loras.max_rank or max((f.rank for f in self._initial_loras), default=0)
+        self.loras = LoraSet(self._pipe, "unfused" if mode == "none" else mode, ranks)
+        self.loras.prepare_hotswap()
+        if self._initial_loras:
+            check_on_pipeline(self.registry, self.source.family, self._pipe, self._initial_loras)
+            self.loras.apply(self._initial_loras)
+
+    def set_loras(self, files: Sequence[LoraFile]) -> None:
+        """Switch the LoRAs or their scales on the loaded pipeline (the base is
+        not reloaded); every file is checked before anything changes."""
+        if self.loras is None:
+            raise EngineError("no model is loaded", code="not_loaded")
+        files = tuple(files)
+        if files != self.loras.applied:
+            check_on_pipeline(self.registry, self.source.family, self.pipeline, files)
+            self.loras.apply(files)
 
     def unload(self) -> None:
         """Release the pipeline and memory, and restore every torch flag."""
         self._pipe = None
+        self.loras = None
         self._cache_on = False
         gc.collect()
         if torch.cuda.is_available():
@@ -299,3 +433,22 @@ class InferenceSession:
         if self._flags is not None:
             self._flags.restore()
             self._flags = None
+
+
+def _resident(plan: Plan) -> bool:
+    """Whether the whole pipeline lives on the plan's device (no offload hooks)."""
+    return plan.device == "cpu" or plan.value("memory_mode") == "resident"
+
+
+def _release(exc: BaseException) -> None:
+    """Drop the frames a failed build's traceback holds, so the half-placed
+    pipeline they reference is freed before the fallback loads."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -8,9 +8,12 @@ diffusers key names, which diffusers' single-file loaders accept.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
+
+from engine.types import FamilySpec
 
 
 def denoiser_state_dict(pipeline_dir: Path, denoiser: str) -> dict[str, torch.Tensor]:
@@ -51,3 +54,58 @@ def write_gguf(pipeline_dir: Path, denoiser: str, target: Path, arch: str = "dif
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+def write_sized_pipeline(tiny_dir: Path, spec: FamilySpec, target: Path) -> Path:
+    """A pipeline folder that *is* the family's full size, without its weights.
+
+    The configs, tokenizers and ``model_index.json`` come from the tiny
+    pipeline at ``tiny_dir``; each weights file is a safetensors header
+    declaring the full-size model (the table's LoRA target Linears at their
+    real shapes, the rest as one filler matrix, to the table's GB) over a
+    sparse file of the declared length. The engine's preflight reads only
+    headers and file sizes, so this sizes, plans and refuses like the real
+    download, while using no disk and no time; loading it would fail.
+    """
+    import json
+    import shutil
+
+    shutil.copytree(tiny_dir, target, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    figures = spec.training_memory
+    targets = figures.lora_targets if figures else ()
+    width = max((t.in_features for t in targets), default=4096)
+    denoiser: list[tuple[str, tuple[int, ...]]] = [
+        (f"blocks.{i}.{t.target}.weight", (t.out_features, t.in_features))
+        for t in targets for i in range(t.count)
+    ]
+    parts = {spec.denoiser: (spec.training_dense_gb, denoiser), "vae": (spec.sizes.vae_gb, [])}
+    encoders = sorted(p.name for p in target.iterdir() if p.name.startswith("text_encoder"))
+    for name in encoders:
+        parts[name] = (spec.sizes.text_encoders_gb / len(encoders), [])
+    for name, (gb, shapes) in parts.items():
+        folder = target / name
+        if not folder.is_dir():
+            continue
+        declared = sum(2 * a * b for _, (a, b) in shapes)
+        rows = max(1, int((gb * 1e9 - declared) / (2 * width)))
+        _write_sparse_safetensors(folder / "model.safetensors", [*shapes, ("filler.weight", (rows, width))])
+    (target / "SIZED_WITHOUT_WEIGHTS").write_text(json.dumps({"family": spec.name}), encoding="utf-8")
+    return target
+
+
+def _write_sparse_safetensors(file: Path, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+    import json
+    import struct
+
+    header: dict[str, object] = {}
+    offset = 0
+    for name, shape in shapes:
+        size = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    with file.open("wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)))
+        handle.write(raw)
+        handle.truncate(8 + len(raw) + offset)

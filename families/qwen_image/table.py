@@ -5,11 +5,27 @@ encoder (16.6 GB) and its VAE (0.3 GB). The deny lists carry the same-seed
 A/B measurements against the dense bf16 reference that justify them.
 """
 
-from engine.types import Checkpoint, ComponentSizes, FamilySpec, QuantDeny, TrainingObjective
+from engine.types import (
+    ActivationFigures,
+    Checkpoint,
+    ComponentSizes,
+    FamilySpec,
+    LoraTargetShape,
+    QuantDeny,
+    TrainingMemoryFigures,
+    TrainingObjective,
+)
 
 FP8_BLACK = (
     "per-row fp8 renders every Qwen-Image frame black (mean luma 0.0000, SSIM 0.016 "
-    "against bf16): the model's activation range exceeds fp8"
+    "against bf16): all-zero text rows get activation scale 0 and NaN; the installed "
+    "torchao cannot floor the scale (activation_value_lb), which fixes it for inference "
+    "(LPIPS 0.027-0.063)"
+)
+FP8_BLACK_TRAINING = (
+    "per-row fp8 renders every Qwen-Image frame black (mean luma 0.0000, SSIM 0.016 "
+    "against bf16); the activation-scale floor that fixes inference is not measured "
+    "for training"
 )
 MXFP8_DRIFT = (
     "mxfp8 damages Qwen-Image semantics at 1024px (CLIP-score delta mean 0.0146, "
@@ -45,6 +61,7 @@ QWEN_IMAGE = FamilySpec(
             default_steps=20,
             default_guidance=4.0,
             matches=("*qwen-image-edit*", "*qwen_image_edit*"),
+            pipeline_class="QwenImageEditPipeline",
         ),
     ),
     sizes=ComponentSizes(transformer_gb=40.9, text_encoders_gb=16.6, vae_gb=0.3),
@@ -71,7 +88,7 @@ QWEN_IMAGE = FamilySpec(
             QuantDeny("nvfp4", NVFP4_DRIFT),
         ),
         "training": (
-            QuantDeny("fp8", FP8_BLACK),
+            QuantDeny("fp8", FP8_BLACK_TRAINING),
             QuantDeny("mxfp8", MXFP8_DRIFT),
         ),
     },
@@ -82,12 +99,59 @@ QWEN_IMAGE = FamilySpec(
     # Measured with bench/planner_accuracy.py --factors (full-size config, the
     # engine's module filter): int8 keeps modulation and embeddings in bf16.
     quant_factors={"int8": 0.67},
+    # The inference build also keeps the text stream (int8_dense_modules,
+    # about a third of the weights) in bf16: measured on the full-size config
+    # (meta device) with the filter and those tokens.
+    inference_quant_factors={"int8": 0.83},
+    # CUDA's int8 matmul needs M >= 16 rows, and the text stream runs at
+    # M = prompt tokens (unpadded): short prompts would fail. bf16 there costs
+    # almost nothing in speed.
+    int8_dense_modules=("txt_in", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_mlp"),
+    # Every Qwen-Image pipeline opens a cache context around its transformer calls.
+    cache_context_pipelines=(
+        "QwenImagePipeline",
+        "QwenImageImg2ImgPipeline",
+        "QwenImageEditPipeline",
+        "QwenImageEditPlusPipeline",
+    ),
+    # fp8 is allowed for inference where torchao floors the fp8 activation
+    # scales (activation_value_lb), which the runtime then always sets.
+    inference_deny_lifted_by={"fp8": "fp8_activation_floor"},
     single_file_markers=("txt_norm.", "img_mod."),
     runtime_module="families.qwen_image.runtime",
     tiny_pipeline="families.qwen_image.tiny:build_tiny_pipeline",
+    # LoRA keys: the dual-stream MLP and modulation names (diffusers, kohya
+    # and ComfyUI spell them alike).
+    lora_key_markers=("img_mlp", "txt_mlp", "img_mod", "txt_mod"),
     training_objective=TrainingObjective(
         prediction="flow_matching",
         timestep_sampling="logit_normal",
         runtime_module="families.qwen_image.runtime",
+    ),
+    # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
+    # real widths, 2 and 3 blocks). Elements per token; outside includes the
+    # backward's transient at the step's peak. Text: the prompt is truncated
+    # to 512 positions (max_sequence_length), an upper bound for real captions.
+    training_memory=TrainingMemoryFigures(
+        activations=ActivationFigures(
+            block_per_image_token=61716.0,
+            block_per_text_token=61716.0,
+            checkpointed_block_per_image_token=3072.0,
+            checkpointed_block_per_text_token=3072.0,
+            outside_per_image_token=22589.7,
+            outside_per_text_token=26119.0,
+            blocks=60,
+            text_tokens=512,
+        ),
+        lora_targets=(
+            LoraTargetShape("add_k_proj", 3072, 3072, 60),
+            LoraTargetShape("add_q_proj", 3072, 3072, 60),
+            LoraTargetShape("add_v_proj", 3072, 3072, 60),
+            LoraTargetShape("to_add_out", 3072, 3072, 60),
+            LoraTargetShape("to_k", 3072, 3072, 60),
+            LoraTargetShape("to_out.0", 3072, 3072, 60),
+            LoraTargetShape("to_q", 3072, 3072, 60),
+            LoraTargetShape("to_v", 3072, 3072, 60),
+        ),
     ),
 )

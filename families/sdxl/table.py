@@ -6,10 +6,13 @@ mixed precision where bf16 is missing, so ``base_precision`` does not apply.
 """
 
 from engine.types import (
+    ActivationFigures,
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    LoraTargetShape,
     OptimizationDeny,
+    TrainingMemoryFigures,
     TrainingObjective,
 )
 
@@ -55,6 +58,10 @@ SDXL = FamilySpec(
     # Measured with bench/planner_accuracy.py --factors (full-size config, the
     # engine's module filter): the UNet's convolutions stay dense in every scheme.
     quant_factors={"int8": 0.57, "fp8": 0.57, "mxfp8": 0.58, "nvfp4": 0.38, "nf4": 0.38},
+    # int8 keeps the time and added-condition embeddings and each resnet's
+    # timestep projection dense (M = batch: under CUDA int8's 16 rows).
+    int8_dense_modules=("time_embedding", "add_embedding", "time_emb_proj"),
+    cache_context_pipelines=(),
     single_file_markers=("add_embedding.linear_1.", "conditioner.embedders.1."),
     optimization_deny=(
         OptimizationDeny(
@@ -64,9 +71,49 @@ SDXL = FamilySpec(
     ),
     runtime_module="families.sdxl.runtime",
     tiny_pipeline="families.sdxl.tiny:build_tiny_pipeline",
+    # LoRA keys: UNet blocks (diffusers and SGM spellings) and the second
+    # text encoder.
+    lora_key_markers=(
+        "down_blocks", "up_blocks", "mid_block", "input_blocks", "output_blocks",
+        "middle_block", "lora_te1_", "lora_te2_", "text_encoder_2",
+    ),
     training_objective=TrainingObjective(
         prediction="epsilon",
         timestep_sampling="uniform",
         runtime_module="families.sdxl.runtime",
+    ),
+    # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
+    # real channels, transformer_layers_per_block (1, 1, 5): 35 of the 70
+    # BasicTransformerBlocks in the real 640:1280-channel mix). An image token
+    # is a 16x16-pixel patch; the resnets, convolutions and the backward's
+    # transient at the peak are outside. Under checkpointing diffusers also
+    # recomputes the resnets, so the outside then has its own figure. Text: 77 (CLIP).
+    training_memory=TrainingMemoryFigures(
+        activations=ActivationFigures(
+            block_per_image_token=12162.1,
+            block_per_text_token=10633.1,
+            checkpointed_block_per_image_token=365.7,
+            checkpointed_block_per_text_token=0.0,
+            outside_per_image_token=95728.0,
+            outside_per_text_token=0.0,
+            blocks=70,
+            text_tokens=77,
+            checkpointed_outside_per_image_token=33259.9,
+            checkpointed_outside_per_text_token=0.0,
+        ),
+        lora_targets=(
+            LoraTargetShape("to_k", 640, 640, 10),
+            LoraTargetShape("to_k", 1280, 1280, 60),
+            LoraTargetShape("to_k", 2048, 640, 10),
+            LoraTargetShape("to_k", 2048, 1280, 60),
+            LoraTargetShape("to_out.0", 640, 640, 20),
+            LoraTargetShape("to_out.0", 1280, 1280, 120),
+            LoraTargetShape("to_q", 640, 640, 20),
+            LoraTargetShape("to_q", 1280, 1280, 120),
+            LoraTargetShape("to_v", 640, 640, 10),
+            LoraTargetShape("to_v", 1280, 1280, 60),
+            LoraTargetShape("to_v", 2048, 640, 10),
+            LoraTargetShape("to_v", 2048, 1280, 60),
+        ),
     ),
 )

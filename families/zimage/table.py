@@ -5,10 +5,13 @@ encoder (8.0 GB) and the 16-channel VAE (0.2 GB).
 """
 
 from engine.types import (
+    ActivationFigures,
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    LoraTargetShape,
     OptimizationDeny,
+    TrainingMemoryFigures,
     TrainingObjective,
 )
 
@@ -50,6 +53,9 @@ ZIMAGE = FamilySpec(
     # Measured with bench/planner_accuracy.py --factors (full-size config, the
     # engine's module filter): int8 keeps modulation and embeddings in bf16.
     quant_factors={"int8": 0.52},
+    # int8 keeps the timestep embedder dense (M = batch).
+    int8_dense_modules=("t_embedder",),
+    cache_context_pipelines=(),
     single_file_markers=("noise_refiner.", "context_refiner."),
     optimization_deny=(
         OptimizationDeny(
@@ -59,9 +65,36 @@ ZIMAGE = FamilySpec(
     ),
     runtime_module="families.zimage.runtime",
     tiny_pipeline="families.zimage.tiny:build_tiny_pipeline",
+    # LoRA keys: the refiner stacks and the ``layers.N.attention`` blocks.
+    lora_key_markers=("noise_refiner", "context_refiner", "layers.", "layers_", "_attention_", ".attention."),
     training_objective=TrainingObjective(
         prediction="flow_matching",
         timestep_sampling="logit_normal",
         runtime_module="families.zimage.runtime",
+    ),
+    # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
+    # real widths, 2 and 3 layers and the real 2 + 2 refiners). A noise
+    # (image) and a context (text) refiner together count as one block:
+    # 30 layers + 2 = 32.
+    # Elements per token; outside includes the backward's transient at the
+    # step's peak. Text: at most 512 positions (max_sequence_length, padded
+    # to a multiple of 32 by the model), an upper bound for real captions.
+    training_memory=TrainingMemoryFigures(
+        activations=ActivationFigures(
+            block_per_image_token=100156.0,
+            block_per_text_token=100156.0,
+            checkpointed_block_per_image_token=3840.0,
+            checkpointed_block_per_text_token=3840.0,
+            outside_per_image_token=35394.0,
+            outside_per_text_token=35074.0,
+            blocks=32,
+            text_tokens=512,
+        ),
+        lora_targets=(
+            LoraTargetShape("to_k", 3840, 3840, 34),
+            LoraTargetShape("to_out.0", 3840, 3840, 34),
+            LoraTargetShape("to_q", 3840, 3840, 34),
+            LoraTargetShape("to_v", 3840, 3840, 34),
+        ),
     ),
 )
