@@ -14,6 +14,10 @@ import sys
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_PLUGIN = ROOT / "examples" / "diffusion-engine-sd3"
@@ -78,3 +82,15 @@ class LiveServer:
     def __exit__(self, *exc: object) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+
+
+class HostModel:
+    """A model the host app keeps on the GPU (a chat model, say): registered
+    with the engine as a resident of ``size_gb``; counts how often it was evicted."""
+
+    def __init__(self, engine: Engine, name: str = "host.chat-model", size_gb: float = 8.0) -> None:
+        self.evicted = 0
+        engine.register_resident(name, self.evict, size_gb=size_gb)
+
+    def evict(self) -> None:
+        self.evicted += 1

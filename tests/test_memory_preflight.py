@@ -29,7 +29,7 @@ from engine.policy.training_memory import (
 )
 from engine.preflight.model import resolve_model
 from engine.testing.datasets import write_dataset
-from tests.support import run_cli
+from tests.support import HostModel, run_cli
 
 REGISTRY = load_registry()
 DITS = ["flux", "qwen_image", "zimage"]
@@ -53,17 +53,6 @@ def sized(tiny_pipeline: Callable[[str], Path], tmp_path_factory: pytest.TempPat
         return made[family]
 
     return get
-
-
-class HostModel:
-    """A model the host keeps on the GPU, with its declared size."""
-
-    def __init__(self, engine: Engine, size_gb: float = 8.0) -> None:
-        self.evicted = 0
-        engine.register_resident("host.chat-model", self.evict, size_gb=size_gb)
-
-    def evict(self) -> None:
-        self.evicted += 1
 
 
 def shape(resolution: int = 512, batch: int = 1, checkpointing: bool | None = None) -> TrainingShape:

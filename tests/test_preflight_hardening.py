@@ -34,7 +34,7 @@ from engine.testing.datasets import write_dataset
 from engine.training.config import InvalidConfig, TrainingConfig
 from engine.training.preflight import preflight_training
 from engine.types import model_name
-from tests.support import LiveServer
+from tests.support import HostModel, LiveServer
 
 REGISTRY = load_registry()
 
@@ -78,17 +78,6 @@ def escaping_dataset(folder: Path, secret: Path, link: str) -> Path:
         (folder / link).unlink()
     (folder / link).symlink_to(secret)
     return folder
-
-
-class HostModel:
-    """A model the host keeps on the GPU; counts evictions."""
-
-    def __init__(self, engine: Engine, name: str = "host.chat-model") -> None:
-        self.evicted = 0
-        engine.register_resident(name, self.evict, size_gb=8.0)
-
-    def evict(self) -> None:
-        self.evicted += 1
 
 
 #: Call lists of the armed :func:`no_hub` fixtures (the innermost records).

@@ -22,7 +22,7 @@ from engine.plugins import load_registry
 from engine.server.app import ServerSettings, create_app
 from engine.service import Engine
 from engine.testing.datasets import write_dataset
-from tests.support import LiveServer
+from tests.support import HostModel, LiveServer
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -48,22 +48,13 @@ def served(
     write_dataset(roots.outside / "data", count=2)
     (roots.datasets / "escape").symlink_to(roots.outside / "data")
     engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=roots.outputs)
-    host = HostModel(engine)
+    host = HostModel(engine, name="host.llm", size_gb=0.0)
     settings = ServerSettings(
         model_roots=(roots.models,), dataset_roots=(roots.datasets,), output_roots=(roots.outputs,), token=TOKEN,
         max_body_bytes=MAX_BODY,
     )
     with LiveServer(create_app(engine, settings)) as url:
         yield url, engine, roots, host
-
-
-class HostModel:
-    def __init__(self, engine: Engine) -> None:
-        self.evicted = 0
-        engine.register_resident("host.llm", self.evict)
-
-    def evict(self) -> None:
-        self.evicted += 1
 
 
 def test_server_binds_loopback(served: tuple[str, Engine, Roots, HostModel]) -> None:

@@ -27,20 +27,10 @@ from engine.testing.checkpoints import write_single_file
 from engine.testing.datasets import write_dataset
 from engine.types import TRAINING_PRECISIONS
 from tests.test_preflight_hardening import escaping_dataset, truncated_pipeline
+from tests.support import HostModel
 
 REGISTRY = load_registry()
 FAMILIES = ["flux", "qwen_image", "zimage", "sdxl"]
-
-
-class HostModel:
-    """A model the host app keeps on the GPU; counts how often it was evicted."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.evicted = 0
-        engine.register_resident("host.chat-model", self.evict, size_gb=8.0)
-
-    def evict(self) -> None:
-        self.evicted += 1
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from engine.training.config import TrainingConfig
 from engine.training.lock import LOCK_NAME, ProcessId, RunLock
 from engine.training.preflight import preflight_training
 from engine.training.records import TERMINAL, RunRecord, list_runs
+from tests.support import HostModel
 
 REGISTRY = load_registry()
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,15 +57,6 @@ def exited_process() -> ProcessId:
     pid = ProcessId.of(child.pid)
     child.wait()
     return pid
-
-
-class HostModel:
-    def __init__(self, engine: Engine) -> None:
-        self.evicted = 0
-        engine.register_resident("host.chat-model", self.evict, size_gb=8.0)
-
-    def evict(self) -> None:
-        self.evicted += 1
 
 
 @pytest.fixture(scope="module")
