@@ -24,7 +24,7 @@ from engine.policy.training_memory import (
     estimate_training_memory,
     usable_gb,
 )
-from engine.types import TRAINING_PRECISIONS, FamilySpec
+from engine.types import TRAINING_PRECISIONS, ComponentSizes, FamilySpec
 
 Device = Literal["auto", "cuda", "cpu"]
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
@@ -52,9 +52,15 @@ class MemoryRequest:
     thresholds: TrainingMemoryThresholds = TrainingMemoryThresholds()
 
     @classmethod
-    def from_table(cls, family: FamilySpec, shape: TrainingShape = TrainingShape()) -> MemoryRequest:
-        """Sized from the family's table alone (hub ids, ``info``)."""
-        sizes = family.sizes
+    def from_table(
+        cls,
+        family: FamilySpec,
+        shape: TrainingShape = TrainingShape(),
+        sizes: ComponentSizes | None = None,
+    ) -> MemoryRequest:
+        """Sized from the family's table alone (hub ids, ``info``); ``sizes``:
+        a checkpoint's own component sizes, where the registry has them."""
+        sizes = sizes or family.sizes
         return cls(BaseFacts(family.training_dense_gb, sizes.text_encoders_gb, sizes.vae_gb), shape)
 
     def settled(self, checkpointing: bool) -> MemoryRequest:
@@ -207,7 +213,10 @@ def training_precision_preflight_error(
         )
     if not family.base_precision_applies:
         if base_precision == "auto":
-            return None
+            # The trainer holds its base in the training dtype: sized as "none".
+            if memory is None:
+                return None
+            return training_memory_error(registry, family, hardware, "none", memory, device=device)
         return PreflightError(
             f"{family.label}'s trainer holds its base in the training dtype and ignores "
             f"base_precision; base_precision={base_precision} would be silently dropped. "

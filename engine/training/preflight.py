@@ -20,7 +20,6 @@ from engine.policy.training import (
     MemoryRequest,
     resolve_checkpointing,
     resolve_training_precision,
-    training_memory_error,
     training_precision_preflight_error,
 )
 from engine.policy.training_memory import BaseFacts, TrainingMemoryEstimate, TrainingShape
@@ -114,10 +113,6 @@ def preflight_training(
     )
     _precision_check(registry, family, config, hardware, memory)
     checkpointing = resolve_checkpointing(family, precision.value, memory, hardware, config.device)
-    if not family.base_precision_applies:  # the precision preflight stops early for these
-        error = training_memory_error(registry, family, hardware, "none", memory, device=config.device)
-        if error is not None:
-            raise error
     dataset = discover_dataset(config.dataset_dir)
     _output_check(config)
     return TrainingPlan(
@@ -194,10 +189,7 @@ def memory_request(
             source="file headers", shapes=base.denoiser_shapes,
         )
         return MemoryRequest(facts, shape)
-    sizes = registry.component_sizes(family, base.checkpoint)
-    return MemoryRequest(
-        BaseFacts(family.training_dense_gb, sizes.text_encoders_gb, sizes.vae_gb), shape
-    )
+    return MemoryRequest.from_table(family, shape, registry.component_sizes(family, base.checkpoint))
 
 
 def _precision_check(
