@@ -4,8 +4,9 @@ No weights can be downloaded, so the demo builds a tiny random-weight FLUX.1
 pipeline (the real diffusers architecture, tiny widths), asks the planner how
 to run it here, generates an image through the real load/generate path,
 trains a LoRA on it for a few steps (a small drawn dataset, the real trainer
-in its child process), and shows what the same engine would decide for the
-real model on an RTX 4090. Everything goes through the public CLI.
+in its child process) with sample images rendered by the LoRA as it learns
+(``runs show`` lists them), and shows what the same engine would decide for
+the real model on an RTX 4090. Everything goes through the public CLI.
 """
 
 from __future__ import annotations
@@ -34,25 +35,39 @@ def main() -> int:
             (
                 "generate with it",
                 ["generate", "--model", str(tiny), "--prompt", "a lighthouse at dusk",
-                 "--width", "128", "--height", "96", "--steps", "8", "-o", str(OUT / "demo-flux.png")],
+                 "--width", "128", "--height", "96", "--steps", "8", "-o", str(OUT / "demo-flux.png"),
+                 "--overwrite"],  # `make demo` again replaces the demo's own image
             ),
             (
-                "train a LoRA on it (8 steps, CPU)",
+                "train a LoRA on it (8 steps, CPU), with a sample image every 4 steps",
                 ["train", "--base", str(tiny), "--data", str(data), "--steps", "8", "--resolution", "64",
-                 "--rank", "4", "--lr", "1e-3", "--device", "cpu", "--runs-dir", str(OUT / "runs")],
+                 "--rank", "4", "--lr", "1e-3", "--device", "cpu", "--runs-dir", str(OUT / "runs"),
+                 "--sample-prompt", "a red circle on a blue background", "--sample-every", "4",
+                 "--sample-steps", "4"],
             ),
             ("the runs so far", ["runs", "--runs-dir", str(OUT / "runs")]),
+            ("the run just trained: its config, metrics and samples", ["runs", "show", "--runs-dir", str(OUT / "runs")]),
             ("the real FLUX.1-dev on an RTX 4090 (--hardware rtx4090)",
              ["plan", "--family", "flux", "--hardware", "rtx4090"]),
         ]
         for title, argv in steps:
+            if argv[:2] == ["runs", "show"]:
+                argv = [*argv[:2], _newest_run(OUT / "runs"), *argv[2:]]
             print(f"\n== {title}: diffusion-engine {' '.join(argv)}")
             status = cli(argv)
             if status:
                 return status
-    print(f"\nThe image is at {(OUT / 'demo-flux.png').resolve()}; the LoRA, its run record "
-          f"and loss / LR / grad-norm charts are in the run folder above, under {(OUT / 'runs').resolve()}")
+    print(f"\nThe image is at {(OUT / 'demo-flux.png').resolve()}; the LoRA, its run record, "
+          f"loss / LR / grad-norm charts and the sample images (samples/) are in the run folder above, "
+          f"under {(OUT / 'runs').resolve()}")
     return 0
+
+
+def _newest_run(runs_dir: Path) -> str:
+    """The id of the run the demo just trained (the newest record in ``runs_dir``)."""
+    from engine.training.records import list_runs
+
+    return max(list_runs(runs_dir), key=lambda record: record.created_at).run_id
 
 
 if __name__ == "__main__":

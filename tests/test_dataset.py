@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,63 @@ def test_malformed_metadata_lines_are_refused(tmp_path: Path) -> None:
     with pytest.raises(DatasetError) as raised:
         discover_dataset(tmp_path)
     assert [line for line, _ in raised.value.problems] == ["metadata.jsonl:1", "metadata.jsonl:2"]
+
+
+def report_folder(folder: Path) -> Path:
+    """Two identical images (one with an empty metadata caption), one 20x20 image, a caption for a gone file."""
+    write_dataset(folder, count=2)
+    (folder / "copy.png").write_bytes((folder / "image_000.png").read_bytes())
+    (folder / "copy.txt").write_text("the same pixels under another name", encoding="utf-8")
+    Image.new("RGB", (20, 20), (9, 9, 9)).save(folder / "tiny.png")
+    (folder / "tiny.txt").write_text("a tiny image", encoding="utf-8")
+    (folder / "metadata.jsonl").write_text(
+        json.dumps({"file_name": "image_001.png", "text": "   "}) + "\n"
+        + json.dumps({"file_name": "gone/photo.jpg", "text": "a photo that was deleted"}) + "\n",
+        encoding="utf-8",
+    )
+    return folder
+
+
+def test_the_report_names_empty_captions_small_images_duplicates_and_captions_for_missing_images(
+    tmp_path: Path,
+) -> None:
+    report = discover_dataset(report_folder(tmp_path), resolution=64)
+    assert report.uncaptioned == ("image_001.png",)  # an empty caption is no caption
+    assert report.small == (("tiny.png", "20x20"),)
+    assert report.duplicates == (("copy.png", "image_000.png"),)
+    assert report.missing_images == ("gone/photo.jpg",)
+    warnings = "\n".join(report.to_dict()["warnings"])  # type: ignore[arg-type]
+    for named in ("image_001.png", "tiny.png (20x20)", "copy.png, image_000.png", "gone/photo.jpg"):
+        assert named in warnings
+    assert discover_dataset(tmp_path).small == ()  # sizes are judged only against a resolution
+
+
+def test_strict_refuses_small_images_naming_them(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError) as raised:
+        discover_dataset(report_folder(tmp_path), resolution=64, strict=True)
+    assert raised.value.code == "small_images" and dict(raised.value.problems).keys() == {"tiny.png"}
+    assert "--strict" in raised.value.message and "lower resolution" in raised.value.message
+    assert discover_dataset(tmp_path, resolution=32, strict=True).small == ()
+
+
+def test_the_dry_run_plan_carries_the_dataset_report_and_strict_refuses_before_eviction(
+    tmp_path: Path, tiny_pipeline: Callable[[str], Path]
+) -> None:
+    from engine import Engine
+    from engine.errors import EngineError
+    from engine.hardware.presets import PRESETS
+    from engine.plugins import load_registry
+    from tests.support import HostModel
+
+    engine = Engine(registry=load_registry(), hardware=PRESETS["h100"], runs_dir=tmp_path / "runs")
+    host = HostModel(engine)
+    config = {"base_model": str(tiny_pipeline("zimage")), "dataset_dir": str(report_folder(tmp_path / "data")),
+              "resolution": 64}
+    plan = engine.plan_training(config).to_dict()
+    assert plan["dataset"]["small"] == [{"file": "tiny.png", "size": "20x20"}]
+    assert plan["dataset"]["missing_images"] == ["gone/photo.jpg"]
+    assert [(b["width"], b["height"], b["images"]) for b in plan["buckets"]["buckets"]] == [(64, 64, 4)]
+    with pytest.raises(EngineError) as raised:
+        engine.start_training({**config, "strict": True})
+    assert raised.value.code == "small_images"
+    assert host.evicted == 0 and engine.residency.owner is None

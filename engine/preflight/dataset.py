@@ -10,6 +10,11 @@ Captions come from ``metadata.jsonl`` at the dataset root (``file_name`` and
 so a dataset made on Windows works on Linux), or from a ``.txt`` /
 ``.caption`` file beside the image.
 
+The report also names what would quietly hurt a run: images with no or an
+empty caption, images under half the training resolution (enlarged more than
+2x; refused with ``strict``), exact duplicates (same bytes, by SHA-256), and
+``metadata.jsonl`` lines naming an image the folder does not have.
+
 Every file is confined to the dataset folder by its real path: a symlink
 (image, caption or ``metadata.jsonl``) that leads outside the folder's own
 real path refuses the whole dataset, naming the file, before any of them is
@@ -19,7 +24,9 @@ same way), and what is not a regular file (a FIFO, a device) is skipped.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -50,7 +57,16 @@ class DatasetReport:
     items: tuple[DatasetItem, ...]
     #: (relative path, why) for files that were not used.
     skipped: tuple[tuple[str, str], ...] = ()
+    #: Images with no caption, or an empty one (trained with the empty prompt).
     uncaptioned: tuple[str, ...] = field(default=())
+    #: (relative path, "WxH") of images under half the training resolution.
+    small: tuple[tuple[str, str], ...] = ()
+    #: Groups of images with identical bytes (each group sorted, two or more).
+    duplicates: tuple[tuple[str, ...], ...] = ()
+    #: ``metadata.jsonl`` file names with no image in the folder.
+    missing_images: tuple[str, ...] = ()
+    #: The training resolution the sizes were judged against (None: not judged).
+    resolution: int | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -58,7 +74,25 @@ class DatasetReport:
             "images": len(self.items),
             "uncaptioned": list(self.uncaptioned),
             "skipped": [{"file": f, "reason": r} for f, r in self.skipped],
+            "small": [{"file": f, "size": s} for f, s in self.small],
+            "duplicates": [list(group) for group in self.duplicates],
+            "missing_images": list(self.missing_images),
+            "warnings": self.warnings(),
         }
+
+    def warnings(self) -> list[str]:
+        """One line per finding, for the dry run and the run's record."""
+        lines = [f"skipped {file}: {reason}" for file, reason in self.skipped]
+        if self.uncaptioned:
+            lines.append(f"{len(self.uncaptioned)} image(s) have no caption or an empty one (trained with the "
+                         f"empty prompt): {_names(self.uncaptioned)}")
+        if self.small:
+            lines.append(f"{len(self.small)} image(s) are under half the training resolution ({self.resolution} px) "
+                         "and are enlarged more than 2x (refused with --strict): "
+                         + _names([f"{f} ({s})" for f, s in self.small]))
+        lines += [f"identical images (same bytes): {', '.join(group)}" for group in self.duplicates]
+        lines += [f"{METADATA} has a caption for {name}, which is not an image in the folder" for name in self.missing_images]
+        return lines
 
 
 class DatasetError(PreflightError):
@@ -73,8 +107,15 @@ class DatasetError(PreflightError):
         super().__init__(message, code=code)
 
 
-def discover_dataset(root: Path | str, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> DatasetReport:
-    """Every usable image with its caption; :class:`DatasetError` lists what is broken."""
+def discover_dataset(
+    root: Path | str, *, max_pixels: int = DEFAULT_MAX_PIXELS, resolution: int | None = None, strict: bool = False
+) -> DatasetReport:
+    """Every usable image with its caption; :class:`DatasetError` lists what is broken.
+
+    :param resolution: the training resolution; images whose area is under a
+        quarter of ``resolution ** 2`` (half the side) are reported in ``small``.
+    :param strict: refuse small images (``small_images``) instead of reporting them.
+    """
     root = Path(root).expanduser()
     if not root.is_dir():
         raise DatasetError(f"dataset folder {root} does not exist or is not a folder", code="dataset_not_found")
@@ -90,6 +131,7 @@ def discover_dataset(root: Path | str, *, max_pixels: int = DEFAULT_MAX_PIXELS) 
     items: list[DatasetItem] = []
     problems: list[tuple[str, str]] = []
     uncaptioned: list[str] = []
+    hashes: dict[str, list[str]] = {}
     for path in files:
         relative = path.relative_to(root).as_posix()
         suffix = path.suffix.lower()
@@ -101,10 +143,11 @@ def discover_dataset(root: Path | str, *, max_pixels: int = DEFAULT_MAX_PIXELS) 
         if problem:
             problems.append((relative, problem))
             continue
+        hashes.setdefault(_content_hash(path), []).append(relative)
         caption = captions.get(relative)
         if caption is None:
             caption = _sidecar_caption(path)
-        if caption is None:
+        if not caption:
             uncaptioned.append(relative)
             caption = ""
         # The real path: the trainer reads what was checked, even if a link is swapped later.
@@ -119,7 +162,47 @@ def discover_dataset(root: Path | str, *, max_pixels: int = DEFAULT_MAX_PIXELS) 
         raise DatasetError(
             f"no images in {root} (looked for {', '.join(IMAGE_EXTENSIONS)})", code="empty_dataset"
         )
-    return DatasetReport(root, tuple(items), tuple(skipped), tuple(uncaptioned))
+    small = _small_images(items, resolution)
+    if small and strict:
+        raise DatasetError(
+            f"{len(small)} of {len(items)} images in {root} are under half the training resolution "
+            f"({resolution} px; strict / --strict refuses them): use larger images, a lower resolution, "
+            "or leave strict off to train with them enlarged:",
+            [(name, f"{size}, would be enlarged more than 2x") for name, size in small],
+            code="small_images",
+        )
+    found = {item.relative for item in items}
+    return DatasetReport(
+        root, tuple(items), tuple(skipped), tuple(uncaptioned),
+        small=small,
+        duplicates=tuple(tuple(group) for group in hashes.values() if len(group) > 1),
+        missing_images=tuple(sorted(name for name in captions if name not in found)),
+        resolution=resolution,
+    )
+
+
+def _small_images(items: list[DatasetItem], resolution: int | None) -> tuple[tuple[str, str], ...]:
+    """Images whose area is under a quarter of the training area: covering it enlarges them over 2x."""
+    if resolution is None:
+        return ()
+    return tuple(
+        (item.relative, f"{item.size[0]}x{item.size[1]}")
+        for item in items
+        if math.sqrt(item.size[0] * item.size[1]) < resolution / 2
+    )
+
+
+def _content_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        for block in iter(lambda: source.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _names(names: list[str] | tuple[str, ...], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _confined_files(root: Path) -> tuple[list[Path], list[tuple[str, str]], list[tuple[str, str]]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -15,15 +16,22 @@ CAPTIONS = (
 )
 
 
-def write_dataset(folder: Path, count: int = 4, size: int = 64, *, metadata: bool = False) -> Path:
-    """``count`` drawn PNGs with captions: ``.txt`` sidecars, or one ``metadata.jsonl``."""
+def write_dataset(
+    folder: Path, count: int = 4, size: int = 64, *, metadata: bool = False,
+    shapes: Sequence[tuple[int, int]] | None = None,
+) -> Path:
+    """``count`` drawn PNGs with captions: ``.txt`` sidecars, or one ``metadata.jsonl``.
+
+    ``shapes``: (width, height) per image, in turn (aspect buckets); else ``size`` square.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     lines = []
     for index in range(count):
-        image = Image.new("RGB", (size, size), ((index * 70) % 256, 90, 200 - index * 30 % 200))
+        width, height = shapes[index % len(shapes)] if shapes else (size, size)
+        image = Image.new("RGB", (width, height), ((index * 70) % 256, 90, 200 - index * 30 % 200))
         draw = ImageDraw.Draw(image)
-        inset = size // 4 + index % 3
-        draw.ellipse((inset, inset, size - inset, size - inset), fill=(230, 40 + index * 40 % 200, 40))
+        inset = min(width, height) // 4 + index % 3
+        draw.ellipse((inset, inset, width - inset, height - inset), fill=(230, 40 + index * 40 % 200, 40))
         name = f"image_{index:03d}.png"
         image.save(folder / name)
         caption = CAPTIONS[index % len(CAPTIONS)]
