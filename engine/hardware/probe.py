@@ -79,7 +79,7 @@ def probe(*, verify: bool | None = None) -> HardwareProfile:
     return _verify_with_torch(light) if verify else light
 
 
-ATTENTION_PACKAGES = ("flash_attn", "flash_attn_interface", "sageattention", "xformers")
+ATTENTION_PACKAGES = ("flash_attn", "kernels", "sageattention", "xformers")
 
 
 def installed_attention_packages() -> tuple[str, ...]:

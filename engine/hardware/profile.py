@@ -61,7 +61,7 @@ class HardwareProfile:
     bitsandbytes_usable: bool = False
     cpu_count: int | None = None
     #: Optional attention kernels installed (import names: ``flash_attn``,
-    #: ``flash_attn_interface`` (FA3), ``sageattention``, ``xformers``).
+    #: ``kernels`` (loads the FA3 hub kernel), ``sageattention``, ``xformers``).
     attention_packages: tuple[str, ...] = ()
     #: torch exposes ``torch.backends.cuda.matmul.allow_fp16_accumulation`` (2.7+).
     torch_fp16_accumulation: bool = True

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry
+from engine.policy.encoders import ENCODER_SCHEMES, encoder_denials, encoder_gb
 from engine.policy.schemes import SCHEME_SIZES, transformer_gb
 from engine.policy.training import (
     MemoryRequest,
@@ -21,6 +22,11 @@ from engine.policy.training import (
 )
 from engine.policy.training_memory import TrainingShape
 from engine.types import ComponentSizes, FamilySpec
+
+
+#: Base precisions the trainer runs eager: bitsandbytes 4-bit layers are not
+#: compiled, and inductor rejects the int8 tensor-subclass training graph.
+UNCOMPILED_MODES: tuple[str, ...] = ("nf4", "int8")
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,13 @@ class ImagesInfo:
     #: Schemes a plugin denies for inference, with the reason.
     denied: dict[str, str]
     fp16_compute_safe: bool
+    #: What the table declares its classes support (yes / no / undeclared:
+    #: checked on the loaded classes, reported by the load's ``capabilities``).
+    capabilities: dict[str, str] = field(default_factory=dict)
+    #: The text encoders' GB per ``text_encoder_quant`` scheme the table allows.
+    text_encoders_gb: dict[str, float] = field(default_factory=dict)
+    #: Text-encoder schemes the table denies, with the reason.
+    text_encoder_denied: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         data = asdict(self)
@@ -83,6 +96,15 @@ def images_info(registry: Registry, family: FamilySpec) -> ImagesInfo:
         resident_gb=resident,
         denied=dict(registry.quant_deny(family, "inference")),
         fp16_compute_safe=family.fp16_compute_safe,
+        capabilities={
+            name: {True: "yes", False: "no", None: "undeclared (checked at load)"}[value]
+            for name, value in family.capabilities.declared().items()
+        },
+        text_encoders_gb={
+            scheme: round(encoder_gb(sizes.text_encoders_gb, scheme), 2)
+            for scheme in ENCODER_SCHEMES if scheme not in encoder_denials(family)
+        },
+        text_encoder_denied=encoder_denials(family),
     )
 
 
@@ -92,17 +114,20 @@ def training_info(
     hardware: HardwareProfile,
     thresholds: TrainingThresholds = TrainingThresholds(),
 ) -> TrainingInfo:
-    supports_compile = bool(registry.compile_regions(family))
+    if registry.training_objective(family) is None:
+        return TrainingInfo(family.name, False, (), None, False,
+                            f"the {family.name} plugin provides no trainer (no training_objective)")
+    regions = bool(registry.compile_regions(family))
     candidates = registry.training_precision_modes(family, hardware)
     if not candidates:
         # The trainer ignores base_precision: only the machine-wide checks apply.
         error = training_precision_preflight_error(registry, family, hardware, "auto")
-        where = "on the GPU" if hardware.cuda else f"on {hardware.vendor} (slowly)"
         note = error.message if error else (
-            f"{family.label} trains {where}; base precision does not apply to its trainer"
-            + ("" if hardware.native_bf16 else " (fp16 mixed precision: no native bf16 here)")
+            f"{family.label} trains {_training_device(hardware)}; base precision does not apply to its trainer"
+            + ("" if hardware.native_bf16 or not hardware.cuda else " (fp16 mixed precision: no native bf16 here)")
         )
-        return TrainingInfo(family.name, error is None, (), None, supports_compile, note)
+        # A family that cannot train here has nothing to compile.
+        return TrainingInfo(family.name, error is None, (), None, error is None and regions, note)
     memory = MemoryRequest.from_table(family, TrainingShape(gradient_checkpointing=None))
     errors = {
         mode: training_precision_preflight_error(
@@ -112,8 +137,9 @@ def training_info(
     }
     modes = tuple(mode for mode, error in errors.items() if error is None)
     if not modes:
+        # Nothing trains here, so nothing compiles: the selector is hidden.
         first = next(e for e in errors.values() if e is not None)
-        return TrainingInfo(family.name, False, (), None, supports_compile, first.message)
+        return TrainingInfo(family.name, False, (), None, False, first.message)
     recommended = resolve_training_precision(
         registry, family, hardware, "auto", thresholds=thresholds, memory=memory
     )
@@ -129,4 +155,15 @@ def training_info(
         for mode in modes if mode != "auto" and family.training_memory is not None
     }
     breakdown = memory.estimate(family, best, device).to_dict() if family.training_memory else None
-    return TrainingInfo(family.name, True, modes, best, supports_compile, note, peaks, breakdown)
+    compiles = regions and any(m not in UNCOMPILED_MODES for m in modes if m != "auto")
+    return TrainingInfo(family.name, True, modes, best, compiles, note, peaks, breakdown)
+
+
+def _training_device(hardware: HardwareProfile) -> str:
+    """Where the trainer runs: the CUDA GPU, else the CPU (it never uses mps or
+    another accelerator, and the config accepts only auto, cuda and cpu)."""
+    if hardware.cuda:
+        return "on the GPU"
+    if hardware.vendor == "cpu":
+        return "on the CPU (slowly)"
+    return f"on the CPU (slowly): the trainer runs on CUDA or the CPU, not on {hardware.device_name} ({hardware.vendor})"

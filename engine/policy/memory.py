@@ -99,7 +99,9 @@ def plan_memory(
     limit = thresholds.resident_fraction * budget
     weights = parts.transformer_gb + parts.text_encoders_gb + parts.vae_gb
     resident = weights + overhead
-    largest = max(parts.transformer_gb, parts.text_encoders_gb, parts.vae_gb) + overhead
+    named = {"transformer": parts.transformer_gb, "text encoders": parts.text_encoders_gb, "VAE": parts.vae_gb}
+    biggest = max(named, key=named.__getitem__)  # what one-at-a-time offload must still hold
+    largest = named[biggest] + overhead
     # Building a quantised transformer on the fly holds its dense weights
     # briefly: that peak may use the reserve, but not more than is free.
     hard = hardware.total_memory_gb if hardware.free_memory_gb is None else hardware.free_memory_gb
@@ -137,12 +139,12 @@ def plan_memory(
     if parts.quantised:
         return auto(
             "sequential_offload",
-            f"even the transformer alone ({largest:.1f} GB) does not fit; sequential offload "
+            f"even the {biggest} alone ({largest:.1f} GB with overhead) does not fit; sequential offload "
             "(group offload's streams clash with torchao-quantised weights)",
         ), estimate("sequential_offload")
     return auto(
         "group_offload",
-        f"even the transformer alone ({largest:.1f} GB) does not fit; its blocks are streamed",
+        f"even the {biggest} alone ({largest:.1f} GB with overhead) does not fit; its blocks are streamed",
     ), estimate("group_offload")
 
 

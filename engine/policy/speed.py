@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.hardware.profile import HardwareProfile
+from engine.policy.compatibility import pair_refusal
 from engine.policy.resolved import Resolved, Source, auto, explicit
 
 SPEED_TIERS: tuple[str, ...] = ("off", "eager", "default", "max")
@@ -59,7 +60,10 @@ class AttentionBackend:
 #: Backends beyond torch's SDPA (``native``, ``cudnn``), by our name.
 OPTIONAL_BACKENDS: Mapping[str, AttentionBackend] = {
     "flash": AttentionBackend("flash_attn", "flash-attn", (8, 0)),
-    "flash3": AttentionBackend("flash_attn_interface", "kernels", (9, 0), (9, 0)),
+    # FlashAttention-3 through the hub kernel diffusers loads with the
+    # ``kernels`` package (its ``_flash_3_hub`` backend): FA3 itself has no
+    # wheels, and a source build needs a CUDA toolchain.
+    "flash3": AttentionBackend("kernels", "kernels>=0.12", (9, 0), (9, 0)),
     "sage": AttentionBackend("sageattention", "sageattention>=1.0.6", (8, 0), no_deps=True),
     # The requirement is pinned per torch release (XFORMERS_FOR_TORCH).
     "xformers": AttentionBackend("xformers", "xformers", (7, 0), no_deps=True),
@@ -156,7 +160,7 @@ def resolve_attention(
 ) -> tuple[Resolved[str], str | None]:
     """(backend, pip arguments to try installing at load or None).
 
-    ``auto`` takes FlashAttention-3 where it is installed on Hopper, else
+    ``auto`` takes FlashAttention-3 where its loader (``kernels``) is installed on Hopper, else
     cuDNN's fused SDPA on sm80+ NVIDIA cards (faster than the kernel SDPA
     picks by itself there), else native SDPA. An explicit request that the
     card cannot run (or the family denies) falls back to native SDPA with
@@ -201,12 +205,16 @@ def resolve_attention(
 
 def _auto_attention(hardware: HardwareProfile, denied: Mapping[str, str], dtype: str | None) -> Resolved[str]:
     if (
-        "flash_attn_interface" in hardware.attention_packages
+        OPTIONAL_BACKENDS["flash3"].package in hardware.attention_packages
         and "flash3" not in denied
         and hardware.capability is not None
         and attention_arch_error("flash3", hardware) is None
     ):
-        return auto("flash3", "FlashAttention-3 is installed and this is a Hopper GPU")
+        return auto(
+            "flash3",
+            "FlashAttention-3 (hub kernel via the installed kernels package) on a Hopper GPU; "
+            "native SDPA if the kernel cannot be loaded",
+        )
     if (
         "cudnn" not in denied
         and dtype in CUDNN_ATTENTION_DTYPES
@@ -295,15 +303,24 @@ def resolve_compile(
     denied: Mapping[str, str],
     gguf: bool,
     cache_may_engage: bool,
-    offloaded: bool = False,
+    memory: str = "resident",
     dtype: str = "bf16",
     env: Mapping[str, str] | None = None,
 ) -> tuple[Resolved[str], bool]:
     """(``regional`` or ``off``, fullgraph).
 
-    fullgraph is off wherever hooks run inside the denoiser: an auto step
-    cache that may engage later, and offload hooks (group / model /
-    sequential), under which a fullgraph compile fails at the first step.
+    fullgraph is off wherever hooks run inside the denoiser: a step cache
+    that is pinned on or may engage later (First-Block-Cache under a
+    fullgraph-compiled transformer crashes), and offload hooks (group /
+    model / sequential), under which a fullgraph compile fails at the first
+    step.
+
+    :param cache_may_engage: First-Block-Cache is pinned on, or auto and may
+        engage at some generate of the session.
+    :param memory: the memory mode whose hooks run (``resident``: none).
+
+    Which of these forbid fullgraph, and why, is the compatibility table's
+    answer (:mod:`engine.policy.compatibility`).
     """
     if requested not in COMPILE_REQUESTS:
         raise ValueError(f"compile {requested!r} is not one of {', '.join(COMPILE_REQUESTS)}")
@@ -313,15 +330,14 @@ def resolve_compile(
     blocker = _compile_blocker(regions, denied, gguf=gguf and requested == "auto", tier=tier, env=env or {})
     if blocker:
         return Resolved("off", source, blocker, requested), False
-    fullgraph = not (cache_may_engage or offloaded or gguf)
-    notes = []
-    if cache_may_engage:
-        notes.append("fullgraph off, an auto step cache may engage")
-    if offloaded:
-        notes.append("fullgraph off under offload hooks")
-    if gguf:
-        notes.append("GGUF weights: regional compile only")
-    note = "".join(f"; {n}" for n in notes)
+    conflicts = (
+        ("step_cache", "fbcache" if cache_may_engage else "off"),
+        ("memory", memory),
+        ("quant", "gguf" if gguf else "none"),
+    )
+    notes = [why for axis, value in conflicts if (why := pair_refusal("compile", "fullgraph", axis, value))]
+    fullgraph = not notes
+    note = "".join(f"; fullgraph off ({n})" for n in notes)
     if requested == "on":
         return explicit("regional", f"regional compile of {', '.join(regions)} (dynamic shapes){note}"), fullgraph
     if tier in ("off", "eager"):

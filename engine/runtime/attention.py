@@ -21,7 +21,8 @@ DIFFUSERS_BACKENDS = {
     "native": "native",
     "cudnn": "_native_cudnn",
     "flash": "flash",
-    "flash3": "_flash_3",
+    # FA3 as the hub kernel the ``kernels`` package loads (FA3 ships no wheels).
+    "flash3": "_flash_3_hub",
     "sage": "sage",
     "xformers": "xformers",
 }

@@ -4,8 +4,9 @@
 - bf16: dense; regional compile with dynamic shapes when armed.
 - int8: torchao weight-only int8 on the frozen Linears, applied after
   ``add_adapter`` (quantising first trips peft's torchao LoRA layer); eager.
-- fp8: torchao ``convert_to_float8_training`` on the frozen Linears; the
-  filter skips ``lora_*`` modules, ``proj_out`` and dims not divisible by 16.
+- fp8: torchao ``convert_to_float8_training`` on the frozen Linears with
+  ``pad_inner_dim``; the filter skips ``lora_*`` modules, ``proj_out`` and
+  dims not divisible by 16.
 - mxfp8: likewise with the MX recipe: dims divisible by 32, no biased Linears
   (``MXLinearConfig`` where torchao has it, else its successor
   ``MXFP8TrainingOpConfig``).
@@ -30,6 +31,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from engine.errors import EngineError
+from engine.hardware.profile import NATIVE_BF16_MIN_CAPABILITY, Vendor, native_bf16
 from engine.policy.quant_filter import quantises
 from engine.runtime.quantize import ModuleFilter, Placement, Transform, move_to, quantize_on_host_then_place
 
@@ -106,7 +109,17 @@ def _int8_transform(module: torch.nn.Module, keep: ModuleFilter) -> None:
 def _fp8_transform(module: torch.nn.Module, keep: ModuleFilter) -> None:
     from torchao.float8 import convert_to_float8_training
 
-    convert_to_float8_training(module, module_filter_fn=keep)
+    convert_to_float8_training(module, module_filter_fn=keep, config=fp8_training_config())
+
+
+def fp8_training_config() -> object:
+    """torchao's float8 training config with ``pad_inner_dim``: the scaled-mm
+    kernel needs the inner (reduction) dim a multiple of 16, and activations
+    whose token count is not (odd image sizes, packed sequences) are padded
+    rather than failing mid-run."""
+    from torchao.float8 import Float8LinearConfig
+
+    return Float8LinearConfig(pad_inner_dim=True)
 
 
 def _mxfp8_transform(module: torch.nn.Module, keep: ModuleFilter) -> None:
@@ -125,6 +138,70 @@ def mxfp8_training_config() -> object:
 
         return MXFP8TrainingOpConfig()
     return MXLinearConfig()
+
+
+class MachineMismatch(EngineError):
+    """The trainer process runs on a machine the plan was not made for (an
+    engine told ``hardware=<preset>``, or a plan carried to another host)."""
+
+    code = "trainer_machine_mismatch"
+
+
+def machine_error(
+    *,
+    plan_device: str,
+    compute_dtype: str,
+    family_label: str,
+    cuda_available: bool,
+    vendor: Vendor,
+    capability: tuple[int, int] | None,
+    torch_reports_bf16: bool,
+    device_name: str,
+) -> MachineMismatch | None:
+    """Why the machine the trainer actually runs on cannot run ``plan_device`` /
+    ``compute_dtype``, or None. Pure, so presets can stand in for the card.
+
+    NVIDIA bf16 is native from compute capability 8.0; torch's own answer
+    counts the emulation pre-Ampere cards do, which the trainer cannot use.
+    """
+    if plan_device != "cuda":
+        return None
+    if not cuda_available:
+        return MachineMismatch(
+            f"the run was planned for a CUDA GPU, but the trainer process sees none on this machine "
+            f"({device_name}). Plan it here (leave hardware to the probe) or pass device=cpu."
+        )
+    if compute_dtype == "bf16" and not native_bf16(vendor, capability, torch_reports_bf16):
+        where = f"sm{capability[0]}{capability[1]}" if capability else "capability unknown"
+        return MachineMismatch(
+            f"{family_label} LoRA training computes in bf16, and the GPU this trainer runs on, "
+            f"{device_name} ({where}), has no native bf16 (it needs compute capability "
+            f"{NATIVE_BF16_MIN_CAPABILITY[0]}.{NATIVE_BF16_MIN_CAPABILITY[1]}+); the plan was made for "
+            "another machine. Plan the run on this machine, or train on an Ampere or newer GPU.",
+            code="no_native_bf16",
+        )
+    return None
+
+
+def check_this_machine(plan_device: str, compute_dtype: str, family_label: str) -> None:
+    """Raise :class:`MachineMismatch` when this process's own device cannot run
+    the plan; called by the trainer before it loads anything."""
+    if plan_device != "cuda":
+        return
+    available = torch.cuda.is_available()
+    capability = torch.cuda.get_device_capability() if available else None
+    error = machine_error(
+        plan_device=plan_device,
+        compute_dtype=compute_dtype,
+        family_label=family_label,
+        cuda_available=available,
+        vendor="rocm" if getattr(torch.version, "hip", None) else "nvidia",
+        capability=capability,
+        torch_reports_bf16=available and torch.cuda.is_bf16_supported(),
+        device_name=torch.cuda.get_device_name() if available else "no CUDA device",
+    )
+    if error is not None:
+        raise error
 
 
 @contextlib.contextmanager
