@@ -164,6 +164,31 @@ def torchao_transform(scheme: str, device: str) -> Transform:
     return apply
 
 
+def weight_only_config(scheme: str) -> object:
+    """torchao's weight-only config for ``scheme``: weights stored quantised and
+    upcast per layer, activations untouched. Text encoders use it (they run once
+    per prompt at M = prompt tokens: no GEMM speed to win, no activation range
+    to overflow, and no int8 matmul row minimum to trip)."""
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+
+    if scheme == "int8":
+        return Int8WeightOnlyConfig()
+    if scheme == "fp8":
+        return Float8WeightOnlyConfig()
+    return torchao_config(scheme, "cuda")  # nvfp4: torchao has only the dynamic form
+
+
+def weight_only_transform(scheme: str) -> Transform:
+    """A :data:`Transform` quantising weight-only (see :func:`weight_only_config`)."""
+
+    def apply(module: torch.nn.Module, keep: ModuleFilter) -> None:
+        from torchao.quantization import quantize_
+
+        quantize_(module, weight_only_config(scheme), filter_fn=keep)
+
+    return apply
+
+
 def quantize_transformer(model: torch.nn.Module, scheme: str, device: str) -> int:
     """Quantise ``model`` in place, where it lies; return how many Linears changed."""
     keep = module_filter(scheme)

@@ -1,0 +1,119 @@
+"""Activation guard and VAE tiling: memory that grows with resolution x batch. Pure.
+
+The memory plan's overhead was a fixed 2 GiB at any size; a 2048 px image
+holds four times the activations of a 1024 px one. The guard reads the
+same measured per-token figures the training memory estimate uses
+(:class:`engine.types.ActivationFigures`): what one repeated block saves
+for backward per token bounds what it holds live at once in a forward, and
+inference holds one block's activations at a time, plus what lies outside
+the blocks. The VAE decoder's peak is the family's ``vae_decode_per_pixel``
+figure per output pixel; tiled, it is one tile's.
+
+So the overhead a plan reserves is ``max(floor, context + max(denoiser
+activations, VAE decode))`` for the request's resolution and batch, and a
+plan names the image size above which the VAE decodes in tiles: the
+largest one whose untiled decode fits the headroom the weights leave.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.hardware.profile import GIB_IN_GB
+from engine.policy.resolved import Resolved, auto, explicit
+from engine.types import FamilySpec
+
+#: An image token is one 16x16-pixel patch (see ActivationFigures).
+PATCH_PX = 16
+#: Resolution assumed when a load names none: the served families' native size.
+DEFAULT_SIDE_PX = 1024
+#: CUDA context, allocator and cuBLAS workspaces beside the activations.
+CONTEXT_GB = 1 * GIB_IN_GB
+#: The side of one VAE tile: the session caps the VAE's tile at this size when
+#: it engages tiling, so this bounds a tiled decode's peak.
+VAE_TILE_PX = 512
+VAE_TILING_REQUESTS: tuple[str, ...] = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class ImageShape:
+    """What one generate call renders: the size and how many images at once."""
+
+    width: int = DEFAULT_SIDE_PX
+    height: int = DEFAULT_SIDE_PX
+    batch: int = 1
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+    @property
+    def image_tokens(self) -> int:
+        return math.ceil(self.width / PATCH_PX) * math.ceil(self.height / PATCH_PX)
+
+
+def denoiser_activation_gb(family: FamilySpec, shape: ImageShape, dtype_bytes: float) -> float:
+    """GB one denoiser forward holds live at its peak; 0 where the family has no figures."""
+    figures = family.training_memory.activations if family.training_memory else None
+    if figures is None:
+        return 0.0
+    per_image = figures.block_per_image_token + figures.outside_per_image_token
+    per_text = figures.block_per_text_token + figures.outside_per_text_token
+    elements = per_image * shape.image_tokens + per_text * figures.text_tokens
+    return elements * shape.batch * dtype_bytes / 1e9
+
+
+def vae_decode_gb(family: FamilySpec, pixels: int, dtype_bytes: float) -> float:
+    """GB the VAE decoder holds at its peak decoding ``pixels`` output pixels at once."""
+    return family.vae_decode_per_pixel * pixels * dtype_bytes / 1e9
+
+
+def guarded_overhead_gb(
+    family: FamilySpec, shape: ImageShape, dtype_bytes: float, floor_gb: float
+) -> tuple[float, str]:
+    """The plan's overhead for ``shape``, and how it was sized.
+
+    The VAE term assumes a tiled decode when the untiled one would be the
+    larger peak (the tiling control then engages), sliced over the batch.
+    """
+    activations = denoiser_activation_gb(family, shape, dtype_bytes)
+    tile = vae_decode_gb(family, min(shape.pixels, VAE_TILE_PX**2), dtype_bytes)
+    guard = CONTEXT_GB + max(activations, tile)
+    how = (
+        f"{shape.width}x{shape.height} x{shape.batch}: denoiser activations {activations:.1f} GB, "
+        f"VAE decode {tile:.1f} GB, context {CONTEXT_GB:.1f} GB"
+    )
+    if guard <= floor_gb:
+        return floor_gb, f"{how}: within the {floor_gb:.1f} GB floor"
+    return guard, how
+
+
+def resolve_vae_tiling(
+    family: FamilySpec, headroom_gb: float, dtype_bytes: float, requested: str = "auto"
+) -> Resolved[int | None]:
+    """The image side (px, of the equivalent square) above which the VAE decodes in
+    tiles: 0 always, None never. ``headroom_gb``: what the plan leaves beside its
+    weights and context at the decode."""
+    if requested not in VAE_TILING_REQUESTS:
+        raise ValueError(f"vae_tiling {requested!r} is not one of {', '.join(VAE_TILING_REQUESTS)}")
+    if requested == "on":
+        return explicit(0, "every decode is tiled, as asked")
+    if requested == "off":
+        return explicit(None, "never tiled, as asked: a large image may run out of memory at the decode")
+    per_pixel_gb = family.vae_decode_per_pixel * dtype_bytes / 1e9
+    if per_pixel_gb <= 0:
+        return auto(None, f"{family.label}'s table has no VAE decode figure; the decode is not tiled")
+    side = int(math.sqrt(max(0.0, headroom_gb) / per_pixel_gb)) // PATCH_PX * PATCH_PX
+    return auto(
+        side,
+        f"an untiled decode above {side}x{side} px ({family.vae_decode_per_pixel:g} elements per pixel) "
+        f"would not fit the {headroom_gb:.1f} GB the weights leave: larger images decode in tiles",
+    )
+
+
+def resolve_vae_slicing(family: FamilySpec) -> Resolved[bool]:
+    """Decode a batch one image at a time (the peak is one image's; no measurable cost)."""
+    if family.vae_decode_per_pixel <= 0:
+        return auto(False, f"{family.label}'s table has no VAE decode figure")
+    return auto(True, "a batch decodes one image at a time: the decode peak is one image's")

@@ -1,0 +1,230 @@
+"""Text encoders as the plan says: quantised weight-only, and streamed when asked.
+
+Quantisation goes through the denoiser's path
+(:func:`engine.runtime.quantize.quantize_on_host_then_place`) with torchao's
+weight-only configs and the same layer filter, so the bytes the planner
+sizes are the bytes built; nf4 is bitsandbytes at load time (transformers'
+own 4-bit config, CUDA only).
+
+Streaming (``text_encoder_memory=streamed``) keeps the denoiser resident on
+a card that cannot hold the encoders beside it: before each pipeline call
+the encoders are placed on the device (or, on the CPU, where host memory
+is the scarce pool, loaded from the pipeline folder again), and the moment
+the denoiser's first forward begins they are freed: moved back to the host
+on a GPU, deleted on the CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.runtime import quantize
+from engine.runtime.quantize import Placement, QuantisationFailed
+
+#: Components of a diffusers pipeline that are text encoders.
+ENCODER_PREFIX = "text_encoder"
+
+
+def encoder_names(pipe: Any) -> list[str]:
+    """The pipeline's loaded text-encoder components, in order."""
+    return [
+        name for name, component in pipe.components.items()
+        if name.startswith(ENCODER_PREFIX) and isinstance(component, torch.nn.Module)
+    ]
+
+
+def quantize_text_encoders(pipe: Any, scheme: str, device: str, *, resident: bool) -> list[Placement]:
+    """Quantise every text encoder weight-only, in place; place it when ``resident``.
+
+    :raises QuantisationFailed: an encoder has no layer the scheme takes
+        (the caller keeps the encoders dense and records why).
+    :raises PlacementFailed: moving or quantising ran out of memory.
+    """
+    placements, skipped = [], []
+    for name in encoder_names(pipe):
+        try:
+            placements.append(quantize_encoder(getattr(pipe, name), scheme, device, resident=resident))
+        except QuantisationFailed as exc:  # a small encoder (CLIP-L beside T5) may have no layer to take
+            skipped.append(f"{name}: {exc.message}")
+    if not placements:
+        raise QuantisationFailed("; ".join(skipped) or "the pipeline has no text encoder")
+    return placements
+
+
+def quantize_encoder(encoder: torch.nn.Module, scheme: str, device: str, *, resident: bool) -> Placement:
+    """One encoder, through the denoiser's block-by-block path."""
+    return quantize.quantize_on_host_then_place(
+        encoder, scheme, device, resident=resident,
+        transform=quantize.weight_only_transform(scheme), keep=quantize.module_filter(scheme),
+        site="host" if scheme == "int8" or device == "cpu" else None,
+    )
+
+
+def nf4_encoder_components(root: str, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """Text encoders loaded 4-bit by bitsandbytes (needs CUDA), for ``from_pretrained``."""
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+    )
+    return {
+        name: _encoder_class(config[name]).from_pretrained(
+            root, subfolder=name, dtype=dtype, quantization_config=quantization,
+        )
+        for name in config
+        if name.startswith(ENCODER_PREFIX) and isinstance(config[name], (list, tuple)) and config[name][0]
+    }
+
+
+def _encoder_class(entry: Any) -> Any:
+    library, name = entry[0], entry[1]
+    return getattr(importlib.import_module(library), name)
+
+
+def prepare_encoders(
+    pipe: Any, denoiser: torch.nn.Module, plan: Any, root: str, dtype: torch.dtype, *, resident: bool
+) -> tuple[EncoderStream | None, list[Placement], str | None]:
+    """Quantise the encoders as ``plan`` says and set up streaming.
+
+    Returns the stream (None unless ``text_encoder_memory`` is streamed), the
+    encoders' placements, and why the planned scheme could not be applied
+    (None when it was): an encoder with no layer the scheme takes stays dense.
+
+    :raises PlacementFailed: out of memory while quantising or moving.
+    """
+    controls = plan.controls
+    scheme = str(controls["text_encoder_quant"].value) if "text_encoder_quant" in controls else "none"
+    streamed = "text_encoder_memory" in controls and controls["text_encoder_memory"].value == "streamed"
+    placements: list[Placement] = []
+    failure = None
+    if scheme not in ("none", "nf4"):
+        try:
+            placements = quantize_text_encoders(pipe, scheme, plan.device, resident=resident and not streamed)
+        except QuantisationFailed as exc:
+            failure = f"{scheme} could not be applied to the text encoders ({exc.message}); they run dense"
+    if not streamed:
+        return None, placements, failure
+    def reload(name: str) -> torch.nn.Module:
+        encoder = load_encoder(root, name, stream.entry(name), dtype)
+        if scheme not in ("none", "nf4") and failure is None:
+            quantize_encoder(encoder, scheme, plan.device, resident=False)
+        return encoder
+
+    stream = EncoderStream(pipe, denoiser, plan.device, reload)
+    return stream, placements, failure
+
+
+class EncoderStream:
+    """Places the encoders before a call and frees them before denoising.
+
+    ``reload`` builds one encoder again by component name (read from the
+    pipeline folder, quantised as planned); used where freeing means
+    deleting (the device is the host).
+    """
+
+    def __init__(
+        self, pipe: Any, denoiser: torch.nn.Module, device: str,
+        reload: Callable[[str], torch.nn.Module],
+    ) -> None:
+        self._pipe = pipe
+        self._denoiser = denoiser
+        self._device = device
+        self._reload = reload
+        self.names = encoder_names(pipe)
+        self._classes = {name: tuple(pipe.config[name]) for name in self.names}
+        self._hook: Any = None
+        #: The pipeline of the running call (a workflow's, sharing components).
+        self._active: Any = pipe
+        #: Encoder loads and frees since load (for status).
+        self.loads = 0
+        self.frees = 0
+
+    @property
+    def deletes(self) -> bool:
+        """On the host there is nowhere to move an encoder to: freeing deletes it."""
+        return self._device == "cpu"
+
+    def release_now(self) -> None:
+        """Free the encoders outside a call (right after load: they wait off the device)."""
+        self._free()
+
+    def entry(self, name: str) -> tuple[str, str]:
+        """``(library, class)`` of an encoder, as the pipeline folder names it."""
+        return self._classes[name]  # type: ignore[return-value]
+
+    def before_call(self, pipe: Any = None) -> None:
+        """Bring the encoders in (into ``pipe`` too: a workflow pipeline over the
+        same components) and arm the free for the denoiser's first forward."""
+        self._active = self._pipe if pipe is None else pipe
+        for name in self.names:
+            encoder = getattr(self._pipe, name, None)
+            if encoder is None:
+                encoder = self._reload(name)
+                setattr(self._pipe, name, encoder)
+                self.loads += 1
+            if self._active is not self._pipe:
+                setattr(self._active, name, encoder)
+            quantize.move_to(encoder, self._device, f"the text encoder {name}")
+        if self._hook is None:
+            self._hook = self._denoiser.register_forward_pre_hook(self._on_denoise, prepend=True)
+
+    def after_call(self) -> None:
+        """Disarm (the call may have ended before denoising) and free what is left."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._free()
+
+    def _on_denoise(self, _module: torch.nn.Module, _args: Any) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._free()
+
+    def _free(self) -> None:
+        freed = False
+        for name in self.names:
+            encoder = getattr(self._pipe, name, None)
+            if encoder is None:
+                continue
+            if self.deletes:
+                setattr(self._pipe, name, None)
+                if self._active is not self._pipe and getattr(self._active, name, None) is not None:
+                    setattr(self._active, name, None)
+                del encoder
+            else:
+                quantize.move_to(encoder, "cpu", f"the text encoder {name}")
+            freed = True
+        if freed:
+            self.frees += 1
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def status(self) -> dict[str, object]:
+        return {"encoders": list(self.names), "loads": self.loads, "frees": self.frees,
+                "frees_by": "deleting" if self.deletes else "moving to the host"}
+
+
+def load_encoder(root: str, name: str, entry: tuple[str, str], dtype: torch.dtype) -> torch.nn.Module:
+    """One text encoder from a pipeline folder (or hub cache), in ``dtype``."""
+    encoder = _encoder_class(entry).from_pretrained(root, subfolder=name, dtype=dtype)
+    encoder.requires_grad_(False)
+    encoder.eval()
+    return encoder
+
+
+__all__ = [
+    "EncoderStream",
+    "QuantisationFailed",
+    "encoder_names",
+    "load_encoder",
+    "nf4_encoder_components",
+    "prepare_encoders",
+    "quantize_text_encoders",
+]

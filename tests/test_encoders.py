@@ -1,0 +1,183 @@
+"""Text-encoder precision and streaming: planned with reasons, built on CPU.
+
+The runtime tests use the tiny FLUX pipeline with its T5 widened to 512
+features (the inference quantisation filter leaves narrower Linears dense,
+as it does on the real models' small layers), so int8 has layers to take.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.hardware.presets import PRESETS
+from engine.hardware.probe import probe
+from engine.plugins import load_registry
+from engine.policy.encoders import encoder_gb
+from engine.policy.inference import InferenceRequest, ModelFacts, Plan, plan_inference
+from engine.preflight.model import resolve_model
+from engine.runtime.session import GenerateRequest, InferenceSession
+
+REGISTRY = load_registry()
+
+
+def plan(family: str, hw: str, **request: object) -> Plan:
+    spec = REGISTRY.family(family)
+    facts = ModelFacts(spec, spec.default_checkpoint, REGISTRY.component_sizes(spec))
+    return plan_inference(REGISTRY, facts, PRESETS[hw], InferenceRequest(**request), env={})  # type: ignore[arg-type]
+
+
+# -- the plan ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("hw", "scheme"), [("h100", "fp8"), ("rtx3090", "int8"), ("cpu", "none")])
+def test_auto_encoder_scheme_follows_the_machine(hw: str, scheme: str) -> None:
+    result = plan("sdxl" if hw == "cpu" else "flux", hw)
+    resolved = result["text_encoder_quant"]
+    assert (resolved.value, resolved.source) == (scheme, "auto")
+    assert resolved.reason
+    shown = result.to_dict()["resolved"]["text_encoder_quant"]  # type: ignore[index]
+    assert shown["value"] == scheme and shown["reason"] == resolved.reason
+
+
+def test_the_encoder_scheme_sizes_the_memory_estimate() -> None:
+    fp8 = plan("flux", "h100")
+    dense = plan("flux", "h100", text_encoder_quant="none")
+    sizes = REGISTRY.component_sizes(REGISTRY.family("flux"))
+    assert fp8.estimate.components.text_encoders_gb == pytest.approx(encoder_gb(sizes.text_encoders_gb, "fp8"))
+    assert dense.estimate.components.text_encoders_gb == pytest.approx(sizes.text_encoders_gb)
+    assert fp8.estimate.resident_gb < dense.estimate.resident_gb
+
+
+def test_a_family_deny_list_keeps_its_encoders_dense_with_the_reason() -> None:
+    auto = plan("sdxl", "h100")["text_encoder_quant"]
+    assert auto.value == "none" and "denies" in auto.reason
+    asked = plan("sdxl", "h100", text_encoder_quant="int8")["text_encoder_quant"]
+    assert asked.value == "none" and asked.overridden and "SDXL" in asked.reason
+
+
+def test_an_unsupported_explicit_scheme_is_downgraded_with_the_capability() -> None:
+    asked = plan("flux", "rtx3090", text_encoder_quant="fp8")["text_encoder_quant"]
+    assert asked.value == "none" and "8.9" in asked.reason
+
+
+def test_encoders_that_do_not_fit_beside_the_denoiser_are_streamed() -> None:
+    result = plan("flux", "rtx4090")
+    assert result.value("text_encoder_memory") == "streamed"
+    assert result.value("memory_mode") == "resident"  # the denoiser is never offloaded
+    assert "do not fit beside the denoiser" in result["text_encoder_memory"].reason
+    roomy = plan("flux", "h100")
+    assert roomy.value("text_encoder_memory") == "resident"
+
+
+def test_streaming_is_refused_beside_an_offloaded_denoiser() -> None:
+    asked = plan("flux", "h100", memory="model_offload", text_encoder_memory="streamed")
+    resolved = asked["text_encoder_memory"]
+    assert resolved.value == "resident" and resolved.overridden and "model_offload" in resolved.reason
+    assert asked.value("memory_mode") == "model_offload"
+
+
+def test_a_bad_encoder_request_is_refused_naming_the_field() -> None:
+    from engine.errors import PreflightError
+
+    with pytest.raises(PreflightError, match="text_encoder_quant"):
+        plan("flux", "h100", text_encoder_quant="int4")
+
+
+# -- the runtime on CPU ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide_t5_flux(tiny_pipeline: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny FLUX pipeline with a 512-wide T5 (and a context embedder to match)."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from transformers import T5EncoderModel
+
+    pipe = FluxPipeline.from_pretrained(tiny_pipeline("flux"))
+    config = pipe.text_encoder_2.config.to_dict()
+    config.update(d_model=512, d_kv=64, num_heads=8, d_ff=512)
+    torch.manual_seed(0)
+    pipe.text_encoder_2 = T5EncoderModel(type(pipe.text_encoder_2.config)(**config)).eval()
+    torch.manual_seed(0)
+    pipe.transformer = FluxTransformer2DModel.from_config({**pipe.transformer.config, "joint_attention_dim": 512})
+    folder = tmp_path_factory.mktemp("wide-t5") / "flux"
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def load(folder: Path, **request: object) -> InferenceSession:
+    asked = InferenceRequest(quant="none", **request)  # type: ignore[arg-type]
+    source = resolve_model(REGISTRY, folder)
+    session = InferenceSession(REGISTRY, source, plan_inference(REGISTRY, source.facts(REGISTRY), probe(verify=False), asked), asked)
+    session.load()
+    return session
+
+
+def image(session: InferenceSession) -> np.ndarray:
+    [result] = session.generate(GenerateRequest("a lighthouse at dusk", steps=1, seed=3, width=32, height=32))
+    return np.asarray(result).astype(np.int16)
+
+
+@pytest.fixture(scope="module")
+def reference(wide_t5_flux: Path) -> np.ndarray:
+    """The image with dense, resident encoders."""
+    dense = load(wide_t5_flux)
+    try:
+        return image(dense)
+    finally:
+        dense.unload()
+
+
+def test_an_int8_text_encoder_generates_on_cpu(wide_t5_flux: Path, reference: np.ndarray) -> None:
+    session = load(wide_t5_flux, text_encoder_quant="int8")
+    try:
+        resolved = session.plan["text_encoder_quant"]
+        assert (resolved.value, resolved.source) == ("int8", "explicit")
+        t5 = session.pipeline.text_encoder_2
+        quantised = [m for m in t5.modules() if isinstance(m, torch.nn.Linear) and type(m.weight) is not torch.nn.Parameter]
+        [placement] = session.status()["text_encoders"]["placements"]  # type: ignore[index]
+        assert placement["layers"] == len(quantised) > 0  # the 32-wide CLIP has none: it stays dense
+        result = image(session)
+    finally:
+        session.unload()
+    assert result.shape == reference.shape
+    assert np.abs(result - reference).mean() < 8  # weight-only int8: close to the dense encoder
+
+
+def test_streamed_encoders_are_freed_before_denoising_and_reloaded(wide_t5_flux: Path, reference: np.ndarray) -> None:
+    session = load(wide_t5_flux, text_encoder_memory="streamed")
+    seen: list[tuple[bool, bool]] = []
+    try:
+        assert session.plan.value("text_encoder_memory") == "streamed"
+        pipe = session.pipeline
+        encoders = [weakref.ref(pipe.text_encoder), weakref.ref(pipe.text_encoder_2)]
+
+        def at_denoise(_module: torch.nn.Module, _args: object) -> None:
+            if not seen:
+                seen.append((pipe.text_encoder is None and pipe.text_encoder_2 is None,
+                             all(ref() is None for ref in encoders)))
+
+        hook = session.denoiser.register_forward_pre_hook(at_denoise)
+        first = image(session)
+        again = image(session)
+        hook.remove()
+        stream = session.status()["text_encoders"]["stream"]  # type: ignore[index]
+    finally:
+        session.unload()
+    assert seen == [(True, True)]  # gone, and garbage, when the denoiser first runs
+    assert stream["loads"] == 2 and stream["frees"] == 2  # type: ignore[index]
+    assert np.array_equal(first, reference) and np.array_equal(again, reference)
+
+
+def test_info_lists_the_encoders_size_per_allowed_scheme() -> None:
+    from engine.policy.info import images_info
+
+    flux = images_info(REGISTRY, REGISTRY.family("flux")).to_dict()
+    assert flux["text_encoders_gb"]["fp8"] < flux["text_encoders_gb"]["none"] == 9.8  # type: ignore[index]
+    sdxl = images_info(REGISTRY, REGISTRY.family("sdxl")).to_dict()
+    assert list(sdxl["text_encoders_gb"]) == ["none"] and "int8" in sdxl["text_encoder_denied"]  # type: ignore[arg-type,operator]
