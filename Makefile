@@ -13,8 +13,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+# The worked third-party family is installed too, as a plugin author's package
+# would be: the suite runs its contract kit (tests/test_contract_kit.py).
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt examples/diffusion-engine-sd3/pyproject.toml
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ./examples/diffusion-engine-sd3
 	touch $(STAMP)
 
 install: $(STAMP)

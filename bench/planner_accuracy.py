@@ -10,14 +10,21 @@ the engine's own int8 quantisation. Target: error <= 5%.
 
 ``--factors`` prints each family's steady factor per scheme at full size
 (config on the meta device, no weights): the ``quant_factors`` in the
-family tables come from it.
+family tables come from it. It works for every installed family, a
+third-party plugin's too: the built-ins' full-size configs are below; any
+other family's denoiser config is read from ``--config FAMILY=DIR`` (a
+pipeline folder with ``model_index.json`` and ``<denoiser>/config.json``, or
+the denoiser's own folder: config files only, no weights), else from the
+hub cache of its default checkpoint (offline).
 
     .venv/bin/python bench/planner_accuracy.py [--families flux zimage] [--factors]
+    .venv/bin/python bench/planner_accuracy.py --factors --families sd3 --config sd3=~/sd3.5-configs
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -48,12 +55,42 @@ def model_class(family: str):  # type: ignore[no-untyped-def]
     return getattr(diffusers, MODELS[family][0])
 
 
-def full_size_factors(families: list[str]) -> None:
-    print(f"{'family':<11} {'params':>8}  " + "  ".join(f"{s:>6}" for s in LAYOUTS))
-    for family in families:
+def full_size_model(family: str, configs: dict[str, Path]) -> torch.nn.Module:
+    """The family's full-size denoiser on the meta device (no weights)."""
+    import diffusers
+
+    from engine.plugins import load_registry
+
+    if family in MODELS and family not in configs:
         _, full, _ = MODELS[family]
         with torch.device("meta"):
-            model = model_class(family).from_config(full)
+            return model_class(family).from_config(full)
+    spec = load_registry().family(family)
+    root = configs.get(family)
+    if root is None:  # the default checkpoint's configs from the hub cache, offline
+        index = diffusers.DiffusionPipeline.load_config(spec.default_checkpoint.repo, local_files_only=True)
+        cls = getattr(diffusers, index[spec.denoiser][1])
+        config = cls.load_config(spec.default_checkpoint.repo, subfolder=spec.denoiser, local_files_only=True)
+    elif (root / "model_index.json").exists():
+        index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
+        cls = getattr(diffusers, index[spec.denoiser][1])
+        config = cls.load_config(root / spec.denoiser)
+    else:
+        config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+        cls = getattr(diffusers, config["_class_name"])
+    with torch.device("meta"):
+        return cls.from_config(config)
+
+
+def full_size_factors(families: list[str], configs: dict[str, Path]) -> None:
+    print(f"{'family':<11} {'params':>8}  " + "  ".join(f"{s:>6}" for s in LAYOUTS))
+    for family in families:
+        try:
+            model = full_size_model(family, configs)
+        except (OSError, KeyError, ValueError, AttributeError) as exc:
+            print(f"{family:<11} no full-size config ({str(exc).splitlines()[0][:120]}); give "
+                  f"--config {family}=DIR (model_index.json and the denoiser's config.json)")
+            continue
         tensors = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         bf16 = sum(p.numel() for p in model.parameters()) * 2 / 1e9
         factors = "  ".join(f"{quantised_gb(tensors, s) / bf16:>6.3f}" for s in LAYOUTS)
@@ -88,10 +125,19 @@ def accuracy(families: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", nargs="*", default=list(MODELS))
+    parser.add_argument("--families", nargs="*", default=None,
+                        help="families to measure (default: the built-ins; with --factors, every installed family)")
     parser.add_argument("--factors", action="store_true", help="print full-size factors instead")
+    parser.add_argument("--config", action="append", default=[], metavar="FAMILY=DIR",
+                        help="a folder with a family's full-size configs (--factors; repeatable)")
     args = parser.parse_args()
-    (full_size_factors if args.factors else accuracy)(args.families)
+    configs = {k: Path(v).expanduser() for k, _, v in (c.partition("=") for c in args.config)}
+    if args.factors:
+        from engine.plugins import load_registry
+
+        full_size_factors(args.families or sorted(load_registry().families), configs)
+    else:
+        accuracy(args.families or list(MODELS))
 
 
 if __name__ == "__main__":

@@ -155,3 +155,62 @@ def engine_build_tiny_pipeline(family: FamilySpec, path: Path) -> Path | None:
 
     Stops at first non-None result.
     """
+
+
+# -------------------------------------------------------------------------
+# Runtime code a table cannot say (defaults: diffusers' own integrations)
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def engine_lora_add(
+    family: FamilySpec, denoiser: object, config: object, adapter_name: str
+) -> str | None:
+    """Add a trainable LoRA adapter (a peft ``LoraConfig``) to ``denoiser``.
+
+    :return: how it was added, in a few words (shown in the run's events), or
+        None to let another plugin answer. The engine's default uses
+        diffusers' peft integration (``add_adapter``) where the class has it,
+        else peft's ``inject_adapter_in_model``.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def engine_lora_state_dict(family: FamilySpec, denoiser: object, adapter_name: str) -> dict | None:
+    """The adapter's weights in peft's keys (``<module>.lora_A.weight``), for
+    saving. The engine's default is peft's ``get_peft_model_state_dict``.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def engine_lora_load(
+    family: FamilySpec, pipeline: object, state_dict: dict, adapter_name: str
+) -> str | None:
+    """Load a LoRA (``state_dict`` in peft's keys for the denoiser, no
+    component prefix) into the loaded pipeline's denoiser as ``adapter_name``,
+    where the pipeline has no diffusers LoRA loader mixin.
+
+    :return: how it was loaded, or None to let another plugin answer. The
+        engine's default uses ``load_lora_adapter`` where the denoiser has it,
+        else peft's ``inject_adapter_in_model`` + ``set_peft_model_state_dict``.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def engine_generate_kwargs(family: FamilySpec, pipeline: object, kwargs: dict) -> dict | None:
+    """The keyword arguments to call the loaded ``pipeline`` with.
+
+    :param kwargs: the engine's arguments for this request (prompt, steps,
+        guidance under ``family.guidance_kwarg``, size, generator, ...), already
+        limited to what the pipeline's call accepts.
+    :return: the arguments to use instead (start from a copy of ``kwargs``),
+        or None to call with ``kwargs`` as they are.
+
+    Stops at first non-None result.
+    """

@@ -118,6 +118,31 @@ class Registry:
     def training_objective(self, family: FamilySpec) -> TrainingObjective | None:
         return self._pm.hook.engine_training_objective(family=family)
 
+    # -- runtime hooks (torch objects pass through; the registry imports none) --
+
+    def lora_add(self, family: FamilySpec, denoiser: object, config: object, adapter_name: str = "default") -> str:
+        """Add a trainable LoRA to ``denoiser``; how it was added."""
+        return str(self._pm.hook.engine_lora_add(
+            family=family, denoiser=denoiser, config=config, adapter_name=adapter_name
+        ))
+
+    def lora_state_dict(self, family: FamilySpec, denoiser: object, adapter_name: str = "default") -> dict:
+        """The adapter's weights in peft's keys, for saving."""
+        return dict(self._pm.hook.engine_lora_state_dict(
+            family=family, denoiser=denoiser, adapter_name=adapter_name
+        ))
+
+    def lora_load(self, family: FamilySpec, pipeline: object, state_dict: dict, adapter_name: str) -> str:
+        """Load a LoRA into a pipeline without diffusers' LoRA loader; how it was loaded."""
+        return str(self._pm.hook.engine_lora_load(
+            family=family, pipeline=pipeline, state_dict=state_dict, adapter_name=adapter_name
+        ))
+
+    def generate_kwargs(self, family: FamilySpec, pipeline: object, kwargs: dict) -> dict:
+        """The arguments to call ``pipeline`` with for one generate."""
+        answer = self._pm.hook.engine_generate_kwargs(family=family, pipeline=pipeline, kwargs=dict(kwargs))
+        return dict(kwargs if answer is None else answer)
+
     def build_tiny_pipeline(self, family: FamilySpec, path: Path) -> Path:
         built = self._pm.hook.engine_build_tiny_pipeline(family=family, path=Path(path))
         if built is None:

@@ -43,7 +43,30 @@ def engine_quant_deny(family: FamilySpec, purpose: Purpose) -> Iterable[QuantDen
 
 @hookimpl(trylast=True)
 def engine_optimization_deny(family: FamilySpec) -> Iterable[OptimizationDeny] | None:
-    return family.optimization_deny
+    return family.optimization_deny + capability_denies(family)
+
+
+#: What a capability the table declares missing turns off, and why.
+_MISSING: dict[str, tuple[tuple[str, ...], str]] = {
+    "step_cache": (("step_cache",), "the denoiser has no cache hooks (declared by the family's table)"),
+    "attention_dispatcher": (
+        ("sage", "flash", "flash3", "xformers", "cudnn"),
+        "the denoiser does not use diffusers' attention dispatcher (declared by the family's table)",
+    ),
+    "regional_compile": (("compile",), "the denoiser has no compile regions (declared by the family's table)"),
+}
+
+
+def capability_denies(family: FamilySpec) -> tuple[OptimizationDeny, ...]:
+    """The optimisations a capability declared ``False`` rules out, before
+    anything loads (undeclared ones are checked on the loaded classes)."""
+    declared = family.capabilities.declared()
+    return tuple(
+        OptimizationDeny(optimization, reason)
+        for capability, (optimizations, reason) in _MISSING.items()
+        if declared[capability] is False
+        for optimization in optimizations
+    )
 
 
 @hookimpl(trylast=True)
@@ -91,3 +114,32 @@ def load_object(dotted: str) -> object:
             f"cannot load {dotted!r}: {exc}; is the package that provides it installed?",
             code="plugin_object_missing",
         ) from exc
+
+
+# -- runtime defaults (imported lazily: loading the registry stays torch-free) --------
+
+
+@hookimpl(trylast=True)
+def engine_lora_add(family: FamilySpec, denoiser: object, config: object, adapter_name: str) -> str | None:
+    from engine.runtime.adapters import add_adapter
+
+    return add_adapter(denoiser, config, adapter_name)  # type: ignore[arg-type]
+
+
+@hookimpl(trylast=True)
+def engine_lora_state_dict(family: FamilySpec, denoiser: object, adapter_name: str) -> dict | None:
+    from engine.runtime.adapters import adapter_state_dict
+
+    return adapter_state_dict(denoiser, adapter_name)  # type: ignore[arg-type]
+
+
+@hookimpl(trylast=True)
+def engine_lora_load(family: FamilySpec, pipeline: object, state_dict: dict, adapter_name: str) -> str | None:
+    from engine.runtime.adapters import load_adapter
+
+    return load_adapter(getattr(pipeline, family.denoiser), state_dict, adapter_name)
+
+
+@hookimpl(trylast=True)
+def engine_generate_kwargs(family: FamilySpec, pipeline: object, kwargs: dict) -> dict | None:
+    return kwargs

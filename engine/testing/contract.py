@@ -5,6 +5,13 @@ Like diffusers' tester mixins: subclass it in a test module, set
 through an entry point), and pytest collects every check below for it. Each
 check goes through a fresh plugin manager, so it sees what a user's engine
 would see.
+
+The checks are about consistency (what the table advertises is what the
+engine accepts, what it declares about its classes is what they do), and
+one runs the model: the tiny pipeline is loaded through the engine,
+generates, trains two LoRA steps, and the saved LoRA reloads and changes the
+image (:func:`engine.testing.run.run_model`). A family with no tiny pipeline
+fails the kit, with what to add.
 """
 
 from __future__ import annotations
@@ -20,10 +27,24 @@ from typing import ClassVar
 import pytest
 
 from engine.hardware.presets import PRESETS
+from engine.errors import PluginError
 from engine.plugins import Registry, load_registry
 from engine.types import PURPOSES, QUANT_SCHEMES, TRAINING_PRECISIONS, FamilySpec
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def build_tiny_or_fail(registry: Registry, family: FamilySpec, path: Path) -> Path:
+    """The family's tiny pipeline, or a test failure saying how to provide one
+    (never a skip: a family the kit cannot run is not shown to work)."""
+    try:
+        return registry.build_tiny_pipeline(family, path)
+    except PluginError as exc:
+        pytest.fail(
+            f"{family.name}: {exc.message}; set FamilySpec.tiny_pipeline to a "
+            "'module:function' writing a tiny random-weight pipeline (or implement "
+            "engine_build_tiny_pipeline) so the kit can run the model"
+        )
 
 
 def fresh_registry(plugin_module: str | None = None) -> Registry:
@@ -42,7 +63,6 @@ class FamilyContract:
     family_name: ClassVar[str]
     #: Dotted module of a plugin to register directly (not via entry point).
     plugin_module: ClassVar[str | None] = None
-
     @pytest.fixture
     def registry(self) -> Registry:
         return fresh_registry(self.plugin_module)
@@ -50,6 +70,14 @@ class FamilyContract:
     @pytest.fixture
     def family(self, registry: Registry) -> FamilySpec:
         return registry.family(self.family_name)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tiny_folder(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        """The family's tiny pipeline, built once for the class's checks."""
+        registry = fresh_registry(cls.plugin_module)
+        family = registry.family(cls.family_name)
+        return build_tiny_or_fail(registry, family, tmp_path_factory.mktemp(f"kit-{family.name}") / "tiny")
 
     # -- the table ------------------------------------------------------------
 
@@ -98,7 +126,7 @@ class FamilyContract:
             assert "bf16" not in denied, "the dense reference cannot be denied"
 
     def test_engine_optimization_deny(self, registry: Registry, family: FamilySpec) -> None:
-        known = {"fp16_accumulation", "step_cache", "compile", "sage", "flash", "flash3", "xformers"}
+        known = {"fp16_accumulation", "step_cache", "compile", "sage", "flash", "flash3", "xformers", "cudnn"}
         denied = registry.optimization_deny(family)
         assert set(denied) <= known, denied
         assert all(reason.strip() for reason in denied.values())
@@ -122,25 +150,76 @@ class FamilyContract:
         assert all(_IDENTIFIER.match(r) for r in regions), regions
 
     def test_engine_training_objective(self, registry: Registry, family: FamilySpec) -> None:
+        """Any objective is allowed (DiTs predict epsilon too); it must be one
+        the trainer knows, and a trainable family needs its runtime functions."""
         objective = registry.training_objective(family)
         if objective is not None:
-            expected = {"dit": "flow_matching"}.get(family.architecture)
-            assert expected is None or objective.prediction == expected
-            assert objective.runtime_module.split(".")[0].isidentifier()
+            assert objective.prediction in ("flow_matching", "epsilon", "v_prediction")
+            assert objective.timestep_sampling in ("logit_normal", "uniform", "shifted_sigmoid")
+            assert family.runtime_module, "a trainable family names its runtime_module"
 
-    def test_engine_build_tiny_pipeline(
-        self, registry: Registry, family: FamilySpec, tmp_path: Path
-    ) -> None:
+    def test_engine_build_tiny_pipeline(self, registry: Registry, family: FamilySpec, tiny_folder: Path) -> None:
         """The tiny pipeline is a real diffusers folder of this family's class."""
-        if not family.tiny_pipeline:
-            pytest.skip(f"{family.name} ships no tiny pipeline")
-        folder = registry.build_tiny_pipeline(family, tmp_path / "tiny")
+        folder = tiny_folder
         index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
         assert index["_class_name"] in family.pipeline_class_names
         assert registry.family_for_pipeline_class(index["_class_name"]) == family
         weights = list(folder.glob("*/*.safetensors"))
         assert weights, "weights are saved as safetensors"
         assert sum(w.stat().st_size for w in weights) < 100e6, "tiny means tiny"
+
+    # -- consistency: what is advertised is what the engine accepts ---------------
+
+    def test_advertised_training_modes_pass_the_preflight(self, registry: Registry, family: FamilySpec) -> None:
+        """Every base precision ``info`` advertises on a preset is one the
+        training precision preflight accepts there, and a family is called
+        trainable only when it has a trainer."""
+        from engine.policy.info import training_info
+        from engine.policy.training import training_precision_preflight_error
+
+        trainable = registry.training_objective(family) is not None
+        for name, hardware in PRESETS.items():
+            info = training_info(registry, family, hardware)
+            assert not info.trainable or trainable, f"{name}: info calls a family with no trainer trainable"
+            for mode in info.precision_modes:
+                error = training_precision_preflight_error(registry, family, hardware, mode)
+                assert error is None, f"{name}: {mode} is advertised but refused: {error.message}"
+
+    def test_checkpoint_sizes_agree_with_the_family(self, registry: Registry, family: FamilySpec) -> None:
+        """A checkpoint's own sizes, where given, are sizes of the same parts,
+        and the dense denoiser a trainer holds is the table's transformer."""
+        for checkpoint in family.checkpoints:
+            sizes = registry.component_sizes(family, checkpoint)
+            assert sizes.total_gb == sizes.transformer_gb + sizes.text_encoders_gb + sizes.vae_gb
+        assert family.training_dense_gb <= family.sizes.transformer_gb * 1.5, (
+            "training_dense_gb is the denoiser's bf16 size; it cannot be far above the transformer's"
+        )
+
+    def test_declared_capabilities_hold_on_the_tiny_pipeline(
+        self, registry: Registry, family: FamilySpec, tiny_folder: Path
+    ) -> None:
+        """What the table declares about its classes is what the classes do."""
+        import diffusers
+
+        from engine.runtime.capabilities import verify
+
+        pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_folder)
+        wrong = [
+            f"{c.name}: declared {c.declared}, the class says {c.verified} ({c.detail})"
+            for c in verify(family, pipe, registry.compile_regions(family)).values()
+            if c.contradicts
+        ]
+        assert not wrong, "; ".join(wrong)
+
+    # -- the model runs through the engine -------------------------------------------
+
+    def test_runs_the_model(self, registry: Registry, family: FamilySpec, tiny_folder: Path, tmp_path: Path) -> None:
+        """Load the tiny pipeline through the engine, generate, train 2 LoRA
+        steps, reload the saved LoRA through the engine: the image changes."""
+        from engine.testing.run import run_model
+
+        report = run_model(registry, family, tmp_path, folder=tiny_folder)
+        assert report.failure is None, report.failure
 
     # -- the policy path stays light -----------------------------------------
 

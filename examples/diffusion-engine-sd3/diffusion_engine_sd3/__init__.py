@@ -4,6 +4,10 @@ It lives outside the engine's ``families/`` package and reaches the engine
 only through the ``diffusion_engine.families`` entry point, exactly as a
 package on PyPI would. Its figures are illustrative (bf16 bytes of the 2.5B
 MMDiT, CLIP-L + CLIP-G + T5-XXL, and the VAE).
+
+The package is the whole recipe: this table (pure data, no torch), the
+torch code the trainer calls (``runtime.py``) and a tiny random-weight
+pipeline builder (``tiny.py``) that the engine's contract kit runs.
 """
 
 from __future__ import annotations
@@ -11,7 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from engine.hookspecs import hookimpl
-from engine.types import Checkpoint, ComponentSizes, FamilySpec, Purpose, QuantDeny
+from engine.types import (
+    Capabilities,
+    Checkpoint,
+    ComponentSizes,
+    FamilySpec,
+    Purpose,
+    QuantDeny,
+    TrainingObjective,
+)
 
 SD3 = FamilySpec(
     name="sd3",
@@ -39,6 +51,18 @@ SD3 = FamilySpec(
     training_requires_bf16=True,
     prequantised_patterns=("*nf4*",),
     runtime_module="diffusion_engine_sd3.runtime",
+    tiny_pipeline="diffusion_engine_sd3.tiny:build_tiny_pipeline",
+    training_objective=TrainingObjective(prediction="flow_matching", timestep_sampling="logit_normal"),
+    # StableDiffusion3Pipeline's call opens no cache context (First-Block-Cache needs one).
+    cache_context_pipelines=(),
+    # Spellings only SD3 LoRAs use (its original joint_blocks / x_block / context_block names).
+    lora_key_markers=("joint_blocks", "x_block", "context_block"),
+    # SD3Transformer2DModel (diffusers 0.3x-0.4x) has no cache hooks and its
+    # JointAttnProcessor2_0 calls SDPA directly, not the attention dispatcher.
+    capabilities=Capabilities(
+        step_cache=False, attention_dispatcher=False, peft_adapters=True,
+        regional_compile=True, pipeline_lora=True,
+    ),
 )
 
 

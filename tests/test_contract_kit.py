@@ -1,0 +1,71 @@
+"""The contract kit runs the model: it catches a family whose tiny pipeline
+cannot generate, fails (not skips) a family with no tiny pipeline, accepts an
+epsilon-predicting DiT, and runs in full for every installed third-party family."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from engine.plugins import Registry, load_registry
+from engine.testing import FamilyContract
+from engine.testing.contract import build_tiny_or_fail
+from engine.testing.run import run_model
+from engine.types import TrainingObjective
+from tests.capability_families import BROKEN, BrokenDenoiser, FixturePlugin
+
+
+@pytest.fixture(scope="module")
+def broken() -> Registry:
+    return load_registry(plugins=[("broken", FixturePlugin(BROKEN, BrokenDenoiser))])
+
+
+@pytest.fixture(scope="module")
+def broken_folder(broken: Registry, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return broken.build_tiny_pipeline(broken.family("broken"), tmp_path_factory.mktemp("broken") / "tiny")
+
+
+def test_kit_catches_a_family_whose_tiny_pipeline_fails_to_generate(
+    broken: Registry, broken_folder: Path, tmp_path: Path
+) -> None:
+    family = broken.family("broken")
+    report = run_model(broken, family, tmp_path, folder=broken_folder)
+    assert report.stages == ["build the tiny pipeline"]
+    assert report.failure is not None and report.failure.startswith("load and generate through the engine failed")
+    with pytest.raises(AssertionError, match="load and generate"):
+        FamilyContract().test_runs_the_model(broken, family, broken_folder, tmp_path)
+
+
+def test_kit_fails_a_family_with_no_tiny_pipeline_with_what_to_add(tmp_path: Path) -> None:
+    registry = load_registry()
+    bare = dataclasses.replace(registry.family("flux"), tiny_pipeline="")
+    with pytest.raises(pytest.fail.Exception, match="set FamilySpec.tiny_pipeline"):
+        build_tiny_or_fail(registry, bare, tmp_path)
+
+
+def test_kit_accepts_an_epsilon_predicting_dit() -> None:
+    registry = load_registry()
+    epsilon = TrainingObjective(prediction="epsilon", timestep_sampling="uniform")
+    dit = dataclasses.replace(registry.family("flux"), training_objective=epsilon)
+
+    class Epsilon:
+        from engine.hookspecs import hookimpl
+
+        @hookimpl
+        def engine_training_objective(self, family: object) -> TrainingObjective:
+            return epsilon
+
+    FamilyContract().test_engine_training_objective(load_registry(plugins=[("eps", Epsilon())]), dit)
+
+
+def _third_party_families() -> list[str]:
+    return sorted(f for p in load_registry().plugins if p.package != "diffusion-engine" for f in p.families)
+
+
+# The full kit, model run included, for every installed third-party family
+# (the worked example under `make install`, as CI installs it).
+for _name in _third_party_families():
+    _kit = f"TestInstalledKit_{_name}"
+    globals()[_kit] = type(_kit, (FamilyContract,), {"family_name": _name})
