@@ -38,6 +38,8 @@ class ServerSettings:
     allow_hub: bool = False
     #: Where LoRA files may be read from (``serve --loras DIR``).
     lora_roots: tuple[Path, ...] = ()
+    #: Where input images (img2img / inpaint / edit) may be read from (``serve --inputs DIR``).
+    input_roots: tuple[Path, ...] = ()
     #: Let a non-loopback bind run without a token (an explicit opt-out).
     insecure_no_token: bool = False
     #: Requests whose body is larger are refused with 413 before it is held.

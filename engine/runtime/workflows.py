@@ -1,0 +1,160 @@
+"""Which pipeline serves a generate: text-to-image, img2img, inpaint or edit.
+
+The family's table (:meth:`engine.types.FamilySpec.workflows_of`) names the
+diffusers pipeline class serving each workflow of a checkpoint; this module
+picks the workflow from the request's inputs and builds that pipeline from
+the loaded one's components with diffusers' ``from_pipe`` (the weights are
+shared, nothing is reloaded, LoRAs and the step cache stay on the shared
+denoiser). No family is named here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from engine.errors import EngineError
+from engine.types import Checkpoint, FamilySpec, Workflow
+
+
+class UnsupportedWorkflow(EngineError):
+    """The loaded checkpoint has no pipeline for what the request asks."""
+
+    code = "unsupported_workflow"
+
+
+def choose_workflow(
+    family: FamilySpec, checkpoint: Checkpoint | None, *, image: bool, mask: bool, control: bool = False
+) -> tuple[Workflow, str | None]:
+    """The workflow a request's inputs ask for and the pipeline class serving
+    it (None: the loaded pipeline itself, text-to-image).
+
+    An image with a mask inpaints; an image alone is an instruction edit on
+    a checkpoint that declares ``edit``, img2img otherwise; a control image
+    (no image) is ControlNet text-to-image.
+    """
+    if control:
+        if image or mask:
+            raise UnsupportedWorkflow(
+                "control_image (--control-image) with image / mask_image (ControlNet img2img or "
+                "inpaint) is not served; give the control image alone"
+            )
+        served = family.workflows_of(checkpoint)
+        if "controlnet" not in served:
+            raise UnsupportedWorkflow(
+                f"{family.label} declares no ControlNet pipeline; drop control_image (--control-image)"
+            )
+        return "controlnet", served["controlnet"]
+    if not image:
+        if mask:
+            raise UnsupportedWorkflow("mask_image was given without image; inpainting needs both (--image, --mask)")
+        return "txt2img", None
+    served = family.workflows_of(checkpoint)
+    workflow: Workflow = "inpaint" if mask else ("edit" if "edit" in served else "img2img")
+    if workflow not in served:
+        label = (checkpoint or family.default_checkpoint).label
+        offered = ", ".join(sorted(served)) or "text-to-image only"
+        field = "mask_image (--mask)" if mask else "image (--image)"
+        raise UnsupportedWorkflow(
+            f"{label} has no {workflow} pipeline (it serves: {offered}); drop {field} "
+            "or load a checkpoint that serves it"
+        )
+    return workflow, served[workflow]
+
+
+def workflow_pipeline(
+    loaded: Any, class_name: str | None, cache: dict[str, Any], extra: dict[str, Any] | None = None
+) -> Any:
+    """The pipeline of class ``class_name`` over ``loaded``'s components and
+    ``extra`` ones (a ControlNet), cached per class."""
+    if class_name is None or type(loaded).__name__ == class_name:
+        return loaded
+    if class_name not in cache:
+        import diffusers
+
+        pipeline_cls = getattr(diffusers, class_name, None)
+        if pipeline_cls is None:
+            raise UnsupportedWorkflow(
+                f"the installed diffusers has no {class_name}; upgrade diffusers to use this workflow"
+            )
+        try:
+            built = pipeline_cls.from_pipe(loaded, **(extra or {}))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise UnsupportedWorkflow(
+                f"{class_name} cannot be built from the loaded {type(loaded).__name__} ({exc})"
+            ) from exc
+        built.set_progress_bar_config(disable=True)
+        cache[class_name] = built
+    return cache[class_name]
+
+
+def strength_of(pipe: Any, strength: float | None) -> float | None:
+    """The strength the call runs at: the request's, else the pipeline's
+    default; None where the pipeline takes no strength (text-to-image, edit)."""
+    parameter = inspect.signature(pipe.__call__).parameters.get("strength")
+    if parameter is None:
+        return None
+    if strength is not None:
+        return strength
+    return float(parameter.default) if isinstance(parameter.default, int | float) else 1.0
+
+
+def effective_steps(steps: int, strength: float | None) -> int:
+    """Denoising steps that really run: diffusers' img2img pipelines run the
+    last ``min(int(steps * strength), steps)`` of the schedule (it starts
+    part-way), so 1 step at strength 0.9 runs none."""
+    if strength is None:
+        return steps
+    return min(int(steps * strength), steps)
+
+
+def load_controlnet(family: FamilySpec, path: str, dtype: Any, device: str) -> Any:
+    """The ControlNet at ``path`` (a diffusers folder), as the family's first
+    declared ControlNet class, in the pipeline's dtype on ``device``."""
+    import diffusers
+
+    if not family.controlnet_classes:
+        raise UnsupportedWorkflow(f"{family.label} declares no ControlNet class; load without a ControlNet")
+    cls = getattr(diffusers, family.controlnet_classes[0])
+    try:
+        return cls.from_pretrained(path, dtype=dtype).to(device).eval()
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise UnsupportedWorkflow(
+            f"could not load the ControlNet at {path} as {cls.__name__} ({exc}); give a diffusers "
+            f"ControlNet folder made for {family.label}"
+        ) from exc
+
+
+def control_input(image: Any, preprocess: str) -> Any:
+    """The control map for ``image``: its Canny edges, or the image as given (``none``)."""
+    from engine.runtime.inputs import canny_map, read_image
+
+    if preprocess not in ("canny", "none"):
+        raise EngineError(
+            f"control_preprocess {preprocess!r} is unknown; use canny or none", code="invalid_request"
+        )
+    picture = read_image(image, "control_image")
+    return canny_map(picture) if preprocess == "canny" else picture
+
+
+def check_controlnet(family: FamilySpec, path: str) -> str:
+    """``path`` resolved, when it is a diffusers ControlNet folder of a class
+    ``family`` declares; refused (before anything is evicted) otherwise."""
+    import json
+    from pathlib import Path
+
+    folder = Path(path).expanduser()
+    config = folder / "config.json"
+    if not config.is_file():
+        raise UnsupportedWorkflow(f"controlnet {path} is not a diffusers model folder (no config.json); "
+                                  "give the folder saved with save_pretrained")
+    try:
+        class_name = json.loads(config.read_text(encoding="utf-8")).get("_class_name")
+    except (OSError, ValueError) as exc:
+        raise UnsupportedWorkflow(f"controlnet {config} cannot be read ({exc})") from exc
+    if class_name not in family.controlnet_classes:
+        declared = ", ".join(family.controlnet_classes) or "none"
+        raise UnsupportedWorkflow(
+            f"controlnet {path} is a {class_name}; {family.label} takes {declared}; give a ControlNet for this family"
+        )
+    return str(folder.resolve())
