@@ -1126,7 +1126,9 @@ def _trainer_seams(case: Case, bench: BenchModel) -> dict[str, Callable[..., Any
         latents = [torch.randn(bench.latent_channels(), side, side, generator=generator)
                    for _ in _plan.dataset.items]
         conditioning = bench.conditioning(1, "cpu", dtype)
-        return latents, conditioning, [0] * len(_plan.dataset.items)
+        from engine.training.trainer import _Captions
+
+        return latents, conditioning, _Captions([[0]] * len(_plan.dataset.items), None)  # one prompt row
 
     seams: dict[str, Callable[..., Any]] = {"_load_pipeline": load_pipeline, "_cache_inputs": cache_inputs}
     if case.static_shapes:

@@ -422,7 +422,7 @@ def measure_step(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = _config(d, overrides)
-    runtime = importlib.import_module(d.spec.training_objective.runtime_module)  # type: ignore[union-attr]
+    runtime = importlib.import_module(d.spec.runtime_module)
     started = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     m = Measured()

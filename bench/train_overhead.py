@@ -30,6 +30,7 @@ from engine.plugins import load_registry  # noqa: E402
 from engine.testing.datasets import write_dataset  # noqa: E402
 from engine.training.config import TrainingConfig  # noqa: E402
 from engine.training.preflight import preflight_training  # noqa: E402
+from engine.training.buckets import fit  # noqa: E402
 from engine.training.trainer import _load_pixels, run_training  # noqa: E402
 
 WARMUP = 5
@@ -53,7 +54,7 @@ def engine_steps_per_s(plan, scratch: Path) -> float:  # type: ignore[no-untyped
 
 
 def plain_steps_per_s(plan, steps: int) -> float:  # type: ignore[no-untyped-def]
-    runtime = importlib.import_module(plan.objective.runtime_module)
+    runtime = importlib.import_module(plan.family.runtime_module)
     torch.manual_seed(plan.config.seed)
     pipe = DiffusionPipeline.from_pretrained(plan.base.location, dtype=torch.float32)
     denoiser = getattr(pipe, plan.family.denoiser)
@@ -61,8 +62,9 @@ def plain_steps_per_s(plan, steps: int) -> float:  # type: ignore[no-untyped-def
         if isinstance(module, torch.nn.Module):
             module.requires_grad_(False)
     device = torch.device("cpu")
+    bucket = (plan.config.resolution, plan.config.resolution)  # the bench's square images
     with torch.no_grad():
-        latents = [runtime.encode_images(pipe, _load_pixels(i.image, plan.config.resolution))[0] for i in plan.dataset.items]
+        latents = [runtime.encode_images(pipe, _load_pixels(i.image, fit(i.size, bucket)))[0] for i in plan.dataset.items]
         captions = sorted({i.caption for i in plan.dataset.items})
         cond_all = runtime.encode_prompts(pipe, captions, device, torch.float32)
     index = [captions.index(i.caption) for i in plan.dataset.items]

@@ -80,6 +80,8 @@ class Engine:
         #: The run's status as last published by its watcher (see training_status).
         self._published: dict[str, object] | None = None
         self._load_phase = "idle"
+        #: The running generate's cancel event (see :meth:`cancel_generation`).
+        self._generation_cancel: threading.Event | None = None
 
     # -- machine --------------------------------------------------------------
 
@@ -128,6 +130,15 @@ class Engine:
             },
         }
 
+    def images_info(self) -> dict[str, object]:
+        """Each family's component sizes and resident GB per scheme, from the
+        tables alone: torch-free (the machine from the light probe, never the
+        torch-verified one), so a panel can show the trade-off before loading."""
+        return {
+            "hardware": self.hardware(verify=False).to_dict(),
+            "families": {f.name: images_info(self.registry, f).to_dict() for f in self.registry.families.values()},
+        }
+
     def train_info(self) -> dict[str, object]:
         hardware = self.available_memory().apply(self.hardware())
         return {f.name: training_info(self.registry, f, hardware).to_dict() for f in self.registry.families.values()}
@@ -166,8 +177,12 @@ class Engine:
         request: InferenceRequest = InferenceRequest(),
         loras: Sequence[LoraLike] = (),
         switching: bool = False,
+        controlnet: str | None = None,
     ) -> dict[str, object]:
         """Load a pipeline; every check runs before anything is evicted.
+
+        ``controlnet``: a diffusers ControlNet folder of a class the family
+        declares, loaded beside the pipeline for ``control_image`` generates.
 
         ``loras`` (``PATH[:SCALE]`` strings, ``{"path", "scale"}`` mappings or
         :class:`~engine.preflight.lora.LoraChoice`) are applied at load; each
@@ -183,6 +198,10 @@ class Engine:
             raise offline
         lora_files = read_loras(lora_choices(loras))
         check_loras(self.registry, source, lora_files)
+        if controlnet is not None:
+            from engine.runtime.workflows import check_controlnet
+
+            controlnet = check_controlnet(source.family, controlnet)
         request = dataclasses.replace(request, loras=lora_plan_input(lora_files, switching=switching))
         plan = plan_inference(
             self.registry, source.facts(self.registry), self.hardware(verify=True), request,
@@ -193,7 +212,7 @@ class Engine:
             self._load_phase = "evicting"
             self._drop_session()
             self.residency.acquire(PIPELINE)
-            session = InferenceSession(self.registry, source, plan, request, loras=lora_files)
+            session = InferenceSession(self.registry, source, plan, request, loras=lora_files, controlnet=controlnet)
             self._load_phase = "loading"
             session.load()
             self._session = session
@@ -232,24 +251,52 @@ class Engine:
 
         ``cancel``, set from any thread (a server whose client went away),
         stops the call with :class:`Cancelled` before it starts or after the
-        step that is running, and frees the engine for the next job."""
+        step that is running, and frees the engine for the next job;
+        :meth:`cancel_generation` sets it for the running call.
+
+        Image inputs (see :class:`~engine.runtime.session.GenerateRequest`):
+        ``image`` (img2img, or an edit on an edit checkpoint) with
+        ``strength``, ``mask_image`` (inpaint); batches: ``prompts`` and
+        ``seeds`` lists (image k replays alone with its seed), ``batch``
+        (images per forward)."""
         from engine.runtime.session import GenerateRequest
 
-        if cancel is not None:
-            progress = _cancellable(progress, cancel)
+        cancel = cancel or threading.Event()
+        progress = _cancellable(progress, cancel)
+        for name in ("prompts", "seeds"):
+            if name in options:  # a request model's list (or None: unset)
+                options[name] = tuple(options[name] or ())  # type: ignore[call-overload]
 
         with self._generate_lock:
             self._reserve("generating")
+            self._generation_cancel = cancel
             try:
                 session = self._session
                 if session is None:
                     raise EngineError("no image pipeline is loaded; load one first", code="not_loaded")
                 files = None if loras is None else read_loras(lora_choices(loras))
-                if cancel is not None and cancel.is_set():
+                if cancel.is_set():
                     raise Cancelled("the generate was cancelled before it started")
                 return session.generate(GenerateRequest(prompt=prompt, loras=files, **options), progress)  # type: ignore[arg-type]
             finally:
+                self._generation_cancel = None
                 self._release_job("generating")
+
+    def cancel_generation(self) -> bool:
+        """Stop the running generate after its current denoising step (it
+        raises :class:`Cancelled` to its caller); False when none runs.
+        Generates queued behind it still run."""
+        cancel = self._generation_cancel
+        if cancel is None:
+            return False
+        cancel.set()
+        return True
+
+    def loaded_plan(self) -> Plan | None:
+        """The loaded pipeline's plan as the runtime recorded it (a kernel or
+        quantised build that fell back included), or None when none is loaded."""
+        session = self._session
+        return session.plan if session is not None else None
 
     def status(self) -> dict[str, object]:
         session = self._session
@@ -260,11 +307,20 @@ class Engine:
             "pipeline": session.status() if session is not None else None,
         }
 
-    def unload(self) -> bool:
+    def unload(self, *, cancel: bool = False) -> bool:
+        """Release the loaded pipeline. A running generate is not pulled from
+        under: this waits for it to finish (``cancel``: stops it at its next
+        step first); a load in progress is :class:`Busy`."""
         with self._lock:
-            if self._job in ("loading", "generating"):
-                raise Busy(f"the engine is busy {self._job}; unload when it is done")
-            dropped = self._drop_session()
+            if self._job == "loading":
+                raise Busy("the engine is busy loading; unload when it is done")
+        if cancel:
+            self.cancel_generation()
+        with self._generate_lock:  # held by a running generate: wait for it
+            with self._lock:
+                if self._job == "loading":
+                    raise Busy("the engine is busy loading; unload when it is done")
+                dropped = self._drop_session()
         self.residency.release_if(lambda owner: owner == PIPELINE)
         return dropped
 
@@ -282,6 +338,15 @@ class Engine:
 
     # -- training --------------------------------------------------------------
 
+    def plan_training(self, config: TrainingConfig | Mapping[str, object]) -> Any:
+        """Every training preflight (bounds, family, precision, memory, dataset),
+        loading nothing: the plan a start would run, or the refusal it would give."""
+        if not isinstance(config, TrainingConfig):
+            config = TrainingConfig.from_data(dict(config))
+        return preflight_training(
+            self.registry, config, self.hardware(verify=True), self.available_memory(verify=True)
+        )
+
     def start_training(self, config: TrainingConfig | Mapping[str, object]) -> dict[str, object]:
         """Start a LoRA run in a child process, after every check has passed.
 
@@ -297,6 +362,9 @@ class Engine:
         plan = preflight_training(
             self.registry, config, self.hardware(verify=True), self.available_memory(verify=True)
         )
+        from engine.runtime.canary import training_canary
+
+        canary = training_canary(plan)  # a scheme that breaks a real slice is refused here, before eviction
         run = TrainingRun(plan, self.runs_dir)
         self._reserve("training")
         run_lock = RunLock(self.runs_dir)
@@ -321,7 +389,7 @@ class Engine:
         with self._lock:
             self._run, self._watcher = run, watcher
         self._publish(run)
-        started = self.training_status() or {}
+        started = {**(self.training_status() or {}), "canary": canary.to_dict()}
         watcher.start()
         return started
 

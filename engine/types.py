@@ -25,6 +25,13 @@ TRAINING_PRECISIONS: tuple[str, ...] = ("nf4", "bf16", "int8", "fp8", "mxfp8", "
 
 Architecture = Literal["dit", "unet"]
 
+#: What a generate does with its inputs: draw from text (``txt2img``), redraw
+#: an image (``img2img``, with a strength), redraw the masked part of it
+#: (``inpaint``), follow an instruction about it (``edit``), or draw from
+#: text guided by a control map through a loaded ControlNet (``controlnet``).
+Workflow = Literal["txt2img", "img2img", "inpaint", "edit", "controlnet"]
+WORKFLOWS: tuple[Workflow, ...] = ("txt2img", "img2img", "inpaint", "edit", "controlnet")
+
 
 @dataclass(frozen=True)
 class ComponentSizes:
@@ -91,6 +98,10 @@ class Checkpoint:
     #: The diffusers pipeline class this checkpoint loads as, where it is not
     #: the family's ``pipeline_class`` (an edit / Kontext pipeline).
     pipeline_class: str = ""
+    #: The image workflows this checkpoint serves and the diffusers pipeline
+    #: class that serves each, where they differ from the family's
+    #: ``workflows`` (an edit checkpoint: ``(("edit", "...EditPipeline"),)``).
+    workflows: tuple[tuple[Workflow, str], ...] | None = None
 
     def match_score(self, model_id: str) -> int:
         """Length of the longest pattern matching ``model_id`` (0: no match).
@@ -111,14 +122,16 @@ Prediction = Literal["flow_matching", "epsilon", "v_prediction"]
 class TrainingObjective:
     """What one generic LoRA trainer loop needs to know about a family.
 
-    ``runtime_module`` names the family's torch module holding the functions
-    the loop calls (prompt encoding, latent encoding and packing, the model
-    call); it is imported only when a run starts.
+    The functions the loop calls (prompt encoding, latent encoding and
+    packing, the model call) live in the family's one runtime module,
+    :attr:`FamilySpec.runtime_module`, imported only when a run starts.
     """
 
+    #: What the denoiser predicts: ``flow_matching`` (noise - x0 at a sigma),
+    #: ``epsilon`` or ``v_prediction`` (on the runtime's DDPM schedule).
     prediction: Prediction
+    #: How training timesteps are drawn.
     timestep_sampling: Literal["logit_normal", "uniform", "shifted_sigmoid"]
-    runtime_module: str
 
 
 @dataclass(frozen=True)
@@ -179,6 +192,70 @@ class TrainingMemoryFigures:
 
 
 @dataclass(frozen=True)
+class TrainingDefaults:
+    """A family's trainer defaults where its published recipe differs from the engine's.
+
+    ``flow_shift``: the sigma shift of flow-matching timestep sampling
+    (``shift * s / (1 + (shift - 1) * s)``); 1.0 leaves sampling as is.
+    ``flow_shift_auto``: the shift follows the image token count the way the
+    family's scheduler shifts at inference (its ``base_shift`` / ``max_shift``
+    over ``base_seq_len`` .. ``max_seq_len`` tokens, exponential), so a
+    1328 px run trains on the sigmas it will sample with.
+    """
+
+    learning_rate: float | None = None
+    warmup_steps: int | None = None
+    flow_shift: float = 1.0
+    flow_shift_auto: bool = False
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    base_seq_len: int = 256
+    max_seq_len: int = 4096
+    #: Where the figures come from (the published recipe / scheduler config).
+    source: str = ""
+
+
+#: What a family's diffusers classes may or may not support; see :class:`Capabilities`.
+CAPABILITIES: tuple[str, ...] = (
+    "step_cache", "attention_dispatcher", "peft_adapters", "regional_compile", "pipeline_lora",
+)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the family's classes can do, as its table declares it.
+
+    None (the default) means undeclared: the runtime checks the loaded classes
+    and adapts the plan. False is a promise the class lacks it, so the plan
+    turns the optimisation off before anything loads (with this reason); True
+    says the author checked it. Whatever is declared, the runtime verifies it
+    at load and reports ``declared`` beside ``verified``.
+    """
+
+    #: The denoiser has diffusers' cache hooks (``enable_cache``,
+    #: ``CacheMixin``): First-Block-Cache can engage.
+    step_cache: bool | None = None
+    #: The denoiser's attention goes through diffusers' attention dispatcher
+    #: (``set_attention_backend`` reaches its processors): sage / flash /
+    #: xformers backends can be set.
+    attention_dispatcher: bool | None = None
+    #: The denoiser has diffusers' peft integration (``add_adapter``,
+    #: ``load_lora_adapter``); without it the engine's LoRA hooks use peft's
+    #: generic ``inject_adapter_in_model`` or the family's own hook.
+    peft_adapters: bool | None = None
+    #: The denoiser holds modules of the ``compile_regions`` classes.
+    regional_compile: bool | None = None
+    #: The pipeline class has diffusers' LoRA loader mixin
+    #: (``load_lora_weights``); without it LoRAs load through the
+    #: ``engine_lora_load`` hook, unfused.
+    pipeline_lora: bool | None = None
+
+    def declared(self) -> dict[str, bool | None]:
+        """Capability -> what the table says (None: undeclared)."""
+        return {name: getattr(self, name) for name in CAPABILITIES}
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """Everything the engine may know about a model family without torch.
 
@@ -207,7 +284,9 @@ class FamilySpec:
     base_precision_applies: bool
     #: Whether the trainer computes in bf16 whatever the base precision.
     training_requires_bf16: bool
-    #: Dotted path of the module with this family's torch code.
+    #: Dotted path of the module with this family's torch code (the trainer's
+    #: ``encode_prompts`` / ``encode_images`` / ``predict``); the one runtime
+    #: module of the family, imported only when a run starts.
     runtime_module: str
     aliases: tuple[str, ...] = ()
     fp16_unsafe_reason: str = ""
@@ -258,9 +337,47 @@ class FamilySpec:
     #: ``quant_factors`` (the trainer's), because ``int8_dense_modules``
     #: keeps more of the transformer dense there.
     inference_quant_factors: dict[str, float] = field(default_factory=dict)
+    #: What the family's diffusers classes support (step-cache hooks, the
+    #: attention dispatcher, peft adapters, compile regions, the pipeline's
+    #: LoRA mixin); undeclared ones are checked at load.
+    capabilities: Capabilities = Capabilities()
+    #: Text-encoder schemes this family must not use, with the reason
+    #: (``text_encoder_quant``; see :mod:`engine.policy.encoders`).
+    text_encoder_quant_deny: tuple[QuantDeny, ...] = ()
+    #: Elements the VAE decoder holds live per output pixel at its peak
+    #: (full-resolution up block); 0: unknown, the plan does not tile.
+    vae_decode_per_pixel: float = 0.0
+    #: Trainer defaults (LR, warmup, flow shift); None: the engine's.
+    training_defaults: TrainingDefaults | None = None
+
+    #: Image workflows of the family's checkpoints and the diffusers pipeline
+    #: class serving each (built from the loaded components, not reloaded);
+    #: ``txt2img`` is the loaded pipeline itself. A checkpoint may override.
+    workflows: tuple[tuple[Workflow, str], ...] = ()
+    #: Image sides the denoiser takes are multiples of this (VAE stride x
+    #: patch): an input image is fitted to it.
+    side_multiple: int = 16
+    #: Whether a single ``.safetensors`` file of this family holds the whole
+    #: pipeline (denoiser, text encoders, VAE), loaded with diffusers'
+    #: ``from_single_file`` and no base; False: a single file is the denoiser.
+    single_file_whole_pipeline: bool = False
+    #: Key prefixes of each part in such a whole-pipeline file:
+    #: ``(prefix, "denoiser" | "text_encoders" | "vae")``; a file holding keys
+    #: of every part is a whole pipeline, sized per part from its header.
+    single_file_parts: tuple[tuple[str, str], ...] = ()
+    #: Why a ``.gguf`` of this family cannot be loaded, when it cannot.
+    gguf_refused_reason: str = ""
+    #: diffusers ControlNet model classes this family's pipelines take.
+    controlnet_classes: tuple[str, ...] = ()
 
     def __hash__(self) -> int:  # dict fields make the default hash fail
         return hash((self.name, self.pipeline_class))
+
+    def workflows_of(self, checkpoint: Checkpoint | None) -> dict[Workflow, str]:
+        """Workflow -> diffusers pipeline class for ``checkpoint`` (the family's
+        default checkpoint when None); ``txt2img`` only where declared."""
+        chosen = checkpoint or self.default_checkpoint
+        return dict(self.workflows if chosen.workflows is None else chosen.workflows)
 
     @property
     def default_checkpoint(self) -> Checkpoint:

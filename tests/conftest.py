@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import EXAMPLE_PLUGIN, write_distribution
+from tests.support import EXAMPLE_PLUGIN, example_installed, write_distribution
 
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,6 +31,8 @@ def install_example(site: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[],
     """Make the example third-party family (examples/) visible as installed."""
 
     def install() -> Path:
+        if example_installed():  # installed for real (make install): one distribution, not two
+            return site
         write_distribution(site, "diffusion-engine-sd3", {"sd3": "diffusion_engine_sd3"})
         monkeypatch.syspath_prepend(str(EXAMPLE_PLUGIN))
         monkeypatch.setenv(

@@ -23,6 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_PLUGIN = ROOT / "examples" / "diffusion-engine-sd3"
 
 
+def example_installed() -> bool:
+    """Whether the worked example plugin is pip-installed here (``make install`` does)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("diffusion-engine-sd3")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def write_distribution(
     site: Path,
     name: str,

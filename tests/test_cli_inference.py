@@ -27,7 +27,8 @@ def test_plan_json_for_a_checkpoint_and_explicit_choices() -> None:
     plan = json.loads(result.stdout)["plan"]
     assert plan["checkpoint"] == "flux.1-schnell"
     assert plan["resolved"]["transformer_quant"] == {
-        "value": "fp8", "source": "explicit", "reason": "requested", "requested": "fp8", "status": "engaged"
+        "value": "fp8", "source": "explicit", "reason": "requested", "requested": "fp8", "status": "engaged",
+        "overridden": False,
     }
     assert plan["resolved"]["step_cache"]["value"] == "off"  # 4-step schedule
 
@@ -54,11 +55,11 @@ def test_generate_tiny_writes_pngs_of_the_asked_size(tmp_path: Path) -> None:
     out = tmp_path / "fox.png"
     result = run_cli(
         "generate", "--tiny", "zimage", "--prompt", "a fox", "-o", str(out), "--width", "64",
-        "--height", "32", "--steps", "2", "--count", "2", "--json",
+        "--height", "80", "--steps", "2", "--count", "2", "--json",
     )
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     paths = [Path(p) for p in payload["images"]]
     assert [p.name for p in paths] == ["fox-0.png", "fox-1.png"]
-    assert all(Image.open(p).size == (64, 32) for p in paths)
+    assert all(Image.open(p).size == (64, 80) for p in paths)
     assert payload["status"]["plan"]["resolved"]["dtype"]["value"] == "fp32"

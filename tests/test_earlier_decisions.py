@@ -283,12 +283,14 @@ def test_6_budget_is_free_memory_less_the_reserve() -> None:
 
 
 def test_7_model_offload_only_where_the_transformer_fits_with_the_reserve_taken_from_free() -> None:
-    roomy = plan("flux", "a100-40g", quant="none")
+    # Dense, resident encoders: int8 encoders (auto on sm80) would make it
+    # resident, and streaming them would keep the transformer resident.
+    roomy = plan("flux", "a100-40g", quant="none", text_encoder_quant="none", text_encoder_memory="resident")
     assert roomy.value("memory_mode") == "model_offload"
     assert "stays on the device" in roomy["memory_mode"].reason
     # 33 GB free: the transformer (23.8 + 2.1 overhead) fits 0.85 x 33, but not
     # 0.85 x (33 - 4.2 reserve): the case whole-component offload spills in.
-    tight = plan("flux", preset("a100-40g").replace(free_memory_gb=33.0), quant="none")
+    tight = plan("flux", preset("a100-40g").replace(free_memory_gb=33.0), quant="none", text_encoder_quant="none")
     assert tight.value("memory_mode") == "group_offload"
 
 

@@ -40,7 +40,7 @@ def test_resolving_info_for_every_preset_and_family_imports_no_torch() -> None:
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout) == {"torch": False, "count": len(PRESETS) * 4}
+    assert json.loads(out.stdout) == {"torch": False, "count": len(PRESETS) * len(REGISTRY.families)}
 
 
 @pytest.mark.parametrize("family", sorted(REGISTRY.families))
@@ -59,7 +59,7 @@ def test_images_info_estimates_resident_bytes_per_scheme(family: str) -> None:
 def test_images_info_figures_match_the_published_sizes() -> None:
     totals = {
         name: images_info(REGISTRY, REGISTRY.family(name)).resident_gb["bf16"]
-        for name in REGISTRY.families
+        for name in ("flux", "qwen_image", "zimage", "sdxl")  # an installed plugin's family has its own
     }
     assert totals == {"flux": 33.8, "qwen_image": 57.8, "zimage": 20.5, "sdxl": 6.9}
 
@@ -139,6 +139,6 @@ def test_families_all_lists_the_builtin_table_plugin_and_its_hooks() -> None:
 def test_doctor_probes_this_machine_with_torch() -> None:
     result = run_cli("doctor", "--json")
     assert result.returncode == 0, result.stderr
-    profile = json.loads(result.stdout)
+    profile = json.loads(result.stdout)["hardware"]
     assert profile["source"] == "probe+torch"
     assert isinstance(profile["torchao_functional"], bool)

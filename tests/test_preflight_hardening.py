@@ -472,9 +472,7 @@ def test_a_running_generate_holds_the_engine_and_generates_queue(
         engine.start_training(config)
     with pytest.raises(Busy):
         engine.load(str(tiny_pipeline("sdxl")))
-    with pytest.raises(Busy):
-        engine.unload()
-    assert engine.status()["job"] == "generating" and results == []
+    assert engine.status()["job"] == "generating" and results == []  # (unload would wait: test_batches)
     release.set()
     first.join(timeout=120)
     second.join(timeout=120)

@@ -23,7 +23,17 @@ from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry
 from engine.policy.available import AvailableMemory, available_memory
+from engine.policy.compatibility import pair_refusal, plan_refusals
+from engine.policy.activations import (
+    CONTEXT_GB,
+    DEFAULT_SIDE_PX,
+    ImageShape,
+    guarded_overhead_gb,
+    resolve_vae_slicing,
+    resolve_vae_tiling,
+)
 from engine.policy.dtype import DTYPE_FACTOR, resolve_dtype
+from engine.policy.encoders import encoder_gb, resolve_text_encoder_memory, resolve_text_encoder_quant
 from engine.policy.memory import (
     Components,
     MemoryEstimate,
@@ -53,6 +63,8 @@ CONTROLS: tuple[str, ...] = (
     "dtype",
     "transformer_quant",
     "text_encoder_dtype",
+    "text_encoder_quant",
+    "text_encoder_memory",
     "memory_mode",
     "attention_backend",
     "step_cache",
@@ -62,6 +74,8 @@ CONTROLS: tuple[str, ...] = (
     "threads",
     "lora",
     "tf32",
+    "vae_tiling",
+    "vae_slicing",
 )
 
 #: Steps assumed when neither the request nor a known checkpoint says.
@@ -90,13 +104,15 @@ def resolve_lora(loras: LoraPlanInput, *, quantised: str | None, compiled: bool)
     if loras.count == 0:
         return auto("none", "no LoRA requested")
     why = []
-    if quantised:
-        why.append(f"the base is {quantised} (a LoRA cannot be fused into quantised weights)")
+    base = {"GGUF": "gguf"}.get(quantised or "none", quantised or "none")
+    unfusable = pair_refusal("lora", "fused", "quant", base)
+    if quantised and unfusable:
+        why.append(f"the base is {quantised} ({unfusable})")
     if loras.count > 1:
         why.append(f"{loras.count} LoRAs keep separate scales")
     if loras.switching:
         why.append("LoRAs will be switched on the loaded pipeline")
-    if compiled:
+    if compiled and pair_refusal("lora", "unfused", "compile", "regional"):
         because = "; ".join(why) or "compile is on"
         return auto("hotswap", f"{because}: adapters are hot-swapped in rank-{loras.max_rank} slots so a switch does not recompile")
     if why:
@@ -118,6 +134,13 @@ class InferenceRequest:
     steps: int | None = None
     threads: int | None = None
     loras: LoraPlanInput = LoraPlanInput()
+    text_encoder_quant: str = "auto"
+    text_encoder_memory: str = "auto"
+    vae_tiling: str = "auto"
+    #: The image size and batch the activation guard sizes for (None: 1024 px).
+    width: int | None = None
+    height: int | None = None
+    count: int = 1
 
 
 @dataclass(frozen=True)
@@ -160,6 +183,10 @@ class Plan:
     #: The image (1-based) of a session before which regional compile runs
     #: (1: at load; a dense auto compile waits, so a one-off image is not slowed).
     compile_from_image: int = 1
+    #: The transformer is a GGUF file (``transformer_quant`` None: not re-quantised).
+    gguf: bool = False
+    #: An auto step cache may engage at some generate of the session.
+    step_cache_may_engage: bool = False
 
     def __getitem__(self, control: str) -> Resolved:
         return self.controls[control]
@@ -216,6 +243,16 @@ def plan_inference(
     tier = _checked(resolve_speed_tier, request.speed)
     quant_denied = lift_denials(registry.quant_deny(family, "inference"), family, hardware)
     denied = registry.optimization_deny(family)
+    encoder_quant = _checked(
+        resolve_text_encoder_quant, family, hardware, request.text_encoder_quant,
+        encoders_gb=model.sizes.text_encoders_gb,
+    )
+    shape = ImageShape(request.width or DEFAULT_SIDE_PX, request.height or DEFAULT_SIDE_PX, request.count)
+
+    def thresholds(dtype: str) -> MemoryThresholds:
+        """The memory knobs with the overhead guarded for ``shape`` in ``dtype``."""
+        overhead, _ = guarded_overhead_gb(family, shape, 2 * DTYPE_FACTOR[dtype], memory_thresholds.overhead_gb)
+        return dataclasses.replace(memory_thresholds, overhead_gb=overhead)
 
     def parts(dtype: str, scheme: str | None) -> Components:
         factor = DTYPE_FACTOR[dtype]
@@ -240,14 +277,14 @@ def plan_inference(
         return Components(
             transformer_gb=steady,
             transformer_transient_gb=transient,
-            text_encoders_gb=sizes.text_encoders_gb * factor,
+            text_encoders_gb=encoder_gb(sizes.text_encoders_gb, str(encoder_quant.value), factor),
             vae_gb=sizes.vae_gb * factor,
             quantised=scheme is not None and scheme != "nf4",
         )
 
     def memory(dtype: str, scheme: str | None, requested: str = request.memory) -> tuple[Resolved[str], MemoryEstimate] | None:
         try:
-            return plan_memory(parts(dtype, scheme), hardware, requested, memory_thresholds)
+            return plan_memory(parts(dtype, scheme), hardware, requested, thresholds(dtype))
         except PreflightError:
             if requested != "auto":
                 raise
@@ -272,10 +309,19 @@ def plan_inference(
         chosen_quant, chosen = quant, (memory(dtype.value, quant.value) if quant.value else base)
         if quant.value:
             fallback_memory = base
+            clash = chosen and pair_refusal("quant", quant.value, "memory", chosen[0].value)
+            if clash:
+                raise PreflightError(
+                    f"quant={quant.value} with memory={chosen[0].value}: {clash}. "  # type: ignore[index]
+                    "Use memory=auto (or another memory mode) or another quant.",
+                    code="incompatible_options",
+                )
     elif quant.value is None:
         chosen_quant, chosen = quant, base
     else:
         candidate = memory(dtype.value, quant.value)
+        if candidate is not None and pair_refusal("quant", quant.value, "memory", candidate[0].value):
+            candidate = None  # the asked memory mode cannot carry this scheme: stay as given
         better = candidate is not None and (
             base is None or mode_rank(candidate[0].value) < mode_rank(base[0].value)
         )
@@ -284,16 +330,16 @@ def plan_inference(
             was = base[0].value if base else "not fitting at all"
             chosen_quant = auto(quant.value, f"the {base_name} transformer plans {was}; {quant.value} plans {mode}. {quant.reason}")
             chosen, fallback_memory = candidate, base
-        elif base is not None and tier.value == "max" and quant.value in ("fp8", "mxfp8", "int8"):
+        elif candidate is not None and base is not None and tier.value == "max" and quant.value in ("fp8", "mxfp8", "int8"):
             chosen_quant = auto(quant.value, f"max tier: {quant.value} GEMMs for speed. {quant.reason}")
-            chosen, fallback_memory = candidate or base, base
+            chosen, fallback_memory = candidate, base
         else:
             where = base[0].value if base else "nowhere"
             chosen_quant = auto(None, f"the {base_name} transformer plans {where}; quantising would not improve the plan (candidate: {quant.value})")
             chosen = base
     if chosen is None:
         try:  # the memory rule's own words (unified memory, RAM and swap, ...)
-            plan_memory(parts(dtype.value, base_quant), hardware, "auto", memory_thresholds)
+            plan_memory(parts(dtype.value, base_quant), hardware, "auto", thresholds(dtype.value))
             detail = ""
         except PreflightError as exc:
             detail = f": {exc.message}"
@@ -303,14 +349,38 @@ def plan_inference(
             code="insufficient_memory",
         )
 
-    def assemble(scheme: Resolved[str | None], mem: tuple[Resolved[str], MemoryEstimate], fallback: Plan | None) -> Plan:
+    def encoders_memory(
+        scheme: str | None, mem: tuple[Resolved[str], MemoryEstimate]
+    ) -> tuple[Resolved[str], tuple[Resolved[str], MemoryEstimate]]:
+        if mem[0].source != "auto" and request.text_encoder_memory == "auto":
+            return auto("resident", "the memory mode was set explicitly: the encoders follow it"), mem
+        return _checked(
+            resolve_text_encoder_memory, parts(dtype.value, scheme), mem, hardware,
+            request.text_encoder_memory, thresholds(dtype.value),
+        )
+
+    encoder_memory, chosen = encoders_memory(chosen_quant.value, chosen)
+    if fallback_memory is not None:
+        fallback_encoder_memory, fallback_memory = encoders_memory(base_quant, fallback_memory)
+
+    def assemble(
+        scheme: Resolved[str | None], mem: tuple[Resolved[str], MemoryEstimate], fallback: Plan | None,
+        encoder_memory: Resolved[str],
+    ) -> Plan:
+        estimate = mem[1]
+        bytes_ = 2 * DTYPE_FACTOR[dtype.value]
+        weights_at_decode = estimate.peak_gb - estimate.overhead_gb
+        headroom = thresholds(dtype.value).resident_fraction * estimate.budget_gb - weights_at_decode - CONTEXT_GB
+        if hardware.vendor == "cpu":
+            headroom = estimate.budget_gb + (hardware.swap_free_gb or 0.0) - weights_at_decode
+        vae_tiling = _checked(resolve_vae_tiling, family, headroom, bytes_, request.vae_tiling)
         quantised = scheme.value is not None or model.gguf_transformer_gb is not None
         steps = request.steps or (model.checkpoint.default_steps if model.checkpoint else FALLBACK_STEPS)
         cache, threshold = _checked(
             resolve_step_cache, request.step_cache, steps,
             quantised=quantised, tier=tier.value, denied=denied, unsupported=cache_unsupported,
         )
-        cache_may_engage = (
+        cache_may_engage = cache.value == "fbcache" or (
             request.step_cache == "auto" and "step_cache" not in denied and tier.value != "off"
             and cache_unsupported is None
         )
@@ -319,7 +389,7 @@ def plan_inference(
             regions=registry.compile_regions(family), denied=denied,
             gguf=scheme.value is None and model.gguf_transformer_gb is not None,
             cache_may_engage=cache_may_engage,
-            offloaded=hardware.vendor != "cpu" and mem[0].value != "resident",
+            memory="resident" if hardware.vendor == "cpu" else mem[0].value,
             dtype=dtype.value, env=env,
         )
         compiled, from_image = schedule_compile(
@@ -347,12 +417,16 @@ def plan_inference(
                 compiled=compiled.value == "regional",
             ),
             "tf32": resolve_tf32(hardware, tier=tier.value),
+            "text_encoder_quant": encoder_quant,
+            "text_encoder_memory": encoder_memory,
+            "vae_tiling": vae_tiling,
+            "vae_slicing": resolve_vae_slicing(family),
         }
         controls = with_requests(controls, requested_controls)
         sizes = {"table": model.table_sizes}
         if model.measured_sizes:
             sizes["measured"] = model.measured_sizes
-        return Plan(
+        planned = Plan(
             family=family.name,
             checkpoint=model.checkpoint.name if model.checkpoint else None,
             device="cuda" if hardware.cuda else hardware.vendor,
@@ -366,7 +440,16 @@ def plan_inference(
             sizes=MappingProxyType(sizes),
             available=available,
             compile_from_image=from_image,
+            gguf=scheme.value is None and model.gguf_transformer_gb is not None,
+            step_cache_may_engage=cache_may_engage,
         )
+        refused = plan_refusals(planned)
+        if refused:  # a resolver let through what the compatibility table refuses
+            raise PreflightError(
+                f"the plan combines options that do not work together: {'; '.join(refused)}",
+                code="incompatible_plan",
+            )
+        return planned
 
     checkpoint = model.checkpoint
     cache_unsupported = step_cache_unsupported(
@@ -380,8 +463,9 @@ def plan_inference(
             explicit(None, f"fallback: the {base_name} transformer, if the {chosen_quant.value} build fails"),
             fallback_memory,
             None,
+            fallback_encoder_memory,
         )
-    return assemble(chosen_quant, chosen, fallback)
+    return assemble(chosen_quant, chosen, fallback, encoder_memory)
 
 
 def requested_by_control(request: InferenceRequest) -> dict[str, object]:
@@ -396,6 +480,9 @@ def requested_by_control(request: InferenceRequest) -> dict[str, object]:
         "compile": request.compile,
         "speed_tier": "auto" if request.speed == "default" else request.speed,
         "threads": "auto" if request.threads is None else request.threads,
+        "text_encoder_quant": request.text_encoder_quant,
+        "text_encoder_memory": request.text_encoder_memory,
+        "vae_tiling": request.vae_tiling,
     }
 
 

@@ -47,6 +47,13 @@ class Resolved(Generic[T]):
     def outcome(self) -> str:
         return self.status or derive_status(self.asked, self.value)
 
+    @property
+    def overridden(self) -> bool:
+        """An explicit request the engine did not honour: it fell back to
+        something else or was refused (requested vs decided differ)."""
+        asked_for = self.source == "explicit" or self.asked not in ("auto", "default")
+        return asked_for and self.outcome in ("fell back", "refused")
+
     def with_request(self, requested: object) -> Resolved[T]:
         """A copy that records ``requested`` (what the user asked for)."""
         return dataclasses.replace(self, requested=requested)
@@ -58,6 +65,7 @@ class Resolved(Generic[T]):
             "reason": self.reason,
             "requested": self.asked,
             "status": self.outcome,
+            "overridden": self.overridden,
         }
 
 

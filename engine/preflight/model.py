@@ -44,7 +44,9 @@ from engine.policy.quant_filter import LAYOUTS, dense_gb, quantised_gb
 Shapes = list[tuple[str, tuple[int, ...]]]
 from engine.types import Checkpoint, ComponentSizes, FamilySpec
 
-ModelKind = Literal["pipeline", "single_file", "gguf", "hub"]
+#: ``single_file_pipeline``: one ``.safetensors`` holding the whole pipeline
+#: (its ``base`` is only where the component configs come from).
+ModelKind = Literal["pipeline", "single_file", "single_file_pipeline", "gguf", "hub"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _TRUTHY = {"1", "ON", "YES", "TRUE"}
 #: Bytes per element of safetensors dtypes, to count parameters.
@@ -329,6 +331,11 @@ def _single_file_source(
     if spec is None:
         raise _unknown_family(registry, str(file))
     checkpoint = spec.checkpoint(file.name) or spec.checkpoint(file.parent.name)
+    if suffix == ".gguf" and spec.gguf_refused_reason:
+        raise PreflightError(f"{file}: {spec.gguf_refused_reason}", code="gguf_unsupported")
+    whole = _whole_pipeline_sizes(spec, shapes)
+    if whole is not None:
+        return _whole_file_source(file, spec, checkpoint, base, whole, shapes)
     base_id = str(base) if base else (checkpoint or spec.default_checkpoint).repo
     others = registry.component_sizes(spec, checkpoint)
     if base and Path(base_id).expanduser().is_dir():
@@ -355,6 +362,43 @@ def _single_file_source(
         measured_sizes=ComponentSizes(dense_gb(shapes), others.text_encoders_gb, others.vae_gb),
         scheme_gb=sizes_by_scheme(shapes),
         denoiser_shapes=tuple(shapes),
+    )
+
+
+def _whole_pipeline_sizes(spec: FamilySpec, shapes: Shapes) -> ComponentSizes | None:
+    """bf16 GB per part of a file holding the family's whole pipeline, or None
+    when the family's files are denoiser-only or this one lacks a part."""
+    if not spec.single_file_whole_pipeline or not spec.single_file_parts:
+        return None
+    groups: dict[str, Shapes] = {"denoiser": [], "text_encoders": [], "vae": []}
+    for name, shape in shapes:
+        part = next((p for prefix, p in spec.single_file_parts if name.startswith(prefix)), None)
+        if part is not None:
+            groups[part].append((name, shape))
+    if not all(groups.values()):
+        return None
+    return ComponentSizes(dense_gb(groups["denoiser"]), dense_gb(groups["text_encoders"]), dense_gb(groups["vae"]))
+
+
+def _whole_file_source(
+    file: Path, spec: FamilySpec, checkpoint: Checkpoint | None, base: str | Path | None,
+    sizes: ComponentSizes, shapes: Shapes,
+) -> ModelSource:
+    """A whole-pipeline file: every weight from the file, no base model. The
+    component configs come from ``base`` when given (a folder or repo id; its
+    weights are not read), else a diffusers config folder beside the file,
+    else the checkpoint's hub repo (configs only; from the local cache offline)."""
+    if base:
+        config = str(Path(str(base)).expanduser()) if Path(str(base)).expanduser().is_dir() else str(base)
+    elif (file.parent / "model_index.json").is_file():
+        config = str(file.parent)
+    else:
+        config = (checkpoint or spec.default_checkpoint).repo
+    prefix = next(p for p, part in spec.single_file_parts if part == "denoiser")
+    denoiser = [(name[len(prefix):], shape) for name, shape in shapes if name.startswith(prefix)]
+    return ModelSource(
+        "single_file_pipeline", str(file), spec, checkpoint, base=config,
+        measured_sizes=sizes, scheme_gb=sizes_by_scheme(denoiser),
     )
 
 

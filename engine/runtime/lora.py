@@ -19,7 +19,9 @@ the compiled graph). Switching LoRAs or scales never reloads the base.
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,8 @@ def converted_state_dict(pipeline_cls: type, file: LoraFile, unet_config: Any = 
     from safetensors.torch import load_file
 
     state = load_file(str(file.path))
+    if not callable(getattr(pipeline_cls, "lora_state_dict", None)):
+        return dict(state)  # no diffusers LoRA loader: the engine's own save format, as it is
     kwargs: dict[str, Any] = {}
     if unet_config is not None and "unet_config" in inspect.signature(pipeline_cls.lora_state_dict).parameters:
         kwargs["unet_config"] = unet_config
@@ -77,8 +81,9 @@ def unmatched_modules(
     for component, part in grouped.items():
         model = components.get(component)
         if model is None:
-            modules = sorted({_module_of(k) for k in part})
-            unmatched += [f"{component}.{m}" for m in modules]
+            # whole keys: a bare module (``x_embedder.lora_A.weight``) counts once, by its name
+            modules = sorted({_module_of(f"{component}.{k}") for k in part})
+            unmatched += modules
             total += len(modules)
             continue
         if not any(_A in k for k in part):
@@ -167,7 +172,7 @@ def _refuse_unmatched(
 
 
 def _config_root(source: ModelSource) -> str:
-    return str(source.base if source.kind in ("single_file", "gguf") else source.location)
+    return str(source.base if source.kind in ("single_file", "single_file_pipeline", "gguf") else source.location)
 
 
 def _pipeline_class(root: str) -> type:
@@ -206,13 +211,6 @@ class _Skeleton:
         if not isinstance(entry, (list, tuple)) or len(entry) != 2 or entry[0] is None:
             return None
         library, class_name = entry
-        if library == "diffusers":
-            import diffusers
-
-            cls = getattr(diffusers, class_name)
-            config = cls.load_config(self.root, subfolder=name)
-            with torch.device("meta"):
-                return cls.from_config(config)
         if library == "transformers":
             import transformers
 
@@ -220,7 +218,16 @@ class _Skeleton:
             config = cls.config_class.from_pretrained(self.root, subfolder=name)
             with torch.device("meta"):
                 return cls(config)
-        return None
+        # diffusers, or a family's own model class: like diffusers, a module a
+        # model folder names is never imported on its say-so, only looked up
+        # among those the process has imported.
+        module = importlib.import_module("diffusers") if library == "diffusers" else sys.modules.get(library)
+        cls = getattr(module, class_name, None)
+        if not callable(getattr(cls, "load_config", None)):
+            return None
+        config = cls.load_config(self.root, subfolder=name)
+        with torch.device("meta"):
+            return cls.from_config(config)
 
 
 # -- applying to a loaded pipeline -------------------------------------------------------
@@ -229,9 +236,12 @@ class _Skeleton:
 class LoraSet:
     """The LoRAs applied to one pipeline, and how (the plan's ``lora`` control)."""
 
-    def __init__(self, pipe: Any, mode: str, max_rank: int) -> None:
+    def __init__(self, pipe: Any, mode: str, max_rank: int, hooks: HookAdapters | None = None) -> None:
         self.pipe = pipe
-        self.mode = mode
+        #: Set where the pipeline has no diffusers LoRA loader: LoRAs load
+        #: through the ``engine_lora_load`` hook, unfused.
+        self.hooks = hooks
+        self.mode = "unfused" if hooks is not None else mode
         self.max_rank = max_rank
         self.applied: tuple[LoraFile, ...] = ()
         #: adapter name per loaded file (unfused / fused); slot names under hotswap.
@@ -269,16 +279,25 @@ class LoraSet:
         wanted = {f.path for f in files}
         stale = [name for path, name in self._names.items() if path not in wanted]
         if stale:
-            self.pipe.delete_adapters(stale)
+            if self.hooks is not None:
+                self.hooks.delete(stale)
+            else:
+                self.pipe.delete_adapters(stale)
             self._names = {p: n for p, n in self._names.items() if p in wanted}
         for file in files:
             if file.path not in self._names:
                 name = self._new_name()
-                self.pipe.load_lora_weights(str(file.path), adapter_name=name)
+                if self.hooks is not None:
+                    self.hooks.load(file, name)
+                else:
+                    self.pipe.load_lora_weights(str(file.path), adapter_name=name)
                 self._names[file.path] = name
         if not files:
             return
         names = [self._names[f.path] for f in files]
+        if self.hooks is not None:
+            self.hooks.activate(names, [f.scale for f in files])
+            return
         self.pipe.set_adapters(names, adapter_weights=[f.scale for f in files])
         if self.mode == "fused" and len(files) == 1:
             self.pipe.fuse_lora(components=self._lora_components(), adapter_names=names)
@@ -321,3 +340,39 @@ class LoraSet:
             "fused": self._fused,
             "applied": [f.to_dict() for f in self.applied],
         }
+
+
+class HookAdapters:
+    """LoRAs on a pipeline without diffusers' LoRA loader mixin: each file is
+    loaded into the denoiser through the ``engine_lora_load`` hook, and peft's
+    layers are switched and scaled directly."""
+
+    def __init__(self, registry: Registry, family: FamilySpec, pipe: Any) -> None:
+        self.registry = registry
+        self.family = family
+        self.pipe = pipe
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return getattr(self.pipe, self.family.denoiser)
+
+    def load(self, file: LoraFile, name: str) -> None:
+        state = converted_state_dict(type(self.pipe), file)
+        prefix = self.family.denoiser + "."
+        others = sorted({k.partition(".")[0] for k in state if not k.startswith(prefix)})
+        if others:
+            raise ValueError(
+                f"{file.path} also adapts {', '.join(others)}; {type(self.pipe).__name__} has no "
+                f"diffusers LoRA loader, so only {self.family.denoiser} LoRAs load"
+            )
+        self.registry.lora_load(self.family, self.pipe, {k[len(prefix):]: v for k, v in state.items()}, name)
+
+    def delete(self, names: list[str]) -> None:
+        from engine.runtime.adapters import delete
+
+        delete(self.denoiser, names)
+
+    def activate(self, names: list[str], scales: list[float]) -> None:
+        from engine.runtime.adapters import set_scales
+
+        set_scales(self.denoiser, names, scales)

@@ -28,14 +28,20 @@ from PIL import Image
 
 from engine.errors import EngineError
 from engine.plugins import Registry
+from engine.policy.compatibility import plan_refusals
+from engine.runtime.canary import inference_canary
 from engine.policy.inference import InferenceRequest, Plan
 from engine.policy.resolved import Resolved, explicit
 from engine.policy.speed import resolve_step_cache, step_cache_unsupported
 from engine.preflight.lora import LoraFile
 from engine.preflight.model import ModelSource
-from engine.runtime import flags, quantize
+from engine.runtime import capabilities, flags, quantize
+from engine.runtime import batching, text_encoders, workflows
+from engine.runtime.vae import apply_vae_tiling
 from engine.runtime.attention import DIFFUSERS_BACKENDS, Installer, pip_install_wheel
-from engine.runtime.lora import LoraSet, check_on_pipeline
+from engine.runtime.inputs import FittedInputs, ImageLike, fit_inputs, paste_unmasked, vae_dtype
+from engine.runtime.whole_file import load_whole_file
+from engine.runtime.lora import HookAdapters, LoraSet, check_on_pipeline
 from engine.runtime.quantize import (
     Placement,
     PlacementFailed,
@@ -65,6 +71,24 @@ class GenerateRequest:
     negative_prompt: str | None = None
     #: The LoRAs (with scales) to generate with; None keeps those applied now.
     loras: tuple[LoraFile, ...] | None = None
+    #: An input image (path, encoded bytes or PIL image): img2img, or an
+    #: instruction edit on an edit checkpoint (see :mod:`engine.runtime.workflows`).
+    image: ImageLike | None = None
+    #: White where ``image`` is redrawn (inpaint); needs ``image``.
+    mask_image: ImageLike | None = None
+    #: How much of ``image`` is redrawn (0-1); None: the pipeline's default.
+    strength: float | None = None
+    #: One prompt / seed per image (a list of one is repeated); empty: ``count``
+    #: images of ``prompt`` with seeds ``seed, seed + 1, ...``.
+    prompts: tuple[str, ...] = ()
+    seeds: tuple[int, ...] = ()
+    #: Images per forward; None: as the memory plan allows (one on the CPU).
+    batch: int | None = None
+    #: A control image for the loaded ControlNet, made a map by ``control_preprocess``
+    #: (``canny`` edges, or ``none``: the image is the map); its strength.
+    control_image: ImageLike | None = None
+    control_preprocess: str = "canny"
+    control_scale: float | None = None
 
 
 class InferenceSession:
@@ -81,11 +105,17 @@ class InferenceSession:
         installer: Installer = pip_install_wheel,
         compile_backend: str = "inductor",
         loras: Sequence[LoraFile] = (),
+        controlnet: str | None = None,
     ) -> None:
         self.registry = registry
+        #: The ControlNet folder to load beside the pipeline, and the loaded model.
+        self.controlnet_path = controlnet
+        self._controlnet: Any = None
         self.source = source
         self.plan = plan
         self.request = request
+        #: The numeric canary of the scheme loaded (see :mod:`engine.runtime.canary`), if one ran.
+        self.canary: dict[str, object] | None = None
         self._installer = installer
         self._compile_backend = compile_backend
         self._pipe: Any = None
@@ -93,6 +123,11 @@ class InferenceSession:
         self._cache_on = False
         self._lock = threading.Lock()
         self.quantised_layers = 0
+        #: Streams the text encoders per call (``text_encoder_memory=streamed``).
+        self.encoder_stream: text_encoders.EncoderStream | None = None
+        self.encoder_placements: list[Placement] = []
+        #: Whether the last call's VAE decoded in tiles.
+        self.vae_tiled = False
         #: How the quantised transformer was placed, when one was.
         self.placement: Placement | None = None
         #: Why the planned fallback was loaded instead of the plan, if it was.
@@ -100,6 +135,14 @@ class InferenceSession:
         self._initial_loras = tuple(loras)
         #: The LoRAs applied to the pipeline (see :mod:`engine.runtime.lora`).
         self.loras: LoraSet | None = None
+        #: Workflow pipelines built over the loaded components, by class name.
+        self._workflow_pipes: dict[str, Any] = {}
+        #: The pipeline the running generate calls (a workflow's), for the step cache.
+        self._active: Any = None
+        #: Out-of-memory splits of batch chunks since load (latest last).
+        self.batch_events: list[dict[str, object]] = []
+        #: What the loaded classes support, checked at load (declared vs verified).
+        self.capabilities: dict[str, capabilities.CapabilityCheck] | None = None
 
     # -- load -------------------------------------------------------------------
 
@@ -114,10 +157,24 @@ class InferenceSession:
         return getattr(self.pipeline, self.source.family.denoiser)
 
     def load(self, progress: Progress | None = None) -> None:
+        refused = plan_refusals(self.plan)
+        if refused:  # a hand-built or stale plan: refuse before touching the device
+            raise EngineError(
+                f"this plan combines options that do not work together: {'; '.join(refused)}",
+                code="incompatible_plan",
+            )
         self._flags = flags.snapshot()
         try:
             self._apply_process_flags()
             self._pipe = self._build(self.plan, progress)
+            family = self.source.family
+            if self.controlnet_path:
+                self._controlnet = workflows.load_controlnet(
+                    family, self.controlnet_path, TORCH_DTYPES[str(self.plan.value("dtype"))],
+                    self.plan.device if _resident(self.plan) else "cpu",
+                )
+            self.capabilities = capabilities.verify(family, self._pipe, self.registry.compile_regions(family))
+            self.plan = capabilities.adapt_plan(self.plan, self.capabilities)
             self._apply_attention()
             self._apply_loras()
             self._apply_compile()
@@ -156,6 +213,20 @@ class InferenceSession:
                 keep=quantize.module_filter(str(scheme), self.source.family.int8_dense_modules),
             )
             self.quantised_layers = self.placement.layers
+            self.canary = inference_canary(
+                denoiser, quantize.module_filter(str(scheme), self.source.family.int8_dense_modules),
+                scheme=str(scheme), dtype=dtype,
+            ).to_dict()  # a broken scheme raises CanaryFailed: the fallback is built instead
+        elif dtype == torch.float16:  # fp16 compute: the dtype some families render black in
+            self.canary = inference_canary(
+                getattr(pipe, self.source.family.denoiser), lambda module, _: isinstance(module, torch.nn.Linear),
+                scheme="fp16", dtype=dtype,
+            ).to_dict()
+        self.encoder_stream, self.encoder_placements, failure = text_encoders.prepare_encoders(
+            pipe, getattr(pipe, self.source.family.denoiser), plan, self._root(), dtype, resident=_resident(plan),
+        )
+        if failure is not None:
+            self.plan = plan = plan.with_control("text_encoder_quant", explicit("none", failure))
         self._apply_memory_mode(pipe, plan)
         pipe.set_progress_bar_config(disable=True)
         return pipe
@@ -184,6 +255,11 @@ class InferenceSession:
         self.plan = fallback
         return fallback
 
+    def _root(self) -> str:
+        """The pipeline folder (or hub id) the non-denoiser components load from."""
+        source = self.source
+        return str(source.base if source.kind in ("single_file", "single_file_pipeline", "gguf") else source.location)
+
     def _load_pipeline(self, dtype: torch.dtype, scheme: str | None) -> Any:
         import diffusers
 
@@ -194,9 +270,12 @@ class InferenceSession:
         # base's dense transformer is loaded and quantised instead of the file.
         root = source.base if source.kind in ("single_file", "gguf") else source.location
         try:
-            config = diffusers.DiffusionPipeline.load_config(root)
-            denoiser_cls = getattr(diffusers, config[denoiser_name][1])
+            if source.kind == "single_file_pipeline":  # every weight in one file: no base
+                return load_whole_file(source, dtype)
             components: dict[str, Any] = {}
+            if from_file or scheme == "nf4":
+                config = diffusers.DiffusionPipeline.load_config(root)
+                denoiser_cls = getattr(diffusers, config[denoiser_name][1])
             if from_file:
                 extra: dict[str, Any] = {}
                 if source.kind == "gguf":
@@ -209,6 +288,10 @@ class InferenceSession:
                     root, subfolder=denoiser_name, dtype=dtype,
                     quantization_config=nf4_config(dtype),
                 )
+            if "text_encoder_quant" in self.plan.controls and self.plan.value("text_encoder_quant") == "nf4":
+                components.update(text_encoders.nf4_encoder_components(
+                    str(root), diffusers.DiffusionPipeline.load_config(root), dtype
+                ))
             return diffusers.DiffusionPipeline.from_pretrained(root, dtype=dtype, **components)
         except torch.OutOfMemoryError as exc:  # nf4 loads onto the GPU as it quantises
             raise PlacementFailed(
@@ -222,6 +305,11 @@ class InferenceSession:
         """Place the pipeline per the memory mode; failures raise :class:`PlacementFailed`."""
         device = plan.device
         mode = plan.value("memory_mode")
+        if _resident(plan) and self.encoder_stream is not None:
+            for name, component in pipe.components.items():  # the encoders wait on the host
+                if isinstance(component, torch.nn.Module) and name not in self.encoder_stream.names:
+                    quantize.move_to(component, device, f"the {name}")
+            return
         if _resident(plan):
             quantize.move_to(pipe, device, "the pipeline")
             return
@@ -252,7 +340,7 @@ class InferenceSession:
             return
         try:
             self.denoiser.set_attention_backend(DIFFUSERS_BACKENDS[backend])
-        except (RuntimeError, ValueError, ImportError) as exc:
+        except (RuntimeError, ValueError, ImportError, OSError) as exc:  # OSError: a hub kernel not fetched
             self._record("attention_backend", Resolved(
                 "native", resolved.source, f"{backend} could not be set ({exc}); native SDPA"
             ))
@@ -286,8 +374,11 @@ class InferenceSession:
         The family's table lists the pipelines that open a cache context;
         where it does not say, the pipeline's call is read for one.
         """
+        missing = capabilities.step_cache_unsupported(self.capabilities)
+        if missing is not None:
+            return missing
         family = self.source.family
-        pipeline = type(self.pipeline)
+        pipeline = type(self._active if self._active is not None else self.pipeline)
         if family.cache_context_pipelines is not None:
             return step_cache_unsupported(family.cache_context_pipelines, pipeline.__name__)
         try:
@@ -342,48 +433,132 @@ class InferenceSession:
     # -- generate -------------------------------------------------------------
 
     def generate(self, request: GenerateRequest, progress: Progress | None = None) -> list[Image.Image]:
+        """The request's images: its workflow's pipeline (built over the loaded
+        components), its inputs fitted, one generator per image, in chunks
+        (halved on out-of-memory; see :mod:`engine.runtime.batching`)."""
         with self._lock:
-            pipe = self.pipeline
+            family = self.source.family
+            control = request.control_image is not None
+            workflow, class_name = workflows.choose_workflow(
+                family, self.source.checkpoint, image=request.image is not None,
+                mask=request.mask_image is not None, control=control,
+            )
+            if control and self._controlnet is None:
+                raise workflows.UnsupportedWorkflow(
+                    "control_image needs a ControlNet loaded with the model; load with controlnet=PATH (--controlnet)"
+                )
+            extra = {"controlnet": self._controlnet} if control else None
+            pipe = workflows.workflow_pipeline(self.pipeline, class_name, self._workflow_pipes, extra)
+            picture = workflows.control_input(request.control_image, request.control_preprocess) if control else request.image
+            fitted = fit_inputs(
+                picture, request.mask_image, width=request.width, height=request.height,
+                multiple=family.side_multiple, dtype=vae_dtype(pipe),
+            )
             steps = request.steps or self.plan.default_steps
+            strength = workflows.strength_of(pipe, request.strength) if workflow != "txt2img" else None
+            effective = workflows.effective_steps(steps, strength)
+            if effective < 1:
+                raise EngineError(
+                    f"strength {strength} x {steps} steps runs no denoising step; raise strength or steps",
+                    code="invalid_request",
+                )
+            items = batching.batch_items(
+                request.prompt, prompts=request.prompts, seeds=request.seeds, seed=request.seed,
+                count=request.count, negative_prompt=request.negative_prompt,
+            )
             if request.loras is not None:
                 self.set_loras(request.loras)
-            self._recheck_step_cache(steps)
-            self._images += 1
-            if self._images > 1:
-                self._apply_compile(self._images)
-            kwargs = self._call_kwargs(pipe, request, steps)
+            self._active = pipe
+            try:
+                self._recheck_step_cache(effective)
+                self._images += 1
+                if self._images > 1:
+                    self._apply_compile(self._images)
+                images = self._run_batch(pipe, request, steps, effective, strength, fitted, items, progress)
+            finally:
+                self._active = None
+            if workflow == "inpaint" and fitted.original is not None and fitted.mask is not None:
+                images = [paste_unmasked(image, fitted.original, fitted.mask) for image in images]
+            return images
+
+    def _run_batch(
+        self, pipe: Any, request: GenerateRequest, steps: int, effective: int, strength: float | None,
+        fitted: FittedInputs, items: list[batching.BatchItem], progress: Progress | None,
+    ) -> list[Image.Image]:
+        estimate = self.plan.estimate
+        size = batching.chunk_size(
+            len(items), self.plan.device, requested=request.batch,
+            free_gb=estimate.budget_gb - estimate.peak_gb, per_image_gb=estimate.peak_gb - estimate.resident_gb,
+        )
+        done = [0]  # denoising steps finished over every chunk
+        planned = effective * -(-len(items) // size)
+
+        def forward(chunk: list[batching.BatchItem]) -> list[Image.Image]:
+            kwargs = self._call_kwargs(pipe, request, steps, chunk, fitted, strength)
             if progress is not None:
+                before = done[0]
+
                 def on_step(_pipe: Any, step: int, _t: Any, _kw: dict[str, Any]) -> dict[str, Any]:
-                    progress(step + 1, steps)
+                    done[0] = before + step + 1
+                    progress(done[0], max(done[0], planned))
                     return {}
 
                 kwargs["callback_on_step_end"] = on_step
-            with torch.inference_mode():
-                result = pipe(**kwargs)
+            self.vae_tiled = apply_vae_tiling(pipe, self.plan, kwargs.get("width"), kwargs.get("height"))
+            stream = self.encoder_stream
+            if stream is not None:
+                stream.before_call(pipe)
+            try:
+                with torch.inference_mode():
+                    result = pipe(**kwargs)
+            finally:
+                if stream is not None:
+                    stream.after_call()
             return list(result.images)
 
-    def _call_kwargs(self, pipe: Any, request: GenerateRequest, steps: int) -> dict[str, Any]:
+        def on_split(event: batching.SplitEvent) -> None:
+            self.batch_events = [*self.batch_events[-19:], event.to_dict()]
+
+        return batching.run_chunked(items, size, forward, on_split)
+
+    def _call_kwargs(
+        self, pipe: Any, request: GenerateRequest, steps: int, chunk: Sequence[batching.BatchItem],
+        fitted: FittedInputs, strength: float | None,
+    ) -> dict[str, Any]:
         family = self.source.family
         checkpoint = self.source.checkpoint or family.default_checkpoint
         guidance = checkpoint.default_guidance if request.guidance is None else request.guidance
         accepted = inspect.signature(pipe.__call__).parameters
         kwargs: dict[str, Any] = {
-            "prompt": request.prompt,
+            "prompt": [item.prompt for item in chunk],
             "num_inference_steps": steps,
-            "num_images_per_prompt": request.count,
-            "generator": torch.Generator("cpu").manual_seed(request.seed),
+            "num_images_per_prompt": 1,
+            "generator": batching.generators([item.seed for item in chunk]),
             family.guidance_kwarg: guidance,
         }
-        if request.width:
-            kwargs["width"] = request.width
-        if request.height:
-            kwargs["height"] = request.height
+        width, height = (fitted.width, fitted.height) if fitted.image is not None else (request.width, request.height)
+        if width:
+            kwargs["width"] = width
+        if height:
+            kwargs["height"] = height
+        if width and height:
+            kwargs["max_area"] = width * height  # edit pipelines scale their output to this area
+        if fitted.image is not None:
+            kwargs["image"] = fitted.image
+            kwargs["_auto_resize"] = False  # fitted already, to the requested box at the model's multiple
+        if fitted.mask is not None:
+            kwargs["mask_image"] = fitted.mask
+        if strength is not None:
+            kwargs["strength"] = strength
+        if request.control_scale is not None:
+            kwargs["controlnet_conditioning_scale"] = request.control_scale
         negative = request.negative_prompt
         if negative is None and family.guidance_kwarg == "true_cfg_scale" and guidance > 1:
             negative = " "  # true CFG runs only with a negative prompt
         if negative is not None and "negative_prompt" in accepted:
-            kwargs["negative_prompt"] = negative
-        return {k: v for k, v in kwargs.items() if k in accepted or k == "callback_on_step_end"}
+            kwargs["negative_prompt"] = [negative] * len(chunk)
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted or k == "callback_on_step_end"}
+        return self.registry.generate_kwargs(family, pipe, kwargs)  # engine_generate_kwargs
 
     # -- status and unload ----------------------------------------------------
 
@@ -394,9 +569,19 @@ class InferenceSession:
             "plan": self.plan.to_dict(),
             "step_cache_engaged": self._cache_on,
             "quantised_layers": self.quantised_layers,
+            "text_encoders": {
+                "placements": [p.to_dict() for p in self.encoder_placements],
+                "stream": self.encoder_stream.status() if self.encoder_stream else None,
+                "vae_tiled_last_call": self.vae_tiled,
+            },
             "placement": self.placement.to_dict() if self.placement else None,
             "fallback": self.fallback,
+            "canary": self.canary,
             "loras": self.loras.status() if self.loras is not None else None,
+            "workflows": sorted({"txt2img", *self.source.family.workflows_of(self.source.checkpoint)}),
+            "controlnet": self.controlnet_path,
+            "batch_events": list(self.batch_events),
+            "capabilities": capabilities.to_dict(self.capabilities) if self.capabilities else None,
         }
 
     # -- LoRAs ------------------------------------------------------------------
@@ -406,7 +591,10 @@ class InferenceSession:
         says (before compile, so hot-swap slots are declared first)."""
         mode = str(self.plan.value("lora")) if "lora" in self.plan.controls else "unfused"
         ranks = self.request.loras.max_rank or max((f.rank for f in self._initial_loras), default=0)
-        self.loras = LoraSet(self._pipe, "unfused" if mode == "none" else mode, ranks)
+        hooks = None
+        if self.capabilities is not None and not self.capabilities["pipeline_lora"].verified:
+            hooks = HookAdapters(self.registry, self.source.family, self._pipe)
+        self.loras = LoraSet(self._pipe, "unfused" if mode == "none" else mode, ranks, hooks)
         self.loras.prepare_hotswap()
         if self._initial_loras:
             check_on_pipeline(self.registry, self.source.family, self._pipe, self._initial_loras)
@@ -425,6 +613,9 @@ class InferenceSession:
     def unload(self) -> None:
         """Release the pipeline and memory, and restore every torch flag."""
         self._pipe = None
+        self.encoder_stream = None
+        self._workflow_pipes.clear()
+        self._controlnet = None
         self.loras = None
         self._cache_on = False
         gc.collect()

@@ -2,7 +2,7 @@
 
 Routes mirror the Python facade (families, images info / plan / load /
 generate / status / unload, training info / start / status / stop / cancel / runs),
-plus an OpenAI-compatible ``POST /v1/images/generations`` on the loaded
+plus OpenAI-compatible ``POST /v1/images/generations`` and ``/v1/images/edits`` on the loaded
 pipeline, so existing clients work unchanged.
 
 Every error, whatever its status, is JSON ``{"error": {"code", "message"}}``
@@ -45,6 +45,7 @@ from engine.server.bodies import (
     StopBody,
     TrainingStartBody,
 )
+from engine.server.edits import read_edit_form
 from engine.server.guard import Guard
 from engine.server.paths import confine, confine_model
 from engine.server.settings import ServerSettings
@@ -134,7 +135,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
 
     @api.get("/images/info")
     def images_info() -> dict[str, Any]:
-        return engine.info()
+        return engine.images_info()  # torch-free: tables and the light probe only
 
     @api.post("/images/plan")
     def plan(body: PlanBody) -> dict[str, Any]:
@@ -149,15 +150,28 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         return engine.load(
             model_path(body.model), base=base, family=body.family, request=body.request(),
             loras=lora_paths(body.loras) or [], switching=body.lora_switching,
+            controlnet=str(confine(body.controlnet, settings.model_roots, "ControlNet")) if body.controlnet else None,
         )
+
+    def input_paths(options: dict[str, Any]) -> dict[str, Any]:
+        """Image paths confined to the input roots; unset lists dropped."""
+        for name in ("image", "mask_image", "control_image"):
+            if options.get(name) is not None:
+                options[name] = str(confine(options[name], settings.input_roots, "input image"))
+        return {k: v for k, v in options.items() if not (k in ("seeds", "prompts", "batch") and v is None)}
 
     @api.post("/images/generate")
     async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
         started = time.perf_counter()
-        options = body.model_dump(exclude={"prompt", "loras"})
+        options = await run_in_threadpool(input_paths, body.model_dump(exclude={"prompt", "loras"}))
         loras = await run_in_threadpool(lora_paths, body.loras)
         images = await generate_watched(request, body.prompt, loras=loras, **options)
         return {"images": images, "seconds": round(time.perf_counter() - started, 3)}
+
+    @api.delete("/images/generate")
+    def cancel_generate() -> dict[str, Any]:
+        """Stop the running generate after its current step (its caller gets code ``cancelled``)."""
+        return {"cancelled": engine.cancel_generation()}
 
     @api.get("/images/status")
     def status() -> dict[str, Any]:
@@ -175,6 +189,20 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         loras = await run_in_threadpool(lora_paths, body.loras)
         images = await generate_watched(
             request, body.prompt, count=body.n, width=width, height=height, seed=secrets.randbelow(2**31), loras=loras
+        )
+        return {"created": int(time.time()), "data": [{"b64_json": image} for image in images]}
+
+    @api.post("/images/edits")
+    async def openai_edits(request: Request) -> dict[str, Any]:
+        """OpenAI's image edit: multipart ``image`` (+ ``mask``): an instruction
+        edit on an edit checkpoint, inpaint with a mask, img2img otherwise."""
+        form = await read_edit_form(request)
+        if form.body.response_format != "b64_json":
+            raise EngineError("only response_format=b64_json is served (no image hosting)", code="invalid_request")
+        width, height = form.body.dimensions() if form.sized else (None, None)
+        images = await generate_watched(
+            request, form.body.prompt, count=form.body.n, width=width, height=height,
+            seed=secrets.randbelow(2**31), image=form.image, mask_image=form.mask,
         )
         return {"created": int(time.time()), "data": [{"b64_json": image} for image in images]}
 

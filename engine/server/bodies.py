@@ -1,6 +1,8 @@
 """Request bodies: strict JSON types, bounded sizes, one definition of the limits.
 
-Every body is strict (``true`` is not a step count, ``"3"`` is not an int),
+The shared models and limits live in :mod:`engine.requests` (the CLI
+validates with them too); this module adds the HTTP-only bodies. Every body
+is strict (``true`` is not a step count, ``"3"`` is not an int),
 refuses lone surrogates anywhere in its JSON (they cannot be encoded as
 UTF-8: tokenizers, paths and responses would fail on them later), and bounds
 every string. The image limits (:data:`Side`, :data:`Steps`, :data:`Count`)
@@ -24,115 +26,33 @@ from pydantic import (
     model_validator,
 )
 
-from engine.policy.inference import InferenceRequest
+# The request models and limits are the engine's (the CLI builds the same
+# ones); re-exported here so the server's routes read as before.
+from engine.requests import (  # noqa: F401  (re-exports)
+    MAX_COUNT,
+    MAX_SIDE,
+    MAX_STEPS,
+    MIN_SIDE,
+    SIDE_MULTIPLE,
+    Body,
+    Count,
+    GenerateBody,
+    LoadBody,
+    LoraBody,
+    Loras,
+    Name,
+    PathText,
+    PlanBody,
+    PlanControls,
+    Prompt,
+    Side,
+    Steps,
+    refuse_lone_surrogates,
+)
 from engine.training.config import TrainingConfig
-
-# -- the shared limits ------------------------------------------------------------
-
-#: Image sides: multiples of 16 (VAE stride 8 x patch 2, the strictest any
-#: family needs) and at least 64 (below that a latent shrinks to one pixel
-#: in the denoiser's lower blocks and normalisation fails).
-MIN_SIDE, MAX_SIDE, SIDE_MULTIPLE = 64, 4096, 16
-MAX_STEPS = 200
-MAX_COUNT = 8
-
-Side = Annotated[int, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIDE_MULTIPLE)]
-Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
-Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
-Prompt = Annotated[str, Field(max_length=4000)]
-#: A family, checkpoint or control name: short, so a refusal can name it.
-Name = Annotated[str, Field(min_length=1, max_length=200)]
-#: A model, dataset or output path (PATH_MAX); the confinement checks each part.
-PathText = Annotated[str, Field(min_length=1, max_length=4096)]
 
 _SIDE = TypeAdapter(Side)
 _CONFIG_FIELDS = TrainingConfig.model_fields
-
-
-def refuse_lone_surrogates(data: Any) -> Any:
-    """``data`` unchanged, or a ValueError when a string (or key) in it is not valid Unicode."""
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("a string contains a lone surrogate (an unpaired \\ud800-\\udfff "
-                                 "escape); send valid Unicode text") from None
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
-    return data
-
-
-class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        return refuse_lone_surrogates(data)
-
-
-# -- images -------------------------------------------------------------------------
-
-
-class LoraBody(Body):
-    """A LoRA under the server's LoRA roots and the scale to apply it at."""
-
-    path: PathText
-    scale: Annotated[float, Field(ge=-8, le=8, allow_inf_nan=False)] = 1.0
-
-
-#: LoRAs one request may name.
-Loras = Annotated[list[LoraBody], Field(max_length=8)]
-
-
-class PlanControls(Body):
-    dtype: Name = "auto"
-    quant: Name = "auto"
-    memory: Name = "auto"
-    attention: Name = "auto"
-    step_cache: Name = "auto"
-    compile: Name = "auto"
-    speed: Name = "default"
-    steps: Annotated[int, Field(ge=1, le=1000)] | None = None
-    threads: Annotated[int, Field(ge=1, le=1024)] | None = None
-
-    def request(self) -> InferenceRequest:
-        return InferenceRequest(**self.model_dump(include=set(PlanControls.model_fields)))
-
-
-class PlanBody(PlanControls):
-    model: PathText | None = None
-    family: Name | None = None
-    checkpoint: Name | None = None
-    base: PathText | None = None
-
-
-class LoadBody(PlanControls):
-    model: PathText
-    family: Name | None = None
-    base: PathText | None = None
-    loras: Loras = Field(default_factory=list)
-    #: LoRAs will be switched on the loaded pipeline (keeps them unfused).
-    lora_switching: bool = False
-
-
-class GenerateBody(Body):
-    prompt: Prompt
-    negative_prompt: Prompt | None = None
-    steps: Steps | None = None
-    guidance: Annotated[float, Field(ge=0, le=50, allow_inf_nan=False)] | None = None
-    width: Side | None = None
-    height: Side | None = None
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
-    count: Count = 1
-    #: Replace the loaded pipeline's LoRAs (``[]`` removes them; omitted keeps them).
-    loras: Loras | None = None
 
 
 class OpenAIImagesBody(BaseModel):

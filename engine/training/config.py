@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -46,9 +46,21 @@ class TrainingConfig(BaseModel):
     epochs: int | None = Field(None, ge=1, le=100_000)
     batch_size: int = Field(1, ge=1, le=MAX_BATCH)
     grad_accumulation: int = Field(1, ge=1, le=1024)
-    learning_rate: float = Field(1e-4, gt=0, le=1.0)
+    #: None: the family's default (its table), else 1e-4.
+    learning_rate: float | None = Field(None, gt=0, le=1.0)
     lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
+    #: None: the family's default; with ``constant`` a warmup ramps up first.
+    warmup_steps: int | None = Field(None, ge=0, le=MAX_STEPS)
+    #: Flow-matching sigma shift: a number, ``auto`` (by resolution), None: the family's.
+    flow_shift: Annotated[float, Field(gt=0, le=100)] | Literal["auto"] | None = None
+    loss_weighting: Literal["none", "min_snr", "bell"] = "none"
+    #: Decay of an EMA of the LoRA, saved as a second adapter; None: no EMA.
+    ema_decay: float | None = Field(None, gt=0, lt=1)
+    optimizer: Literal["adamw", "adamw8bit", "adafactor"] = "adamw"
+    #: Reuse caption embeddings across runs on the same data and base.
+    prompt_cache: bool = True
+    #: Where they are kept (None: $DIFFUSION_ENGINE_PROMPT_CACHE or the user's cache folder).
+    prompt_cache_dir: Path | None = None
     lora_rank: int = Field(16, ge=1, le=MAX_RANK)
     lora_alpha: float | None = Field(None, gt=0, le=65536)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -56,6 +68,9 @@ class TrainingConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
     seed: int = Field(0, ge=0, le=MAX_SEED)
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
+    #: ``auto`` by design (the earlier system defaulted to nf4): auto sizes the
+    #: run and picks nf4 wherever bf16 / int8 would not fit, memory is unknown
+    #: or there is no CUDA, and the 2.3x faster bf16 where it fits.
     base_precision: str = Field("auto", max_length=32)
     compile: Literal["auto", "on", "off"] = "auto"
     #: None: the engine decides (off when the run fits without it, else on).
@@ -75,6 +90,16 @@ class TrainingConfig(BaseModel):
     sample_every: int | None = Field(None, ge=1, le=MAX_STEPS)
     #: Denoising steps per sample image.
     sample_steps: int = Field(20, ge=1, le=200)
+    #: A word put before every caption (``"ohwx, a red circle"``): what a prompt uses to call up the LoRA.
+    trigger_word: str | None = Field(None, min_length=1, max_length=200)
+    #: The share of samples trained with the empty prompt instead of their caption.
+    caption_dropout: float = Field(0.0, ge=0, lt=1)
+    #: Shuffle each caption's comma-separated tags (the trainer caches a few shuffles per caption).
+    shuffle_tags: bool = False
+    #: With ``shuffle_tags``: the first N tags stay in place.
+    keep_tags: int = Field(0, ge=0, le=1000)
+    #: Refuse (instead of warn about) images under half the training resolution.
+    strict: bool = False
 
     @field_validator("base_model")
     @classmethod
@@ -92,6 +117,13 @@ class TrainingConfig(BaseModel):
             raise ValueError("every LoRA target is a non-empty module name (to_q, attn.to_out.0)")
         return value
 
+    @field_validator("trigger_word")
+    @classmethod
+    def _trigger_is_a_word(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or value != value.strip() or "\x00" in value or "\n" in value):
+            raise ValueError("is a word or short phrase on one line, with no leading or trailing spaces")
+        return value
+
     @field_validator("sample_prompts")
     @classmethod
     def _prompts_bounded(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
@@ -105,6 +137,8 @@ class TrainingConfig(BaseModel):
             raise ValueError("give steps or epochs, not both")
         if self.sample_every is not None and not self.sample_prompts:
             raise ValueError("sample_every needs at least one sample prompt")
+        if self.keep_tags and not self.shuffle_tags:
+            raise ValueError("keep_tags applies only with shuffle_tags (it keeps the first N tags in place)")
         return self
 
     def total_steps(self, images: int) -> int:

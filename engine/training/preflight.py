@@ -25,7 +25,9 @@ from engine.policy.training import (
 from engine.policy.training_memory import BaseFacts, TrainingMemoryEstimate, TrainingShape
 from engine.preflight.dataset import DatasetReport, discover_dataset
 from engine.preflight.model import ModelSource, hub_access_error, lora_target_error, resolve_model
+from engine.training.buckets import BucketPlan, plan_buckets
 from engine.training.config import TrainingConfig
+from engine.training.levers import TrainingLevers, resolve_levers
 from engine.types import FamilySpec, TrainingObjective
 
 
@@ -47,6 +49,10 @@ class TrainingPlan:
     memory: TrainingMemoryEstimate | None = None
     available: AvailableMemory | None = None
     gradient_checkpointing: Resolved[bool] = explicit(False)
+    #: Each image's aspect bucket (None: every image square at ``resolution``).
+    buckets: BucketPlan | None = None
+    #: LR, warmup, flow shift, loss weighting, EMA, optimizer (see :mod:`engine.training.levers`).
+    levers: TrainingLevers | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -65,8 +71,10 @@ class TrainingPlan:
                 "weight_dtype": self.weight_dtype.to_dict(),
                 "compile": self.compile.to_dict(),
                 "gradient_checkpointing": self.gradient_checkpointing.to_dict(),
+                **(self.levers.to_dict() if self.levers else {}),
             },
             "dataset": self.dataset.to_dict(),
+            "buckets": self.buckets.to_dict() if self.buckets else None,
         }
 
 
@@ -113,7 +121,9 @@ def preflight_training(
     )
     _precision_check(registry, family, config, hardware, memory)
     checkpointing = resolve_checkpointing(family, precision.value, memory, hardware, config.device)
-    dataset = discover_dataset(config.dataset_dir)
+    dataset = discover_dataset(config.dataset_dir, resolution=config.resolution, strict=config.strict)
+    levers = resolve_levers(family, objective, config, device, hardware,
+                            steps=config.total_steps(len(dataset.items)))
     _output_check(config)
     return TrainingPlan(
         config=config,
@@ -131,6 +141,11 @@ def preflight_training(
         memory=memory.settled(checkpointing.value).estimate(family, precision.value, device),
         available=available,
         gradient_checkpointing=checkpointing,
+        levers=levers,
+        buckets=plan_buckets(
+            [item.size for item in dataset.items], [item.relative for item in dataset.items],
+            config.resolution, family.side_multiple, warned={name for name, _ in dataset.small},
+        ),
     )
 
 

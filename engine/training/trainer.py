@@ -19,6 +19,7 @@ import importlib
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,7 +29,11 @@ from PIL import Image, ImageOps
 
 from engine.errors import EngineError
 from engine.runtime import flags
-from engine.training.precision import pinned_sdpa, place_base, rms_norm_patch
+from engine.training.precision import check_this_machine, pinned_sdpa, place_base, rms_norm_patch
+from engine.training.buckets import Fit, epoch_batches, fit
+from engine.training.captions import CaptionOptions, choose, prompt_table
+from engine.plugins import Registry, load_registry
+from engine.training import levers
 from engine.training.preflight import TrainingPlan
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -47,17 +52,22 @@ class _StoppedEarly(Exception):
         self.request = request
 
 
-def run_training(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCheck) -> dict[str, object]:
+def run_training(
+    plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCheck, registry: Registry | None = None,
+) -> dict[str, object]:
     """Train; emit events; return the terminal event (completed / stopped / cancelled).
 
     A stop is honoured in every phase: between loading and caching, between
     cached images, and after every optimizer step.
     """
+    # The plan may have been made for another machine (a preset): re-check
+    # this process's own device before anything is loaded.
+    check_this_machine(plan.device, plan.weight_dtype.value, plan.family.label)
     snapshot = flags.snapshot()
     fused_norm = rms_norm_patch() if plan.device == "cuda" else contextlib.nullcontext()
     try:
         with pinned_sdpa(plan.device), fused_norm:
-            return _train(plan, output_dir, emit, should_stop)
+            return _train(plan, output_dir, emit, should_stop, registry or load_registry())
     except _StoppedEarly as early:
         kind = "cancelled" if early.request == "cancel" else "stopped"
         return {"type": kind, "step": 0, "outputs": {}}
@@ -71,11 +81,13 @@ def _check_stop(should_stop: StopCheck) -> None:
         raise _StoppedEarly(request)
 
 
-def _train(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCheck) -> dict[str, object]:
+def _train(
+    plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCheck, registry: Registry,
+) -> dict[str, object]:
     config = plan.config
     device = torch.device(plan.device)
     dtype = TORCH_DTYPES[plan.weight_dtype.value]
-    runtime = importlib.import_module(plan.objective.runtime_module)
+    runtime = importlib.import_module(plan.family.runtime_module)
     torch.manual_seed(config.seed)
     if plan.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -86,12 +98,15 @@ def _train(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCh
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             component.requires_grad_(False)
-    emit({"type": "phase", "phase": "caching", "message": "encoding images and captions"})
-    latents, conditioning, caption_index = _cache_inputs(plan, pipe, runtime, device, dtype, should_stop)
+    emit({"type": "phase", "phase": "caching", "message": "encoding images and captions",
+          "dataset": plan.dataset.to_dict(), "buckets": plan.buckets.to_dict() if plan.buckets else None})
+    latents, conditioning, captions = _cache_inputs(plan, pipe, runtime, device, dtype, should_stop)
+    groups = plan.buckets.groups() if plan.buckets else [list(range(len(latents)))]
+    options = CaptionOptions.from_config(config)
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module) and name != plan.family.denoiser:
             component.to("cpu")  # the encoders are done: give their memory back
-    _add_lora(plan, denoiser)  # on the host: the base is converted after the adapter is in
+    added = _add_lora(plan, denoiser, registry)  # on the host: the base is converted after the adapter is in
     placement = place_base(denoiser, plan.base_precision.value, plan.device)
     if placement is not None:
         emit({"type": "phase", "phase": "placing", "message": placement.path})
@@ -101,20 +116,22 @@ def _train(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCh
         denoiser.enable_gradient_checkpointing()
     forward = _compiled(plan, denoiser)
     denoiser.train()
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate)
+    chosen = levers.of(plan)
+    optimizer = levers.build_optimizer(str(chosen.optimizer.value), params, float(chosen.learning_rate.value))
+    ema = levers.LoraEma(params, chosen.ema.value) if chosen.ema.value is not None else None
     from diffusers.optimization import get_scheduler
 
     schedule = get_scheduler(
-        config.lr_scheduler, optimizer,
-        num_warmup_steps=config.warmup_steps, num_training_steps=plan.steps,
+        chosen.lr_scheduler.value, optimizer,
+        num_warmup_steps=int(chosen.warmup_steps.value), num_training_steps=plan.steps,
     )
     noise_schedule = runtime.training_scheduler(pipe) if plan.objective.prediction != "flow_matching" else None
     generator = torch.Generator().manual_seed(config.seed)
-    emit({"type": "started", "steps": plan.steps, "trainable_params": sum(p.numel() for p in params),
+    emit({"type": "started", "steps": plan.steps, "lora_adapter": added, "trainable_params": sum(p.numel() for p in params),
           "quantised_layers": quantised,
           "base_placement": placement.to_dict() if placement is not None else None})
     scaler = _grad_scaler(plan)
-    order: list[int] = []
+    order: list[list[int]] = []  # batches still to come this epoch, each within one bucket
     step = 0
     if config.resume_from is not None:
         step, order = _resume(Path(config.resume_from), denoiser, optimizer, schedule, generator, scaler)
@@ -124,15 +141,20 @@ def _train(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCh
     for step in range(step + 1, plan.steps + 1):
         started = time.perf_counter()
         total_loss = 0.0
-        for _ in range(config.grad_accumulation):
-            if len(order) < config.batch_size:
-                order += torch.randperm(len(latents), generator=generator).tolist()
-            batch, order = order[: config.batch_size], order[config.batch_size:]
+        for micro in range(config.grad_accumulation):
+            if not order:
+                order = epoch_batches(groups, config.batch_size,
+                                      lambda n: torch.randperm(n, generator=generator).tolist())
+            batch, order = order[0], order[1:]
             x0 = torch.stack([latents[i] for i in batch]).to(device, dtype)
-            cond = {k: v[[caption_index[i] for i in batch]].to(device) for k, v in conditioning.items()}
-            noisy, timesteps, target = _noise(plan, x0, noise_schedule, generator)
+            rows = [_prompt_row(captions, options, config.seed, step, micro * config.batch_size + slot, image)
+                    for slot, image in enumerate(batch)]
+            cond = {k: v[rows].to(device) for k, v in conditioning.items()}
+            noisy, timesteps, target = _noise(plan, x0, noise_schedule, generator, chosen.flow_shift.value)
             prediction = runtime.predict(pipe, forward, noisy, timesteps, cond)
-            loss = torch.nn.functional.mse_loss(prediction.float(), target.float())
+            loss = levers.weighted_mse(
+                prediction, target, str(chosen.loss_weighting.value), plan.objective.prediction, timesteps, noise_schedule
+            )
             value = loss.item()
             if not math.isfinite(value):
                 raise NonFiniteLoss(step, value, output_dir)
@@ -142,6 +164,8 @@ def _train(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCh
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
         scaler.step(optimizer)  # skipped (and the scale lowered) when fp16 gradients overflowed
         scaler.update()
+        if ema is not None:
+            ema.update()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
@@ -164,7 +188,11 @@ def _train(plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCh
             break
     if stop in ("discard", "cancel"):
         return {"type": "stopped" if stop == "discard" else "cancelled", "step": step, "outputs": {}}
-    outputs = save_lora(plan, pipe, denoiser, output_dir)
+    outputs = save_lora(plan, pipe, denoiser, output_dir, registry=registry)
+    if ema is not None:
+        with ema.swapped():
+            outputs["lora_ema"] = str(levers.save_ema(output_dir, lambda folder: save_lora(
+                plan, pipe, denoiser, folder, registry=registry)))
     return {"type": "stopped" if stop == "save" else "completed", "step": step, "outputs": outputs}
 
 
@@ -193,7 +221,7 @@ def _grad_scaler(plan: TrainingPlan) -> torch.amp.GradScaler:
 
 def _checkpoint(
     plan: TrainingPlan, pipe: Any, denoiser: torch.nn.Module, output_dir: Path, step: int,
-    optimizer: torch.optim.Optimizer, schedule: Any, generator: torch.Generator, order: list[int],
+    optimizer: torch.optim.Optimizer, schedule: Any, generator: torch.Generator, order: list[list[int]],
     scaler: torch.amp.GradScaler,
 ) -> Path:
     """Everything the next step depends on, so a resumed run continues bit for bit."""
@@ -206,7 +234,7 @@ def _checkpoint(
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if plan.device == "cuda" else None,
         "generator": generator.get_state(),
-        "order": list(order),
+        "order": [list(batch) for batch in order],
         "scaler": scaler.state_dict(),
     }
     return save_checkpoint(
@@ -217,7 +245,7 @@ def _checkpoint(
 def _resume(
     path: Path, denoiser: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: Any,
     generator: torch.Generator, scaler: torch.amp.GradScaler,
-) -> tuple[int, list[int]]:
+) -> tuple[int, list[list[int]]]:
     """Load a checkpoint over the freshly built run; the step it was taken at and the batch order."""
     from engine.training.checkpoints import load_checkpoint
 
@@ -235,7 +263,8 @@ def _resume(
     generator.set_state(state["generator"])
     if state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
-    return int(state["step"]), list(state["order"])
+    # Batches (lists); a checkpoint from before aspect buckets holds image indices: one per batch.
+    return int(state["step"]), [list(b) if isinstance(b, (list, tuple)) else [int(b)] for b in state["order"]]
 
 
 def _load_pipeline(plan: TrainingPlan, dtype: torch.dtype) -> Any:
@@ -256,53 +285,102 @@ def _load_pipeline(plan: TrainingPlan, dtype: torch.dtype) -> Any:
     return pipe
 
 
+@dataclass(frozen=True)
+class _Captions:
+    """The cached prompts' rows: each image's caption variants and the empty prompt's (caption dropout)."""
+
+    per_image: list[list[int]]
+    empty: int | None
+
+
+def _prompt_row(captions: _Captions, options: CaptionOptions, seed: int, step: int, slot: int, image: int) -> int:
+    """The cached prompt row sample ``slot`` of ``step`` trains on (a pure draw: resume repeats it)."""
+    variants = captions.per_image[image]
+    pick = choose(options, seed, step, slot, len(variants))
+    if pick is None and captions.empty is not None:
+        return captions.empty
+    return variants[pick or 0]
+
+
 def _cache_inputs(
     plan: TrainingPlan, pipe: Any, runtime: ModuleType, device: torch.device, dtype: torch.dtype,
     should_stop: StopCheck,
-) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[int]]:
-    """Latents per image and prompt embeddings per distinct caption, computed once."""
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], _Captions]:
+    """Latents per image (at its bucket's size) and prompt embeddings per distinct prompt, computed once.
+
+    Caption options are met here: the trigger word is in every cached prompt,
+    caption dropout adds the empty prompt, and tag shuffling caches a few
+    shuffles per caption (:mod:`engine.training.captions`); no text encoder
+    runs during training.
+    """
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module) and name != plan.family.denoiser:
             component.to(device)
     size = plan.config.resolution
     latents = []
-    for item in plan.dataset.items:
+    for index, item in enumerate(plan.dataset.items):
         _check_stop(should_stop)
-        pixels = _load_pixels(item.image, size).to(device, dtype)
+        shape = plan.buckets.fits[index] if plan.buckets else fit(item.size, (size, size))
+        pixels = _load_pixels(item.image, shape).to(device, dtype)
         latents.append(runtime.encode_images(pipe, pixels)[0].to("cpu"))
-    captions = sorted({item.caption for item in plan.dataset.items})
-    conditioning = runtime.encode_prompts(pipe, captions, device, dtype)
-    conditioning = {k: v.to("cpu") for k, v in conditioning.items()}
-    index = [captions.index(item.caption) for item in plan.dataset.items]
-    return latents, conditioning, index
+    config = plan.config
+    prompts, per_image, empty = prompt_table(
+        [item.caption for item in plan.dataset.items], CaptionOptions.from_config(config), config.seed
+    )
+    conditioning = _cached_prompts(plan, pipe, runtime, prompts, device, dtype)
+    return latents, conditioning, _Captions(per_image, empty)
 
 
-def _load_pixels(path: Path, size: int) -> torch.Tensor:
-    """Upright RGB, shortest side scaled to ``size``, centre-cropped, in [-1, 1]."""
+def _cached_prompts(
+    plan: TrainingPlan, pipe: Any, runtime: ModuleType, prompts: list[str], device: torch.device, dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """The prompts' embeddings, from the on-disk cache when this base encoded these
+    exact prompts before (see :mod:`engine.runtime.prompt_cache`)."""
+    config = plan.config
+
+    def encode(texts: list[str]) -> dict[str, torch.Tensor]:
+        return {k: v.to("cpu") for k, v in runtime.encode_prompts(pipe, texts, device, dtype).items()}
+
+    if not config.prompt_cache:
+        return encode(prompts)
+    from engine.runtime.prompt_cache import PromptCache, default_dir, encoder_identity
+
+    cache = PromptCache(Path(config.prompt_cache_dir) if config.prompt_cache_dir else default_dir())
+    settings = {"dtype": str(dtype), "device": device.type, "encode": f"{runtime.__name__}.encode_prompts", "family": plan.family.name}
+    embeddings, _ = cache.get_or_encode(encoder_identity(plan.base.location), prompts, settings, encode)
+    return embeddings
+
+
+def _load_pixels(path: Path, shape: Fit) -> torch.Tensor:
+    """Upright RGB resized to cover ``shape.bucket`` and centre-cropped to it, in [-1, 1], [1, 3, H, W]."""
     with Image.open(path) as image:
         rgb = ImageOps.exif_transpose(image).convert("RGB")
-    rgb = ImageOps.fit(rgb, (size, size), Image.Resampling.BICUBIC)
-    data = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(size, size, 3)
+    if rgb.size != shape.source:
+        shape = fit(rgb.size, shape.bucket)  # the file changed since the preflight: fit what is there
+    rgb = rgb.resize(shape.resized, Image.Resampling.BICUBIC).crop(shape.box)
+    width, height = shape.bucket
+    data = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(height, width, 3)
     return (data.permute(2, 0, 1).float() / 127.5 - 1.0).unsqueeze(0)
 
 
-def _add_lora(plan: TrainingPlan, denoiser: torch.nn.Module) -> list[torch.nn.Parameter]:
+def _add_lora(plan: TrainingPlan, denoiser: torch.nn.Module, registry: Registry) -> str:
+    """Add the adapter through the ``engine_lora_add`` hook (default: diffusers'
+    peft integration, else peft's generic injection); returns how."""
     from peft import LoraConfig
 
     config = plan.config
-    denoiser.add_adapter(
-        LoraConfig(
-            r=config.lora_rank,
-            lora_alpha=config.lora_alpha or config.lora_rank,
-            lora_dropout=config.lora_dropout,
-            init_lora_weights="gaussian",
-            target_modules=list(plan.lora_targets),
-        )
+    lora = LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha or config.lora_rank,
+        lora_dropout=config.lora_dropout,
+        init_lora_weights="gaussian",
+        target_modules=list(plan.lora_targets),
     )
-    params = [p for p in denoiser.parameters() if p.requires_grad]
-    for param in params:
-        param.data = param.data.float()  # the adapter trains in fp32 over any base
-    return params
+    how = registry.lora_add(plan.family, denoiser, lora)
+    for param in denoiser.parameters():
+        if param.requires_grad:  # the base was frozen before: only the adapter trains
+            param.data = param.data.float()  # the adapter trains in fp32 over any base
+    return how
 
 
 def _compiled(plan: TrainingPlan, denoiser: torch.nn.Module) -> torch.nn.Module:
@@ -315,7 +393,7 @@ def _compiled(plan: TrainingPlan, denoiser: torch.nn.Module) -> torch.nn.Module:
 
 
 def _noise(
-    plan: TrainingPlan, x0: torch.Tensor, schedule: Any, generator: torch.Generator
+    plan: TrainingPlan, x0: torch.Tensor, schedule: Any, generator: torch.Generator, shift: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     noise = torch.randn(x0.shape, generator=generator).to(x0.device, x0.dtype)
     batch = x0.shape[0]
@@ -324,7 +402,7 @@ def _noise(
             sigmas = torch.sigmoid(torch.randn(batch, generator=generator))
         else:
             sigmas = torch.rand(batch, generator=generator)
-        sigmas = sigmas.to(x0.device)
+        sigmas = levers.shift_sigmas(sigmas, shift).to(x0.device)
         s = sigmas.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
         return (1 - s) * x0 + s * noise, sigmas, noise - x0
     steps = int(schedule.config.num_train_timesteps)
@@ -341,20 +419,22 @@ def _peak_memory_gb(device: str) -> float | None:
     return None
 
 
-def save_lora(plan: TrainingPlan, pipe: Any, denoiser: torch.nn.Module, output_dir: Path) -> dict[str, str]:
+def save_lora(
+    plan: TrainingPlan, pipe: Any, denoiser: torch.nn.Module, output_dir: Path, *, registry: Registry | None = None,
+) -> dict[str, str]:
     """The adapter in diffusers' key format (``transformer.<module>.lora_A.weight``,
     what diffusers' own training scripts write; loads with ``load_lora_weights``)."""
-    from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    state = get_peft_model_state_dict(denoiser)
+    state = (registry or load_registry()).lora_state_dict(plan.family, denoiser)  # engine_lora_state_dict
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
     prefix = plan.family.denoiser
     saver = getattr(type(pipe), "save_lora_weights", None)
     lora_path = output_dir / LORA_WEIGHTS
     if saver is not None:
-        saver(str(output_dir), **{f"{prefix}_lora_layers": state}, weight_name=LORA_WEIGHTS)
+        saver(str(output_dir), **{f"{prefix}_lora_layers": state}, **_adapter_metadata(saver, prefix, denoiser),
+              weight_name=LORA_WEIGHTS)
     else:
         save_file({f"{prefix}.{k}": v for k, v in state.items()}, str(lora_path))
     outputs = {"lora": str(lora_path)}
@@ -363,4 +443,19 @@ def save_lora(plan: TrainingPlan, pipe: Any, denoiser: torch.nn.Module, output_d
 
         outputs["lora_kohya"] = str(export_kohya(plan, denoiser, state, output_dir))
     return outputs
+
+
+def _adapter_metadata(saver: Callable[..., Any], prefix: str, denoiser: torch.nn.Module) -> dict[str, Any]:
+    """The adapter's peft config for ``save_lora_weights`` (what diffusers' own training
+    scripts pass): without it a loader assumes ``alpha == rank`` and a LoRA trained with
+    another alpha would be applied at the wrong strength."""
+    import inspect
+
+    config = getattr(denoiser, "peft_config", {}).get("default")
+    field = f"{prefix}_lora_adapter_metadata"
+    if config is None or field not in inspect.signature(saver).parameters:
+        return {}
+    # Sets (target_modules) as sorted lists: the file is then the same bytes in every process.
+    metadata = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.to_dict().items()}
+    return {field: metadata}
 

@@ -12,6 +12,7 @@ from engine.types import (
     LoraTargetShape,
     TrainingMemoryFigures,
     TrainingObjective,
+    TrainingDefaults,
 )
 
 FLUX = FamilySpec(
@@ -54,8 +55,11 @@ FLUX = FamilySpec(
             default_guidance=2.5,
             matches=("*flux.1-kontext-dev*", "*flux1-kontext*", "*flux-kontext*"),
             pipeline_class="FluxKontextPipeline",
+            workflows=(("edit", "FluxKontextPipeline"), ("inpaint", "FluxKontextInpaintPipeline")),
         ),
     ),
+    workflows=(("img2img", "FluxImg2ImgPipeline"), ("inpaint", "FluxInpaintPipeline")),
+    controlnet_classes=("FluxControlNetModel",),
     sizes=ComponentSizes(transformer_gb=23.8, text_encoders_gb=9.8, vae_gb=0.2),
     training_dense_gb=23.8,
     lora_targets=(
@@ -120,10 +124,20 @@ FLUX = FamilySpec(
         ("img_in", ("x_embedder",)),
         ("txt_in", ("context_embedder",)),
     ),
+    # The VAE decoder's peak per output pixel: its full-resolution up block
+    # (128 channels) holds about six tensors of that width at once (input,
+    # fp32 group-norm upcast, conv output), 6 x 128 elements. Derived from
+    # the architecture, not yet benchmarked (bench/ has no VAE probe yet).
+    vae_decode_per_pixel=768.0,
+    # FLUX.1-dev's scheduler shifts dynamically at inference; its LoRA recipes
+    # train with logit-normal sampling unshifted, 10 warmup steps, LR 1e-4.
+    training_defaults=TrainingDefaults(
+        learning_rate=1e-4, warmup_steps=10, flow_shift=1.0,
+        source="FLUX.1 LoRA recipes: logit-normal timesteps, no shift, short warmup",
+    ),
     training_objective=TrainingObjective(
         prediction="flow_matching",
         timestep_sampling="logit_normal",
-        runtime_module="families.flux.runtime",
     ),
     # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
     # real widths, 1 + 2 and 2 + 4 double + single blocks: a "block" is the

@@ -14,6 +14,7 @@ from engine.types import (
     QuantDeny,
     TrainingMemoryFigures,
     TrainingObjective,
+    TrainingDefaults,
 )
 
 FP8_BLACK = (
@@ -62,8 +63,10 @@ QWEN_IMAGE = FamilySpec(
             default_guidance=4.0,
             matches=("*qwen-image-edit*", "*qwen_image_edit*"),
             pipeline_class="QwenImageEditPipeline",
+            workflows=(("edit", "QwenImageEditPipeline"), ("inpaint", "QwenImageEditInpaintPipeline")),
         ),
     ),
+    workflows=(("img2img", "QwenImageImg2ImgPipeline"), ("inpaint", "QwenImageInpaintPipeline")),
     sizes=ComponentSizes(transformer_gb=40.9, text_encoders_gb=16.6, vae_gb=0.3),
     training_dense_gb=41.0,
     lora_targets=(
@@ -123,10 +126,22 @@ QWEN_IMAGE = FamilySpec(
     # LoRA keys: the dual-stream MLP and modulation names (diffusers, kohya
     # and ComfyUI spell them alike).
     lora_key_markers=("img_mlp", "txt_mlp", "img_mod", "txt_mod"),
+    # Qwen-Image's causal VAE decodes at 96 channels at full resolution:
+    # about six such tensors live at once (6 x 96). Derived from the
+    # architecture, not yet benchmarked.
+    vae_decode_per_pixel=576.0,
+    # Qwen-Image's scheduler shifts by resolution (exponential, mu from 0.5
+    # at 256 image tokens to 0.9 at 8192): training shifts the same way, so
+    # a 1328 px LoRA trains on the sigmas it samples with.
+    training_defaults=TrainingDefaults(
+        learning_rate=1e-4, warmup_steps=20, flow_shift_auto=True,
+        base_shift=0.5, max_shift=0.9, base_seq_len=256, max_seq_len=8192,
+        source="Qwen-Image scheduler config: use_dynamic_shifting, base_shift 0.5, max_shift 0.9, "
+        "base_image_seq_len 256, max_image_seq_len 8192, exponential",
+    ),
     training_objective=TrainingObjective(
         prediction="flow_matching",
         timestep_sampling="logit_normal",
-        runtime_module="families.qwen_image.runtime",
     ),
     # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
     # real widths, 2 and 3 blocks). Elements per token; outside includes the

@@ -14,6 +14,8 @@ from engine.types import (
     OptimizationDeny,
     TrainingMemoryFigures,
     TrainingObjective,
+    QuantDeny,
+    TrainingDefaults,
 )
 
 SDXL = FamilySpec(
@@ -44,6 +46,26 @@ SDXL = FamilySpec(
             default_guidance=0.0,
             matches=("*sdxl-turbo*", "*sdxl_turbo*", "*sd_xl_turbo*"),
         ),
+    ),
+    workflows=(
+        ("img2img", "StableDiffusionXLImg2ImgPipeline"),
+        ("inpaint", "StableDiffusionXLInpaintPipeline"),
+        ("controlnet", "StableDiffusionXLControlNetPipeline"),
+    ),
+    # VAE stride 8; the UNet pads odd latent sides itself (forward_upsample_size).
+    side_multiple=8,
+    controlnet_classes=("ControlNetModel",),
+    # The checkpoints people download (base, fine-tunes) are one .safetensors
+    # holding UNet, both text encoders and the VAE in the original layout.
+    single_file_whole_pipeline=True,
+    single_file_parts=(
+        ("model.diffusion_model.", "denoiser"),
+        ("conditioner.embedders.", "text_encoders"),
+        ("first_stage_model.", "vae"),
+    ),
+    gguf_refused_reason=(
+        "diffusers loads GGUF weights only for transformer models; an SDXL UNet in GGUF "
+        "cannot be loaded (use the .safetensors checkpoint, or --quant int8 on it)"
     ),
     sizes=ComponentSizes(transformer_gb=5.1, text_encoders_gb=1.6, vae_gb=0.2),
     training_dense_gb=5.1,
@@ -77,10 +99,26 @@ SDXL = FamilySpec(
         "down_blocks", "up_blocks", "mid_block", "input_blocks", "output_blocks",
         "middle_block", "lora_te1_", "lora_te2_", "text_encoder_2",
     ),
+    # The VAE decoder's peak per output pixel: its full-resolution up block
+    # (128 channels) holds about six tensors of that width at once (input,
+    # fp32 group-norm upcast, conv output), 6 x 128 elements. Derived from
+    # the architecture, not yet benchmarked (bench/ has no VAE probe yet).
+    vae_decode_per_pixel=768.0,
+    # CLIP-L + OpenCLIP-bigG are 1.6 GB together: quantising them saves
+    # under 1 GB, and the UNet reads their penultimate hidden states and
+    # pooled projection directly, which no A/B here has checked quantised.
+    text_encoder_quant_deny=tuple(
+        QuantDeny(scheme, "SDXL's CLIP encoders are 1.6 GB: quantising saves under 1 GB, "
+                  "and their penultimate states feed the UNet unchecked by any A/B")
+        for scheme in ("int8", "fp8", "nvfp4", "nf4")
+    ),
+    # Epsilon prediction: no flow shift; the common SDXL LoRA recipe.
+    training_defaults=TrainingDefaults(
+        learning_rate=1e-4, warmup_steps=0, source="SDXL LoRA recipes: LR 1e-4, no warmup",
+    ),
     training_objective=TrainingObjective(
         prediction="epsilon",
         timestep_sampling="uniform",
-        runtime_module="families.sdxl.runtime",
     ),
     # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
     # real channels, transformer_layers_per_block (1, 1, 5): 35 of the 70

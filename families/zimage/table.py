@@ -13,6 +13,7 @@ from engine.types import (
     OptimizationDeny,
     TrainingMemoryFigures,
     TrainingObjective,
+    TrainingDefaults,
 )
 
 ZIMAGE = FamilySpec(
@@ -40,6 +41,7 @@ ZIMAGE = FamilySpec(
             matches=("*z-image*", "*z_image*", "*zimage*"),
         ),
     ),
+    workflows=(("img2img", "ZImageImg2ImgPipeline"), ("inpaint", "ZImageInpaintPipeline")),
     sizes=ComponentSizes(transformer_gb=12.3, text_encoders_gb=8.0, vae_gb=0.2),
     training_dense_gb=12.3,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
@@ -67,10 +69,20 @@ ZIMAGE = FamilySpec(
     tiny_pipeline="families.zimage.tiny:build_tiny_pipeline",
     # LoRA keys: the refiner stacks and the ``layers.N.attention`` blocks.
     lora_key_markers=("noise_refiner", "context_refiner", "layers.", "layers_", "_attention_", ".attention."),
+    # The VAE decoder's peak per output pixel: its full-resolution up block
+    # (128 channels) holds about six tensors of that width at once (input,
+    # fp32 group-norm upcast, conv output), 6 x 128 elements. Derived from
+    # the architecture, not yet benchmarked (bench/ has no VAE probe yet).
+    vae_decode_per_pixel=768.0,
+    # Z-Image's scheduler uses a static shift of 3.0 (no dynamic shifting):
+    # training samples the same shifted sigmas.
+    training_defaults=TrainingDefaults(
+        learning_rate=1e-4, warmup_steps=10, flow_shift=3.0,
+        source="Z-Image scheduler config: shift 3.0, use_dynamic_shifting false",
+    ),
     training_objective=TrainingObjective(
         prediction="flow_matching",
         timestep_sampling="logit_normal",
-        runtime_module="families.zimage.runtime",
     ),
     # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
     # real widths, 2 and 3 layers and the real 2 + 2 refiners). A noise

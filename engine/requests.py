@@ -1,0 +1,218 @@
+"""The request models every face validates: one definition of the limits.
+
+The HTTP server validates its JSON bodies with these models and the CLI
+builds the same models from its flags, so a bound or a multiple-of rule is
+checked the same way, before anything loads, whichever face a request came
+in through. Every model is strict (``true`` is not a step count, ``"3"`` is
+not an int), refuses lone surrogates anywhere in its data (they cannot be
+encoded as UTF-8: tokenizers, paths and responses would fail on them later),
+and bounds every string.
+
+:class:`GenerateBody` is THE generate request (prompt, sizes, steps, seed,
+count, LoRAs and any later image inputs); :class:`PlanControls` the plan's
+controls; training uses :class:`engine.training.config.TrainingConfig`.
+:func:`describe_problems` turns a validation error into one sentence per
+problem, naming each field the way the caller's face spells it (a flag at
+the terminal, a JSON field over HTTP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.policy.inference import InferenceRequest
+
+# -- the shared limits ------------------------------------------------------------
+
+#: Image sides: multiples of 16 (VAE stride 8 x patch 2, the strictest any
+#: family needs, so no family ever rounds a size it was given) and at least
+#: 64 (below that a latent shrinks to one pixel in the denoiser's lower
+#: blocks and normalisation fails).
+MIN_SIDE, MAX_SIDE, SIDE_MULTIPLE = 64, 4096, 16
+MAX_STEPS = 200
+MAX_PLAN_STEPS = 1000
+MAX_COUNT = 8
+MAX_SEED = 2**63 - 1
+MAX_LORAS = 8
+
+Side = Annotated[int, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIDE_MULTIPLE)]
+Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
+Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Guidance = Annotated[float, Field(ge=0, le=50, allow_inf_nan=False)]
+Prompt = Annotated[str, Field(max_length=4000)]
+#: A family, checkpoint or control name: short, so a refusal can name it.
+Name = Annotated[str, Field(min_length=1, max_length=200)]
+#: A model, dataset or output path (PATH_MAX); the confinement checks each part.
+PathText = Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+def refuse_lone_surrogates(data: Any) -> Any:
+    """``data`` unchanged, or a ValueError when a string (or key) in it is not valid Unicode."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string contains a lone surrogate (an unpaired \\ud800-\\udfff "
+                                 "escape); send valid Unicode text") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return data
+
+
+class Body(BaseModel):
+    """Strict, closed (unknown fields refused), valid Unicode only."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return refuse_lone_surrogates(data)
+
+
+# -- images -------------------------------------------------------------------------
+
+
+class LoraBody(Body):
+    """A LoRA file (or training run folder) and the scale to apply it at."""
+
+    path: PathText
+    scale: Annotated[float, Field(ge=-8, le=8, allow_inf_nan=False)] = 1.0
+
+
+#: LoRAs one request may name.
+Loras = Annotated[list[LoraBody], Field(max_length=MAX_LORAS)]
+
+
+class PlanControls(Body):
+    """The plan's controls; ``auto`` leaves a control to the engine (it says why)."""
+
+    dtype: Name = "auto"
+    quant: Name = "auto"
+    memory: Name = "auto"
+    attention: Name = "auto"
+    step_cache: Name = "auto"
+    compile: Name = "auto"
+    speed: Name = "default"
+    steps: Annotated[int, Field(ge=1, le=MAX_PLAN_STEPS)] | None = None
+    threads: Annotated[int, Field(ge=1, le=1024)] | None = None
+    #: none / int8 / fp8 / nvfp4 / nf4 (weight-only encoders); checked by the planner.
+    text_encoder_quant: Name = "auto"
+    #: resident / streamed (load, encode, free per prompt).
+    text_encoder_memory: Name = "auto"
+    #: on / off; auto tiles above the size the plan names.
+    vae_tiling: Name = "auto"
+
+    def request(self) -> InferenceRequest:
+        return InferenceRequest(**self.model_dump(include=set(PlanControls.model_fields)))
+
+
+class PlanBody(PlanControls):
+    """A plan for a model (path or hub id), or for a family's table."""
+
+    model: PathText | None = None
+    family: Name | None = None
+    checkpoint: Name | None = None
+    base: PathText | None = None
+
+
+class LoadBody(PlanControls):
+    model: PathText
+    family: Name | None = None
+    base: PathText | None = None
+    loras: Loras = Field(default_factory=list)
+    #: LoRAs will be switched on the loaded pipeline (keeps them unfused).
+    lora_switching: bool = False
+    #: A diffusers ControlNet folder to load beside the model.
+    controlnet: PathText | None = None
+
+
+class GenerateBody(Body):
+    """The generate request: what to draw, how big, how many, with which LoRAs."""
+
+    prompt: Prompt
+    negative_prompt: Prompt | None = None
+    steps: Steps | None = None
+    guidance: Guidance | None = None
+    width: Side | None = None
+    height: Side | None = None
+    seed: Seed = 0
+    count: Count = 1
+    #: Replace the loaded pipeline's LoRAs (``[]`` removes them; omitted keeps them).
+    loras: Loras | None = None
+    #: An input image path: img2img (with ``strength``), or an instruction
+    #: edit on an edit checkpoint; fitted within width x height.
+    image: PathText | None = None
+    #: A mask image path, white where ``image`` is redrawn (inpaint).
+    mask_image: PathText | None = None
+    strength: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    #: One seed / prompt per image (a list of one is repeated to the other's
+    #: length); image k replays alone with seed k.
+    seeds: Annotated[list[Seed], Field(min_length=1, max_length=MAX_COUNT)] | None = None
+    prompts: Annotated[list[Prompt], Field(min_length=1, max_length=MAX_COUNT)] | None = None
+    #: Images per forward; omitted: as the memory plan allows.
+    batch: Count | None = None
+    #: A control image path for the ControlNet loaded with the model, turned
+    #: into its map by ``control_preprocess`` (canny edges, or none: as given).
+    control_image: PathText | None = None
+    control_preprocess: Literal["canny", "none"] = "canny"
+    control_scale: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+
+    @model_validator(mode="after")
+    def _inputs_agree(self) -> GenerateBody:
+        if self.mask_image is not None and self.image is None:
+            raise ValueError("mask_image needs image: inpainting redraws part of a given image")
+        if self.control_image is not None and (self.image is not None or self.mask_image is not None):
+            raise ValueError("control_image is served alone (ControlNet text-to-image); drop image / mask_image")
+        if self.strength is not None and self.image is None:
+            raise ValueError("strength applies to an input image; give image too, or drop strength")
+        lengths = {len(self.seeds or ()), len(self.prompts or ())} - {0, 1}
+        if len(lengths) > 1:
+            raise ValueError("seeds and prompts have different lengths; give one seed per prompt, or one of either")
+        if (self.seeds or self.prompts) and self.count != 1:
+            raise ValueError("count and seeds / prompts both set the number of images; give one")
+        return self
+
+
+# -- problems, in the caller's words ---------------------------------------------------
+
+#: pydantic's phrasing -> the engine's ("Input should be greater than 0" -> "must be greater than 0").
+_PHRASES = (("Input should be ", "must be "), ("Value error, ", ""), ("Input ", ""))
+
+
+def describe_problems(
+    error: ValidationError, name_of: Callable[[tuple[int | str, ...]], str] | None = None
+) -> list[str]:
+    """One sentence per problem: ``NAME must be ...`` (with the value given for scalars).
+
+    ``name_of`` maps a problem's location (pydantic's ``loc``) to the name the
+    user typed: a ``--flag`` at the terminal; the dotted field path by default.
+    """
+    sentences = []
+    for problem in error.errors():
+        loc = tuple(problem.get("loc", ()))
+        name = name_of(loc) if name_of is not None else ".".join(str(p) for p in loc) or "request"
+        message = str(problem.get("msg", ""))
+        for before, after in _PHRASES:
+            if message.startswith(before):
+                message = after + message[len(before):]
+                break
+        given = problem.get("input")
+        shown = f" (got {given!r})" if isinstance(given, int | float | str) and len(repr(given)) <= 40 else ""
+        multiple = (problem.get("ctx") or {}).get("multiple_of")
+        if problem.get("type") == "multiple_of" and isinstance(given, int) and isinstance(multiple, int):
+            # Never rounded silently: say which sizes would do.
+            below = given // multiple * multiple
+            shown += f"; {below} or {below + multiple} would do"
+        sentences.append(f"{name} {message}{shown}")
+    return sentences

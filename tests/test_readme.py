@@ -1,0 +1,95 @@
+"""Every command block in README.md, run as written (in README order, in one
+fresh folder, through the installed CLI in-process), or skipped for a reason
+listed here: a command neither run nor matched by a reason fails the test,
+and so does a reason that matches nothing (a stale skip hides nothing)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from engine.cli import main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+#: Shell commands not run here: (pattern over the command, why).
+SKIPPED: list[tuple[str, str]] = [
+    (r"^make demo\b", "builds .venv and runs examples/demo.py (minutes); the test already runs inside that .venv"),
+    (r"^\. \.venv/bin/activate", "changes the calling shell; here the CLI is called in-process"),
+    (r"pip install|^python3 -m venv", "installs packages; the test runs inside the installed .venv"),
+    (r"--allow-download", "downloads a real model from the hub (the tests never reach a hub)"),
+    (r"^diffusion-engine serve\b", "serves until stopped; tests/test_server.py runs the real app"),
+    (r"^make gpu-check\b", "needs an NVIDIA GPU (bench/gpu_check.py)"),
+    (r"^diffusion-engine train (?!.*--dry-run)", "trains for real in a child process; "
+     "tests/test_training_runs.py runs the CLI's train"),
+    (r"--lora runs/", "needs a trained run's folder and the user's LoRA file"),
+]
+#: Python blocks not run here: (text in the block, why).
+SKIPPED_PYTHON: list[tuple[str, str]] = [
+    ("register_resident",
+     "starts a 1500-step run on the user's model; tests/test_training_runs.py runs it as a script"),
+    ("OpenAI(", "needs a running server and the openai package; tests/test_server.py speaks that API"),
+    ("cancel_generation()", "needs the user's SDXL model, ControlNet and images; tests/test_images_in.py "
+     "and tests/test_batches.py make each of these calls on tiny pipelines"),
+]
+COMMANDS = ("diffusion-engine", "make", ".", "python3", "pip", ".venv/bin/")
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """``(language, body)`` of every fenced block."""
+    return [(m.group(1), m.group(2)) for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)]
+
+
+def commands(body: str) -> list[str]:
+    """The block's command lines (continuations joined, comments dropped); [] for a non-command block."""
+    lines = [line.strip() for line in body.replace("\\\n", " ").splitlines()]
+    lines = [line for line in lines if line and not line.startswith("#")]
+    if not any(line.split()[0] in COMMANDS or line.startswith(COMMANDS) for line in lines):
+        return []  # a diagram or a listing, not commands
+    return lines
+
+
+def reason(command: str) -> str | None:
+    return next((why for pattern, why in SKIPPED if re.search(pattern, command)), None)
+
+
+def test_every_readme_command_runs_or_says_why_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    ran: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    used_python: set[str] = set()
+    for language, body in blocks(README.read_text(encoding="utf-8")):
+        if language == "python":
+            why = next((w for marker, w in SKIPPED_PYTHON if marker in body), None)
+            if why is not None:
+                used_python.add(why)
+                skipped.append((body.splitlines()[0], why))
+                continue
+            exec(compile(body, str(README), "exec"), {"__name__": "readme"})  # noqa: S102 - the README's own code
+            ran.append(body.splitlines()[0])
+            continue
+        for command in commands(body):
+            why = reason(command)
+            if why is not None:
+                skipped.append((command, why))
+                continue
+            argv = shlex.split(command, comments=True)
+            assert argv[0] == "diffusion-engine", f"README command not runnable here and not skipped: {command}"
+            status = main(argv[1:])
+            err = capsys.readouterr().err
+            assert status == 0 and "Traceback" not in err, f"{command}\n{err}"
+            ran.append(command)
+    stale = [why for _, why in SKIPPED if why not in {w for _, w in skipped}]
+    stale += [why for _, why in SKIPPED_PYTHON if why not in used_python]
+    assert not stale, f"skip reasons that match no README command: {stale}"
+    assert any("tiny save" in c for c in ran) and any(c.startswith("diffusion-engine generate") for c in ran)
+    assert (tmp_path / "fox.png").is_file() and (tmp_path / "lighthouse.png").is_file()
+    with Image.open(tmp_path / "fox-flux.png") as tiny:
+        assert tiny.size == (64, 64), "--tiny defaults to 64 px for every family"
+    print("\n".join(f"skipped: {c}  ({why})" for c, why in skipped))
