@@ -783,7 +783,8 @@ class BenchModel:
 
     def facts(self) -> ModelFacts:
         """What the planner knows: this denoiser's shapes, the table's encoders and VAE."""
-        from engine.preflight.model import resolve_model, sizes_by_scheme
+        from engine.preflight.headers import sizes_by_scheme
+        from engine.preflight.model import resolve_model
 
         facts = resolve_model(self.registry, self.folder).facts(self.registry)
         if self.settings.tiny:

@@ -3,7 +3,7 @@
 Each family's denoiser is built at its real widths with fewer blocks (a
 "reduced config": the real layer shapes, at a size this machine holds) and
 saved as safetensors. Predicted bytes are what the engine plans with, read
-torch-free from that file's header (engine.preflight.model: parameter count
+torch-free from that file's header (engine.preflight.headers: parameter count
 for bf16; the int8 module filter applied to tensor names and shapes for
 int8). Measured bytes are the real tensors after loading in bf16 and after
 the engine's own int8 quantisation. Target: error <= 5%.
@@ -34,7 +34,7 @@ import torch
 
 from engine.policy.quant_filter import LAYOUTS, quantised_gb
 from engine.policy.quant_filter import dense_gb
-from engine.preflight.model import sizes_by_scheme, tensor_shapes
+from engine.preflight.headers import sizes_by_scheme, tensor_shapes
 from engine.runtime.quantize import quantize_transformer, storage_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from engine.errors import EngineError
 from engine.hardware.profile import HardwareProfile
 from engine.policy.info import training_info
-from engine.policy.inference import Plan
+from engine.policy.plan import Plan
 
 #: Distributions whose versions decide what runs (torch's CUDA build is read apart).
 PACKAGES: tuple[str, ...] = ("torch", "diffusers", "transformers", "peft", "torchao", "bitsandbytes", "kernels")

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.policy.inference import InferenceRequest
+from engine.policy.plan import InferenceRequest
 
 # -- the shared limits ------------------------------------------------------------
 

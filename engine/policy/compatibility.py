@@ -19,7 +19,7 @@ from itertools import combinations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the plan imports this module; only its type is needed here
-    from engine.policy.inference import Plan
+    from engine.policy.plan import Plan
 
 #: Transformer weights, as loaded (``none``: dense in the compute dtype).
 TORCHAO_SCHEMES: tuple[str, ...] = ("int8", "fp8", "mxfp8", "nvfp4")

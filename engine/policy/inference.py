@@ -9,6 +9,13 @@ The quantised plan carries a ``fallback``: the plan for the transformer as
 given (dense, or the GGUF file). The runtime adopts the quantised plan only
 when the quantised build succeeds, else it loads the fallback with the
 fallback's own memory plan.
+
+The records it reads and returns live in :mod:`engine.policy.plan`, and the
+per-control resolvers in the policy modules it imports (the transformer
+scheme in :mod:`engine.policy.scheme_choice`, the memory mode in
+:mod:`engine.policy.memory`, the speed controls in :mod:`engine.policy.speed`,
+the LoRA mode in :mod:`engine.policy.lora`, ...); this module sizes the
+components and assembles the resolved controls into a plan and its fallback.
 """
 
 from __future__ import annotations
@@ -16,14 +23,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry
 from engine.policy.available import AvailableMemory, available_memory
-from engine.policy.compatibility import pair_refusal, plan_refusals
+from engine.policy.compatibility import plan_refusals
 from engine.policy.activations import (
     CONTEXT_GB,
     DEFAULT_SIDE_PX,
@@ -34,15 +40,17 @@ from engine.policy.activations import (
 )
 from engine.policy.dtype import DTYPE_FACTOR, resolve_dtype
 from engine.policy.encoders import encoder_gb, resolve_text_encoder_memory, resolve_text_encoder_quant
+from engine.policy.lora import LoraPlanInput, resolve_lora
 from engine.policy.memory import (
     Components,
     MemoryEstimate,
     MemoryThresholds,
-    mode_rank,
     plan_memory,
 )
+from engine.policy.plan import CONTROLS, InferenceRequest, ModelFacts, Plan, requested_by_control
 from engine.policy.quant import lift_denials, resolve_quant_request
 from engine.policy.resolved import Resolved, auto, explicit, with_requests
+from engine.policy.scheme_choice import choose_transformer_scheme
 from engine.policy.schemes import HOST_QUANTISED, transformer_gb
 from engine.policy.speed import (
     StepCacheThresholds,
@@ -56,168 +64,22 @@ from engine.policy.speed import (
     schedule_compile,
     step_cache_unsupported,
 )
-from engine.types import Checkpoint, ComponentSizes, FamilySpec
 
-#: The controls of a plan, in display order; these names are the JSON keys.
-CONTROLS: tuple[str, ...] = (
-    "dtype",
-    "transformer_quant",
-    "text_encoder_dtype",
-    "text_encoder_quant",
-    "text_encoder_memory",
-    "memory_mode",
-    "attention_backend",
-    "step_cache",
-    "compile",
-    "speed_tier",
-    "fp16_accumulation",
-    "threads",
-    "lora",
-    "tf32",
-    "vae_tiling",
-    "vae_slicing",
-)
+#: Imported from here by the service, the CLI, the runtime and the tests.
+__all__ = [
+    "CONTROLS",
+    "FALLBACK_STEPS",
+    "InferenceRequest",
+    "LoraPlanInput",
+    "ModelFacts",
+    "Plan",
+    "plan_inference",
+    "requested_by_control",
+    "resolve_lora",
+]
 
 #: Steps assumed when neither the request nor a known checkpoint says.
 FALLBACK_STEPS = 28
-
-
-@dataclass(frozen=True)
-class LoraPlanInput:
-    """The LoRAs a load applies, as the planner sees them (read from headers)."""
-
-    count: int = 0
-    #: The largest rank among them (the hot-swap slot size under compile).
-    max_rank: int = 0
-    #: Parameters in their LoRA matrices, all together.
-    params: int = 0
-    #: The caller will change LoRAs or scales on the loaded pipeline.
-    switching: bool = False
-
-
-def resolve_lora(loras: LoraPlanInput, *, quantised: str | None, compiled: bool) -> Resolved[str]:
-    """How LoRAs are applied: ``fused`` into the weights (one LoRA on a dense
-    base, no switch expected: no per-step cost), ``unfused`` (peft layers beside
-    the base: a quantised or GGUF base, several LoRAs, or switching), or
-    ``hotswap`` (unfused, in slots of the largest rank, so a compiled
-    denoiser swaps adapters without recompiling)."""
-    if loras.count == 0:
-        return auto("none", "no LoRA requested")
-    why = []
-    base = {"GGUF": "gguf"}.get(quantised or "none", quantised or "none")
-    unfusable = pair_refusal("lora", "fused", "quant", base)
-    if quantised and unfusable:
-        why.append(f"the base is {quantised} ({unfusable})")
-    if loras.count > 1:
-        why.append(f"{loras.count} LoRAs keep separate scales")
-    if loras.switching:
-        why.append("LoRAs will be switched on the loaded pipeline")
-    if compiled and pair_refusal("lora", "unfused", "compile", "regional"):
-        because = "; ".join(why) or "compile is on"
-        return auto("hotswap", f"{because}: adapters are hot-swapped in rank-{loras.max_rank} slots so a switch does not recompile")
-    if why:
-        return auto("unfused", "; ".join(why) + ": adapters stay beside the base weights")
-    return auto("fused", "one LoRA on a dense base: fused into the weights, no per-step cost")
-
-
-@dataclass(frozen=True)
-class InferenceRequest:
-    """What the user asked for; ``auto`` leaves a control to the engine."""
-
-    dtype: str = "auto"
-    quant: str = "auto"
-    memory: str = "auto"
-    attention: str = "auto"
-    step_cache: str = "auto"
-    compile: str = "auto"
-    speed: str = "default"
-    steps: int | None = None
-    threads: int | None = None
-    loras: LoraPlanInput = LoraPlanInput()
-    text_encoder_quant: str = "auto"
-    text_encoder_memory: str = "auto"
-    vae_tiling: str = "auto"
-    #: The image size and batch the activation guard sizes for (None: 1024 px).
-    width: int | None = None
-    height: int | None = None
-    count: int = 1
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the planner knows about the model to load, without loading it."""
-
-    family: FamilySpec
-    checkpoint: Checkpoint | None
-    table_sizes: ComponentSizes
-    #: Sizes read from the checkpoint's own files, when it is local.
-    measured_sizes: ComponentSizes | None = None
-    #: The denoiser's steady GB per scheme, sized from its tensor shapes.
-    measured_scheme_gb: Mapping[str, float] | None = None
-    #: Size of a GGUF transformer file given instead of the dense one, GB.
-    gguf_transformer_gb: float | None = None
-    #: The transformer is stored pre-quantised in this scheme (``nf4``).
-    prequantised_scheme: str | None = None
-
-    @property
-    def sizes(self) -> ComponentSizes:
-        return self.measured_sizes or self.table_sizes
-
-
-@dataclass(frozen=True)
-class Plan:
-    family: str
-    checkpoint: str | None
-    device: str
-    controls: Mapping[str, Resolved]
-    estimate: MemoryEstimate
-    step_cache_threshold: float
-    compile_fullgraph: bool
-    #: A pip package to try installing for the attention backend, or None.
-    attention_install: str | None
-    default_steps: int
-    fallback: Plan | None = None
-    sizes: Mapping[str, ComponentSizes] = field(default_factory=dict)
-    #: The memory the plan was made for (free after eviction, with sources).
-    available: AvailableMemory | None = None
-    #: The image (1-based) of a session before which regional compile runs
-    #: (1: at load; a dense auto compile waits, so a one-off image is not slowed).
-    compile_from_image: int = 1
-    #: The transformer is a GGUF file (``transformer_quant`` None: not re-quantised).
-    gguf: bool = False
-    #: An auto step cache may engage at some generate of the session.
-    step_cache_may_engage: bool = False
-
-    def __getitem__(self, control: str) -> Resolved:
-        return self.controls[control]
-
-    def value(self, control: str) -> object:
-        return self.controls[control].value
-
-    def with_control(self, control: str, resolved: Resolved) -> Plan:
-        """A copy with one control re-decided (at load or generate time); it
-        keeps what was requested unless ``resolved`` says."""
-        controls = dict(self.controls)
-        if resolved.requested is None and control in controls:
-            resolved = resolved.with_request(controls[control].asked)
-        controls[control] = resolved
-        return dataclasses.replace(self, controls=MappingProxyType(controls))
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "family": self.family,
-            "checkpoint": self.checkpoint,
-            "device": self.device,
-            "resolved": {name: self.controls[name].to_dict() for name in CONTROLS if name in self.controls},
-            "estimate": self.estimate.to_dict(),
-            "step_cache_threshold": self.step_cache_threshold,
-            "compile_fullgraph": self.compile_fullgraph,
-            "compile_from_image": self.compile_from_image,
-            "attention_install": self.attention_install,
-            "sizes": {k: dataclasses.asdict(v) for k, v in self.sizes.items()},
-            "fallback": self.fallback.to_dict() if self.fallback else None,
-            "available_memory": self.available.to_dict() if self.available else None,
-        }
 
 
 def plan_inference(
@@ -300,43 +162,11 @@ def plan_inference(
     base_quant = model.prequantised_scheme
     base_name = "GGUF" if model.gguf_transformer_gb is not None else "dense"
     base = memory(dtype.value, base_quant)
-    chosen_quant: Resolved[str | None]
-    fallback_memory = None
-    if model.prequantised_scheme:
-        chosen_quant = auto(model.prequantised_scheme, "the checkpoint is stored pre-quantised")
-        chosen = base
-    elif quant.source == "explicit":
-        chosen_quant, chosen = quant, (memory(dtype.value, quant.value) if quant.value else base)
-        if quant.value:
-            fallback_memory = base
-            clash = chosen and pair_refusal("quant", quant.value, "memory", chosen[0].value)
-            if clash:
-                raise PreflightError(
-                    f"quant={quant.value} with memory={chosen[0].value}: {clash}. "  # type: ignore[index]
-                    "Use memory=auto (or another memory mode) or another quant.",
-                    code="incompatible_options",
-                )
-    elif quant.value is None:
-        chosen_quant, chosen = quant, base
-    else:
-        candidate = memory(dtype.value, quant.value)
-        if candidate is not None and pair_refusal("quant", quant.value, "memory", candidate[0].value):
-            candidate = None  # the asked memory mode cannot carry this scheme: stay as given
-        better = candidate is not None and (
-            base is None or mode_rank(candidate[0].value) < mode_rank(base[0].value)
-        )
-        if better:
-            mode = candidate[0].value  # type: ignore[index]
-            was = base[0].value if base else "not fitting at all"
-            chosen_quant = auto(quant.value, f"the {base_name} transformer plans {was}; {quant.value} plans {mode}. {quant.reason}")
-            chosen, fallback_memory = candidate, base
-        elif candidate is not None and base is not None and tier.value == "max" and quant.value in ("fp8", "mxfp8", "int8"):
-            chosen_quant = auto(quant.value, f"max tier: {quant.value} GEMMs for speed. {quant.reason}")
-            chosen, fallback_memory = candidate, base
-        else:
-            where = base[0].value if base else "nowhere"
-            chosen_quant = auto(None, f"the {base_name} transformer plans {where}; quantising would not improve the plan (candidate: {quant.value})")
-            chosen = base
+    choice = choose_transformer_scheme(
+        quant, prequantised=model.prequantised_scheme, base=base, base_name=base_name,
+        tier=tier.value, memory_for=lambda scheme: memory(dtype.value, scheme),
+    )
+    chosen_quant, chosen, fallback_memory = choice.quant, choice.memory, choice.fallback_memory
     if chosen is None:
         try:  # the memory rule's own words (unified memory, RAM and swap, ...)
             plan_memory(parts(dtype.value, base_quant), hardware, "auto", thresholds(dtype.value))
@@ -466,24 +296,6 @@ def plan_inference(
             fallback_encoder_memory,
         )
     return assemble(chosen_quant, chosen, fallback, encoder_memory)
-
-
-def requested_by_control(request: InferenceRequest) -> dict[str, object]:
-    """What the user asked of each control (``auto`` where they left it)."""
-    return {
-        "dtype": request.dtype,
-        "transformer_quant": request.quant,
-        "text_encoder_dtype": request.dtype,
-        "memory_mode": request.memory,
-        "attention_backend": request.attention,
-        "step_cache": request.step_cache,
-        "compile": request.compile,
-        "speed_tier": "auto" if request.speed == "default" else request.speed,
-        "threads": "auto" if request.threads is None else request.threads,
-        "text_encoder_quant": request.text_encoder_quant,
-        "text_encoder_memory": request.text_encoder_memory,
-        "vae_tiling": request.vae_tiling,
-    }
 
 
 def _checked(resolver, *args, **kwargs):  # type: ignore[no-untyped-def]

@@ -21,7 +21,7 @@ from typing import Union
 
 from engine.errors import EngineError, PreflightError
 from engine.plugins import Registry
-from engine.policy.inference import LoraPlanInput
+from engine.policy.lora import LoraPlanInput
 from engine.types import FamilySpec
 
 #: The file a training run (and diffusers' ``save_lora_weights``) writes.

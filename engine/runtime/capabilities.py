@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.policy.inference import Plan
+from engine.policy.plan import Plan
 from engine.policy.resolved import Resolved
 from engine.types import CAPABILITIES, FamilySpec
 

@@ -31,7 +31,7 @@ import torch
 from engine.errors import EngineError
 from engine.plugins import Registry
 from engine.preflight.lora import LoraFile, LoraMismatch, mismatch_error
-from engine.preflight.model import ModelSource
+from engine.preflight.source import ModelSource
 from engine.types import FamilySpec
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"

@@ -4,7 +4,7 @@ checkpoints people download) with diffusers' ``from_single_file``.
 Every weight comes from the file; the component configs (and tokenizers,
 scheduler) come from the source's ``base``: a local diffusers folder, or a
 hub repo id read from the local cache when the hub is offline
-(:func:`engine.preflight.model.hub_access_error` refuses an uncached one
+(:func:`engine.preflight.hub.hub_access_error` refuses an uncached one
 before anything is evicted). No family is named here: the family table's
 pipeline class decides what is built.
 """
@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from engine.preflight.model import ModelSource, hub_offline
+from engine.preflight.hub import hub_offline
+from engine.preflight.source import ModelSource
 
 
 def load_whole_file(source: ModelSource, dtype: torch.dtype) -> Any:

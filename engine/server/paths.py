@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path, PurePath
 
 from engine.errors import EngineError
-from engine.preflight.model import is_hub_id
+from engine.preflight.hub import is_hub_id
 
 #: Linux limits: bytes in one path component, bytes in a whole path.
 NAME_MAX = 255

@@ -75,7 +75,7 @@ def _load_and_generate(
     registry: Registry, folder: Path, family: FamilySpec, size: int, steps: int
 ) -> tuple[object, bytes]:
     from engine.hardware.probe import probe
-    from engine.policy.inference import InferenceRequest
+    from engine.policy.plan import InferenceRequest
     from engine.service import Engine
 
     engine = Engine(registry=registry, hardware=probe(verify=False))

@@ -1,0 +1,53 @@
+"""How a load's LoRAs are applied: the plan's ``lora`` control.
+
+Torch-free, like the rest of the policy layer. The planner sees the LoRAs as
+their headers describe them (:class:`LoraPlanInput`, built by
+:mod:`engine.preflight.lora`); :func:`resolve_lora` picks fused, unfused or
+hot-swapped application from them, the base's scheme and whether compile is
+on, consulting the compatibility table for the pairs it refuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.policy.compatibility import pair_refusal
+from engine.policy.resolved import Resolved, auto
+
+
+@dataclass(frozen=True)
+class LoraPlanInput:
+    """The LoRAs a load applies, as the planner sees them (read from headers)."""
+
+    count: int = 0
+    #: The largest rank among them (the hot-swap slot size under compile).
+    max_rank: int = 0
+    #: Parameters in their LoRA matrices, all together.
+    params: int = 0
+    #: The caller will change LoRAs or scales on the loaded pipeline.
+    switching: bool = False
+
+
+def resolve_lora(loras: LoraPlanInput, *, quantised: str | None, compiled: bool) -> Resolved[str]:
+    """How LoRAs are applied: ``fused`` into the weights (one LoRA on a dense
+    base, no switch expected: no per-step cost), ``unfused`` (peft layers beside
+    the base: a quantised or GGUF base, several LoRAs, or switching), or
+    ``hotswap`` (unfused, in slots of the largest rank, so a compiled
+    denoiser swaps adapters without recompiling)."""
+    if loras.count == 0:
+        return auto("none", "no LoRA requested")
+    why = []
+    base = {"GGUF": "gguf"}.get(quantised or "none", quantised or "none")
+    unfusable = pair_refusal("lora", "fused", "quant", base)
+    if quantised and unfusable:
+        why.append(f"the base is {quantised} ({unfusable})")
+    if loras.count > 1:
+        why.append(f"{loras.count} LoRAs keep separate scales")
+    if loras.switching:
+        why.append("LoRAs will be switched on the loaded pipeline")
+    if compiled and pair_refusal("lora", "unfused", "compile", "regional"):
+        because = "; ".join(why) or "compile is on"
+        return auto("hotswap", f"{because}: adapters are hot-swapped in rank-{loras.max_rank} slots so a switch does not recompile")
+    if why:
+        return auto("unfused", "; ".join(why) + ": adapters stay beside the base weights")
+    return auto("fused", "one LoRA on a dense base: fused into the weights, no per-step cost")

@@ -1,0 +1,164 @@
+"""The plan's records: what was asked, what is known of the model, what was decided.
+
+Torch-free. :class:`InferenceRequest` is the user's request (``auto`` leaves a
+control to the engine), :class:`ModelFacts` what the planner knows of the
+model without loading it, and :class:`Plan` the result: every control
+resolved with its reason, keyed by the names UIs and the HTTP API use
+(:data:`CONTROLS`). The decisions themselves are made in
+:func:`engine.policy.inference.plan_inference`; the runtime re-decides single
+controls on a plan with :meth:`Plan.with_control`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from engine.policy.available import AvailableMemory
+from engine.policy.lora import LoraPlanInput
+from engine.policy.memory import MemoryEstimate
+from engine.policy.resolved import Resolved
+from engine.types import Checkpoint, ComponentSizes, FamilySpec
+
+#: The controls of a plan, in display order; these names are the JSON keys.
+CONTROLS: tuple[str, ...] = (
+    "dtype",
+    "transformer_quant",
+    "text_encoder_dtype",
+    "text_encoder_quant",
+    "text_encoder_memory",
+    "memory_mode",
+    "attention_backend",
+    "step_cache",
+    "compile",
+    "speed_tier",
+    "fp16_accumulation",
+    "threads",
+    "lora",
+    "tf32",
+    "vae_tiling",
+    "vae_slicing",
+)
+
+
+@dataclass(frozen=True)
+class InferenceRequest:
+    """What the user asked for; ``auto`` leaves a control to the engine."""
+
+    dtype: str = "auto"
+    quant: str = "auto"
+    memory: str = "auto"
+    attention: str = "auto"
+    step_cache: str = "auto"
+    compile: str = "auto"
+    speed: str = "default"
+    steps: int | None = None
+    threads: int | None = None
+    loras: LoraPlanInput = LoraPlanInput()
+    text_encoder_quant: str = "auto"
+    text_encoder_memory: str = "auto"
+    vae_tiling: str = "auto"
+    #: The image size and batch the activation guard sizes for (None: 1024 px).
+    width: int | None = None
+    height: int | None = None
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the planner knows about the model to load, without loading it."""
+
+    family: FamilySpec
+    checkpoint: Checkpoint | None
+    table_sizes: ComponentSizes
+    #: Sizes read from the checkpoint's own files, when it is local.
+    measured_sizes: ComponentSizes | None = None
+    #: The denoiser's steady GB per scheme, sized from its tensor shapes.
+    measured_scheme_gb: Mapping[str, float] | None = None
+    #: Size of a GGUF transformer file given instead of the dense one, GB.
+    gguf_transformer_gb: float | None = None
+    #: The transformer is stored pre-quantised in this scheme (``nf4``).
+    prequantised_scheme: str | None = None
+
+    @property
+    def sizes(self) -> ComponentSizes:
+        return self.measured_sizes or self.table_sizes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every control of one load resolved with its reason, the memory estimate
+    it was made from, and the fallback to build if the quantised one fails."""
+
+    family: str
+    checkpoint: str | None
+    device: str
+    controls: Mapping[str, Resolved]
+    estimate: MemoryEstimate
+    step_cache_threshold: float
+    compile_fullgraph: bool
+    #: A pip package to try installing for the attention backend, or None.
+    attention_install: str | None
+    default_steps: int
+    fallback: Plan | None = None
+    sizes: Mapping[str, ComponentSizes] = field(default_factory=dict)
+    #: The memory the plan was made for (free after eviction, with sources).
+    available: AvailableMemory | None = None
+    #: The image (1-based) of a session before which regional compile runs
+    #: (1: at load; a dense auto compile waits, so a one-off image is not slowed).
+    compile_from_image: int = 1
+    #: The transformer is a GGUF file (``transformer_quant`` None: not re-quantised).
+    gguf: bool = False
+    #: An auto step cache may engage at some generate of the session.
+    step_cache_may_engage: bool = False
+
+    def __getitem__(self, control: str) -> Resolved:
+        return self.controls[control]
+
+    def value(self, control: str) -> object:
+        return self.controls[control].value
+
+    def with_control(self, control: str, resolved: Resolved) -> Plan:
+        """A copy with one control re-decided (at load or generate time); it
+        keeps what was requested unless ``resolved`` says."""
+        controls = dict(self.controls)
+        if resolved.requested is None and control in controls:
+            resolved = resolved.with_request(controls[control].asked)
+        controls[control] = resolved
+        return dataclasses.replace(self, controls=MappingProxyType(controls))
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "family": self.family,
+            "checkpoint": self.checkpoint,
+            "device": self.device,
+            "resolved": {name: self.controls[name].to_dict() for name in CONTROLS if name in self.controls},
+            "estimate": self.estimate.to_dict(),
+            "step_cache_threshold": self.step_cache_threshold,
+            "compile_fullgraph": self.compile_fullgraph,
+            "compile_from_image": self.compile_from_image,
+            "attention_install": self.attention_install,
+            "sizes": {k: dataclasses.asdict(v) for k, v in self.sizes.items()},
+            "fallback": self.fallback.to_dict() if self.fallback else None,
+            "available_memory": self.available.to_dict() if self.available else None,
+        }
+
+
+def requested_by_control(request: InferenceRequest) -> dict[str, object]:
+    """What the user asked of each control (``auto`` where they left it)."""
+    return {
+        "dtype": request.dtype,
+        "transformer_quant": request.quant,
+        "text_encoder_dtype": request.dtype,
+        "memory_mode": request.memory,
+        "attention_backend": request.attention,
+        "step_cache": request.step_cache,
+        "compile": request.compile,
+        "speed_tier": "auto" if request.speed == "default" else request.speed,
+        "threads": "auto" if request.threads is None else request.threads,
+        "text_encoder_quant": request.text_encoder_quant,
+        "text_encoder_memory": request.text_encoder_memory,
+        "vae_tiling": request.vae_tiling,
+    }

@@ -1,0 +1,94 @@
+"""A local diffusers pipeline folder, checked and sized before anything loads.
+
+The family comes from ``model_index.json``'s ``_class_name`` (a forced family
+must agree with it); every component it lists must be there with weights, and
+every safetensors file is sized and checked for completeness from its header
+(:mod:`engine.preflight.headers`), so an incomplete copy is refused here,
+naming the folder and what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.errors import PreflightError
+from engine.plugins import Registry
+from engine.preflight.headers import measured_sizes, sizes_by_scheme
+from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline
+from engine.types import FamilySpec
+
+
+def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None) -> ModelSource:
+    """``folder`` (which has a ``model_index.json``) as a ``pipeline`` source;
+    refuses a family that disagrees, or a missing or weightless component."""
+    index = read_json(folder / "model_index.json")
+    class_name = str(index.get("_class_name", ""))
+    own = registry.family_for_pipeline_class(class_name)
+    if forced is not None and own is not None and own.name != forced.name:
+        raise PreflightError(
+            f"{folder} is a {own.label} pipeline ({class_name} in its model_index.json), not "
+            f"{forced.label}; drop the family or pass family={own.name}",
+            code="family_mismatch",
+        )
+    spec = forced or own
+    if spec is None:
+        known = sorted(c for f in registry.families.values() for c in f.pipeline_class_names)
+        raise NotAPipeline(
+            f"{folder}/model_index.json names pipeline class {class_name!r}, which no installed "
+            f"family plugin handles (known: {', '.join(known)}); pass --family or install its plugin",
+            code="family_unknown",
+        )
+    components = {
+        name: value for name, value in index.items()
+        if not name.startswith("_") and isinstance(value, list) and value and value[0]
+    }
+    missing = [name for name in components if not (folder / name).is_dir()]
+    if missing:
+        raise ModelNotFound(
+            f"{folder} is missing {', '.join(missing)} (listed in its model_index.json); "
+            "the pipeline folder is incomplete: copy or download it again",
+            code="model_file_missing",
+        )
+    weightless = [
+        name for name in components
+        if (folder / name / "config.json").is_file()
+        and not any(next((folder / name).glob(p), None) for p in ("*.safetensors", "*.bin"))
+    ]
+    if weightless:
+        raise ModelNotFound(
+            f"{folder} has no weights in {', '.join(weightless)} (a config.json but no "
+            ".safetensors or .bin file); the pipeline folder is incomplete",
+            code="model_file_missing",
+        )
+    denoiser_config = folder / spec.denoiser / "config.json"
+    if spec.denoiser in components and not denoiser_config.is_file():
+        raise ModelNotFound(
+            f"{folder / spec.denoiser} has no config.json; the pipeline folder is incomplete",
+            code="model_file_missing",
+        )
+    quantised = spec.is_prequantised(folder.name) or "quantization_config" in (
+        read_json(denoiser_config) if denoiser_config.is_file() else {}
+    )
+    sizes, denoiser_shapes = measured_sizes(folder, spec, components)
+    return ModelSource(
+        "pipeline",
+        str(folder),
+        spec,
+        spec.checkpoint(folder.name),
+        measured_sizes=sizes,
+        scheme_gb=sizes_by_scheme(denoiser_shapes) if denoiser_shapes and not quantised else None,
+        prequantised_scheme="nf4" if quantised else None,
+        denoiser_shapes=tuple(denoiser_shapes),
+    )
+
+
+def read_json(path: Path) -> dict[str, object]:
+    """A JSON object from a pipeline's config file; refuses anything else."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise NotAPipeline(f"{path} is not valid JSON ({exc})", code="corrupt_checkpoint") from None
+    if not isinstance(data, dict):
+        raise NotAPipeline(f"{path} is not a JSON object", code="corrupt_checkpoint")
+    return data

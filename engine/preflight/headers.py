@@ -1,0 +1,138 @@
+"""Sizes and completeness of checkpoint files, read from their headers alone.
+
+A safetensors header is a few KB: it names every tensor with its dtype, shape
+and byte range, so the denoiser's size under every scheme, each pipeline
+part's bf16 GB and whether the file is complete (its data offsets cover the
+file exactly, so a truncated download fails here and not in the loader) are
+all known without reading a weight or importing torch. GGUF files give their
+tensor names the same way (through the ``gguf`` reader, numpy only).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+from engine.policy.quant_filter import LAYOUTS, dense_gb, quantised_gb
+from engine.preflight.source import NotAPipeline
+from engine.types import ComponentSizes, FamilySpec
+
+#: (name, shape) of tensors, as read from a header.
+Shapes = list[tuple[str, tuple[int, ...]]]
+#: Bytes per element of safetensors dtypes, to count parameters.
+_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+    "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+}
+
+
+def measured_sizes(
+    folder: Path, spec: FamilySpec, components: dict[str, list[str]]
+) -> tuple[ComponentSizes | None, Shapes]:
+    """bf16 GB per part from the safetensors headers (None if a part has none),
+    and the denoiser's tensor shapes, so its headers are read once."""
+    totals = {"denoiser": 0.0, "text": 0.0, "vae": 0.0}
+    denoiser: Shapes = []
+    complete = True
+    for name in components:
+        files = sorted((folder / name).glob("*.safetensors"))
+        shapes = tensor_shapes(files)  # every component: a truncated file fails here
+        if not (name in (spec.denoiser, "vae") or name.startswith("text_encoder")):
+            continue
+        if not files:
+            complete = False
+            continue
+        if name == spec.denoiser:
+            denoiser = shapes
+        part = "denoiser" if name == spec.denoiser else "vae" if name == "vae" else "text"
+        totals[part] += dense_gb(shapes)
+    sizes = ComponentSizes(totals["denoiser"], totals["text"], totals["vae"]) if complete else None
+    return sizes, denoiser
+
+
+def sizes_by_scheme(shapes: Shapes) -> dict[str, float]:
+    """A denoiser's GB under each scheme, from tensor names and shapes alone."""
+    return {scheme: quantised_gb(shapes, scheme) for scheme in LAYOUTS}
+
+
+def tensor_shapes(files: list[Path]) -> Shapes:
+    """(name, shape) of every tensor in ``files``, from their headers (no weights read)."""
+    return [
+        (name, tuple(int(d) for d in info.get("shape", [])))  # type: ignore[union-attr]
+        for file in files
+        for name, info in _safetensors_header(file).items()
+    ]
+
+
+def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
+    """The header of a complete safetensors file (its tensor data fills the file exactly)."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > 100_000_000:
+                raise ValueError("header too large")
+            if 8 + length > size:
+                raise ValueError(f"its {length}-byte header runs past the end of the {size}-byte file")
+            header = json.loads(handle.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        header.pop("__metadata__", None)
+        end, data = _data_end(header), size - 8 - length
+        if end != data:
+            raise ValueError(
+                f"truncated or padded: its header describes {end:,} bytes of tensor data, "
+                f"the file holds {data:,}"
+            )
+    except (OSError, ValueError, struct.error) as exc:
+        raise NotAPipeline(
+            f"{file} is not a complete safetensors file ({exc}); re-download or re-export it",
+            code="corrupt_checkpoint",
+        ) from None
+    return header
+
+
+def _data_end(header: dict[str, object]) -> int:
+    """Where the last tensor's bytes end; ValueError for an entry that cannot be read."""
+    end = 0
+    for name, info in header.items():
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not (
+            isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and o >= 0 for o in offsets) and offsets[0] <= offsets[1]
+            and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+        ):
+            raise ValueError(f"tensor {name!r} has no valid shape and data_offsets")
+        width = _DTYPE_BYTES.get(str(info.get("dtype")))  # type: ignore[union-attr]
+        if width is not None and math.prod(shape) * width != offsets[1] - offsets[0]:
+            raise ValueError(f"tensor {name!r} ({shape}) does not fill its {offsets[1] - offsets[0]} bytes")
+        end = max(end, offsets[1])
+    return end
+
+
+def gguf_tensor_names(file: Path) -> tuple[str, ...]:
+    """The tensor names of a GGUF file, to tell its family (no weights read)."""
+    from gguf import GGUFReader  # numpy only; no torch
+
+    try:
+        return tuple(t.name for t in GGUFReader(str(file)).tensors)
+    except (OSError, ValueError) as exc:
+        raise NotAPipeline(f"{file} is not a readable GGUF file ({exc})", code="corrupt_checkpoint") from None
+
+
+def whole_pipeline_sizes(spec: FamilySpec, shapes: Shapes) -> ComponentSizes | None:
+    """bf16 GB per part of a file holding the family's whole pipeline, or None
+    when the family's files are denoiser-only or this one lacks a part."""
+    if not spec.single_file_whole_pipeline or not spec.single_file_parts:
+        return None
+    groups: dict[str, Shapes] = {"denoiser": [], "text_encoders": [], "vae": []}
+    for name, shape in shapes:
+        part = next((p for prefix, p in spec.single_file_parts if name.startswith(prefix)), None)
+        if part is not None:
+            groups[part].append((name, shape))
+    if not all(groups.values()):
+        return None
+    return ComponentSizes(dense_gb(groups["denoiser"]), dense_gb(groups["text_encoders"]), dense_gb(groups["vae"]))

@@ -1,0 +1,85 @@
+"""What a model argument resolved to: the :class:`ModelSource` record and its refusals.
+
+Kept apart from the resolution itself (:mod:`engine.preflight.model`) so the
+runtime, the trainer and the hub checks can name the record without pulling
+in the classifiers: every resolver module builds one of these, and the
+loader reads one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from engine.errors import EngineError
+from engine.plugins import Registry
+from engine.policy.plan import ModelFacts
+from engine.types import Checkpoint, ComponentSizes, FamilySpec
+
+#: ``single_file_pipeline``: one ``.safetensors`` holding the whole pipeline
+#: (its ``base`` is only where the component configs come from).
+ModelKind = Literal["pipeline", "single_file", "single_file_pipeline", "gguf", "hub"]
+
+
+class ModelNotFound(EngineError, FileNotFoundError):
+    """A local path that does not exist, or a file a local pipeline lacks."""
+
+    code = "model_not_found"
+
+
+class NotAPipeline(EngineError):
+    """A local folder that is neither a diffusers pipeline nor a single file."""
+
+    code = "not_a_pipeline"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model argument, classified and sized before anything loads: what the
+    planner plans from (:meth:`facts`) and what the loader loads."""
+
+    kind: ModelKind
+    location: str
+    family: FamilySpec
+    checkpoint: Checkpoint | None
+    #: The pipeline that provides configs and the other components
+    #: (single-file and GGUF models); None for full pipelines and hub ids.
+    base: str | None = None
+    measured_sizes: ComponentSizes | None = None
+    #: The denoiser's GB under each scheme, sized from its tensor shapes.
+    scheme_gb: Mapping[str, float] | None = None
+    gguf_gb: float | None = None
+    prequantised_scheme: str | None = None
+    #: (name, shape) of every denoiser tensor, from its safetensors headers
+    #: (local pipelines and single files); empty where unread.
+    denoiser_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def facts(self, registry: Registry) -> ModelFacts:
+        return ModelFacts(
+            family=self.family,
+            checkpoint=self.checkpoint,
+            table_sizes=registry.component_sizes(self.family, self.checkpoint),
+            measured_sizes=self.measured_sizes,
+            measured_scheme_gb=self.scheme_gb,
+            gguf_transformer_gb=self.gguf_gb,
+            prequantised_scheme=self.prequantised_scheme,
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "kind": self.kind,
+            "location": self.location,
+            "family": self.family.name,
+            "checkpoint": self.checkpoint.name if self.checkpoint else None,
+            "base": self.base,
+        }
+
+
+def unknown_family(registry: Registry, what: str) -> EngineError:
+    """The refusal for a model whose family neither its files nor its name tell."""
+    return EngineError(
+        f"could not tell the model family of {what}; pass --family "
+        f"({', '.join(registry.families)})",
+        code="family_unknown",
+    )

@@ -1,0 +1,215 @@
+"""A generate call on a loaded pipeline: the request, its workflow, its batches.
+
+The generate half of :class:`~engine.runtime.session.InferenceSession`: which
+workflow pipeline a request takes (txt2img, img2img, inpaint, edit,
+ControlNet; see :mod:`engine.runtime.workflows`), its inputs fitted to the
+model's side multiple, one generator per image, the images run in chunks that
+halve on out-of-memory (see :mod:`engine.runtime.batching`), and the keyword
+arguments each chunk's pipeline call gets (only those it accepts, then the
+family's ``engine_generate_kwargs`` hook).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from PIL import Image
+
+from engine.errors import EngineError
+from engine.plugins import Registry
+from engine.policy.plan import Plan
+from engine.preflight.lora import LoraFile
+from engine.preflight.source import ModelSource
+from engine.runtime import batching, text_encoders, workflows
+from engine.runtime.inputs import FittedInputs, ImageLike, fit_inputs, paste_unmasked, vae_dtype
+from engine.runtime.loading import Progress
+from engine.runtime.vae import apply_vae_tiling
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """One generate call's inputs, as the service builds them from an HTTP or
+    CLI request; ``None`` leaves a value to the checkpoint or the plan."""
+
+    prompt: str
+    steps: int | None = None
+    guidance: float | None = None
+    width: int | None = None
+    height: int | None = None
+    seed: int = 0
+    count: int = 1
+    negative_prompt: str | None = None
+    #: The LoRAs (with scales) to generate with; None keeps those applied now.
+    loras: tuple[LoraFile, ...] | None = None
+    #: An input image (path, encoded bytes or PIL image): img2img, or an
+    #: instruction edit on an edit checkpoint (see :mod:`engine.runtime.workflows`).
+    image: ImageLike | None = None
+    #: White where ``image`` is redrawn (inpaint); needs ``image``.
+    mask_image: ImageLike | None = None
+    #: How much of ``image`` is redrawn (0-1); None: the pipeline's default.
+    strength: float | None = None
+    #: One prompt / seed per image (a list of one is repeated); empty: ``count``
+    #: images of ``prompt`` with seeds ``seed, seed + 1, ...``.
+    prompts: tuple[str, ...] = ()
+    seeds: tuple[int, ...] = ()
+    #: Images per forward; None: as the memory plan allows (one on the CPU).
+    batch: int | None = None
+    #: A control image for the loaded ControlNet, made a map by ``control_preprocess``
+    #: (``canny`` edges, or ``none``: the image is the map); its strength.
+    control_image: ImageLike | None = None
+    control_preprocess: str = "canny"
+    control_scale: float | None = None
+
+
+class Generation:
+    """Mixin of :class:`~engine.runtime.session.InferenceSession`: runs a
+    :class:`GenerateRequest` on the loaded pipeline, serialised by the
+    session's lock. It switches LoRAs through the session's ``set_loras`` and
+    re-decides the step cache and compile through :class:`SpeedControls`
+    (:mod:`engine.runtime.speedups`) before every call."""
+
+    registry: Registry
+    source: ModelSource
+    plan: Plan
+    pipeline: Any
+    vae_tiled: bool
+    batch_events: list[dict[str, object]]
+    encoder_stream: text_encoders.EncoderStream | None
+    _lock: threading.Lock
+    _controlnet: Any
+    _workflow_pipes: dict[str, Any]
+    _active: Any
+    _images: int
+
+    def generate(self, request: GenerateRequest, progress: Progress | None = None) -> list[Image.Image]:
+        """The request's images: its workflow's pipeline (built over the loaded
+        components), its inputs fitted, one generator per image, in chunks
+        (halved on out-of-memory; see :mod:`engine.runtime.batching`)."""
+        with self._lock:
+            family = self.source.family
+            control = request.control_image is not None
+            workflow, class_name = workflows.choose_workflow(
+                family, self.source.checkpoint, image=request.image is not None,
+                mask=request.mask_image is not None, control=control,
+            )
+            if control and self._controlnet is None:
+                raise workflows.UnsupportedWorkflow(
+                    "control_image needs a ControlNet loaded with the model; load with controlnet=PATH (--controlnet)"
+                )
+            extra = {"controlnet": self._controlnet} if control else None
+            pipe = workflows.workflow_pipeline(self.pipeline, class_name, self._workflow_pipes, extra)
+            picture = workflows.control_input(request.control_image, request.control_preprocess) if control else request.image
+            fitted = fit_inputs(
+                picture, request.mask_image, width=request.width, height=request.height,
+                multiple=family.side_multiple, dtype=vae_dtype(pipe),
+            )
+            steps = request.steps or self.plan.default_steps
+            strength = workflows.strength_of(pipe, request.strength) if workflow != "txt2img" else None
+            effective = workflows.effective_steps(steps, strength)
+            if effective < 1:
+                raise EngineError(
+                    f"strength {strength} x {steps} steps runs no denoising step; raise strength or steps",
+                    code="invalid_request",
+                )
+            items = batching.batch_items(
+                request.prompt, prompts=request.prompts, seeds=request.seeds, seed=request.seed,
+                count=request.count, negative_prompt=request.negative_prompt,
+            )
+            if request.loras is not None:
+                self.set_loras(request.loras)
+            self._active = pipe
+            try:
+                self._recheck_step_cache(effective)
+                self._images += 1
+                if self._images > 1:
+                    self._apply_compile(self._images)
+                images = self._run_batch(pipe, request, steps, effective, strength, fitted, items, progress)
+            finally:
+                self._active = None
+            if workflow == "inpaint" and fitted.original is not None and fitted.mask is not None:
+                images = [paste_unmasked(image, fitted.original, fitted.mask) for image in images]
+            return images
+
+    def _run_batch(
+        self, pipe: Any, request: GenerateRequest, steps: int, effective: int, strength: float | None,
+        fitted: FittedInputs, items: list[batching.BatchItem], progress: Progress | None,
+    ) -> list[Image.Image]:
+        estimate = self.plan.estimate
+        size = batching.chunk_size(
+            len(items), self.plan.device, requested=request.batch,
+            free_gb=estimate.budget_gb - estimate.peak_gb, per_image_gb=estimate.peak_gb - estimate.resident_gb,
+        )
+        done = [0]  # denoising steps finished over every chunk
+        planned = effective * -(-len(items) // size)
+
+        def forward(chunk: list[batching.BatchItem]) -> list[Image.Image]:
+            kwargs = self._call_kwargs(pipe, request, steps, chunk, fitted, strength)
+            if progress is not None:
+                before = done[0]
+
+                def on_step(_pipe: Any, step: int, _t: Any, _kw: dict[str, Any]) -> dict[str, Any]:
+                    done[0] = before + step + 1
+                    progress(done[0], max(done[0], planned))
+                    return {}
+
+                kwargs["callback_on_step_end"] = on_step
+            self.vae_tiled = apply_vae_tiling(pipe, self.plan, kwargs.get("width"), kwargs.get("height"))
+            stream = self.encoder_stream
+            if stream is not None:
+                stream.before_call(pipe)
+            try:
+                with torch.inference_mode():
+                    result = pipe(**kwargs)
+            finally:
+                if stream is not None:
+                    stream.after_call()
+            return list(result.images)
+
+        def on_split(event: batching.SplitEvent) -> None:
+            self.batch_events = [*self.batch_events[-19:], event.to_dict()]
+
+        return batching.run_chunked(items, size, forward, on_split)
+
+    def _call_kwargs(
+        self, pipe: Any, request: GenerateRequest, steps: int, chunk: Sequence[batching.BatchItem],
+        fitted: FittedInputs, strength: float | None,
+    ) -> dict[str, Any]:
+        family = self.source.family
+        checkpoint = self.source.checkpoint or family.default_checkpoint
+        guidance = checkpoint.default_guidance if request.guidance is None else request.guidance
+        accepted = inspect.signature(pipe.__call__).parameters
+        kwargs: dict[str, Any] = {
+            "prompt": [item.prompt for item in chunk],
+            "num_inference_steps": steps,
+            "num_images_per_prompt": 1,
+            "generator": batching.generators([item.seed for item in chunk]),
+            family.guidance_kwarg: guidance,
+        }
+        width, height = (fitted.width, fitted.height) if fitted.image is not None else (request.width, request.height)
+        if width:
+            kwargs["width"] = width
+        if height:
+            kwargs["height"] = height
+        if width and height:
+            kwargs["max_area"] = width * height  # edit pipelines scale their output to this area
+        if fitted.image is not None:
+            kwargs["image"] = fitted.image
+            kwargs["_auto_resize"] = False  # fitted already, to the requested box at the model's multiple
+        if fitted.mask is not None:
+            kwargs["mask_image"] = fitted.mask
+        if strength is not None:
+            kwargs["strength"] = strength
+        if request.control_scale is not None:
+            kwargs["controlnet_conditioning_scale"] = request.control_scale
+        negative = request.negative_prompt
+        if negative is None and family.guidance_kwarg == "true_cfg_scale" and guidance > 1:
+            negative = " "  # true CFG runs only with a negative prompt
+        if negative is not None and "negative_prompt" in accepted:
+            kwargs["negative_prompt"] = [negative] * len(chunk)
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted or k == "callback_on_step_end"}
+        return self.registry.generate_kwargs(family, pipe, kwargs)  # engine_generate_kwargs

@@ -1,0 +1,234 @@
+"""Building a plan's pipeline and placing it on the device, with the fallback.
+
+This is the weight-handling half of :class:`~engine.runtime.session.InferenceSession`,
+kept apart so the path from files to placed modules reads in one place: which
+loader a model kind takes (pipeline folder, single file, GGUF, whole-pipeline
+file, nf4), the numeric canary of a quantised or fp16 build, text-encoder
+quantisation or streaming, and how the memory mode places what was loaded.
+
+A quantised build that fails, or any failure to place weights on the device
+(out of memory while moving, quantising or installing offload hooks), releases
+what was placed and builds the plan's fallback, with the reason recorded on the
+session. A torchao-quantised transformer is quantised on the way in (see
+:func:`engine.runtime.quantize.quantize_on_host_then_place`): it is never
+resident on the GPU in dense bf16.
+"""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.errors import EngineError
+from engine.plugins import Registry
+from engine.policy.plan import Plan
+from engine.policy.resolved import explicit
+from engine.preflight.source import ModelSource
+from engine.runtime import flags, quantize, text_encoders
+from engine.runtime.canary import inference_canary
+from engine.runtime.quantize import (
+    Placement,
+    PlacementFailed,
+    QuantisationFailed,
+    nf4_config,
+    quantize_on_host_then_place,
+)
+from engine.runtime.whole_file import load_whole_file
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+#: Called with (steps done, steps planned) while loading or generating.
+Progress = Callable[[int, int], None]
+
+
+class LoadFailed(EngineError):
+    """The loader could not read the model (a missing, corrupt or mismatched file)."""
+
+    code = "load_failed"
+
+
+class PipelineLoading:
+    """Mixin of :class:`~engine.runtime.session.InferenceSession`: applies the
+    process-wide torch flags, loads the pipeline and places it per the plan,
+    falling back to the plan's fallback when placement or quantisation fails.
+
+    It reads and records on the session's own attributes (set in its
+    ``__init__``), so ``status()`` reports what really happened.
+    """
+
+    registry: Registry
+    source: ModelSource
+    plan: Plan
+    canary: dict[str, object] | None
+    quantised_layers: int
+    placement: Placement | None
+    fallback: dict[str, object] | None
+    encoder_stream: text_encoders.EncoderStream | None
+    encoder_placements: list[Placement]
+
+    def _apply_process_flags(self) -> None:
+        threads = self.plan.value("threads")
+        if threads:
+            torch.set_num_threads(int(threads))  # type: ignore[arg-type]
+        if self.plan.device == "cuda" and "tf32" in self.plan.controls and self.plan.value("tf32"):
+            torch.set_float32_matmul_precision("high")
+        if self.plan.value("fp16_accumulation") and flags.fp16_accumulation_available():
+            torch.backends.cuda.matmul.allow_fp16_accumulation = True
+
+    def _build(self, plan: Plan, progress: Progress | None) -> Any:
+        """Load and place per ``plan``; on any placement or quantisation
+        failure, release what was placed and build the plan's fallback."""
+        while True:
+            try:
+                return self._build_once(plan)
+            except (PlacementFailed, QuantisationFailed) as exc:
+                plan = self._fallback_after(plan, exc)
+
+    def _build_once(self, plan: Plan) -> Any:
+        dtype = TORCH_DTYPES[str(plan.value("dtype"))]
+        scheme = plan.value("transformer_quant")
+        pipe = self._load_pipeline(dtype, str(scheme) if scheme else None)
+        self.quantised_layers, self.placement = 0, None
+        if scheme and scheme != "nf4" and self.source.prequantised_scheme is None:
+            denoiser = getattr(pipe, self.source.family.denoiser)
+            self.placement = quantize_on_host_then_place(
+                denoiser, str(scheme), plan.device, resident=resident(plan),
+                keep=quantize.module_filter(str(scheme), self.source.family.int8_dense_modules),
+            )
+            self.quantised_layers = self.placement.layers
+            self.canary = inference_canary(
+                denoiser, quantize.module_filter(str(scheme), self.source.family.int8_dense_modules),
+                scheme=str(scheme), dtype=dtype,
+            ).to_dict()  # a broken scheme raises CanaryFailed: the fallback is built instead
+        elif dtype == torch.float16:  # fp16 compute: the dtype some families render black in
+            self.canary = inference_canary(
+                getattr(pipe, self.source.family.denoiser), lambda module, _: isinstance(module, torch.nn.Linear),
+                scheme="fp16", dtype=dtype,
+            ).to_dict()
+        self.encoder_stream, self.encoder_placements, failure = text_encoders.prepare_encoders(
+            pipe, getattr(pipe, self.source.family.denoiser), plan, self._root(), dtype, resident=resident(plan),
+        )
+        if failure is not None:
+            self.plan = plan = plan.with_control("text_encoder_quant", explicit("none", failure))
+        self._apply_memory_mode(pipe, plan)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def _fallback_after(self, plan: Plan, exc: PlacementFailed | QuantisationFailed) -> Plan:
+        """The fallback plan to build after ``exc``, with the reason recorded;
+        re-raise (with what to do) when the plan has none."""
+        release(exc)
+        if plan.fallback is None:
+            if isinstance(exc, PlacementFailed):
+                raise PlacementFailed(
+                    f"{exc.message}; free GPU memory (unload other models) or load with a "
+                    "lighter --memory mode (model_offload, sequential_offload) or a --quant scheme",
+                    out_of_memory=exc.out_of_memory,
+                ) from None
+            raise exc
+        scheme = plan.value("transformer_quant")
+        tried = f"the {scheme} build" if scheme else "the planned build"
+        reason = f"{tried} failed: {exc.message}; loaded the fallback instead"
+        self.fallback = {
+            "code": exc.code,
+            "reason": reason,
+            "from": {"transformer_quant": scheme, "memory_mode": plan.value("memory_mode")},
+        }
+        fallback = plan.fallback.with_control("transformer_quant", explicit(None, reason))
+        self.plan = fallback
+        return fallback
+
+    def _root(self) -> str:
+        """The pipeline folder (or hub id) the non-denoiser components load from."""
+        source = self.source
+        return str(source.base if source.kind in ("single_file", "single_file_pipeline", "gguf") else source.location)
+
+    def _load_pipeline(self, dtype: torch.dtype, scheme: str | None) -> Any:
+        import diffusers
+
+        source = self.source
+        denoiser_name = source.family.denoiser
+        from_file = source.kind == "single_file" or (source.kind == "gguf" and scheme is None)
+        # A GGUF model with a torchao scheme is the dense-quant candidate: the
+        # base's dense transformer is loaded and quantised instead of the file.
+        root = source.base if source.kind in ("single_file", "gguf") else source.location
+        try:
+            if source.kind == "single_file_pipeline":  # every weight in one file: no base
+                return load_whole_file(source, dtype)
+            components: dict[str, Any] = {}
+            if from_file or scheme == "nf4":
+                config = diffusers.DiffusionPipeline.load_config(root)
+                denoiser_cls = getattr(diffusers, config[denoiser_name][1])
+            if from_file:
+                extra: dict[str, Any] = {}
+                if source.kind == "gguf":
+                    extra["quantization_config"] = diffusers.GGUFQuantizationConfig(compute_dtype=dtype)
+                components[denoiser_name] = denoiser_cls.from_single_file(
+                    source.location, config=root, subfolder=denoiser_name, dtype=dtype, **extra
+                )
+            elif scheme == "nf4":
+                components[denoiser_name] = denoiser_cls.from_pretrained(
+                    root, subfolder=denoiser_name, dtype=dtype,
+                    quantization_config=nf4_config(dtype),
+                )
+            if "text_encoder_quant" in self.plan.controls and self.plan.value("text_encoder_quant") == "nf4":
+                components.update(text_encoders.nf4_encoder_components(
+                    str(root), diffusers.DiffusionPipeline.load_config(root), dtype
+                ))
+            return diffusers.DiffusionPipeline.from_pretrained(root, dtype=dtype, **components)
+        except torch.OutOfMemoryError as exc:  # nf4 loads onto the GPU as it quantises
+            raise PlacementFailed(
+                f"ran out of memory loading {source.location} ({quantize.first_line(exc)})",
+                out_of_memory=True,
+            ) from exc
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise LoadFailed(f"could not load {source.location} ({source.kind}): {exc}") from exc
+
+    def _apply_memory_mode(self, pipe: Any, plan: Plan) -> None:
+        """Place the pipeline per the memory mode; failures raise :class:`PlacementFailed`."""
+        device = plan.device
+        mode = plan.value("memory_mode")
+        if resident(plan) and self.encoder_stream is not None:
+            for name, component in pipe.components.items():  # the encoders wait on the host
+                if isinstance(component, torch.nn.Module) and name not in self.encoder_stream.names:
+                    quantize.move_to(component, device, f"the {name}")
+            return
+        if resident(plan):
+            quantize.move_to(pipe, device, "the pipeline")
+            return
+        with quantize.placing(f"the pipeline ({mode})", device):
+            if mode == "model_offload":
+                pipe.enable_model_cpu_offload(device=device)
+            elif mode == "sequential_offload":
+                pipe.enable_sequential_cpu_offload(device=device)
+            elif mode == "group_offload":
+                pipe.enable_group_offload(
+                    onload_device=torch.device(device),
+                    offload_device=torch.device("cpu"),
+                    offload_type="block_level",
+                    num_blocks_per_group=1,
+                    use_stream=True,
+                )
+
+
+def resident(plan: Plan) -> bool:
+    """Whether the whole pipeline lives on the plan's device (no offload hooks)."""
+    return plan.device == "cpu" or plan.value("memory_mode") == "resident"
+
+
+def release(exc: BaseException) -> None:
+    """Drop the frames a failed build's traceback holds, so the half-placed
+    pipeline they reference is freed before the fallback loads."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,145 @@
+"""The plan's speed controls applied to a loaded pipeline, re-decided as it runs.
+
+The speed half of :class:`~engine.runtime.session.InferenceSession`: the
+attention backend (installed if the plan says, native SDPA when it cannot be
+set), the regional compile (at load, or from the image the plan names so a
+one-off image does not pay it) and the First-Block step cache, which is
+re-decided for the actual step count of every generate call. Every departure
+from the plan is recorded in it, with the reason, so ``status()`` shows what
+ran rather than what was planned.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from engine.plugins import Registry
+from engine.policy.plan import InferenceRequest, Plan
+from engine.policy.resolved import Resolved, explicit
+from engine.policy.speed import resolve_step_cache, step_cache_unsupported
+from engine.preflight.source import ModelSource
+from engine.runtime import capabilities, quantize
+from engine.runtime.attention import DIFFUSERS_BACKENDS, Installer
+
+
+class SpeedControls:
+    """Mixin of :class:`~engine.runtime.session.InferenceSession`: attention
+    backend, regional compile and step cache on the loaded denoiser."""
+
+    registry: Registry
+    source: ModelSource
+    plan: Plan
+    request: InferenceRequest
+    capabilities: dict[str, capabilities.CapabilityCheck] | None
+    pipeline: Any
+    denoiser: torch.nn.Module
+    _installer: Installer
+    _compile_backend: str
+    _cache_on: bool
+    _active: Any
+
+    def _apply_attention(self) -> None:
+        resolved = self.plan["attention_backend"]
+        backend = str(resolved.value)
+        if self.plan.attention_install:
+            if not self._installer(self.plan.attention_install):
+                self._record("attention_backend", explicit(
+                    "native", f"installing {self.plan.attention_install} failed; native SDPA"
+                ))
+                return
+        if backend == "native":
+            return
+        try:
+            self.denoiser.set_attention_backend(DIFFUSERS_BACKENDS[backend])
+        except (RuntimeError, ValueError, ImportError, OSError) as exc:  # OSError: a hub kernel not fetched
+            self._record("attention_backend", Resolved(
+                "native", resolved.source, f"{backend} could not be set ({exc}); native SDPA"
+            ))
+
+    #: Generate calls since load, and whether the regional compile has run.
+    _images = 0
+    _compiled = False
+
+    def _apply_compile(self, image: int = 1) -> None:
+        """Compile the repeated blocks before image ``image`` of this load (1:
+        at load, which also resets the count) once the plan's
+        ``compile_from_image`` is reached: a dense model is compiled from the
+        third image, so a one-off image does not pay the compile."""
+        if image <= 1:
+            self._images, self._compiled = 0, False
+        if self._compiled or self.plan.value("compile") != "regional" or image < self.plan.compile_from_image:
+            return
+        regions = set(self.registry.compile_regions(self.source.family))
+        for module in self.denoiser.modules():
+            if type(module).__name__ in regions:
+                module.compile(
+                    dynamic=True, fullgraph=self.plan.compile_fullgraph, backend=self._compile_backend
+                )
+        self._compiled = True
+
+    # -- the step cache, re-decided per call ----------------------------------------
+
+    def _cache_unsupported(self) -> str | None:
+        """Why the loaded pipeline cannot carry the step cache, or None.
+
+        The family's table lists the pipelines that open a cache context;
+        where it does not say, the pipeline's call is read for one.
+        """
+        missing = capabilities.step_cache_unsupported(self.capabilities)
+        if missing is not None:
+            return missing
+        family = self.source.family
+        pipeline = type(self._active if self._active is not None else self.pipeline)
+        if family.cache_context_pipelines is not None:
+            return step_cache_unsupported(family.cache_context_pipelines, pipeline.__name__)
+        try:
+            call = inspect.getsource(pipeline.__call__)
+        except (OSError, TypeError):
+            return None
+        return None if "cache_context" in call else step_cache_unsupported((), pipeline.__name__)
+
+    def _set_step_cache(self, on: bool) -> str | None:
+        """Engage or release the cache; returns why it could not engage (and
+        records it in the plan, with anything half-enabled rolled back)."""
+        if on == self._cache_on:
+            return None
+        denoiser = self.denoiser
+        if not on:
+            denoiser.disable_cache()
+            self._cache_on = False
+            return None
+        failure = self._cache_unsupported()
+        if failure is None:
+            from diffusers import FirstBlockCacheConfig
+
+            try:
+                denoiser.enable_cache(FirstBlockCacheConfig(threshold=self.plan.step_cache_threshold))
+            except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as exc:
+                if getattr(denoiser, "is_cache_enabled", False):
+                    denoiser.disable_cache()
+                failure = f"enabling First-Block-Cache failed ({quantize.first_line(exc)}); rolled back"
+        if failure is not None:
+            was = self.plan["step_cache"]
+            self._record("step_cache", Resolved("off", was.source, f"step cache unavailable: {failure}"))
+            return failure
+        self._cache_on = True
+        return None
+
+    def _recheck_step_cache(self, steps: int) -> None:
+        plan = self.plan
+        resolved, _ = resolve_step_cache(
+            self.request.step_cache,
+            steps,
+            quantised=plan.value("transformer_quant") is not None or self.source.kind == "gguf",
+            tier=str(plan.value("speed_tier")),
+            denied=self.registry.optimization_deny(self.source.family),
+            unsupported=self._cache_unsupported(),
+        )
+        if self._set_step_cache(resolved.value == "fbcache") is None:
+            self._record("step_cache", resolved)
+
+    def _record(self, control: str, resolved: Resolved) -> None:
+        self.plan = self.plan.with_control(control, resolved)
