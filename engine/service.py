@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -77,6 +76,8 @@ class Engine:
         self._session: Any = None
         self._run: Any = None
         self._watcher: threading.Thread | None = None
+        #: Set by ``stop_training(now=True)``; the run's watcher ends the trainer (see :meth:`_watch`).
+        self._halt = threading.Event()
         #: The run's status as last published by its watcher (see training_status).
         self._published: dict[str, object] | None = None
         self._load_phase = "idle"
@@ -347,25 +348,45 @@ class Engine:
             self.registry, config, self.hardware(verify=True), self.available_memory(verify=True)
         )
 
-    def start_training(self, config: TrainingConfig | Mapping[str, object]) -> dict[str, object]:
+    def start_training(
+        self, config: TrainingConfig | Mapping[str, object], *, resume: str | None = None
+    ) -> dict[str, object]:
         """Start a LoRA run in a child process, after every check has passed.
 
         Besides this engine's job reservation, the runs folder's run lock must
         be free: a trainer another engine started (one killed since, whose
         child still runs) refuses the start with ``run_in_progress``, before
         anything is evicted.
+
+        ``resume``: a finished run (an id in the runs folder, or its folder)
+        to continue from its newest checkpoint (unless ``config.resume_from``
+        names another of its checkpoints). The run keeps its id, folder,
+        creation time and history up to that checkpoint, so its record reads
+        as one run. ``config`` is the whole config of the continued run: the
+        caller layers its changes (more steps, say) over the recorded one.
         """
+        from engine.training.resume import resumable_run
         from engine.training.runner import TrainingRun
 
         if not isinstance(config, TrainingConfig):
             config = TrainingConfig.from_data(dict(config))
+        previous = None
+        if resume is not None:
+            previous, checkpoint = resumable_run(self.runs_dir, resume)
+            if config.resume_from is None:
+                config = config.model_copy(update={"resume_from": checkpoint})
         plan = preflight_training(
             self.registry, config, self.hardware(verify=True), self.available_memory(verify=True)
         )
         from engine.runtime.canary import training_canary
 
         canary = training_canary(plan)  # a scheme that breaks a real slice is refused here, before eviction
-        run = TrainingRun(plan, self.runs_dir)
+        if previous is not None:
+            run = TrainingRun(plan, self.runs_dir, run_id=previous.run_id, folder=previous.folder)
+            run.carry_over(previous)
+        else:
+            run = TrainingRun(plan, self.runs_dir)
+        halt = threading.Event()
         self._reserve("training")
         run_lock = RunLock(self.runs_dir)
         token = None
@@ -385,9 +406,10 @@ class Engine:
                 run_lock.release(token)
             self._release_job("training")
             raise
-        watcher = threading.Thread(target=self._watch, args=(run, run_lock, token), daemon=True, name="engine-run-watch")
+        watcher = threading.Thread(target=self._watch, args=(run, run_lock, token, halt), daemon=True,
+                                   name="engine-run-watch")
         with self._lock:
-            self._run, self._watcher = run, watcher
+            self._run, self._watcher, self._halt = run, watcher, halt
         self._publish(run)
         started = {**(self.training_status() or {}), "canary": canary.to_dict()}
         watcher.start()
@@ -411,7 +433,7 @@ class Engine:
             )
         return token
 
-    def _watch(self, run: Any, run_lock: RunLock, token: str) -> None:
+    def _watch(self, run: Any, run_lock: RunLock, token: str, halt: threading.Event) -> None:
         """Fold the child's events until the run ends, then give everything back.
 
         Whatever happens here (a record the disk refuses, a bug), the job,
@@ -422,8 +444,11 @@ class Engine:
         """
         try:
             while not run.poll().finished:
+                if halt.is_set():  # stop_training(now=True): only this thread touches the child's events
+                    run.halt()
+                    break
                 self._publish(run)
-                time.sleep(0.2)
+                halt.wait(0.2)
         except Exception as exc:  # any failure here must end the run, not the engine
             run.abort("watcher_failed", f"the engine could not follow the run ({type(exc).__name__}: {exc}); "
                       "the trainer was stopped; start the run again")
@@ -453,12 +478,20 @@ class Engine:
             published = self._published
         return dict(published) if published is not None else None
 
-    def stop_training(self, *, save: bool = True) -> dict[str, object]:
-        """Stop after the current step (or loading / caching phase), saving the LoRA unless ``save`` is False."""
+    def stop_training(self, *, save: bool = True, now: bool = False) -> dict[str, object]:
+        """Stop after the current step (or loading / caching phase), saving the LoRA unless ``save`` is False.
+
+        ``now``: do not wait for the step (a second Ctrl-C): the trainer is
+        ended mid-step, the partial step is lost, and the run is stopped
+        with its last checkpoint as its output (``save`` does not apply).
+        """
         run = self._run
         if run is None or run.record.finished:
             raise EngineError("no training run is in progress", code="not_training")
-        run.stop(save=save)
+        if now:
+            self._halt.set()
+        else:
+            run.stop(save=save)
         return self.training_status() or {}
 
     def cancel_training(self) -> dict[str, object]:

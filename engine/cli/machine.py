@@ -129,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_roots=tuple(Path(p) for p in args.models),
         dataset_roots=tuple(Path(p) for p in args.datasets),
         lora_roots=tuple(Path(p) for p in args.loras),
+        input_roots=tuple(Path(p) for p in args.inputs),
         output_roots=(outputs,),
         token=args.token if args.token is not None else os.environ.get("DIFFUSION_ENGINE_TOKEN"),
         allow_hub=args.allow_hub,

@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--models", action="append", default=[], metavar="DIR", help="a model root (repeatable)")
     serve.add_argument("--datasets", action="append", default=[], metavar="DIR", help="a dataset root (repeatable)")
     serve.add_argument("--loras", action="append", default=[], metavar="DIR", help="a LoRA root (repeatable)")
+    serve.add_argument("--inputs", action="append", default=[], metavar="DIR",
+                       help="a root for input images (img2img, masks, control images) (repeatable)")
     serve.add_argument("--outputs", default="runs", metavar="DIR", help="where runs are written")
     serve.add_argument("--allow-hub", action="store_true", help="accept hub repo ids as models")
     serve.add_argument("--load", metavar="PATH", help="load this model at start")

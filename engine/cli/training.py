@@ -3,7 +3,10 @@
 ``train`` builds a :class:`~engine.training.config.TrainingConfig` (the model
 the HTTP API validates too) from TrainingConfig's defaults, ``--config
 FILE``, ``--resume RUN`` and the flags, and asks :class:`engine.Engine` for
-every preflight before anything loads; problems name the flags.
+every preflight before anything loads; problems name the flags. The run is
+started, followed and stopped through Engine alone (the run lock, the
+residency arbiter and the canary the HTTP API gets apply here too): this
+module only turns flags into a config and Ctrl-C into stop requests.
 """
 
 from __future__ import annotations
@@ -150,14 +153,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         # A start is heavy anyway: verify torchao and bf16 for real, not by name.
         engine = Engine(registry=registry, hardware=machine_from_args(args, verify=True),
                         runs_dir=Path(args.runs_dir))
+        if not args.dry_run:
+            return _run_training(engine, config, args.json, resume=args.resume)
         plan = engine.plan_training(config)
-        if args.dry_run:
-            if args.json:
-                print(json.dumps({"ok": True, "plan": plan.to_dict()}, indent=2))
-            else:
-                _print_training_plan(plan)
-            return 0
-        return _run_training(plan, Path(args.runs_dir), args.json, previous)
+        if args.json:
+            print(json.dumps({"ok": True, "plan": plan.to_dict()}, indent=2))
+        else:
+            _print_training_plan(plan)
+        return 0
 
 
 def _train_config(args: argparse.Namespace, base: str | None, previous):  # type: ignore[no-untyped-def]
@@ -206,28 +209,14 @@ def _flag_names(message: str) -> str:
 
 
 def _resumed_run(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """The run ``--resume`` names and its newest checkpoint."""
-    from engine.training.checkpoints import latest_checkpoint
-    from engine.training.records import find_run
+    """The run ``--resume`` names and its newest checkpoint (Engine's rule; the message names the flag)."""
+    from engine.training.resume import resumable_run
 
-    record = find_run(Path(args.runs_dir), args.resume)
-    if record is None:
-        raise EngineError(
-            f"--resume {args.resume}: no run of that id in {args.runs_dir} and no run folder at that path; "
-            "`diffusion-engine runs` lists the runs (pass --runs-dir if they are elsewhere)",
-            code="run_not_found",
-        )
-    if record.status in ("pending", "running"):
-        raise EngineError(f"--resume {args.resume}: that run is still {record.status} (PID {record.pid})",
-                          code="run_in_progress")
-    checkpoint = latest_checkpoint(record.folder)
-    if checkpoint is None:
-        raise EngineError(
-            f"--resume {args.resume}: the run has no checkpoint in {record.folder / 'checkpoints'}; "
-            "runs write them with --save-every N",
-            code="no_checkpoint",
-        )
-    return record, checkpoint
+    try:
+        return resumable_run(Path(args.runs_dir), args.resume)
+    except EngineError as exc:
+        hint = " (pass --runs-dir if the runs are elsewhere)" if exc.code == "run_not_found" else ""
+        raise EngineError(f"--resume {args.resume}: {exc.message}{hint}", code=exc.code) from None
 
 
 def _print_training_plan(plan) -> None:  # type: ignore[no-untyped-def]
@@ -253,43 +242,40 @@ def _print_training_plan(plan) -> None:  # type: ignore[no-untyped-def]
             print(f"  {line}")
 
 
-def _run_training(plan, runs_dir, as_json: bool, previous=None) -> int:  # type: ignore[no-untyped-def]
-    """Run in the child and follow it; Ctrl-C stops after the step and saves, a second stops now."""
+def _run_training(engine, config, as_json: bool, resume: str | None = None) -> int:  # type: ignore[no-untyped-def]
+    """Start the run through ``engine`` and follow it; Ctrl-C stops after the step and saves, a second stops now.
+
+    The handler is in place before the start, so a Ctrl-C during the
+    preflight or the child's start becomes a stop request once the run exists
+    instead of a KeyboardInterrupt that would orphan the record.
+    """
     import signal
-    import time
 
-    from engine.training.runner import TrainingRun
+    from engine.cli.images import progress_bar
 
-    if previous is not None:
-        record, _checkpoint = previous
-        run = TrainingRun(plan, runs_dir, run_id=record.run_id, folder=record.folder)
-        run.carry_over(record)
-    else:
-        run = TrainingRun(plan, runs_dir)
     interrupts: list[int] = []
     old_handler = signal.signal(signal.SIGINT, lambda signum, frame: interrupts.append(signum))
     try:
-        run.start()
-        from engine.cli.images import progress_bar
-
+        engine.start_training(config, resume=resume)
         bar = None if as_json else progress_bar("training")
         handled = 0
-        while not run.poll().finished:
+        while True:
+            try:
+                record = engine.wait_training(timeout=0.2)
+                break
+            except TimeoutError:
+                pass
             if len(interrupts) > handled:
                 handled = len(interrupts)
                 if handled == 1:
                     print("\nstopping after this step and saving (Ctrl-C again: stop now, keep the last "
                           "checkpoint)", file=sys.stderr)
-                    run.stop(save=True)
-                else:
-                    run.halt()
-                    break
-            if bar is not None and run.record.step:
-                bar(run.record.step, run.record.steps)
-            time.sleep(0.2)
+                _stop(engine, now=handled > 1)
+            status = engine.training_status() or {}
+            if bar is not None and status.get("step"):
+                bar(int(status["step"]), int(status["steps"]))  # type: ignore[call-overload]
     finally:
         signal.signal(signal.SIGINT, old_handler)
-    record = run.record
     if as_json:
         print(json.dumps(record.to_dict(), indent=2))
     else:
@@ -302,6 +288,15 @@ def _run_training(plan, runs_dir, as_json: bool, previous=None) -> int:  # type:
         if record.error:
             print(f"error[{record.error['code']}]: {record.error['message']}", file=sys.stderr)
     return 0 if record.status in ("completed", "stopped") else 1
+
+
+def _stop(engine, *, now: bool) -> None:  # type: ignore[no-untyped-def]
+    """Ask ``engine`` to stop its run; a run that finished meanwhile has nothing left to stop."""
+    try:
+        engine.stop_training(save=True, now=now)
+    except EngineError as exc:
+        if exc.code != "not_training":
+            raise
 
 
 def cmd_runs(args: argparse.Namespace) -> int:

@@ -226,7 +226,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
 
     @api.post("/training/stop")
     def stop_training(body: StopBody) -> dict[str, Any]:
-        return engine.stop_training(save=body.save)
+        return engine.stop_training(save=body.save, now=body.now)
 
     @api.post("/training/cancel")
     def cancel_training() -> dict[str, Any]:

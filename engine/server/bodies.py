@@ -96,7 +96,10 @@ class OpenAIImagesBody(BaseModel):
 
 
 class StopBody(Body):
+    #: Save the LoRA after the current step (false: stop without saving).
     save: bool = True
+    #: Stop at once, discarding the partial step; the last checkpoint is kept.
+    now: bool = False
 
 
 # -- training -----------------------------------------------------------------------
