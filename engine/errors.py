@@ -66,3 +66,15 @@ class PreflightError(EngineError):
     """
 
     code = "preflight_failed"
+
+
+class Busy(EngineError):
+    """Another job holds the engine; try again when it is done."""
+
+    code = "busy"
+
+
+class Cancelled(EngineError):
+    """A generate was stopped at a step boundary because its caller asked (``cancel`` was set)."""
+
+    code = "cancelled"

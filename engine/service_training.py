@@ -1,0 +1,223 @@
+"""The training half of :class:`engine.service.Engine`: plan, start, follow, stop and list runs.
+
+A run is a child process (:mod:`engine.training.runner`); one watcher thread
+per run folds its events into the run record and gives the job, the GPU and
+the run lock back when it ends. The checks and the order of a start are the
+engine's (see :mod:`engine.service`): every preflight, then the reservation,
+then eviction, then the child.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from engine.errors import Busy, EngineError
+from engine.training.config import TrainingConfig
+from engine.training.lock import RunLock
+from engine.training.preflight import preflight_training
+from engine.training.records import RunRecord, list_runs, write_error_code
+
+TRAINER = "engine.trainer"
+
+
+class TrainingJobs:
+    """Training methods of :class:`~engine.service.Engine` (a mixin: the engine
+    holds the state, the lock and the job reservation they share)."""
+
+    # Provided by Engine.
+    registry: Any
+    residency: Any
+    runs_dir: Any
+    _lock: threading.Lock
+    _run: Any
+    _watcher: threading.Thread | None
+    _halt: threading.Event
+    _published: dict[str, object] | None
+    hardware: Callable[..., Any]
+    available_memory: Callable[..., Any]
+    _reserve: Callable[[str], None]
+    _release_job: Callable[[str], None]
+    _drop_session: Callable[[], bool]
+
+    def plan_training(self, config: TrainingConfig | Mapping[str, object]) -> Any:
+        """Every training preflight (bounds, family, precision, memory, dataset),
+        loading nothing: the plan a start would run, or the refusal it would give."""
+        if not isinstance(config, TrainingConfig):
+            config = TrainingConfig.from_data(dict(config))
+        return preflight_training(
+            self.registry, config, self.hardware(verify=True), self.available_memory(verify=True)
+        )
+
+    def start_training(
+        self, config: TrainingConfig | Mapping[str, object], *, resume: str | None = None
+    ) -> dict[str, object]:
+        """Start a LoRA run in a child process, after every check has passed.
+
+        Besides this engine's job reservation, the runs folder's run lock must
+        be free: a trainer another engine started (one killed since, whose
+        child still runs) refuses the start with ``run_in_progress``, before
+        anything is evicted.
+
+        ``resume``: a finished run (an id in the runs folder, or its folder)
+        to continue from its newest checkpoint (unless ``config.resume_from``
+        names another of its checkpoints). The run keeps its id, folder,
+        creation time and history up to that checkpoint, so its record reads
+        as one run. ``config`` is the whole config of the continued run: the
+        caller layers its changes (more steps, say) over the recorded one.
+        """
+        from engine.training.resume import resumable_run
+        from engine.training.runner import TrainingRun
+
+        if not isinstance(config, TrainingConfig):
+            config = TrainingConfig.from_data(dict(config))
+        previous = None
+        if resume is not None:
+            previous, checkpoint = resumable_run(self.runs_dir, resume)
+            if config.resume_from is None:
+                config = config.model_copy(update={"resume_from": checkpoint})
+        plan = preflight_training(
+            self.registry, config, self.hardware(verify=True), self.available_memory(verify=True)
+        )
+        from engine.runtime.canary import training_canary
+
+        canary = training_canary(plan)  # a scheme that breaks a real slice is refused here, before eviction
+        if previous is not None:
+            run = TrainingRun(plan, self.runs_dir, run_id=previous.run_id, folder=previous.folder)
+            run.carry_over(previous)
+        else:
+            run = TrainingRun(plan, self.runs_dir)
+        halt = threading.Event()
+        self._reserve("training")
+        run_lock = RunLock(self.runs_dir)
+        token = None
+        try:
+            token = self._take_run_lock(run_lock, run)
+            self._drop_session()
+            self.residency.acquire(TRAINER)
+            run.start()
+            try:
+                run_lock.set_trainer(token, run.pid)
+            except OSError:
+                pass  # the lock still names this engine; the run's own record write reports the disk
+        except BaseException:
+            run.kill()
+            self.residency.release_if(lambda owner: owner == TRAINER)
+            if token is not None:
+                run_lock.release(token)
+            self._release_job("training")
+            raise
+        watcher = threading.Thread(target=self._watch, args=(run, run_lock, token, halt), daemon=True,
+                                   name="engine-run-watch")
+        with self._lock:
+            self._run, self._watcher, self._halt = run, watcher, halt
+        self._publish(run)
+        started = {**(self.training_status() or {}), "canary": canary.to_dict()}
+        watcher.start()
+        return started
+
+    def _take_run_lock(self, run_lock: RunLock, run: Any) -> str:
+        try:
+            token, holder = run_lock.acquire(run.record.run_id, run.record.folder)
+        except OSError as exc:
+            raise EngineError(
+                f"cannot write the run lock {run_lock.path}: {exc.strerror or exc}; "
+                f"free space in (or fix the permissions of) {self.runs_dir}",
+                code=write_error_code(exc),
+            ) from exc
+        if holder is not None or token is None:
+            who = holder.describe() if holder is not None else "another process"
+            raise Busy(
+                f"a training run is in progress in {self.runs_dir}: {who} is alive (lock "
+                f"{run_lock.path}); wait for it to finish, or stop that process, then start again",
+                code="run_in_progress",
+            )
+        return token
+
+    def _watch(self, run: Any, run_lock: RunLock, token: str, halt: threading.Event) -> None:
+        """Fold the child's events until the run ends, then give everything back.
+
+        Whatever happens here (a record the disk refuses, a bug), the job,
+        the GPU and the run lock are released and the run ends: a dead
+        watcher would leave the engine busy forever. The finished status is
+        published only after the release, so a client that sees it can
+        start the next job at once.
+        """
+        try:
+            while not run.poll().finished:
+                if halt.is_set():  # stop_training(now=True): only this thread touches the child's events
+                    run.halt()
+                    break
+                self._publish(run)
+                halt.wait(0.2)
+        except Exception as exc:  # any failure here must end the run, not the engine
+            run.abort("watcher_failed", f"the engine could not follow the run ({type(exc).__name__}: {exc}); "
+                      "the trainer was stopped; start the run again")
+        finally:
+            self.residency.release_if(lambda owner: owner == TRAINER)
+            try:
+                run_lock.release(token)
+            except OSError:
+                pass  # the lock names a trainer that is gone: the next start takes it over
+            self._release_job("training")
+            self._publish(run)
+
+    def _publish(self, run: Any) -> None:
+        snapshot = {**run.record.to_dict(), "phase": run.phase}
+        with self._lock:
+            if self._run is run:
+                self._published = snapshot
+
+    def training_status(self) -> dict[str, object] | None:
+        """The run's record as its watcher last published it (every 0.2 s).
+
+        Only the watcher polls the child, so events are applied exactly
+        once; and it publishes the final status only after it released the
+        job, so "completed" (or failed...) always means a new start is welcome.
+        """
+        with self._lock:
+            published = self._published
+        return dict(published) if published is not None else None
+
+    def stop_training(self, *, save: bool = True, now: bool = False) -> dict[str, object]:
+        """Stop after the current step (or loading / caching phase), saving the LoRA unless ``save`` is False.
+
+        ``now``: do not wait for the step (a second Ctrl-C): the trainer is
+        ended mid-step, the partial step is lost, and the run is stopped
+        with its last checkpoint as its output (``save`` does not apply).
+        """
+        run = self._run
+        if run is None or run.record.finished:
+            raise EngineError("no training run is in progress", code="not_training")
+        if now:
+            self._halt.set()
+        else:
+            run.stop(save=save)
+        return self.training_status() or {}
+
+    def cancel_training(self) -> dict[str, object]:
+        """Stop the run at its next check (any phase) and keep no LoRA; its checkpoints stay."""
+        run = self._run
+        if run is None or run.record.finished:
+            raise EngineError("no training run is in progress", code="not_training")
+        run.cancel()
+        return self.training_status() or {}
+
+    def wait_training(self, timeout: float | None = None) -> RunRecord:
+        """Block until the run has finished and the watcher gave the GPU back."""
+        with self._lock:
+            run, watcher = self._run, self._watcher
+        if run is None or watcher is None:
+            raise EngineError("no training run was started", code="not_training")
+        watcher.join(timeout)
+        if watcher.is_alive():
+            raise TimeoutError(f"run {run.record.run_id} still running after {timeout} s")
+        return run.record
+
+    def runs(self) -> list[dict[str, object]]:
+        """Every run in the runs folder; one whose processes are gone reads as failed."""
+        run = self._run
+        if run is not None and run.record.finished:
+            run.flush()  # a final record the full disk refused is written once it can be
+        return [r.to_dict() for r in list_runs(self.runs_dir)]
