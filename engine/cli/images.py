@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cli.machine import machine_from_args
-from engine.cli.requests import CONTROL_FLAGS, generate_body, image_count, output_paths, plan_controls
+from engine.cli.requests import CONTROL_FLAGS, generate_body, images_of, output_paths, plan_controls
 from engine.errors import EngineError
 from engine.plugins import Registry, load_registry
 from engine.policy.resolved import Resolved
@@ -186,14 +186,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     controls = plan_controls(args)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     body = generate_body(args, seed)
-    paths = output_paths(args.output, image_count(body), overwrite=args.overwrite)
+    items = images_of(body)
+    paths = output_paths(args.output, len(items), overwrite=args.overwrite)
     registry = load_registry()
     tiny = registry.family(args.tiny) if args.tiny else None
     request = controls.request()
     if tiny is not None and request.steps is None:
         request = dataclasses.replace(request, steps=body.steps)
     # The activation guard sizes the plan for this image size and batch.
-    request = dataclasses.replace(request, width=body.width, height=body.height, count=image_count(body))
+    request = dataclasses.replace(request, width=body.width, height=body.height, count=len(items))
     engine = Engine(registry=registry)
     with tempfile.TemporaryDirectory(prefix="diffusion-engine-tiny-") as scratch:
         if tiny is not None:
@@ -227,7 +228,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     steps = body.steps or plan.default_steps
     applied = list((status.get("loras") or {}).get("applied") or [])  # type: ignore[union-attr]
     for index, (image, path) in enumerate(zip(images, paths)):
-        info = _png_info(body, model=str(source.location), steps=steps, image=image, index=index, loras=applied)
+        info = _png_info(body, items[index], model=str(source.location), steps=steps, image=image, index=index,
+                         loras=applied)
         image.save(path, pnginfo=info)
     if args.json:
         print(json.dumps({
@@ -257,24 +259,21 @@ def _controls(engine: Any) -> dict[str, Resolved]:
     return dict(plan.controls) if plan is not None else {}
 
 
-def _png_info(body: Any, *, model: str, steps: int, image: Any, index: int,
+def _png_info(body: Any, item: Any, *, model: str, steps: int, image: Any, index: int,
               loras: list[dict[str, Any]]) -> Any:
     """The PNG text chunks that make an image reproducible alone: its own prompt
-    and seed (image k of a batch has seed + k, or the k-th of --seeds), steps,
+    and seed (``item``, as the engine made it), its index in the batch, steps,
     size, model and LoRAs with scales."""
     from PIL.PngImagePlugin import PngInfo
 
-    prompts, seeds = body.prompts or [body.prompt], body.seeds or [body.seed + index]
-    prompt = prompts[index] if len(prompts) > 1 else prompts[0]
-    seed = seeds[index] if len(seeds) > 1 else seeds[0]
     record = {
-        "prompt": prompt, "negative_prompt": body.negative_prompt, "seed": seed,
+        "prompt": item.prompt, "negative_prompt": body.negative_prompt, "seed": item.seed,
         "batch_index": index, "steps": steps, "guidance": body.guidance,
         "width": image.width, "height": image.height, "model": model,
         "loras": [{"path": lo["path"], "scale": lo["scale"]} for lo in loras],
     }
     info = PngInfo()
-    info.add_text("prompt", prompt)
+    info.add_text("prompt", item.prompt)
     info.add_text("diffusion-engine", json.dumps(record))
     return info
 

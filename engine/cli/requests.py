@@ -16,6 +16,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from engine.errors import EngineError
+from engine.policy.batch import BatchItem, batch_items
 from engine.requests import GenerateBody, PlanControls, describe_problems
 
 M = TypeVar("M", bound=BaseModel)
@@ -89,9 +90,10 @@ def generate_body(args: argparse.Namespace, seed: int) -> GenerateBody:
     return validated(GenerateBody, {k: v for k, v in data.items() if v is not None}, GENERATE_FIELDS)
 
 
-def image_count(body: GenerateBody) -> int:
-    """How many images the request makes: one per prompt or seed when those are lists."""
-    return max(len(body.prompts or ()), len(body.seeds or ()), body.count)
+def images_of(body: GenerateBody) -> list[BatchItem]:
+    """The images the request makes, each with its own prompt and seed (what the engine runs)."""
+    return batch_items(body.prompt, prompts=body.prompts or (), seeds=body.seeds or (), seed=body.seed,
+                       count=body.count, negative_prompt=body.negative_prompt)
 
 
 def output_paths(output: str, count: int, *, overwrite: bool) -> list[Path]:

@@ -19,18 +19,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine.errors import EngineError
+from engine.policy.batch import BatchItem, batch_items
+
+__all__ = ["BatchItem", "SplitEvent", "batch_items", "chunk_size", "generators", "run_chunked"]
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class BatchItem:
-    """One image of a batch: its prompt, negative prompt and seed."""
-
-    prompt: str
-    seed: int
-    negative_prompt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -43,35 +36,6 @@ class SplitEvent:
 
     def to_dict(self) -> dict[str, object]:
         return {"event": "out_of_memory_split", "chunk": self.size, "into": list(self.into), "reason": self.reason}
-
-
-def batch_items(
-    prompt: str,
-    *,
-    prompts: Sequence[str] = (),
-    seeds: Sequence[int] = (),
-    seed: int = 0,
-    count: int = 1,
-    negative_prompt: str | None = None,
-) -> list[BatchItem]:
-    """The images a request asks for, in order.
-
-    ``prompts`` and ``seeds`` are lists of one entry per image (one list of
-    length one is repeated to the other's length); without lists, ``count``
-    images of ``prompt`` with seeds ``seed, seed + 1, ...``.
-    """
-    texts = list(prompts) or [prompt]
-    numbers = list(seeds)
-    if not numbers:
-        numbers = [seed + k for k in range(count if len(texts) == 1 else len(texts))]
-    if len(texts) != len(numbers) and 1 not in (len(texts), len(numbers)):
-        raise EngineError(
-            f"{len(texts)} prompts and {len(numbers)} seeds: give one seed per prompt, or one of either",
-            code="invalid_request",
-        )
-    size = max(len(texts), len(numbers))
-    texts, numbers = texts * (size // len(texts)), numbers * (size // len(numbers))
-    return [BatchItem(text, number, negative_prompt) for text, number in zip(texts, numbers, strict=True)]
 
 
 def chunk_size(count: int, device: str, *, free_gb: float, per_image_gb: float, requested: int | None = None) -> int:

@@ -1,6 +1,7 @@
-"""A trained adapter in the layout kohya's sd-scripts and ComfyUI load.
+"""A trained adapter written out: diffusers' format, and the layout kohya's sd-scripts and ComfyUI load.
 
-The run always writes diffusers' format (``pytorch_lora_weights.safetensors``);
+The run always writes diffusers' format (``pytorch_lora_weights.safetensors``,
+:func:`save_lora`, with the adapter's alpha in its metadata);
 with ``export_kohya`` it also writes ``lora_kohya.safetensors``: keys
 ``lora_unet_<module>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``
 with ``ss_*`` metadata, the layout both tools read.
@@ -29,15 +30,18 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.types import FamilySpec
 
 if TYPE_CHECKING:
+    from engine.plugins import Registry
     from engine.training.preflight import TrainingPlan
 
+#: The diffusers-format LoRA a run writes (the name ``load_lora_weights`` looks for).
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 KOHYA_FILE = "lora_kohya.safetensors"
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
@@ -165,3 +169,42 @@ def export_kohya(
         resolution=config.resolution, steps=plan.steps, targets=tuple(plan.lora_targets),
     )
     return write_kohya(plan.family, state, alpha, denoiser_out_features(denoiser), metadata, output_dir)
+
+
+def save_lora(
+    plan: TrainingPlan, pipe: Any, denoiser: torch.nn.Module, output_dir: Path, *, registry: Registry,
+) -> dict[str, str]:
+    """The adapter in diffusers' key format (``transformer.<module>.lora_A.weight``,
+    what diffusers' own training scripts write; loads with ``load_lora_weights``)."""
+    from safetensors.torch import save_file
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    state = registry.lora_state_dict(plan.family, denoiser)  # engine_lora_state_dict
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
+    prefix = plan.family.denoiser
+    saver = getattr(type(pipe), "save_lora_weights", None)
+    lora_path = output_dir / LORA_WEIGHTS
+    if saver is not None:
+        saver(str(output_dir), **{f"{prefix}_lora_layers": state}, **_adapter_metadata(saver, prefix, denoiser),
+              weight_name=LORA_WEIGHTS)
+    else:
+        save_file({f"{prefix}.{k}": v for k, v in state.items()}, str(lora_path))
+    outputs = {"lora": str(lora_path)}
+    if plan.config.export_kohya:
+        outputs["lora_kohya"] = str(export_kohya(plan, denoiser, state, output_dir))
+    return outputs
+
+
+def _adapter_metadata(saver: Callable[..., Any], prefix: str, denoiser: torch.nn.Module) -> dict[str, Any]:
+    """The adapter's peft config for ``save_lora_weights`` (what diffusers' own training
+    scripts pass): without it a loader assumes ``alpha == rank`` and a LoRA trained with
+    another alpha would be applied at the wrong strength."""
+    import inspect
+
+    config = getattr(denoiser, "peft_config", {}).get("default")
+    field = f"{prefix}_lora_adapter_metadata"
+    if config is None or field not in inspect.signature(saver).parameters:
+        return {}
+    # Sets (target_modules) as sorted lists: the file is then the same bytes in every process.
+    metadata = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.to_dict().items()}
+    return {field: metadata}

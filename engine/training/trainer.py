@@ -35,9 +35,9 @@ from engine.training.captions import CaptionOptions, choose, prompt_table
 from engine.plugins import Registry, load_registry
 from engine.training import levers
 from engine.training.preflight import TrainingPlan
+from engine.training.export import LORA_WEIGHTS, save_lora
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 Emit = Callable[[dict[str, object]], None]
 #: Returns None to go on, or "save", "discard" or "cancel".
@@ -178,7 +178,8 @@ def _train(
         })
         stop = should_stop()
         if config.save_every and (step % config.save_every == 0 or stop == "save"):
-            path = _checkpoint(plan, pipe, denoiser, output_dir, step, optimizer, schedule, generator, order, scaler)
+            path = _checkpoint(plan, pipe, denoiser, output_dir, step, optimizer, schedule, generator, order, scaler,
+                               registry)
             emit({"type": "checkpoint", "step": step, "path": str(path)})
         if config.sample_every and step % config.sample_every == 0:
             from engine.training.samples import write_samples
@@ -222,7 +223,7 @@ def _grad_scaler(plan: TrainingPlan) -> torch.amp.GradScaler:
 def _checkpoint(
     plan: TrainingPlan, pipe: Any, denoiser: torch.nn.Module, output_dir: Path, step: int,
     optimizer: torch.optim.Optimizer, schedule: Any, generator: torch.Generator, order: list[list[int]],
-    scaler: torch.amp.GradScaler,
+    scaler: torch.amp.GradScaler, registry: Registry,
 ) -> Path:
     """Everything the next step depends on, so a resumed run continues bit for bit."""
     from engine.training.checkpoints import save_checkpoint
@@ -238,7 +239,8 @@ def _checkpoint(
         "scaler": scaler.state_dict(),
     }
     return save_checkpoint(
-        output_dir, step, state, lambda folder: save_lora(plan, pipe, denoiser, folder), plan.config.keep_checkpoints
+        output_dir, step, state, lambda folder: save_lora(plan, pipe, denoiser, folder, registry=registry),
+        plan.config.keep_checkpoints
     )
 
 
@@ -417,45 +419,3 @@ def _peak_memory_gb(device: str) -> float | None:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 1e9
     return None
-
-
-def save_lora(
-    plan: TrainingPlan, pipe: Any, denoiser: torch.nn.Module, output_dir: Path, *, registry: Registry | None = None,
-) -> dict[str, str]:
-    """The adapter in diffusers' key format (``transformer.<module>.lora_A.weight``,
-    what diffusers' own training scripts write; loads with ``load_lora_weights``)."""
-    from safetensors.torch import save_file
-
-    output_dir.mkdir(parents=True, exist_ok=True)
-    state = (registry or load_registry()).lora_state_dict(plan.family, denoiser)  # engine_lora_state_dict
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
-    prefix = plan.family.denoiser
-    saver = getattr(type(pipe), "save_lora_weights", None)
-    lora_path = output_dir / LORA_WEIGHTS
-    if saver is not None:
-        saver(str(output_dir), **{f"{prefix}_lora_layers": state}, **_adapter_metadata(saver, prefix, denoiser),
-              weight_name=LORA_WEIGHTS)
-    else:
-        save_file({f"{prefix}.{k}": v for k, v in state.items()}, str(lora_path))
-    outputs = {"lora": str(lora_path)}
-    if plan.config.export_kohya:
-        from engine.training.export import export_kohya
-
-        outputs["lora_kohya"] = str(export_kohya(plan, denoiser, state, output_dir))
-    return outputs
-
-
-def _adapter_metadata(saver: Callable[..., Any], prefix: str, denoiser: torch.nn.Module) -> dict[str, Any]:
-    """The adapter's peft config for ``save_lora_weights`` (what diffusers' own training
-    scripts pass): without it a loader assumes ``alpha == rank`` and a LoRA trained with
-    another alpha would be applied at the wrong strength."""
-    import inspect
-
-    config = getattr(denoiser, "peft_config", {}).get("default")
-    field = f"{prefix}_lora_adapter_metadata"
-    if config is None or field not in inspect.signature(saver).parameters:
-        return {}
-    # Sets (target_modules) as sorted lists: the file is then the same bytes in every process.
-    metadata = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.to_dict().items()}
-    return {field: metadata}
-
