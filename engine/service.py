@@ -49,7 +49,13 @@ class Engine(TrainingJobs):
         hardware: HardwareProfile | None = None,
         runs_dir: Path | str = "runs",
         residency: Residency | None = None,
+        allow_download: bool = True,
     ) -> None:
+        """``allow_download``: whether a hub model missing from the local cache may
+        be downloaded (many GB); False refuses it with ``download_not_allowed``
+        before anything is evicted. The CLI passes the user's ``--allow-download``,
+        the server its ``--allow-hub``."""
+        self.allow_download = allow_download
         self.registry = registry or load_registry()
         self.residency = residency or Residency()
         self.runs_dir = Path(runs_dir)
@@ -179,7 +185,7 @@ class Engine(TrainingJobs):
         from engine.runtime.session import InferenceSession
 
         source = resolve_model(self.registry, model, family=family, base=base)
-        offline = hub_access_error(source)
+        offline = hub_access_error(source, allow_download=self.allow_download)
         if offline is not None:
             raise offline
         lora_files = read_loras(lora_choices(loras))

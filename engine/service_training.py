@@ -47,7 +47,8 @@ class TrainingJobs:
         if not isinstance(config, TrainingConfig):
             config = TrainingConfig.from_data(dict(config))
         return preflight_training(
-            self.registry, config, self.hardware(verify=True), self.available_memory(verify=True)
+            self.registry, config, self.hardware(verify=True), self.available_memory(verify=True),
+            allow_download=self.allow_download,
         )
 
     def start_training(
@@ -78,7 +79,8 @@ class TrainingJobs:
             if config.resume_from is None:
                 config = config.model_copy(update={"resume_from": checkpoint})
         plan = preflight_training(
-            self.registry, config, self.hardware(verify=True), self.available_memory(verify=True)
+            self.registry, config, self.hardware(verify=True), self.available_memory(verify=True),
+            allow_download=self.allow_download,
         )
         from engine.runtime.canary import training_canary
 

@@ -265,6 +265,40 @@ def test_hub_ids_are_refused_when_not_allowed_and_offline_before_eviction(monkey
     assert host.evicted == 0 and engine.residency.owner is None
 
 
+def test_a_download_needs_consent_from_the_engine_for_every_face(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A hub model missing from the cache is a download of many GB: without
+    consent the engine refuses it (load, training plan and start) before
+    anything is evicted, and the CLI gives the same refusal; the hub is never asked."""
+    from engine.cli import main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("DIFFUSION_ENGINE_ALLOW_DOWNLOAD", raising=False)
+    engine = Engine(registry=REGISTRY, hardware=PRESETS["h100"], allow_download=False, runs_dir=tmp_path)
+    host = HostModel(engine)
+    import huggingface_hub
+
+    def no_network(*_args: object, **_kwargs: object) -> None:
+        pytest.fail("the hub was asked before consent")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", no_network)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    repo = "someone-else/FLUX.1-dev-not-downloaded"
+    with pytest.raises(EngineError) as refused:
+        engine.load(repo)
+    assert refused.value.code == "download_not_allowed" and "--allow-download" in refused.value.message
+    config = {"base_model": repo, "dataset_dir": str(write_dataset(tmp_path / "data", count=1)),
+              "output_dir": str(tmp_path / "out")}
+    for attempt in (engine.plan_training, engine.start_training):
+        with pytest.raises(EngineError) as refused:
+            attempt(config)
+        assert refused.value.code == "download_not_allowed"
+    assert main(["generate", "--model", repo, "--prompt", "x"]) == 2
+    assert "error[download_not_allowed]" in capsys.readouterr().err
+    assert host.evicted == 0 and engine.residency.owner is None
+
+
 def test_pre_quantised_is_read_from_the_models_own_name() -> None:
     flux = REGISTRY.family("flux")
     assert model_name("/data/checkpoint4/flux-dev") == "flux-dev"

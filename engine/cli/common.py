@@ -10,6 +10,8 @@ from typing import NoReturn
 
 EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130
+DOWNLOAD_HELP = ("allow downloading a hub model that is not in the local cache (its size is printed "
+                 "first); or set DIFFUSION_ENGINE_ALLOW_DOWNLOAD=1")
 
 #: ``name=value`` as the engine's messages spell a request field -> the flag a terminal user types.
 FIELD_FLAGS: dict[str, str] = {
@@ -54,6 +56,13 @@ class Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         print(f"error[usage]: {self.prog}: {message}", file=sys.stderr)
         raise SystemExit(EXIT_REFUSED)
+
+
+def download_allowed(args: argparse.Namespace) -> bool:
+    """``--allow-download``, or ``DIFFUSION_ENGINE_ALLOW_DOWNLOAD=1``: the user's consent to a download."""
+    from engine.preflight.hub import download_allowed_by_env
+
+    return bool(getattr(args, "allow_download", False)) or download_allowed_by_env()
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:

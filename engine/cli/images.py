@@ -21,15 +21,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from engine.cli.common import download_allowed
 from engine.cli.machine import machine_from_args
 from engine.cli.requests import CONTROL_FLAGS, generate_body, images_of, output_paths, plan_controls
 from engine.errors import EngineError
 from engine.plugins import Registry, load_registry
 from engine.policy.resolved import Resolved
-
-ALLOW_DOWNLOAD_ENV = "DIFFUSION_ENGINE_ALLOW_DOWNLOAD"
-#: Seconds to wait for the hub's answer about a repo's size before calling it unreachable.
-HUB_TIMEOUT_S = 10.0
 
 
 class Strict(EngineError):
@@ -138,42 +135,14 @@ def check_source(source: Any, args: argparse.Namespace) -> None:
             f"--base {(source.checkpoint or family.default_checkpoint).repo} --allow-download",
             code="base_required",
         )
-    repo = source.location if source.kind == "hub" else (
-        source.base if source.base and not Path(source.base).expanduser().is_dir() else None)
-    if repo is not None:
-        hub_consent(repo, allowed=args.allow_download or os.environ.get(ALLOW_DOWNLOAD_ENV) == "1")
+    from engine.preflight.hub import hub_access_error, hub_download_gb, hub_repo, in_hub_cache
 
-
-def hub_consent(repo: str, *, allowed: bool) -> None:
-    """Nothing when ``repo`` is in the local cache; else its size, printed, with consent.
-
-    :raises EngineError: ``offline`` when the hub cannot be asked (HF_HUB_OFFLINE, or no
-        answer), ``download_not_allowed`` without ``--allow-download``.
-    """
-    from huggingface_hub import try_to_load_from_cache
-
-    from engine.preflight.model import hub_offline
-
-    if isinstance(try_to_load_from_cache(repo, "model_index.json"), str):
-        return
-    fix = (f"download it elsewhere (huggingface-cli download {repo} --local-dir DIR) and pass "
-           "--model DIR, or try a tiny one: `diffusion-engine tiny save FAMILY DIR`")
-    if hub_offline():
-        raise EngineError(f"{repo} is not in the local hub cache and the hub is offline here "
-                          f"(HF_HUB_OFFLINE is set); {fix}", code="offline")
-    if not allowed:
-        raise EngineError(f"{repo} is not in the local hub cache: loading it downloads it (many GB); "
-                          f"pass --allow-download (or set {ALLOW_DOWNLOAD_ENV}=1) to allow that, or {fix}",
-                          code="download_not_allowed")
-    from huggingface_hub import HfApi
-
-    try:
-        info = HfApi().model_info(repo, files_metadata=True, timeout=HUB_TIMEOUT_S)
-    except Exception as exc:  # noqa: BLE001 - any failure to ask the hub means we cannot download
-        raise EngineError(f"cannot reach the hub for {repo} ({type(exc).__name__}); {fix}",
-                          code="offline") from None
-    size = sum(s.size or 0 for s in info.siblings or [])
-    print(f"downloading {repo}: {size / 1e9:.1f} GB into the hub cache", file=sys.stderr)
+    refusal = hub_access_error(source, allow_download=download_allowed(args))
+    if refusal is not None:
+        raise refusal
+    repo = hub_repo(source)
+    if repo is not None and not in_hub_cache(repo):
+        print(f"downloading {repo}: {hub_download_gb(repo):.1f} GB into the hub cache", file=sys.stderr)
 
 
 # -- generate -------------------------------------------------------------------------------
@@ -195,7 +164,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         request = dataclasses.replace(request, steps=body.steps)
     # The activation guard sizes the plan for this image size and batch.
     request = dataclasses.replace(request, width=body.width, height=body.height, count=len(items))
-    engine = Engine(registry=registry)
+    engine = Engine(registry=registry, allow_download=download_allowed(args))
     with tempfile.TemporaryDirectory(prefix="diffusion-engine-tiny-") as scratch:
         if tiny is not None:
             _quiet_loading(args)

@@ -149,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.service import Engine
 
     outputs.mkdir(parents=True, exist_ok=True)
-    engine = Engine(runs_dir=outputs)
+    engine = Engine(runs_dir=outputs, allow_download=settings.allow_hub)
     if args.load:
         engine.load(args.load)
     if settings.token is None and not is_loopback(args.host):

@@ -12,12 +12,10 @@ from pathlib import Path
 
 from engine import __version__
 from engine.cli import images, machine, training
-from engine.cli.common import Parser, add_json, add_verbose
+from engine.cli.common import DOWNLOAD_HELP, Parser, add_json, add_verbose
 
 RUNS_DIR_HELP = ("where runs live (default: $DIFFUSION_ENGINE_HOME/runs, else the per-user data folder, "
                  "e.g. ~/.local/share/diffusion-engine/runs)")
-DOWNLOAD_HELP = ("allow downloading a hub model that is not in the local cache (its size is printed "
-                 "first); or set DIFFUSION_ENGINE_ALLOW_DOWNLOAD=1")
 STRICT_HELP = "exit 2 instead of warning when the engine overrides a value given explicitly"
 
 #: Plan controls: (flag, default, choices help). The dest is the InferenceRequest field.

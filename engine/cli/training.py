@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.cli.common import DOWNLOAD_HELP, download_allowed
 from engine.errors import EngineError
 from engine.plugins import load_registry
 
@@ -36,6 +37,7 @@ def add_parsers(commands: argparse._SubParsersAction, *, runs_dir_help: str,  # 
     )
     which = train.add_mutually_exclusive_group()
     which.add_argument("--base", metavar="PATH", help="the base pipeline folder or hub id")
+    train.add_argument("--allow-download", action="store_true", help=DOWNLOAD_HELP)
     which.add_argument("--tiny", metavar="FAMILY", help="a tiny random-weight pipeline of FAMILY "
                        f"(trained at {TINY_RESOLUTION} px unless --resolution says otherwise)")
     train.add_argument("--data", metavar="DIR", help="images with .txt/.caption sidecars or metadata.jsonl")
@@ -152,7 +154,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = _train_config(args, base, previous)
         # A start is heavy anyway: verify torchao and bf16 for real, not by name.
         engine = Engine(registry=registry, hardware=machine_from_args(args, verify=True),
-                        runs_dir=Path(args.runs_dir))
+                        runs_dir=Path(args.runs_dir), allow_download=download_allowed(args))
         if not args.dry_run:
             return _run_training(engine, config, args.json, resume=args.resume)
         plan = engine.plan_training(config)

@@ -18,6 +18,8 @@ from engine.preflight.source import ModelSource
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _TRUTHY = {"1", "ON", "YES", "TRUE"}
+#: Set to 1 to allow downloads of hub models that are not cached (as ``--allow-download``).
+ALLOW_DOWNLOAD_ENV = "DIFFUSION_ENGINE_ALLOW_DOWNLOAD"
 
 
 def looks_like_path(text: str) -> bool:
@@ -47,28 +49,73 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in _TRUTHY
 
 
-def hub_access_error(source: ModelSource) -> PreflightError | None:
+def hub_access_error(source: ModelSource, *, allow_download: bool = True) -> PreflightError | None:
     """Why the hub repo ``source`` needs cannot be had now, or None.
 
-    A hub model, or the hub base of a single-file / GGUF model, is refused
-    before anything is evicted when the hub is offline and the repo is not in
-    the local cache, instead of failing inside the loader after the GPU was
-    freed. Reads the cache only; never reaches the network.
+    A hub model, or the hub base of a single-file / GGUF model, that is not in
+    the local cache is refused before anything is evicted: when the hub is
+    offline (``hub_offline``), and when downloading was not allowed
+    (``download_not_allowed``: a download is many GB, so an app or a terminal
+    user says yes to it once, with ``Engine(allow_download=True)``, the CLI's
+    ``--allow-download`` or the server's ``--allow-hub``). Reads the cache
+    only; never reaches the network.
     """
-    if source.kind == "hub":
-        repo: str | None = source.location
-    elif source.base and not Path(source.base).expanduser().is_dir():
-        repo = source.base
-    else:
-        repo = None
-    if repo is None or not hub_offline() or _in_hub_cache(repo):
+    repo = hub_repo(source)
+    if repo is None or _in_hub_cache(repo):
         return None
-    return PreflightError(
-        f"{repo} is a hub repo id, the hub is offline here (HF_HUB_OFFLINE is set) and the "
-        f"repo is not in the local cache; download it (huggingface-cli download {repo}) and "
-        "pass the local folder, or allow hub access",
-        code="hub_offline",
-    )
+    fix = (f"download it first (huggingface-cli download {repo} --local-dir DIR) and pass the local "
+           "folder, or try a tiny one: `diffusion-engine tiny save FAMILY DIR`")
+    if hub_offline():
+        return PreflightError(
+            f"{repo} is a hub repo id, the hub is offline here (HF_HUB_OFFLINE is set) and the "
+            f"repo is not in the local cache; {fix}",
+            code="hub_offline",
+        )
+    if not allow_download:
+        return PreflightError(
+            f"{repo} is not in the local hub cache: loading it downloads it (many GB). Allow that "
+            f"with --allow-download (or {ALLOW_DOWNLOAD_ENV}=1; Engine(allow_download=True) in Python), "
+            f"or {fix}",
+            code="download_not_allowed",
+        )
+    return None
+
+
+def hub_repo(source: ModelSource) -> str | None:
+    """The hub repo ``source`` loads from: its own id, or its hub base; None when all local."""
+    if source.kind == "hub":
+        return source.location
+    if source.base and not Path(source.base).expanduser().is_dir():
+        return source.base
+    return None
+
+
+def download_allowed_by_env() -> bool:
+    """Whether ``DIFFUSION_ENGINE_ALLOW_DOWNLOAD`` says downloads are allowed."""
+    return os.environ.get(ALLOW_DOWNLOAD_ENV, "").strip().upper() in _TRUTHY
+
+
+def hub_download_gb(repo: str, timeout_s: float = 10.0) -> float:
+    """The size of ``repo`` on the hub, in GB, to say before downloading it (asks the hub).
+
+    :raises PreflightError: ``hub_offline`` when the hub does not answer.
+    """
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi().model_info(repo, files_metadata=True, timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - any failure to ask the hub means we cannot download
+        raise PreflightError(
+            f"cannot reach the hub for {repo} ({type(exc).__name__}); download it elsewhere "
+            f"(huggingface-cli download {repo} --local-dir DIR) and pass the local folder",
+            code="hub_offline",
+        ) from None
+    return sum(s.size or 0 for s in info.siblings or []) / 1e9
+
+
+def in_hub_cache(repo: str) -> bool:
+    """Whether the local hub cache holds ``repo``'s pipeline (reads the cache only)."""
+    return _in_hub_cache(repo)
 
 
 def _in_hub_cache(repo: str) -> bool:

@@ -83,12 +83,15 @@ def preflight_training(
     config: TrainingConfig,
     hardware: HardwareProfile,
     available: AvailableMemory | None = None,
+    *,
+    allow_download: bool = True,
 ) -> TrainingPlan:
     """The plan for ``config`` on ``hardware``, or the first :class:`PreflightError`.
 
     :param available: the memory the run will have after eviction (the
         service's figure, with its sources); its free figure replaces
         ``hardware``'s. Without it, ``hardware``'s free memory is used as is.
+    :param allow_download: whether a hub base missing from the cache may be downloaded.
     """
     available = available or available_memory(hardware)
     hardware = available.apply(hardware)
@@ -105,7 +108,7 @@ def preflight_training(
             "needs a diffusers pipeline folder (with model_index.json) or a hub repo id",
             code="not_a_pipeline",
         )
-    _base_check(base, config.lora_targets or family.lora_targets)
+    _base_check(base, config.lora_targets or family.lora_targets, allow_download=allow_download)
     objective = registry.training_objective(family)
     if objective is None:
         raise PreflightError(f"the {family.name} plugin provides no trainer", code="not_trainable")
@@ -149,9 +152,9 @@ def preflight_training(
     )
 
 
-def _base_check(base: ModelSource, targets: tuple[str, ...]) -> None:
-    """Refuse a hub base the offline hub cannot give, and LoRA targets the base lacks."""
-    error = hub_access_error(base) or lora_target_error(base, targets)
+def _base_check(base: ModelSource, targets: tuple[str, ...], *, allow_download: bool) -> None:
+    """Refuse a hub base that cannot (or may not) be had, and LoRA targets the base lacks."""
+    error = hub_access_error(base, allow_download=allow_download) or lora_target_error(base, targets)
     if error is not None:
         raise error
 
