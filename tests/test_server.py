@@ -79,6 +79,7 @@ def test_missing_or_wrong_token_is_refused(served: tuple[str, Engine, Roots, Hos
         ("base_model", "../outside/sdxl"),
         ("base_model", "ABSOLUTE_OUTSIDE_MODEL"),
         ("output_dir", "../outside/runs"),
+        ("resume_from", "../outside/runs/checkpoints/step-1"),
     ],
 )
 def test_paths_outside_the_roots_are_refused_before_anything_is_read(
@@ -140,6 +141,23 @@ def test_openai_client_generates_an_image_through_the_server(served: tuple[str, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("resume", "status", "code"),
+    [("no-such-run", 404, "run_not_found"), ("../outside", 422, "invalid_request")],
+)
+def test_a_resume_names_a_run_of_the_servers_runs_folder(
+    served: tuple[str, Engine, Roots, HostModel], resume: str, status: int, code: str
+) -> None:
+    """``resume`` reaches Engine.start_training as a run id; a path is not a run id."""
+    url, engine, _, host = served
+    body = {"base_model": "tiny-sdxl", "dataset_dir": "shapes", "resolution": 64, "steps": 2, "device": "cpu",
+            "resume": resume}
+    before = host.evicted
+    response = httpx.post(f"{url}/v1/training/start", json=body, headers=AUTH)
+    assert response.status_code == status and response.json()["error"]["code"] == code, response.text
+    assert host.evicted == before and engine.training_status() is None
+
+
 def test_trainer_killed_while_serving_fails_cleanly_and_the_next_start_works(
     served: tuple[str, Engine, Roots, HostModel],
 ) -> None:

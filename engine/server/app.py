@@ -218,7 +218,9 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         }
         if body.output_dir is not None:
             confined["output_dir"] = confine(str(body.output_dir), settings.output_roots, "output")
-        return engine.start_training(body.config(**confined))
+        if body.resume_from is not None:  # a checkpoint of a run: runs live under the output roots
+            confined["resume_from"] = confine(str(body.resume_from), settings.output_roots, "output")
+        return engine.start_training(body.config(**confined), resume=body.resume)
 
     @api.get("/training/status")
     def training_status() -> dict[str, Any]:

@@ -115,6 +115,10 @@ class TrainingStartBody(TrainingConfig):
     dataset_dir: Annotated[Path, Strict(False)] = _CONFIG_FIELDS["dataset_dir"]
     output_dir: Annotated[Path | None, Strict(False)] = _CONFIG_FIELDS["output_dir"]
     lora_targets: Annotated[tuple[str, ...] | None, Strict(False)] = _CONFIG_FIELDS["lora_targets"]
+    resume_from: Annotated[Path | None, Strict(False)] = _CONFIG_FIELDS["resume_from"]
+    #: A finished run of the server's runs folder to continue (its id, as ``GET /v1/training/runs``
+    #: lists it): it keeps its id and folder and resumes from its newest checkpoint (or ``resume_from``).
+    resume: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][\w.-]*$", max_length=200)
 
     @model_validator(mode="before")
     @classmethod
@@ -123,4 +127,4 @@ class TrainingStartBody(TrainingConfig):
 
     def config(self, **update: object) -> TrainingConfig:
         """The plain config (what the engine and the trainer child hold), with ``update`` applied."""
-        return TrainingConfig.model_validate({**self.model_dump(), **update})
+        return TrainingConfig.model_validate({**self.model_dump(exclude={"resume"}), **update})

@@ -30,8 +30,8 @@ MESSAGE_LIMIT = 1000
 PROBLEMS_LISTED = 5
 
 NOT_FOUND = {"unknown_family", "unknown_preset", "unknown_checkpoint", "model_not_found", "dataset_not_found",
-             "lora_not_found"}
-CONFLICT = {"busy", "not_loaded", "not_training"}
+             "lora_not_found", "run_not_found", "job_not_found"}
+CONFLICT = {"busy", "not_loaded", "not_training", "run_in_progress", "no_checkpoint", "model_changed"}
 UNPROCESSABLE = {"invalid_config", "invalid_request", "invalid_path"}
 #: The client went away and its job was stopped (nginx's "client closed request").
 CLIENT_CLOSED = 499
@@ -44,6 +44,7 @@ HTTP_CODES = {
     413: "body_too_large",
     415: "unsupported_media_type",
     422: "invalid_request",
+    429: "queue_full",
     500: "internal_error",
 }
 
