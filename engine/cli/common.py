@@ -18,6 +18,8 @@ FIELD_FLAGS: dict[str, str] = {
     "dtype": "--dtype", "quant": "--quant", "memory": "--memory", "attention": "--attention",
     "step_cache": "--step-cache", "compile": "--compile", "speed": "--speed", "steps": "--steps",
     "threads": "--threads", "family": "--model-family", "base": "--base", "device": "--device",
+    "text_encoder_quant": "--text-encoder-quant", "text_encoder_memory": "--text-encoder-memory",
+    "vae_tiling": "--vae-tiling",
 }
 
 

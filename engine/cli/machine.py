@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from engine.cli.common import flag_words
 from engine.errors import EngineError
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry, load_registry
@@ -110,7 +111,7 @@ def cmd_info(args: argparse.Namespace) -> int:
               f"compile: {'yes' if train.supports_compile else 'no'}")
         for mode, gb in (train.estimated_peak_gb or {}).items():
             print(f"    {mode}: about {gb} GB at peak")
-        print(f"  note: {train.vram_note}")
+        print(f"  note: {flag_words(train.vram_note)}")
     for error in registry.errors:
         print(f"\nplugin {error.plugin} ({error.package}) failed to load: {error.error}")
     return 0
@@ -165,7 +166,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from engine.doctor import run_doctor
     from engine.service import Engine
 
-    print(run_doctor(Engine(), as_json=args.json))
+    report = run_doctor(Engine(), as_json=args.json)
+    print(report if args.json else flag_words(report))  # the verdicts' advice, as flags
     return 0
 
 
