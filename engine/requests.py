@@ -112,6 +112,8 @@ class PlanControls(Body):
     text_encoder_memory: Name = "auto"
     #: on / off; auto tiles above the size the plan names.
     vae_tiling: Name = "auto"
+    #: Reuse prompt embeddings cached on disk across loads (false: encode every call).
+    prompt_cache: bool = True
 
     def request(self) -> InferenceRequest:
         return InferenceRequest(**self.model_dump(include=set(PlanControls.model_fields)))
@@ -124,6 +126,8 @@ class PlanBody(PlanControls):
     family: Name | None = None
     checkpoint: Name | None = None
     base: PathText | None = None
+    #: A ControlNet folder that will load beside ``model``, sized into the plan.
+    controlnet: PathText | None = None
 
 
 class LoadBody(PlanControls):

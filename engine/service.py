@@ -143,7 +143,10 @@ class Engine(TrainingJobs):
         checkpoint: str | None = None,
         base: str | None = None,
         request: InferenceRequest = InferenceRequest(),
+        controlnet: str | None = None,
     ) -> Plan:
+        """The plan a load would make (``controlnet``: a ControlNet folder
+        loaded beside ``model``, sized in like any component)."""
         if model is not None:
             facts = resolve_model(self.registry, model, family=family, base=base).facts(self.registry)
         elif family is not None:
@@ -154,9 +157,24 @@ class Engine(TrainingJobs):
             facts = ModelFacts(spec, chosen, self.registry.component_sizes(spec, chosen))
         else:
             raise EngineError("give a model path or a family", code="invalid_request")
+        if controlnet is not None:
+            from engine.runtime.workflows import check_controlnet, with_controlnet
+
+            facts = with_controlnet(facts, check_controlnet(facts.family, controlnet))
         return plan_inference(
             self.registry, facts, self.hardware(), request, available=self.available_memory()
         )
+
+    def plans(self, request: InferenceRequest = InferenceRequest()) -> dict[str, dict[str, object]]:
+        """Each family's default checkpoint planned for this machine, or the refusal a
+        load would give (``{"error": {"code", "message"}}``): why it cannot run here is an answer too."""
+        answers: dict[str, dict[str, object]] = {}
+        for name in self.registry.families:
+            try:
+                answers[name] = self.plan(family=name, request=request).to_dict()
+            except EngineError as error:
+                answers[name] = {"error": {"code": error.code, "message": error.message}}
+        return answers
 
     # -- images -----------------------------------------------------------------
 
@@ -181,8 +199,10 @@ class Engine(TrainingJobs):
         is checked against the model's module tree first, so a LoRA for
         another model is refused with every resident in place. ``switching``
         says LoRAs will be changed later (they then stay unfused)."""
+        from engine.runtime.loading import check_weightless_components
         from engine.runtime.lora import check_loras
         from engine.runtime.session import InferenceSession
+        from engine.runtime.workflows import check_controlnet, with_controlnet
 
         source = resolve_model(self.registry, model, family=family, base=base)
         offline = hub_access_error(source, allow_download=self.allow_download)
@@ -190,13 +210,13 @@ class Engine(TrainingJobs):
             raise offline
         lora_files = read_loras(lora_choices(loras))
         check_loras(self.registry, source, lora_files)
+        check_weightless_components(source)  # a processor missing a library fails here, not mid-load
         if controlnet is not None:
-            from engine.runtime.workflows import check_controlnet
-
             controlnet = check_controlnet(source.family, controlnet)
         request = dataclasses.replace(request, loras=lora_plan_input(lora_files, switching=switching))
         plan = plan_inference(
-            self.registry, source.facts(self.registry), self.hardware(verify=True), request,
+            self.registry, with_controlnet(source.facts(self.registry), controlnet),
+            self.hardware(verify=True), request,
             available=self.available_memory(verify=True),
         )
         self._reserve("loading")

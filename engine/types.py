@@ -352,7 +352,8 @@ class FamilySpec:
 
     #: Image workflows of the family's checkpoints and the diffusers pipeline
     #: class serving each (built from the loaded components, not reloaded);
-    #: ``txt2img`` is the loaded pipeline itself. A checkpoint may override.
+    #: ``txt2img`` is the loaded pipeline itself unless declared (an edit
+    #: pipeline that needs an input image). A checkpoint may override.
     workflows: tuple[tuple[Workflow, str], ...] = ()
     #: Image sides the denoiser takes are multiples of this (VAE stride x
     #: patch): an input image is fitted to it.

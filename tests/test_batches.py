@@ -67,8 +67,9 @@ def test_a_chunk_that_runs_out_of_memory_is_halved_and_recorded(
 
     @functools.wraps(real_call)
     def small_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
-        sizes.append(len(kwargs["prompt"]))
-        if len(kwargs["prompt"]) > 2:
+        chunk = len(kwargs["prompt"] if "prompt" in kwargs else kwargs["prompt_embeds"])  # embeddings: cached
+        sizes.append(chunk)
+        if chunk > 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real_call(self, *args, **kwargs)
 

@@ -183,3 +183,13 @@ def test_a_closed_pipe_ends_quietly() -> None:
     child.stdout.close()
     err = child.stderr.read().decode()
     assert child.wait(timeout=120) in (0, 1) and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize(("flags", "cached"), [([], True), (["--no-prompt-cache"], False)])
+def test_the_prompt_cache_flag_reaches_the_engines_request(flags: list[str], cached: bool) -> None:
+    from engine.cli.requests import plan_controls
+
+    for command in ("plan", "generate"):
+        args = build_parser().parse_args([command, "--family" if command == "plan" else "--tiny", "sdxl",
+                                          *(["--prompt", "x"] if command == "generate" else []), *flags])
+        assert plan_controls(args).request().prompt_cache is cached

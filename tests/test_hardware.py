@@ -118,6 +118,25 @@ def test_light_probe_parses_nvidia_smi(
     assert hw.total_memory_gb == pytest.approx(float(line.split(", ")[2]) * 2**20 / 1e9)
 
 
+@pytest.mark.parametrize(("visible", "names"), [(None, ["H100", "T4", "H100"]), ("2,1", ["H100", "T4"]), ("0", None)])
+def test_every_gpu_nvidia_smi_lists_is_a_device_in_visible_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, visible: str | None, names: list[str] | None
+) -> None:
+    """A multi-GPU box as nvidia-smi lists it (one line per GPU), narrowed by CUDA_VISIBLE_DEVICES."""
+    from engine.hardware.devices import probed_devices
+
+    _fake_nvidia_smi(tmp_path, "H100, 9.0, 81559, 80000\nT4, 7.5, 15360, 15000\nH100, 9.0, 81559, 1000")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    box = probed_devices(probe(verify=False))
+    assert [d.name for d in box.devices] == (names or [])  # one visible GPU: the profile itself, no list
+    if visible is None:
+        assert box.devices[1].capability == (7, 5) and box.devices[2].free_memory_gb == pytest.approx(1000 * 2**20 / 1e9)
+
+
 STUB_TORCHAO = {
     "torchao/__init__.py": "",
     "torchao/quantization/__init__.py": (

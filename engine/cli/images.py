@@ -48,7 +48,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model = model_location(registry, args.model) if args.model else None
     plan = Engine(registry=registry, hardware=hardware).plan(
         model, family=args.family_only or args.model_family, checkpoint=args.checkpoint,
-        base=args.base, request=controls.request(),
+        base=args.base, request=controls.request(), controlnet=args.controlnet,
     )
     overridden = report_overrides(plan.controls, strict=args.strict)
     family = registry.family(plan.family)
@@ -72,8 +72,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"  sizes ({kind}): transformer {sizes.transformer_gb:.3g} GB, text encoders "
               f"{sizes.text_encoders_gb:.3g} GB, VAE {sizes.vae_gb:.3g} GB")
     estimate = plan.estimate
+    controlnet = estimate.components.controlnet_gb
     print(f"  memory: {estimate.resident_gb:.1f} GB resident, {estimate.peak_gb:.1f} GB peak, "
-          f"budget {estimate.budget_gb:.1f} GB")
+          f"budget {estimate.budget_gb:.1f} GB" + (f" (ControlNet {controlnet:.2g} GB)" if controlnet else ""))
     if plan.available is not None:
         print(f"  available: {plan.available.summary()}")
     if plan.fallback:

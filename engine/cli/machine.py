@@ -136,6 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_hub=args.allow_hub,
         insecure_no_token=args.insecure_no_token,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        queue_size=args.queue_size,
     )
     settings.check_bind(args.host)
     try:
@@ -155,8 +156,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.load(args.load)
     if settings.token is None and not is_loopback(args.host):
         print(f"warning: serving {args.host} beyond loopback without a token (--insecure-no-token)", file=sys.stderr)
+    # Open event streams (SSE) never end by themselves: shutdown waits at most this long for them.
     uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,
-                log_level="info")
+                log_level="info", timeout_graceful_shutdown=5)
     return 0
 
 

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(plan, tiny=False)
     _add_plan_args(plan)
     plan.add_argument("--steps", type=int, help="denoising steps (default: the checkpoint's)")
+    plan.add_argument("--controlnet", metavar="DIR", help="a ControlNet folder that will load beside the "
+                      "model: sized into the plan like any component")
     _add_machine_args(plan)
     plan.add_argument("--strict", action="store_true", help=STRICT_HELP)
     _common(plan)
@@ -141,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-body-mb", type=float, default=1.0, metavar="MB",
                        help="refuse request bodies larger than this with 413")
+    serve.add_argument("--queue-size", type=int, default=128, metavar="N",
+                       help="generate jobs that may wait behind the running one; one more is refused "
+                            "with 429 and Retry-After")
     add_verbose(serve)
     serve.set_defaults(run=machine.cmd_serve)
 
@@ -191,3 +196,6 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
     for flag, default, text in PLAN_FLAGS:
         group.add_argument(flag, default=default, help=text)
     group.add_argument("--threads", type=int, help="CPU threads (default: the engine's choice)")
+    group.add_argument("--no-prompt-cache", dest="prompt_cache", action="store_false",
+                       help="encode every prompt: neither reuse nor write the prompt embeddings cached on disk "
+                            "($DIFFUSION_ENGINE_PROMPT_CACHE, default ~/.cache/diffusion-engine/prompt-embeddings)")

@@ -27,6 +27,7 @@ PLAN_FIELDS: dict[str, str] = {
     "step_cache": "--step-cache", "compile": "--compile", "speed": "--speed", "steps": "--steps",
     "threads": "--threads", "text_encoder_quant": "--text-encoder-quant",
     "text_encoder_memory": "--text-encoder-memory", "vae_tiling": "--vae-tiling",
+    "prompt_cache": "--no-prompt-cache",
 }
 GENERATE_FIELDS: dict[str, str] = {
     "prompt": "--prompt", "negative_prompt": "--negative-prompt", "steps": "--steps",
@@ -41,6 +42,7 @@ CONTROL_FLAGS: dict[str, str] = {
     "attention_backend": "--attention", "step_cache": "--step-cache", "compile": "--compile",
     "speed_tier": "--speed", "threads": "--threads", "text_encoder_quant": "--text-encoder-quant",
     "text_encoder_memory": "--text-encoder-memory", "vae_tiling": "--vae-tiling",
+    "prompt_cache": "--no-prompt-cache",
 }
 #: What ``--tiny`` means when a size or step count is not given: small and quick for every family.
 TINY_DEFAULTS: dict[str, int] = {"width": 64, "height": 64, "steps": 4}

@@ -50,7 +50,7 @@ def add_parsers(commands: argparse._SubParsersAction, *, runs_dir_help: str,  # 
     train.add_argument("--epochs", type=int, help="passes over the dataset (instead of --steps)")
     train.add_argument("--resolution", type=int, help="training size in pixels, a multiple of 16 "
                        f"(default 512; {TINY_RESOLUTION} with --tiny)")
-    train.add_argument("--batch-size", type=int, help="images per step (default 1)")
+    train.add_argument("--batch-size", type=int, help="images per step on each GPU (default 1)")
     train.add_argument("--lr", type=float, help="learning rate (default 1e-4)")
     train.add_argument("--rank", type=int, help="LoRA rank (default 16)")
     train.add_argument(
@@ -62,6 +62,8 @@ def add_parsers(commands: argparse._SubParsersAction, *, runs_dir_help: str,  # 
     train.add_argument("--mixed-precision", help="bf16 | fp16 | no (default bf16)")
     train.add_argument("--compile", help="auto | on | off (default auto)")
     train.add_argument("--device", help="auto | cuda | cpu (default auto)")
+    train.add_argument("--gpus", type=int, help="train on N GPUs of this machine through accelerate (DDP; "
+                       "--batch-size is per GPU); with --device cpu, N CPU processes over gloo (default 1)")
     train.add_argument("--seed", type=int, help="random seed (default 0)")
     train.add_argument("--export-kohya", action="store_true", default=None,
                        help="also write the LoRA in the kohya / ComfyUI key layout")
@@ -123,7 +125,7 @@ TRAIN_FLAGS: dict[str, str] = {
     "trigger_word": "trigger_word", "caption_dropout": "caption_dropout", "shuffle_tags": "shuffle_tags",
     "keep_tags": "keep_tags", "strict": "strict", "optimizer": "optimizer", "warmup_steps": "warmup_steps",
     "flow_shift": "flow_shift", "loss_weighting": "loss_weighting", "ema_decay": "ema_decay",
-    "prompt_cache": "prompt_cache", "prompt_cache_dir": "prompt_cache_dir",
+    "prompt_cache": "prompt_cache", "prompt_cache_dir": "prompt_cache_dir", "gpus": "gpus",
 }
 
 

@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from engine.errors import UnknownName
+from engine.hardware.devices import with_devices
 from engine.hardware.probe import gpu_class
 from engine.hardware.profile import HardwareProfile, Vendor, native_bf16
 
@@ -75,7 +76,14 @@ PRESETS: Mapping[str, HardwareProfile] = MappingProxyType({p.name: p for p in _P
 
 
 def preset(name: str) -> HardwareProfile:
-    """The preset called ``name``; :class:`UnknownName` lists the valid ones."""
+    """The preset called ``name``; :class:`UnknownName` lists the valid ones.
+
+    ``NxNAME`` (``4xh100``) is a machine with N such devices: multi-GPU
+    training plans can be asked for a box you do not have.
+    """
+    count, _, single = name.lower().partition("x")
+    if count.isdigit() and single in PRESETS and PRESETS[single].cuda and 1 <= int(count) <= 64:
+        return with_devices(PRESETS[single], int(count)).replace(name=name.lower())
     try:
         return PRESETS[name.lower()]
     except KeyError:

@@ -198,36 +198,55 @@ def _light_probe_device() -> HardwareProfile:
     )
 
 
-def _nvidia_smi() -> _Gpu | None:
+#: One GPU as ``nvidia-smi`` reports it: name, compute capability, total and free GB
+#: (None for both on integrated GPUs, which report "[N/A]": they use host memory).
+SmiRow = tuple[str, "tuple[int, int] | None", "float | None", "float | None"]
+
+
+def nvidia_smi_rows() -> list[SmiRow]:
+    """Every GPU ``nvidia-smi`` lists, in device order; [] without it or on output it cannot read.
+
+    One subprocess call: no CUDA context is created on any card.
+    """
     exe = shutil.which("nvidia-smi")
     if exe is None:
-        return None
-    query = "name,compute_cap,memory.total,memory.free"
+        return []
     try:
         out = subprocess.run(
-            [exe, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+            [exe, "--query-gpu=name,compute_cap,memory.total,memory.free", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=10,
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
+        return []
+    rows: list[SmiRow] = []
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 4:
+            return []
+        name, cap, total, free = parts
+        try:
+            major, minor = (int(x) for x in cap.split("."))
+            capability: tuple[int, int] | None = (major, minor)
+        except ValueError:
+            capability = None
+        try:
+            rows.append((name, capability, float(total) * MIB_IN_GB, float(free) * MIB_IN_GB))
+        except ValueError:
+            rows.append((name, capability, None, None))
+    return rows
+
+
+def _nvidia_smi() -> _Gpu | None:
+    rows = nvidia_smi_rows()
+    if not rows:
         return None
-    first = out.strip().splitlines()[0] if out.strip() else ""
-    parts = [p.strip() for p in first.split(",")]
-    if len(parts) != 4:
-        return None
-    name, cap, total, free = parts
-    try:
-        major, minor = (int(x) for x in cap.split("."))
-        capability: tuple[int, int] | None = (major, minor)
-    except ValueError:
-        capability = None
-    try:
-        return _Gpu(name, capability, float(total) * MIB_IN_GB, float(free) * MIB_IN_GB)
-    except ValueError:
-        # Integrated GPUs (Jetson, GB10) report "[N/A]": they use host memory.
+    name, capability, total, free = rows[0]
+    if total is None:
         return _Gpu(name, capability, 0.0, None, unified=True)
+    return _Gpu(name, capability, total, free)
 
 
 def _swap_free_gb() -> float | None:

@@ -41,6 +41,16 @@ def native_bf16(vendor: Vendor, capability: tuple[int, int] | None, torch_report
 
 
 @dataclass(frozen=True)
+class DeviceFacts:
+    """One accelerator of a machine with several (``devices`` of a profile)."""
+
+    name: str
+    total_memory_gb: float
+    free_memory_gb: float | None
+    capability: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """One machine's accelerator and the libraries usable on it.
 
@@ -77,6 +87,10 @@ class HardwareProfile:
     gpu_class: str = ""
     #: Where the facts came from: "preset", "probe" or "probe+torch".
     source: str = "preset"
+    #: Every accelerator, in device-index order, when the machine has several
+    #: (the fields above describe device 0); empty: one device, or none.
+    #: Multi-GPU training checks each (see :mod:`engine.hardware.devices`).
+    devices: tuple[DeviceFacts, ...] = ()
 
     @property
     def cuda(self) -> bool:

@@ -16,10 +16,23 @@ encoders are too small to be worth it.
 ``text_encoder_memory`` (resident / streamed): whether the encoders stay
 beside the denoiser or are loaded, run and freed for every prompt, so the
 denoiser can stay resident on a card that cannot hold both.
+
+Pre-cast encoders: a text encoder downloaded already cast (a T5-XXL stored
+in ``float8_e4m3fn``, the file people fetch instead of the dense one) is
+recognised from its safetensors header dtypes (:func:`precast_encoders`),
+sized at what it stores (1 byte a parameter), and planned as ``fp8``
+without a second quantisation where the machine has fp8. Where it has not,
+it is upcast to the compute dtype at load (torch casts fp8 on any device)
+and sized dense, so the memory rule refuses it before anything is evicted
+if that does not fit; the reason says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+
+from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.policy.memory import Components, MemoryEstimate, MemoryThresholds, plan_memory
 from engine.policy.quant import scheme_unsupported_reason
@@ -35,6 +48,66 @@ TEXT_ENCODER_MEMORY_REQUESTS: tuple[str, ...] = ("auto", "resident", "streamed")
 #: ``auto`` leaves encoders below this many bf16 GB dense: quantising saves
 #: too little to be worth the load-time cost (a knob; a config may override).
 MIN_AUTO_ENCODER_GB = 1.0
+
+
+#: safetensors dtype -> the encoder scheme a checkpoint stored in it is pre-cast to.
+PRECAST_DTYPES: dict[str, str] = {"F8_E4M3": "fp8"}
+#: Tensor names (last part) that mark a *scaled* fp8 file: its weights need them.
+SCALE_TENSORS = frozenset({"scale_weight", "scale_input", "weight_scale", "input_scale", "scaled_fp8"})
+#: The torch names of those dtypes, for reasons a user reads.
+_TORCH_NAMES: dict[str, str] = {"F8_E4M3": "float8_e4m3fn"}
+
+
+@dataclass(frozen=True)
+class PrecastEncoders:
+    """Text encoders whose checkpoint is stored already cast (most parameters in ``dtype``)."""
+
+    scheme: str
+    #: The safetensors dtype most parameters are stored in.
+    dtype: str
+    #: GB the encoder files hold as stored (their header byte ranges).
+    stored_gb: float
+    #: Share of the encoders' parameters stored in ``dtype``.
+    share: float
+    #: The encoder folders stored in ``dtype``.
+    encoders: tuple[str, ...] = ()
+
+
+def precast_encoders(encoders: Mapping[str, Iterable[tuple[str, str, int, int]]]) -> PrecastEncoders | None:
+    """The pre-cast scheme of a pipeline's encoders, or None for dense ones.
+
+    :param encoders: per encoder folder, its tensors ``(name, dtype, elements,
+        bytes)`` (from :func:`engine.preflight.headers.tensor_storage`).
+    :raises PreflightError: a *scaled* fp8 file (per-layer scale tensors beside
+        the weights), whose weights mean nothing without scales the loader
+        would drop.
+
+    An encoder is pre-cast when most of its parameters are stored in an fp8
+    dtype (norms, biases and embeddings commonly stay bf16 / fp32 in such
+    files); a small dense encoder beside it (CLIP-L beside an fp8 T5) stays
+    as stored too, as the plan holds every encoder in one scheme.
+    """
+    tables = {name: list(tensors) for name, tensors in encoders.items()}
+    entries = [entry for tensors in tables.values() for entry in tensors]
+    for dtype, scheme in PRECAST_DTYPES.items():
+        cast = sorted(
+            name for name, tensors in tables.items()
+            if 2 * sum(n for _, kind, n, _ in tensors if kind == dtype) > sum(n for _, _, n, _ in tensors) > 0
+        )
+        for name in cast:
+            scales = [key for key, *_ in tables[name] if key.rsplit(".", 1)[-1] in SCALE_TENSORS]
+            if scales:
+                raise PreflightError(
+                    f"{name} is a scaled {_TORCH_NAMES.get(dtype, dtype)} checkpoint (scale tensors such as "
+                    f"{scales[0]!r} beside its weights), which this engine does not load: its weights are wrong "
+                    "without them. Put the plain (unscaled) fp8 file or the dense encoder in that folder",
+                    code="unsupported_encoder_checkpoint",
+                )
+        if cast:
+            total = sum(n for _, _, n, _ in entries)
+            share = sum(n for _, kind, n, _ in entries if kind == dtype) / total
+            return PrecastEncoders(scheme, dtype, sum(size for *_, size in entries) / 1e9, share, tuple(cast))
+    return None
 
 
 def encoder_denials(family: FamilySpec) -> dict[str, str]:
@@ -54,11 +127,13 @@ def _ladder(hardware: HardwareProfile) -> tuple[str, ...]:
 
 
 def resolve_text_encoder_quant(
-    family: FamilySpec, hardware: HardwareProfile, requested: str = "auto", *, encoders_gb: float
+    family: FamilySpec, hardware: HardwareProfile, requested: str = "auto", *, encoders_gb: float,
+    precast: PrecastEncoders | None = None,
 ) -> Resolved[str]:
     """The encoders' weight scheme, with the reason.
 
     :param encoders_gb: the encoders' dense bf16 GB (headers, else the table).
+    :param precast: how the encoder files are stored, when pre-cast.
     :raises ValueError: ``requested`` is not a known value (the caller turns
         it into a refusal naming the field).
     """
@@ -66,6 +141,32 @@ def resolve_text_encoder_quant(
         raise ValueError(
             f"text_encoder_quant {requested!r} is not one of {', '.join(TEXT_ENCODER_QUANT_REQUESTS)}"
         )
+    if precast is None:
+        return _resolve_dense(family, hardware, requested, encoders_gb)
+    which = ", ".join(precast.encoders) or "the encoders"
+    stored = (f"pre-cast checkpoint: {which} stored in {_TORCH_NAMES.get(precast.dtype, precast.dtype)} "
+              f"({precast.share:.0%} of the encoders' parameters; {precast.stored_gb:.2f} GB as stored)")
+    why_not = encoder_denials(family).get(precast.scheme) or scheme_unsupported_reason(precast.scheme, hardware)
+    if requested in ("auto", precast.scheme) and why_not is None:
+        make = auto if requested == "auto" else explicit
+        return make(precast.scheme, f"{stored}; held as stored, not quantised again")
+    chosen = _resolve_dense(family, hardware, requested, encoders_gb)
+    cause = f"{why_not}: upcast" if why_not and requested in ("auto", precast.scheme) else "upcast"
+    return replace(chosen, reason=f"{stored}; {cause} to the compute dtype at load, "
+                   f"sized dense ({encoders_gb:.2f} GB bf16); {chosen.reason}")
+
+
+def encoder_gb_as_planned(dense_bf16_gb: float, scheme: str, dtype_factor: float,
+                          precast: PrecastEncoders | None) -> float:
+    """GB the encoders hold as planned: as stored when the plan keeps a pre-cast
+    checkpoint's own scheme, else :func:`encoder_gb`."""
+    if precast is not None and scheme == precast.scheme:
+        return precast.stored_gb
+    return encoder_gb(dense_bf16_gb, scheme, dtype_factor)
+
+
+def _resolve_dense(family: FamilySpec, hardware: HardwareProfile, requested: str, encoders_gb: float) -> Resolved[str]:
+    """The scheme for dense encoder weights (the rule before pre-cast checkpoints)."""
     denied = encoder_denials(family)
     if requested == "none":
         return explicit("none", "the encoders run in the compute dtype, as asked")
@@ -128,7 +229,8 @@ def resolve_text_encoder_memory(
             f"text_encoder_memory {requested!r} is not one of {', '.join(TEXT_ENCODER_MEMORY_REQUESTS)}"
         )
     without = Components(
-        parts.transformer_gb, parts.transformer_transient_gb, 0.0, parts.vae_gb, parts.quantised
+        parts.transformer_gb, parts.transformer_transient_gb, 0.0, parts.vae_gb, parts.quantised,
+        controlnet_gb=parts.controlnet_gb,
     )
     alone = Components(0.0, 0.0, parts.text_encoders_gb, 0.0)
     if requested == "resident":

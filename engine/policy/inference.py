@@ -39,7 +39,7 @@ from engine.policy.activations import (
     resolve_vae_tiling,
 )
 from engine.policy.dtype import DTYPE_FACTOR, resolve_dtype
-from engine.policy.encoders import encoder_gb, resolve_text_encoder_memory, resolve_text_encoder_quant
+from engine.policy.encoders import encoder_gb_as_planned, resolve_text_encoder_memory, resolve_text_encoder_quant
 from engine.policy.lora import LoraPlanInput, resolve_lora
 from engine.policy.memory import (
     Components,
@@ -107,7 +107,7 @@ def plan_inference(
     denied = registry.optimization_deny(family)
     encoder_quant = _checked(
         resolve_text_encoder_quant, family, hardware, request.text_encoder_quant,
-        encoders_gb=model.sizes.text_encoders_gb,
+        encoders_gb=model.sizes.text_encoders_gb, precast=model.precast_encoders,
     )
     shape = ImageShape(request.width or DEFAULT_SIDE_PX, request.height or DEFAULT_SIDE_PX, request.count)
 
@@ -139,9 +139,12 @@ def plan_inference(
         return Components(
             transformer_gb=steady,
             transformer_transient_gb=transient,
-            text_encoders_gb=encoder_gb(sizes.text_encoders_gb, str(encoder_quant.value), factor),
+            text_encoders_gb=encoder_gb_as_planned(
+                sizes.text_encoders_gb, str(encoder_quant.value), factor, model.precast_encoders
+            ),
             vae_gb=sizes.vae_gb * factor,
             quantised=scheme is not None and scheme != "nf4",
+            controlnet_gb=model.controlnet_gb * factor,
         )
 
     def memory(dtype: str, scheme: str | None, requested: str = request.memory) -> tuple[Resolved[str], MemoryEstimate] | None:

@@ -8,7 +8,7 @@ advertised is exactly what a start would accept.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry
@@ -21,7 +21,7 @@ from engine.policy.training import (
     training_precision_preflight_error,
 )
 from engine.policy.training_memory import TrainingShape
-from engine.types import ComponentSizes, FamilySpec
+from engine.types import TRAINING_PRECISIONS, ComponentSizes, FamilySpec
 
 
 #: Base precisions the trainer runs eager: bitsandbytes 4-bit layers are not
@@ -72,6 +72,9 @@ class TrainingInfo:
     estimated_peak_gb: dict[str, float] = field(default_factory=dict)
     #: The recommended mode's breakdown at that shape.
     memory_breakdown: dict[str, object] | None = None
+    #: Every other base precision, with why a start would refuse it here
+    #: (so a selector can show it disabled with the reason).
+    denied_modes: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -113,6 +116,29 @@ def training_info(
     family: FamilySpec,
     hardware: HardwareProfile,
     thresholds: TrainingThresholds = TrainingThresholds(),
+) -> TrainingInfo:
+    """What training ``family`` on ``hardware`` offers, and why each other base precision is not offered."""
+    info = _offered(registry, family, hardware, thresholds)
+    candidates = registry.training_precision_modes(family, hardware) if info.trainable else ()
+    memory = MemoryRequest.from_table(family, TrainingShape(gradient_checkpointing=None)) if candidates else None
+    denied: dict[str, str] = {}
+    for mode in TRAINING_PRECISIONS:
+        if mode in info.precision_modes or (mode == "auto" and info.trainable and not candidates):
+            continue
+        if not candidates:  # not trainable here, or base precision does not apply to its trainer
+            denied[mode] = info.vram_note
+        elif mode in candidates:
+            error = training_precision_preflight_error(
+                registry, family, hardware, mode, thresholds=thresholds, memory=memory
+            )
+            denied[mode] = error.message if error else f"{mode} is not offered here"
+        else:
+            denied[mode] = f"the {family.label} plugin does not offer {mode} training on this machine"
+    return replace(info, denied_modes=denied)
+
+
+def _offered(
+    registry: Registry, family: FamilySpec, hardware: HardwareProfile, thresholds: TrainingThresholds
 ) -> TrainingInfo:
     if registry.training_objective(family) is None:
         return TrainingInfo(family.name, False, (), None, False,

@@ -50,6 +50,9 @@ class Components:
     text_encoders_gb: float
     vae_gb: float
     quantised: bool = False
+    #: A ControlNet loaded beside the denoiser (0: none). It runs with the
+    #: denoiser at every step, so offload holds both at once.
+    controlnet_gb: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -97,9 +100,11 @@ def plan_memory(
     budget = budget_gb(hardware, thresholds)
     overhead = thresholds.overhead_gb
     limit = thresholds.resident_fraction * budget
-    weights = parts.transformer_gb + parts.text_encoders_gb + parts.vae_gb
+    weights = parts.transformer_gb + parts.text_encoders_gb + parts.vae_gb + parts.controlnet_gb
     resident = weights + overhead
-    named = {"transformer": parts.transformer_gb, "text encoders": parts.text_encoders_gb, "VAE": parts.vae_gb}
+    denoising = "transformer + ControlNet" if parts.controlnet_gb else "transformer"
+    named = {denoising: parts.transformer_gb + parts.controlnet_gb, "text encoders": parts.text_encoders_gb,
+             "VAE": parts.vae_gb}
     biggest = max(named, key=named.__getitem__)  # what one-at-a-time offload must still hold
     largest = named[biggest] + overhead
     # Building a quantised transformer on the fly holds its dense weights
@@ -115,7 +120,9 @@ def plan_memory(
     def estimate(mode: str) -> MemoryEstimate:
         return MemoryEstimate(parts, overhead, budget, resident, peaks.get(mode, overhead))
 
-    sizing = f"{resident:.1f} GB resident (weights {weights:.1f} + overhead {overhead:.1f}) vs 0.85 x {budget:.1f} GB budget"
+    with_controlnet = f", ControlNet {parts.controlnet_gb:.1f} included" if parts.controlnet_gb else ""
+    sizing = (f"{resident:.1f} GB resident (weights {weights:.1f}{with_controlnet} + overhead {overhead:.1f}) "
+              f"vs 0.85 x {budget:.1f} GB budget")
     if hardware.vendor == "cpu":
         return _cpu_plan(resident, budget, hardware, requested, sizing), estimate("resident")
     if hardware.unified_memory:

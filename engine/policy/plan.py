@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from engine.policy.available import AvailableMemory
+from engine.policy.encoders import PrecastEncoders
 from engine.policy.lora import LoraPlanInput
 from engine.policy.memory import MemoryEstimate
 from engine.policy.resolved import Resolved
@@ -60,6 +61,9 @@ class InferenceRequest:
     text_encoder_quant: str = "auto"
     text_encoder_memory: str = "auto"
     vae_tiling: str = "auto"
+    #: Reuse prompt embeddings from the on-disk cache across loads (see
+    #: :mod:`engine.runtime.prompt_cache`); False encodes every call.
+    prompt_cache: bool = True
     #: The image size and batch the activation guard sizes for (None: 1024 px).
     width: int | None = None
     height: int | None = None
@@ -81,6 +85,10 @@ class ModelFacts:
     gguf_transformer_gb: float | None = None
     #: The transformer is stored pre-quantised in this scheme (``nf4``).
     prequantised_scheme: str | None = None
+    #: The text encoders are stored pre-cast (an fp8 T5), from their headers.
+    precast_encoders: PrecastEncoders | None = None
+    #: bf16 GB of a ControlNet loaded beside the model (its headers; 0: none).
+    controlnet_gb: float = 0.0
 
     @property
     def sizes(self) -> ComponentSizes:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from engine.errors import PreflightError
 from engine.plugins import Registry
-from engine.preflight.headers import measured_sizes, sizes_by_scheme
+from engine.policy.encoders import precast_encoders
+from engine.preflight.headers import measured_sizes, sizes_by_scheme, tensor_storage
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline
 from engine.types import FamilySpec
 
@@ -80,6 +81,10 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
         scheme_gb=sizes_by_scheme(denoiser_shapes) if denoiser_shapes and not quantised else None,
         prequantised_scheme="nf4" if quantised else None,
         denoiser_shapes=tuple(denoiser_shapes),
+        precast_encoders=precast_encoders({
+            name: tensor_storage(sorted((folder / name).glob("*.safetensors")))
+            for name in components if name.startswith("text_encoder")
+        }),
     )
 
 

@@ -66,6 +66,22 @@ def tensor_shapes(files: list[Path]) -> Shapes:
     ]
 
 
+def tensor_storage(files: list[Path]) -> list[tuple[str, str, int, int]]:
+    """(name, safetensors dtype, element count, stored bytes) of every tensor
+    in ``files``, from their headers: how a checkpoint is stored (a pre-cast
+    fp8 text encoder, for one) without reading a weight."""
+    found = []
+    for file in files:
+        for name, info in _safetensors_header(file).items():
+            offsets = info.get("data_offsets", [0, 0])
+            found.append((
+                name, str(info.get("dtype")),
+                math.prod(int(d) for d in info.get("shape", [])),  # type: ignore[union-attr]
+                int(offsets[1]) - int(offsets[0]),  # type: ignore[index]
+            ))
+    return found
+
+
 def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
     """The header of a complete safetensors file (its tensor data fills the file exactly)."""
     try:

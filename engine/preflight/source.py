@@ -14,6 +14,7 @@ from typing import Literal
 
 from engine.errors import EngineError
 from engine.plugins import Registry
+from engine.policy.encoders import PrecastEncoders
 from engine.policy.plan import ModelFacts
 from engine.types import Checkpoint, ComponentSizes, FamilySpec
 
@@ -54,6 +55,8 @@ class ModelSource:
     #: (name, shape) of every denoiser tensor, from its safetensors headers
     #: (local pipelines and single files); empty where unread.
     denoiser_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: The text encoders' files are stored pre-cast (from their headers).
+    precast_encoders: PrecastEncoders | None = None
 
     def facts(self, registry: Registry) -> ModelFacts:
         return ModelFacts(
@@ -64,6 +67,7 @@ class ModelSource:
             measured_scheme_gb=self.scheme_gb,
             gguf_transformer_gb=self.gguf_gb,
             prequantised_scheme=self.prequantised_scheme,
+            precast_encoders=self.precast_encoders,
         )
 
     def to_dict(self) -> dict[str, object]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from engine.plugins import Registry
 from engine.policy.plan import Plan
 from engine.preflight.lora import LoraFile
 from engine.preflight.source import ModelSource
-from engine.runtime import batching, text_encoders, workflows
+from engine.runtime import batching, prompt_cache, text_encoders, workflows
 from engine.runtime.inputs import FittedInputs, ImageLike, fit_inputs, paste_unmasked, vae_dtype
 from engine.runtime.loading import Progress
 from engine.runtime.vae import apply_vae_tiling
@@ -80,6 +80,9 @@ class Generation:
     vae_tiled: bool
     batch_events: list[dict[str, object]]
     encoder_stream: text_encoders.EncoderStream | None
+    request: Any
+    loras: Any
+    _root: Callable[[], str]
     _lock: threading.Lock
     _controlnet: Any
     _workflow_pipes: dict[str, Any]
@@ -102,12 +105,15 @@ class Generation:
                     "control_image needs a ControlNet loaded with the model; load with controlnet=PATH (--controlnet)"
                 )
             extra = {"controlnet": self._controlnet} if control else None
-            pipe = workflows.workflow_pipeline(self.pipeline, class_name, self._workflow_pipes, extra)
+            placement = (str(self.plan.value("memory_mode")), self.plan.device)
+            pipe = workflows.workflow_pipeline(self.pipeline, class_name, self._workflow_pipes, extra, placement)
             picture = workflows.control_input(request.control_image, request.control_preprocess) if control else request.image
             fitted = fit_inputs(
                 picture, request.mask_image, width=request.width, height=request.height,
                 multiple=family.side_multiple, dtype=vae_dtype(pipe),
             )
+            if control:
+                fitted = dataclasses.replace(fitted, control=True)
             steps = request.steps or self.plan.default_steps
             strength = workflows.strength_of(pipe, request.strength) if workflow != "txt2img" else None
             effective = workflows.effective_steps(steps, strength)
@@ -160,8 +166,20 @@ class Generation:
                 kwargs["callback_on_step_end"] = on_step
             self.vae_tiled = apply_vae_tiling(pipe, self.plan, kwargs.get("width"), kwargs.get("height"))
             stream = self.encoder_stream
-            if stream is not None:
-                stream.before_call(pipe)
+            brought = [False]
+
+            def bring() -> None:  # streamed encoders come in only when a prompt is encoded
+                if stream is not None and not brought[0]:
+                    stream.before_call(pipe)
+                    brought[0] = True
+
+            cached = self._cached_prompts(pipe, kwargs, bring)
+            if cached is not None:
+                kwargs, hit = cached
+                if hit and stream is not None:
+                    stream.release_now(pipe)  # from disk: the encoders are not needed
+            else:
+                bring()
             try:
                 with torch.inference_mode():
                     result = pipe(**kwargs)
@@ -174,6 +192,29 @@ class Generation:
             self.batch_events = [*self.batch_events[-19:], event.to_dict()]
 
         return batching.run_chunked(items, size, forward, on_split)
+
+    def _cached_prompts(
+        self, pipe: Any, kwargs: dict[str, Any], before_encode: Callable[[], None],
+    ) -> tuple[dict[str, Any], bool] | None:
+        """``kwargs`` with its prompts replaced by embeddings from the on-disk
+        cache (encoded and written on a miss), and whether they came from disk;
+        None where the request turned the cache off, the family's runtime
+        module cannot encode a call's prompts, or the workflow's prompt is
+        encoded with its image (see :mod:`engine.runtime.prompt_cache`)."""
+        if not getattr(self.request, "prompt_cache", True) or "edit" in type(pipe).__name__.lower():
+            return None
+        if "prompt_embeds" not in inspect.signature(pipe.__call__).parameters:
+            return None
+        family = self.source.family
+        controls = self.plan.controls
+        scheme = str(controls["text_encoder_quant"].value) if "text_encoder_quant" in controls else "none"
+        prompts = prompt_cache.for_pipeline(
+            family.runtime_module, self._root(),
+            {"family": family.name, "dtype": str(self.plan.value("dtype")), "device": self.plan.device,
+             "text_encoder_quant": scheme},
+            loras=self.loras.applied if self.loras is not None else (),
+        )
+        return prompts.replace(pipe, kwargs, before_encode)
 
     def _call_kwargs(
         self, pipe: Any, request: GenerateRequest, steps: int, chunk: Sequence[batching.BatchItem],
@@ -198,7 +239,9 @@ class Generation:
         if width and height:
             kwargs["max_area"] = width * height  # edit pipelines scale their output to this area
         if fitted.image is not None:
-            kwargs["image"] = fitted.image
+            # A ControlNet pipeline takes its map as ``control_image`` where it
+            # has that parameter (and its img2img input as ``image``), else as ``image``.
+            kwargs["control_image" if fitted.control and "control_image" in accepted else "image"] = fitted.image
             kwargs["_auto_resize"] = False  # fitted already, to the requested box at the model's multiple
         if fitted.mask is not None:
             kwargs["mask_image"] = fitted.mask

@@ -51,6 +51,8 @@ class FittedInputs:
     mask: Image.Image | None = None
     #: The fitted input as RGB, kept to paste the unmasked pixels back.
     original: Image.Image | None = None
+    #: ``image`` is a ControlNet's control map, not an image to redraw.
+    control: bool = False
 
 
 def read_image(value: ImageLike, field: str) -> Image.Image:

@@ -111,6 +111,7 @@ class PipelineLoading:
             ).to_dict()
         self.encoder_stream, self.encoder_placements, failure = text_encoders.prepare_encoders(
             pipe, getattr(pipe, self.source.family.denoiser), plan, self._root(), dtype, resident=resident(plan),
+            precast=self.source.precast_encoders,
         )
         if failure is not None:
             self.plan = plan = plan.with_control("text_encoder_quant", explicit("none", failure))
@@ -232,3 +233,37 @@ def release(exc: BaseException) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def check_weightless_components(source: ModelSource) -> None:
+    """Build a pipeline folder's weightless transformers components (its
+    processors) now, before anything is evicted: they read a few config and
+    tokenizer files, and one whose library lacks an optional package
+    (an edit model's vision-language processor may need torchvision for its video
+    processor) is then refused with the library's own words instead of
+    failing mid-load."""
+    import json
+    from pathlib import Path
+
+    folder = Path(source.location)
+    index = folder / "model_index.json"
+    if source.kind != "pipeline" or not index.is_file():
+        return
+    try:
+        entries = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # the loader reports an unreadable index
+    for name, entry in entries.items():
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "transformers"
+                and str(entry[1]).endswith("Processor")):
+            continue
+        import transformers
+
+        try:
+            getattr(transformers, str(entry[1])).from_pretrained(folder / name)
+        except (ImportError, AttributeError, OSError, ValueError, TypeError) as exc:
+            said = " ".join(str(exc).split()).split(". ")[0]  # its first sentence names what is missing
+            raise LoadFailed(
+                f"the {name} ({entry[1]}) of {folder} cannot be built here: {said}; "
+                "install what it names into this environment (matching the installed torch), then load again"
+            ) from exc

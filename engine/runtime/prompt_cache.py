@@ -1,7 +1,13 @@
 """Prompt embeddings on disk, reused across runs and loads.
 
-An entry is the output of one ``encode_prompts`` call (a dict of tensors,
-batch first) for an exact list of prompts, keyed by:
+Training caches its captions here (one ``encode_prompts`` call of the
+family's runtime module per dataset and base); inference caches each
+pipeline call's embedding arguments (:class:`CallPrompts`, through the
+family module's ``prompt_inputs`` / ``encode_prompt_inputs``), so a second
+load of the same pipeline, or a streamed-encoder load, does not run a text
+encoder for a prompt it has seen: on a hit, streamed encoders are never
+brought in. An entry is a dict of tensors for an exact list of prompts,
+keyed by:
 
 - the encoders' identity: every file of the pipeline's ``text_encoder*`` and
   ``tokenizer*`` folders by relative path, size and modification time (a
@@ -9,7 +15,10 @@ batch first) for an exact list of prompts, keyed by:
 - the exact prompt texts, in order (a trigger word, a dropped or shuffled
   caption is a different prompt);
 - the settings that change the numbers: dtype, the family's encode function,
-  and this format's version.
+  and this format's version; for inference also the call's prompt inputs as
+  the family names them (negative prompts as used, the guidance flags that
+  decide whether they are encoded, the maximum length), the encoders'
+  scheme and device, and the LoRAs applied (by file identity and scale).
 
 Entries are safetensors files written atomically (temporary file, then
 rename), so a crash never leaves a half entry under a real key. The cache is
@@ -145,3 +154,159 @@ class PromptCache:
             total -= size
             removed += 1
         return removed
+
+
+# -- inference: a pipeline call's prompt arguments, as cached embeddings ------------------
+
+#: Call arguments that cached embeddings replace (a pipeline refuses both).
+PROMPT_ARGUMENTS = ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2")
+#: Separates a list-valued argument's name from the item's index in an entry.
+_ITEM = "#"
+
+
+def pack(values: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """Embedding arguments as flat tensors: a list (one tensor per prompt, as
+    some pipelines take them) becomes ``name#0``, ``name#1``...; None and empty
+    lists are left out (the pipeline's default for them is None)."""
+    flat: dict[str, torch.Tensor] = {}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            flat[name] = value
+        elif isinstance(value, (list, tuple)):
+            flat.update({f"{name}{_ITEM}{i}": item for i, item in enumerate(value)})
+        elif value is not None:
+            raise TypeError(f"prompt embedding {name!r} is a {type(value).__name__}, not a tensor or a list of them")
+    return flat
+
+
+def unpack(flat: Mapping[str, torch.Tensor], device: object) -> dict[str, object]:
+    """The inverse of :func:`pack`, on ``device``."""
+    values: dict[str, object] = {}
+    items: dict[str, dict[int, torch.Tensor]] = {}
+    for key, tensor in flat.items():
+        name, _, index = key.partition(_ITEM)
+        if index:
+            items.setdefault(name, {})[int(index)] = tensor.to(device)
+        else:
+            values[name] = tensor.to(device)
+    for name, found in items.items():
+        values[name] = [found[i] for i in sorted(found)]
+    return values
+
+
+@dataclass(frozen=True)
+class CallPrompts:
+    """Encodes a pipeline call's prompts through the family's runtime module,
+    via the cache.
+
+    The family module (``FamilySpec.runtime_module``) opts in with two functions:
+
+    * ``prompt_inputs(pipe, kwargs) -> dict | None``: everything the
+      pipeline's own prompt encoding depends on in this call (prompts,
+      negative prompts as used, the guidance flags that decide whether they
+      are encoded, the maximum length), JSON-able; None where this call
+      cannot take embeddings (the cache is skipped);
+    * ``encode_prompt_inputs(pipe, inputs, device) -> dict``: the embedding
+      arguments (``prompt_embeds``, ``pooled_prompt_embeds``, masks...) the
+      pipeline's call would have computed from those inputs, through the
+      pipeline's own ``encode_prompt``.
+
+    ``settings`` (dtype, encoder scheme, LoRAs...) join the key.
+    """
+
+    cache: PromptCache
+    identity: str
+    runtime: object
+    settings: Mapping[str, object]
+
+    def supported(self) -> bool:
+        return callable(getattr(self.runtime, "prompt_inputs", None)) and callable(
+            getattr(self.runtime, "encode_prompt_inputs", None)
+        )
+
+    def replace(
+        self, pipe: object, kwargs: Mapping[str, object], before_encode: Callable[[], None]
+    ) -> tuple[dict[str, object], bool] | None:
+        """``kwargs`` with the prompts replaced by their embeddings, and whether
+        they came from disk; None when this call keeps its prompts.
+
+        ``before_encode`` runs only on a miss, right before the encoders are
+        needed (streamed encoders are brought in there, never on a hit).
+        """
+        if not self.supported():
+            return None
+        inputs = self.runtime.prompt_inputs(pipe, kwargs)  # type: ignore[attr-defined]
+        if inputs is None:
+            return None
+        device = getattr(pipe, "_execution_device", "cpu")
+
+        def encode(_prompts: list[str]) -> dict[str, torch.Tensor]:
+            before_encode()
+            return pack(self.runtime.encode_prompt_inputs(pipe, inputs, device))  # type: ignore[attr-defined]
+
+        prompts = [str(p) for p in inputs.get("prompt", [])]
+        flat, hit = self.cache.get_or_encode(self.identity, prompts, {**self.settings, "inputs": inputs}, encode)
+        replaced = {k: v for k, v in kwargs.items() if k not in PROMPT_ARGUMENTS}
+        replaced.update(unpack(flat, device))
+        return replaced, hit
+
+
+def call_value(pipe: object, kwargs: Mapping[str, object], name: str) -> object:
+    """A call argument as the pipeline will see it: given, else its ``__call__``'s default."""
+    import inspect
+
+    if name in kwargs:
+        return kwargs[name]
+    parameter = inspect.signature(pipe.__call__).parameters.get(name)  # type: ignore[attr-defined]
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+
+def prompt_list(value: object) -> list[str] | None:
+    """A prompt argument as a list of texts; None for anything else (embeddings, images...)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    return None
+
+
+def true_cfg_prompt_inputs(
+    pipe: object, kwargs: Mapping[str, object], prompts: list[str], default_max_sequence_length: int
+) -> dict[str, object]:
+    """A true-CFG pipeline's prompt-encoding inputs: the prompts, the negatives
+    only when true CFG runs (``true_cfg_scale`` > 1 with a negative prompt; else
+    they are never encoded), and the text length (FLUX.1 and Qwen-Image call this)."""
+    negatives = prompt_list(kwargs.get("negative_prompt"))
+    true_cfg = float(call_value(pipe, kwargs, "true_cfg_scale") or 1.0) > 1 and negatives is not None  # type: ignore[arg-type]
+    length = call_value(pipe, kwargs, "max_sequence_length") or default_max_sequence_length
+    return {
+        "prompt": prompts,
+        "negative_prompt": negatives if true_cfg else None,
+        "max_sequence_length": int(length),  # type: ignore[call-overload]
+    }
+
+
+def for_pipeline(
+    runtime_module: str, root: str, settings: Mapping[str, object], loras: Sequence[object] = (),
+    folder: Path | None = None,
+) -> CallPrompts:
+    """The cache of a loaded pipeline: its encoders' folder ``root`` (or hub id),
+    the family's runtime module, and what else changes the numbers (dtype,
+    encoder scheme, device; LoRAs applied, by file identity and scale: a LoRA
+    may reach the text encoders, so another set is another key)."""
+    import importlib
+
+    applied = []
+    for lora in loras:
+        path = Path(str(getattr(lora, "path", "")))
+        try:
+            stat = path.stat()
+            applied.append(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{getattr(lora, 'scale', 1.0)}")
+        except OSError:
+            applied.append(f"{path}:{getattr(lora, 'scale', 1.0)}")
+    return CallPrompts(
+        cache=PromptCache(folder or default_dir()),
+        identity=encoder_identity(root),
+        runtime=importlib.import_module(runtime_module),
+        settings={**settings, "runtime": runtime_module, "loras": applied},
+    )

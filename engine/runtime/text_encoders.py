@@ -6,6 +6,12 @@ weight-only configs and the same layer filter, so the bytes the planner
 sizes are the bytes built; nf4 is bitsandbytes at load time (transformers'
 own 4-bit config, CUDA only).
 
+A pre-cast encoder (an fp8 T5 download, planned ``fp8`` "as stored") is
+loaded as the pipeline loads it (upcast on the host), then its stored fp8
+matrices are put back from its files and each of those Linears upcasts its
+weight per call (:func:`hold_precast`): the device holds the file's own
+values, 1 byte a parameter, never quantised a second time.
+
 Streaming (``text_encoder_memory=streamed``) keeps the denoiser resident on
 a card that cannot hold the encoders beside it: before each pipeline call
 the encoders are placed on the device (or, on the CPU, where host memory
@@ -19,10 +25,12 @@ from __future__ import annotations
 import gc
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.policy.encoders import PrecastEncoders
 from engine.runtime import quantize
 from engine.runtime.quantize import Placement, QuantisationFailed
 
@@ -86,14 +94,60 @@ def _encoder_class(entry: Any) -> Any:
     return getattr(importlib.import_module(library), name)
 
 
+def hold_precast(encoder: torch.nn.Module, files: list[Path], dtype: str = "F8_E4M3") -> int:
+    """Put ``encoder``'s Linear weights stored in ``dtype`` back as stored (the
+    encoder was loaded upcast), each such Linear upcasting its weight to the
+    input's dtype per call; returns how many. The values are the file's own:
+    an fp8 value upcast is exact, so the outputs equal the upcast encoder's.
+    Modules the model class keeps in fp32 stay upcast."""
+    from safetensors import safe_open
+
+    # Modules the model keeps in fp32 (T5's ``wo``: its forward casts the input to that weight's dtype).
+    keep = set(getattr(encoder, "_keep_in_fp32_modules", None) or ())
+    linears = {
+        name: m for name, m in encoder.named_modules()
+        if isinstance(m, torch.nn.Linear) and not keep.intersection(name.split("."))
+    }
+    held = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as stored:
+            for key in stored.keys():
+                module = linears.get(key.removesuffix(".weight")) if key.endswith(".weight") else None
+                if module is None or stored.get_slice(key).get_dtype() != dtype:
+                    continue
+                weight = stored.get_tensor(key)
+                if weight.shape != module.weight.shape:
+                    continue
+                module.weight = torch.nn.Parameter(weight.to(module.weight.device), requires_grad=False)
+                module.forward = _upcasting_forward(module)  # type: ignore[method-assign]
+                held += 1
+    return held
+
+
+def _upcasting_forward(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(inputs: torch.Tensor) -> torch.Tensor:
+        bias = module.bias.to(inputs.dtype) if module.bias is not None else None
+        return torch.nn.functional.linear(inputs, module.weight.to(inputs.dtype), bias)
+
+    return forward
+
+
+def _encoder_files(root: str, name: str) -> list[Path]:
+    return sorted((Path(root) / name).glob("*.safetensors"))
+
+
 def prepare_encoders(
-    pipe: Any, denoiser: torch.nn.Module, plan: Any, root: str, dtype: torch.dtype, *, resident: bool
+    pipe: Any, denoiser: torch.nn.Module, plan: Any, root: str, dtype: torch.dtype, *, resident: bool,
+    precast: PrecastEncoders | None = None,
 ) -> tuple[EncoderStream | None, list[Placement], str | None]:
     """Quantise the encoders as ``plan`` says and set up streaming.
 
     Returns the stream (None unless ``text_encoder_memory`` is streamed), the
     encoders' placements, and why the planned scheme could not be applied
     (None when it was): an encoder with no layer the scheme takes stays dense.
+    ``precast`` (:class:`~engine.policy.encoders.PrecastEncoders`): where the
+    plan keeps its scheme, those encoders are held as stored and none is
+    quantised (the plan sized the others as stored too).
 
     :raises PlacementFailed: out of memory while quantising or moving.
     """
@@ -102,7 +156,11 @@ def prepare_encoders(
     streamed = "text_encoder_memory" in controls and controls["text_encoder_memory"].value == "streamed"
     placements: list[Placement] = []
     failure = None
-    if scheme not in ("none", "nf4"):
+    as_stored = tuple(precast.encoders) if precast is not None and scheme == precast.scheme else ()
+    for name in as_stored:
+        if getattr(pipe, name, None) is not None:
+            hold_precast(getattr(pipe, name), _encoder_files(root, name), precast.dtype)
+    if scheme not in ("none", "nf4") and not as_stored:
         try:
             placements = quantize_text_encoders(pipe, scheme, plan.device, resident=resident and not streamed)
         except QuantisationFailed as exc:
@@ -111,7 +169,9 @@ def prepare_encoders(
         return None, placements, failure
     def reload(name: str) -> torch.nn.Module:
         encoder = load_encoder(root, name, stream.entry(name), dtype)
-        if scheme not in ("none", "nf4") and failure is None:
+        if name in as_stored:
+            hold_precast(encoder, _encoder_files(root, name), precast.dtype)
+        elif scheme not in ("none", "nf4") and failure is None and not as_stored:
             quantize_encoder(encoder, scheme, plan.device, resident=False)
         return encoder
 
@@ -149,8 +209,11 @@ class EncoderStream:
         """On the host there is nowhere to move an encoder to: freeing deletes it."""
         return self._device == "cpu"
 
-    def release_now(self) -> None:
-        """Free the encoders outside a call (right after load: they wait off the device)."""
+    def release_now(self, pipe: Any = None) -> None:
+        """Free the encoders outside a call's encoding: right after load, or for
+        a call whose prompt embeddings came from disk (``pipe``: a workflow
+        pipeline over the same components, whose references go too)."""
+        self._active = self._pipe if pipe is None else pipe
         self._free()
 
     def entry(self, name: str) -> tuple[str, str]:
@@ -223,6 +286,7 @@ __all__ = [
     "EncoderStream",
     "QuantisationFailed",
     "encoder_names",
+    "hold_precast",
     "load_encoder",
     "nf4_encoder_components",
     "prepare_encoders",

@@ -27,11 +27,13 @@ def choose_workflow(
     family: FamilySpec, checkpoint: Checkpoint | None, *, image: bool, mask: bool, control: bool = False
 ) -> tuple[Workflow, str | None]:
     """The workflow a request's inputs ask for and the pipeline class serving
-    it (None: the loaded pipeline itself, text-to-image).
+    it (None: the loaded pipeline itself).
 
     An image with a mask inpaints; an image alone is an instruction edit on
     a checkpoint that declares ``edit``, img2img otherwise; a control image
-    (no image) is ControlNet text-to-image.
+    (no image) is ControlNet text-to-image; no image is text-to-image, by the
+    loaded pipeline unless the checkpoint names another (an edit pipeline
+    that needs an input image).
     """
     if control:
         if image or mask:
@@ -48,7 +50,7 @@ def choose_workflow(
     if not image:
         if mask:
             raise UnsupportedWorkflow("mask_image was given without image; inpainting needs both (--image, --mask)")
-        return "txt2img", None
+        return "txt2img", family.workflows_of(checkpoint).get("txt2img")
     served = family.workflows_of(checkpoint)
     workflow: Workflow = "inpaint" if mask else ("edit" if "edit" in served else "img2img")
     if workflow not in served:
@@ -63,10 +65,12 @@ def choose_workflow(
 
 
 def workflow_pipeline(
-    loaded: Any, class_name: str | None, cache: dict[str, Any], extra: dict[str, Any] | None = None
+    loaded: Any, class_name: str | None, cache: dict[str, Any], extra: dict[str, Any] | None = None,
+    placement: tuple[str, str] = ("resident", "cpu"),
 ) -> Any:
     """The pipeline of class ``class_name`` over ``loaded``'s components and
-    ``extra`` ones (a ControlNet), cached per class."""
+    ``extra`` ones (a ControlNet), cached per class, placed as ``placement``
+    (the plan's memory mode and device) says: see :func:`follow_offload`."""
     if class_name is None or type(loaded).__name__ == class_name:
         return loaded
     if class_name not in cache:
@@ -84,8 +88,40 @@ def workflow_pipeline(
                 f"{class_name} cannot be built from the loaded {type(loaded).__name__} ({exc})"
             ) from exc
         built.set_progress_bar_config(disable=True)
+        follow_offload(built, extra or {}, *placement)
         cache[class_name] = built
     return cache[class_name]
+
+
+def follow_offload(built: Any, extra: dict[str, Any], mode: str, device: str) -> None:
+    """Give a pipeline built with ``from_pipe`` the loaded one's offload.
+
+    ``from_pipe`` shares the modules, and with them whatever hooks are on
+    them, but not the pipeline's own offload record: under model offload the
+    new pipeline would never offload its last model (its ``_all_hooks`` is
+    empty, so the end-of-call reset is skipped) and a module it adds (a
+    ControlNet) would have no hook at all, left on the host while its inputs
+    are on the device. So the new pipeline enables the same offload over its
+    own components, as diffusers' own ``from_pipe`` offload tests do; the
+    loaded pipeline re-installs its hooks at the end of each of its calls
+    (diffusers' ``maybe_free_model_hooks``), so the two alternate safely.
+    Group offload's hooks live on the modules and travel with them; only an
+    added module gets its own.
+    """
+    if mode == "model_offload":
+        built.enable_model_cpu_offload(device=device)
+    elif mode == "sequential_offload":
+        built.enable_sequential_cpu_offload(device=device)
+    elif mode == "group_offload":
+        import torch
+        from diffusers.hooks.group_offloading import _is_group_offload_enabled
+
+        for module in extra.values():
+            if isinstance(module, torch.nn.Module) and not _is_group_offload_enabled(module):
+                module.enable_group_offload(
+                    onload_device=torch.device(device), offload_device=torch.device("cpu"),
+                    offload_type="block_level", num_blocks_per_group=1, use_stream=True,
+                )
 
 
 def strength_of(pipe: Any, strength: float | None) -> float | None:
@@ -158,3 +194,31 @@ def check_controlnet(family: FamilySpec, path: str) -> str:
             f"controlnet {path} is a {class_name}; {family.label} takes {declared}; give a ControlNet for this family"
         )
     return str(folder.resolve())
+
+
+def controlnet_gb(path: str) -> float:
+    """bf16 GB of the ControlNet folder at ``path`` (checked by
+    :func:`check_controlnet`), for the memory plan: from its safetensors
+    headers (no weight is read), else the stored size of its weight files."""
+    from pathlib import Path
+
+    from engine.policy.quant_filter import dense_gb
+    from engine.preflight.headers import tensor_shapes
+
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return dense_gb(tensor_shapes(files))
+    stored = [f for pattern in ("*.bin", "*.pt", "*.pth") for f in folder.glob(pattern)]
+    if not stored:
+        raise UnsupportedWorkflow(f"controlnet {path} holds no weights (.safetensors or .bin); "
+                                  "give the folder saved with save_pretrained")
+    return sum(f.stat().st_size for f in stored) / 1e9
+
+
+def with_controlnet(facts: Any, path: str | None) -> Any:
+    """``facts`` (:class:`~engine.policy.plan.ModelFacts`) with the ControlNet
+    at ``path`` sized in, so the plan holds it like any component."""
+    import dataclasses
+
+    return facts if path is None else dataclasses.replace(facts, controlnet_gb=controlnet_gb(path))

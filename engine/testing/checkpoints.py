@@ -109,3 +109,16 @@ def _write_sparse_safetensors(file: Path, shapes: list[tuple[str, tuple[int, ...
         handle.write(struct.pack("<Q", len(raw)))
         handle.write(raw)
         handle.truncate(8 + len(raw) + offset)
+
+
+def write_sized_controlnet(class_name: str, gb: float, target: Path, width: int = 3072) -> Path:
+    """A ControlNet folder of ``class_name`` that *is* ``gb`` (bf16) in size,
+    without its weights: a config naming the class and a safetensors header
+    over a sparse file, as :func:`write_sized_pipeline` does for pipelines."""
+    import json
+
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps({"_class_name": class_name}), encoding="utf-8")
+    rows = max(1, int(gb * 1e9 / (2 * width)))
+    _write_sparse_safetensors(target / "diffusion_pytorch_model.safetensors", [("filler.weight", (rows, width))])
+    return target

@@ -3,7 +3,8 @@
 A checkpoint is a folder ``checkpoints/step-00000500/`` in the run folder
 holding the LoRA (diffusers format, loadable on its own) and ``state.pt``:
 the trainable weights, optimizer, LR scheduler, both RNG states, the batch
-order still to come and the step. It is written into a hidden temporary
+order still to come, the LoRA EMA's shadow weights (so a resumed run
+continues the average instead of restarting it) and the step. It is written into a hidden temporary
 folder and renamed into place, so a crash mid-write leaves the previous
 checkpoints intact and never a half one under a real name. Only the newest
 ``keep`` are kept.

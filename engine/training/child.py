@@ -11,7 +11,9 @@ Protocol on the one socket (file descriptor ``FD``, a
 :class:`multiprocessing.connection.Connection`): the parent sends the
 parent's ``sys.path`` (so plugins and the plan unpickle as they would
 there), then ``(plan, folder)``, then stop requests ("save", "discard",
-"cancel") at any time; the child sends events (dicts) back.
+"cancel") at any time; the child sends events (dicts) back. With ``gpus``
+above 1 the child launches the ranks (:mod:`engine.training.launch`) and
+rank 0 uses this socket in its place.
 
 The child runs in its own process group and ignores SIGINT: Ctrl-C at a
 terminal reaches the CLI, which asks the child to stop after the current
@@ -75,7 +77,12 @@ def main(argv: list[str]) -> int:
         channel.emit(_error_event("trainer_start_failed", exc))
         return 1
     channel.emit({"type": "phase", "phase": "starting", "message": "the trainer process is up"})
-    run(plan, Path(folder), channel)
+    if getattr(plan.config, "gpus", 1) > 1:
+        from engine.training.launch import launch
+
+        launch(plan, Path(folder), channel)  # the ranks, under accelerate; rank 0 speaks on this socket
+    else:
+        run(plan, Path(folder), channel)
     conn.close()
     return 0
 

@@ -26,6 +26,7 @@ MAX_STEPS = 1_000_000
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes up to 2**64 - 1; JSON clients stay signed
 MAX_RANK = 1024
 MAX_BATCH = 64
+MAX_GPUS = 64
 
 
 class TrainingConfig(BaseModel):
@@ -76,6 +77,10 @@ class TrainingConfig(BaseModel):
     #: None: the engine decides (off when the run fits without it, else on).
     gradient_checkpointing: bool | None = None
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    #: Processes (ranks) the run trains on, one device each; above 1 the trainer
+    #: runs under accelerate (DDP) and ``batch_size`` is per rank. With
+    #: ``device=cpu``: that many CPU processes (gloo).
+    gpus: int = Field(1, ge=1, le=MAX_GPUS)
     export_kohya: bool = False
     #: Points kept per metric in the run record (older points are thinned).
     metric_history: int = Field(500, ge=10, le=100_000)
@@ -147,7 +152,7 @@ class TrainingConfig(BaseModel):
             return self.steps
         if self.epochs is None:
             return 500
-        per_step = self.batch_size * self.grad_accumulation
+        per_step = self.batch_size * self.grad_accumulation * self.gpus  # the global batch
         return max(1, math.ceil(self.epochs * images / per_step))
 
     def public_dict(self) -> dict[str, object]:

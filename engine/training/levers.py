@@ -269,6 +269,26 @@ class LoraEma:
             for shadow, param in zip(self.shadow, self.params):
                 shadow.lerp_(param.detach().float(), 1 - self.decay)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The shadow weights and decay, for a checkpoint (so a resumed run continues the average)."""
+        return {"decay": self.decay, "shadow": [s.detach().to("cpu").clone() for s in self.shadow]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the average a checkpoint saved.
+
+        :raises ValueError: the checkpoint's EMA covers other parameters (a
+            different rank or target set), so it cannot continue this one.
+        """
+        import torch
+
+        shadow = state["shadow"]
+        if len(shadow) != len(self.shadow) or any(a.shape != b.shape for a, b in zip(shadow, self.shadow)):
+            raise ValueError(
+                f"the checkpoint's LoRA EMA holds {len(shadow)} tensors, this run trains {len(self.shadow)} "
+                "of other shapes; resume with the run's own lora_rank and targets"
+            )
+        self.shadow = [s.to(device=p.device, dtype=torch.float32) for s, p in zip(shadow, self.params)]
+
     def swapped(self) -> Any:
         """A context in which the parameters hold the EMA (restored on exit)."""
         import contextlib
@@ -289,3 +309,4 @@ class LoraEma:
                         param.copy_(kept)
 
         return swap()
+

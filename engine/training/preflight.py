@@ -28,6 +28,7 @@ from engine.preflight.model import ModelSource, hub_access_error, lora_target_er
 from engine.training.buckets import BucketPlan, plan_buckets
 from engine.training.config import TrainingConfig
 from engine.training.levers import TrainingLevers, resolve_levers
+from engine.training.multigpu import check_each_device, rank_devices
 from engine.types import FamilySpec, TrainingObjective
 
 
@@ -63,6 +64,7 @@ class TrainingPlan:
             "family": self.family.name,
             "base": self.base.to_dict(),
             "device": self.device,
+            "gpus": self.config.gpus,
             "steps": self.steps,
             "lora_targets": list(self.lora_targets),
             "objective": self.objective.prediction,
@@ -95,6 +97,7 @@ def preflight_training(
     """
     available = available or available_memory(hardware)
     hardware = available.apply(hardware)
+    devices = rank_devices(config, hardware)  # --gpus N: N devices, each checked below
     family = registry.family(config.family) if config.family else None
     if family is not None:
         _precision_check(registry, family, config, hardware)
@@ -123,6 +126,7 @@ def preflight_training(
         else auto("none", f"{family.label}'s trainer ignores base_precision")
     )
     _precision_check(registry, family, config, hardware, memory)
+    check_each_device(devices, lambda device: _precision_check(registry, family, config, device, memory))
     checkpointing = resolve_checkpointing(family, precision.value, memory, hardware, config.device)
     dataset = discover_dataset(config.dataset_dir, resolution=config.resolution, strict=config.strict)
     levers = resolve_levers(family, objective, config, device, hardware,

@@ -97,6 +97,9 @@ class RunRecord:
     owner_started: int | None = None
     pid: int | None = None
     pid_started: int | None = None
+    #: A multi-GPU run's ranks: ``world``, their ``pids`` and, at the end,
+    #: each rank's LoRA digest (``lora_sha256``, equal when in sync); None for one process.
+    ranks: dict[str, object] | None = None
 
     def __post_init__(self) -> None:
         for name in METRICS:
@@ -113,6 +116,8 @@ class RunRecord:
     def apply(self, event: dict[str, object]) -> None:
         """Fold one event from the trainer into the record."""
         kind = event.get("type")
+        if isinstance(event.get("ranks"), dict):
+            self.ranks = {**(self.ranks or {}), **event["ranks"]}  # type: ignore[dict-item]
         if kind == "started":
             self.status = "running"
             self.started_at = time.time()

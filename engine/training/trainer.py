@@ -9,7 +9,9 @@ gradient clipping (reporting the pre-clip norm). The family's runtime
 module (named by its training objective) supplies ``encode_prompts``,
 ``encode_images`` and ``predict``; the objective says how to noise and what
 to regress: flow matching (target = noise - x0 at sigma) or epsilon / v
-prediction on a DDPM schedule.
+prediction on a DDPM schedule. Under accelerate (``gpus`` > 1) the same loop
+runs on every rank; :mod:`engine.training.replicas` shards the global batch
+and syncs gradients, stops and the loss.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from engine.plugins import Registry, load_registry
 from engine.training import levers
 from engine.training.preflight import TrainingPlan
 from engine.training.export import LORA_WEIGHTS, save_lora
+from engine.training.replicas import SOLO, Replicas, example_generators
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -54,11 +57,14 @@ class _StoppedEarly(Exception):
 
 def run_training(
     plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCheck, registry: Registry | None = None,
+    replicas: Replicas = SOLO,
 ) -> dict[str, object]:
     """Train; emit events; return the terminal event (completed / stopped / cancelled).
 
     A stop is honoured in every phase: between loading and caching, between
-    cached images, and after every optimizer step.
+    cached images, and after every optimizer step. ``replicas``: this
+    process's rank under accelerate (see :mod:`engine.training.replicas`);
+    only rank 0 writes files, and every rank stops where rank 0 does.
     """
     # The plan may have been made for another machine (a preset): re-check
     # this process's own device before anything is loaded.
@@ -67,7 +73,7 @@ def run_training(
     fused_norm = rms_norm_patch() if plan.device == "cuda" else contextlib.nullcontext()
     try:
         with pinned_sdpa(plan.device), fused_norm:
-            return _train(plan, output_dir, emit, should_stop, registry or load_registry())
+            return _train(plan, output_dir, emit, replicas.stop(should_stop), registry or load_registry(), replicas)
     except _StoppedEarly as early:
         kind = "cancelled" if early.request == "cancel" else "stopped"
         return {"type": kind, "step": 0, "outputs": {}}
@@ -83,6 +89,7 @@ def _check_stop(should_stop: StopCheck) -> None:
 
 def _train(
     plan: TrainingPlan, output_dir: Path, emit: Emit, should_stop: StopCheck, registry: Registry,
+    replicas: Replicas = SOLO,
 ) -> dict[str, object]:
     config = plan.config
     device = torch.device(plan.device)
@@ -114,7 +121,7 @@ def _train(
     params = [p for p in denoiser.parameters() if p.requires_grad]  # as placed on the device
     if plan.gradient_checkpointing.value and hasattr(denoiser, "enable_gradient_checkpointing"):
         denoiser.enable_gradient_checkpointing()
-    forward = _compiled(plan, denoiser)
+    forward = replicas.prepare(_compiled(plan, denoiser))  # DDP under accelerate: gradients sync in backward
     denoiser.train()
     chosen = levers.of(plan)
     optimizer = levers.build_optimizer(str(chosen.optimizer.value), params, float(chosen.learning_rate.value))
@@ -134,32 +141,35 @@ def _train(
     order: list[list[int]] = []  # batches still to come this epoch, each within one bucket
     step = 0
     if config.resume_from is not None:
-        step, order = _resume(Path(config.resume_from), denoiser, optimizer, schedule, generator, scaler)
+        step, order = _resume(Path(config.resume_from), denoiser, optimizer, schedule, generator, scaler, ema)
         emit({"type": "phase", "phase": "training", "message": f"resumed from step {step}"})
     _check_stop(should_stop)
     stop: str | None = None
     for step in range(step + 1, plan.steps + 1):
         started = time.perf_counter()
-        total_loss = 0.0
+        total_loss, seen, per_step = 0.0, 0, config.batch_size * replicas.world  # the global batch
         for micro in range(config.grad_accumulation):
             if not order:
-                order = epoch_batches(groups, config.batch_size,
-                                      lambda n: torch.randperm(n, generator=generator).tolist())
+                order = epoch_batches(groups, per_step, lambda n: torch.randperm(n, generator=generator).tolist())
             batch, order = order[0], order[1:]
-            x0 = torch.stack([latents[i] for i in batch]).to(device, dtype)
-            rows = [_prompt_row(captions, options, config.seed, step, micro * config.batch_size + slot, image)
-                    for slot, image in enumerate(batch)]
+            shard, weight = replicas.shard(batch, config.batch_size)  # this rank's (slot, image) pairs
+            slots = [micro * per_step + slot for slot, _ in shard]
+            x0 = torch.stack([latents[image] for _, image in shard]).to(device, dtype)
+            rows = [_prompt_row(captions, options, config.seed, step, slot, image)
+                    for slot, (_, image) in zip(slots, shard)]
             cond = {k: v[rows].to(device) for k, v in conditioning.items()}
-            noisy, timesteps, target = _noise(plan, x0, noise_schedule, generator, chosen.flow_shift.value)
-            prediction = runtime.predict(pipe, forward, noisy, timesteps, cond)
-            loss = levers.weighted_mse(
-                prediction, target, str(chosen.loss_weighting.value), plan.objective.prediction, timesteps, noise_schedule
-            )
-            value = loss.item()
-            if not math.isfinite(value):
-                raise NonFiniteLoss(step, value, output_dir)
-            scaler.scale(loss / config.grad_accumulation).backward()
-            total_loss += value / config.grad_accumulation
+            draws = example_generators(config.seed, step, slots)
+            noisy, timesteps, target = _noise(plan, x0, noise_schedule, draws, chosen.flow_shift.value)
+            with replicas.no_sync(forward, last=micro == config.grad_accumulation - 1):
+                prediction = runtime.predict(pipe, forward, noisy, timesteps, cond)
+                loss = levers.weighted_mse(prediction, target, str(chosen.loss_weighting.value),
+                                           plan.objective.prediction, timesteps, noise_schedule) * weight
+                replicas.backward(scaler.scale(loss / config.grad_accumulation))
+            total_loss += loss.item() / replicas.world / config.grad_accumulation
+            seen += len(batch)
+        total_loss = replicas.total(total_loss)  # the global batch's mean, the same on every rank
+        if not math.isfinite(total_loss):
+            raise NonFiniteLoss(step, total_loss, output_dir)  # before the optimizer touches the LoRA
         scaler.unscale_(optimizer)  # clip and report the true gradient, not the scaled one
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
         scaler.step(optimizer)  # skipped (and the scale lowered) when fp16 gradients overflowed
@@ -172,16 +182,16 @@ def _train(
         emit({
             "type": "progress", "step": step, "steps": plan.steps, "loss": total_loss,
             "lr": schedule.get_last_lr()[0], "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
-            "samples_per_s": config.batch_size * config.grad_accumulation / elapsed,
+            "samples_per_s": seen / elapsed,
             "peak_memory_gb": _peak_memory_gb(plan.device),
             "loss_scale": scaler.get_scale() if scaler.is_enabled() else None,
         })
         stop = should_stop()
-        if config.save_every and (step % config.save_every == 0 or stop == "save"):
+        if replicas.main and config.save_every and (step % config.save_every == 0 or stop == "save"):
             path = _checkpoint(plan, pipe, denoiser, output_dir, step, optimizer, schedule, generator, order, scaler,
-                               registry)
+                               registry, ema)
             emit({"type": "checkpoint", "step": step, "path": str(path)})
-        if config.sample_every and step % config.sample_every == 0:
+        if replicas.main and config.sample_every and step % config.sample_every == 0:
             from engine.training.samples import write_samples
 
             emit({"type": "samples", "step": step, "samples": write_samples(plan, pipe, denoiser, output_dir, step)})
@@ -189,12 +199,16 @@ def _train(
             break
     if stop in ("discard", "cancel"):
         return {"type": "stopped" if stop == "discard" else "cancelled", "step": step, "outputs": {}}
+    ranks = replicas.in_sync({n: p for n, p in denoiser.named_parameters() if p.requires_grad})
+    if not replicas.main:
+        return {"type": "stopped" if stop == "save" else "completed", "step": step, "outputs": {}}
     outputs = save_lora(plan, pipe, denoiser, output_dir, registry=registry)
     if ema is not None:
         with ema.swapped():
             outputs["lora_ema"] = str(levers.save_ema(output_dir, lambda folder: save_lora(
                 plan, pipe, denoiser, folder, registry=registry)))
-    return {"type": "stopped" if stop == "save" else "completed", "step": step, "outputs": outputs}
+    return {"type": "stopped" if stop == "save" else "completed", "step": step, "outputs": outputs, **ranks}
+
 
 
 class NonFiniteLoss(EngineError):
@@ -223,7 +237,7 @@ def _grad_scaler(plan: TrainingPlan) -> torch.amp.GradScaler:
 def _checkpoint(
     plan: TrainingPlan, pipe: Any, denoiser: torch.nn.Module, output_dir: Path, step: int,
     optimizer: torch.optim.Optimizer, schedule: Any, generator: torch.Generator, order: list[list[int]],
-    scaler: torch.amp.GradScaler, registry: Registry,
+    scaler: torch.amp.GradScaler, registry: Registry, ema: levers.LoraEma | None = None,
 ) -> Path:
     """Everything the next step depends on, so a resumed run continues bit for bit."""
     from engine.training.checkpoints import save_checkpoint
@@ -237,6 +251,7 @@ def _checkpoint(
         "generator": generator.get_state(),
         "order": [list(batch) for batch in order],
         "scaler": scaler.state_dict(),
+        "ema": ema.state_dict() if ema is not None else None,  # the average continues on resume
     }
     return save_checkpoint(
         output_dir, step, state, lambda folder: save_lora(plan, pipe, denoiser, folder, registry=registry),
@@ -246,7 +261,7 @@ def _checkpoint(
 
 def _resume(
     path: Path, denoiser: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: Any,
-    generator: torch.Generator, scaler: torch.amp.GradScaler,
+    generator: torch.Generator, scaler: torch.amp.GradScaler, ema: levers.LoraEma | None = None,
 ) -> tuple[int, list[list[int]]]:
     """Load a checkpoint over the freshly built run; the step it was taken at and the batch order."""
     from engine.training.checkpoints import load_checkpoint
@@ -265,8 +280,22 @@ def _resume(
     generator.set_state(state["generator"])
     if state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
+    if ema is not None:
+        _resume_ema(ema, state.get("ema"), path)
     # Batches (lists); a checkpoint from before aspect buckets holds image indices: one per batch.
     return int(state["step"]), [list(b) if isinstance(b, (list, tuple)) else [int(b)] for b in state["order"]]
+
+
+def _resume_ema(ema: levers.LoraEma, saved: dict[str, Any] | None, path: Path) -> None:
+    """Continue the checkpoint's EMA; a checkpoint without one (the run had no EMA,
+    or predates it) starts the average from the restored weights."""
+    if saved is None:
+        ema.shadow = [p.detach().float().clone() for p in ema.params]
+        return
+    try:
+        ema.load_state_dict(saved)
+    except ValueError as exc:
+        raise EngineError(f"cannot resume the EMA from {path}: {exc}", code="resume_mismatch") from None
 
 
 def _load_pipeline(plan: TrainingPlan, dtype: torch.dtype) -> Any:
@@ -395,20 +424,20 @@ def _compiled(plan: TrainingPlan, denoiser: torch.nn.Module) -> torch.nn.Module:
 
 
 def _noise(
-    plan: TrainingPlan, x0: torch.Tensor, schedule: Any, generator: torch.Generator, shift: float | None = None,
+    plan: TrainingPlan, x0: torch.Tensor, schedule: Any, draws: list[torch.Generator], shift: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    noise = torch.randn(x0.shape, generator=generator).to(x0.device, x0.dtype)
-    batch = x0.shape[0]
+    """Noise and a timestep per example, each from that example's own generator (``draws``)."""
+    noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in draws]).to(x0.device, x0.dtype)
     if schedule is None:  # flow matching
         if plan.objective.timestep_sampling == "logit_normal":
-            sigmas = torch.sigmoid(torch.randn(batch, generator=generator))
+            sigmas = torch.sigmoid(torch.cat([torch.randn(1, generator=g) for g in draws]))
         else:
-            sigmas = torch.rand(batch, generator=generator)
+            sigmas = torch.cat([torch.rand(1, generator=g) for g in draws])
         sigmas = levers.shift_sigmas(sigmas, shift).to(x0.device)
         s = sigmas.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
         return (1 - s) * x0 + s * noise, sigmas, noise - x0
     steps = int(schedule.config.num_train_timesteps)
-    timesteps = torch.randint(0, steps, (batch,), generator=generator).to(x0.device)
+    timesteps = torch.cat([torch.randint(0, steps, (1,), generator=g) for g in draws]).to(x0.device)
     noisy = schedule.add_noise(x0, noise, timesteps)
     if schedule.config.prediction_type == "v_prediction":
         return noisy, timesteps, schedule.get_velocity(x0, noise, timesteps)

@@ -61,6 +61,38 @@ def encode_prompts(
     }
 
 
+
+def prompt_inputs(pipe, kwargs: dict) -> dict | None:
+    """What ``FluxPipeline``'s prompt encoding depends on in one call (for the
+    inference prompt cache, :mod:`engine.runtime.prompt_cache`): the prompts,
+    the negative prompts only when true CFG runs (``true_cfg_scale`` > 1 with a
+    negative), and the T5 length. None: a call with a second prompt or no text."""
+    from engine.runtime.prompt_cache import prompt_list, true_cfg_prompt_inputs
+
+    prompts = prompt_list(kwargs.get("prompt"))
+    if prompts is None or kwargs.get("prompt_2") is not None or kwargs.get("negative_prompt_2") is not None:
+        return None
+    return true_cfg_prompt_inputs(pipe, kwargs, prompts, DEFAULT_MAX_SEQUENCE_LENGTH)
+
+
+def encode_prompt_inputs(pipe, inputs: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """The embedding arguments ``FluxPipeline.__call__`` computes from ``inputs``,
+    through its own ``encode_prompt`` (the text ids it rebuilds itself: zeros)."""
+    out: dict[str, torch.Tensor] = {}
+    sides = [("", inputs["prompt"])]
+    if inputs.get("negative_prompt") is not None:
+        sides.append(("negative_", inputs["negative_prompt"]))
+    with torch.no_grad():
+        for prefix, texts in sides:
+            embeds, pooled, _ = pipe.encode_prompt(
+                prompt=list(texts), prompt_2=None, device=device, num_images_per_prompt=1,
+                max_sequence_length=inputs["max_sequence_length"],
+            )
+            out[f"{prefix}prompt_embeds"] = embeds
+            out[f"{prefix}pooled_prompt_embeds"] = pooled
+    return out
+
+
 def encode_images(
     pipe, pixels: torch.Tensor, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:

@@ -58,7 +58,11 @@ FLUX = FamilySpec(
             workflows=(("edit", "FluxKontextPipeline"), ("inpaint", "FluxKontextInpaintPipeline")),
         ),
     ),
-    workflows=(("img2img", "FluxImg2ImgPipeline"), ("inpaint", "FluxInpaintPipeline")),
+    workflows=(
+        ("img2img", "FluxImg2ImgPipeline"),
+        ("inpaint", "FluxInpaintPipeline"),
+        ("controlnet", "FluxControlNetPipeline"),
+    ),
     controlnet_classes=("FluxControlNetModel",),
     sizes=ComponentSizes(transformer_gb=23.8, text_encoders_gb=9.8, vae_gb=0.2),
     training_dense_gb=23.8,

@@ -189,3 +189,22 @@ def build_tiny_pipeline(path: pathlib.Path) -> pathlib.Path:
     )
     pipeline.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def build_tiny_controlnet(path: pathlib.Path) -> pathlib.Path:
+    """Write a tiny random-weight ``FluxControlNetModel`` to ``path``: the tiny
+    transformer's config (one double-stream block, no single-stream ones),
+    its embedders copied from it as ``from_transformer`` does."""
+    from diffusers import FluxControlNetModel
+
+    controlnet = FluxControlNetModel.from_transformer(
+        _transformer(), num_layers=1, num_single_layers=0, attention_head_dim=128, num_attention_heads=4,
+    ).eval()
+    # A new ControlNet's output projections start at zero (training grows the
+    # control from nothing); random ones make the tiny model steer the image.
+    torch.manual_seed(_SEED)
+    with torch.no_grad():
+        for linear in [*controlnet.controlnet_blocks, controlnet.controlnet_x_embedder]:
+            linear.weight.normal_(0.0, 0.2)
+    controlnet.save_pretrained(path, safe_serialization=True)
+    return pathlib.Path(path)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from diffusers import DiffusionPipeline
 
-__all__ = ["encode_images", "encode_prompts", "predict"]
+__all__ = ["encode_images", "encode_prompt_inputs", "encode_prompts", "predict", "prompt_inputs"]
 
 #: ``QwenImagePipeline.__call__``'s default ``max_sequence_length``: train on the
 #: same prompt truncation the pipeline generates with.
@@ -52,6 +52,43 @@ def encode_prompts(
         "prompt_embeds": prompt_embeds.to(device=device, dtype=dtype),
         "prompt_embeds_mask": mask.to(device=device, dtype=torch.long),
     }
+
+
+
+def prompt_inputs(pipe: DiffusionPipeline, kwargs: dict) -> dict | None:
+    """What ``QwenImagePipeline``'s prompt encoding depends on in one call (for
+    the inference prompt cache, :mod:`engine.runtime.prompt_cache`): the prompts,
+    the negatives only when true CFG runs (``true_cfg_scale`` > 1 with a
+    negative), and the maximum length. None for an edit call (its prompt is
+    encoded with the input image) or a call without text."""
+    from engine.runtime.prompt_cache import prompt_list, true_cfg_prompt_inputs
+
+    prompts = prompt_list(kwargs.get("prompt"))
+    if prompts is None or "Edit" in type(pipe).__name__:
+        return None
+    return true_cfg_prompt_inputs(pipe, kwargs, prompts, _MAX_SEQUENCE_LENGTH)
+
+
+def encode_prompt_inputs(pipe: DiffusionPipeline, inputs: dict, device: torch.device) -> dict[str, torch.Tensor | None]:
+    """The embedding arguments (embeddings and their masks) its call computes
+    from ``inputs``, through ``encode_prompt``. A mask the pipeline dropped (no
+    prompt padded) is given back as ones: the call drops an all-ones mask again,
+    and does not warn that embeddings came without one."""
+    out: dict[str, torch.Tensor | None] = {}
+    sides = [("", inputs["prompt"])]
+    if inputs.get("negative_prompt") is not None:
+        sides.append(("negative_", inputs["negative_prompt"]))
+    with torch.no_grad():
+        for prefix, texts in sides:
+            embeds, mask = pipe.encode_prompt(
+                prompt=list(texts), device=device, num_images_per_prompt=1,
+                max_sequence_length=inputs["max_sequence_length"],
+            )
+            if mask is None:
+                mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+            out[f"{prefix}prompt_embeds"] = embeds
+            out[f"{prefix}prompt_embeds_mask"] = mask
+    return out
 
 
 def encode_images(pipe: DiffusionPipeline, pixels: torch.Tensor) -> torch.Tensor:

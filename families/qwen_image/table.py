@@ -63,7 +63,13 @@ QWEN_IMAGE = FamilySpec(
             default_guidance=4.0,
             matches=("*qwen-image-edit*", "*qwen_image_edit*"),
             pipeline_class="QwenImageEditPipeline",
-            workflows=(("edit", "QwenImageEditPipeline"), ("inpaint", "QwenImageEditInpaintPipeline")),
+            # Its pipeline needs an input image: text-to-image runs the base
+            # pipeline over the same components.
+            workflows=(
+                ("txt2img", "QwenImagePipeline"),
+                ("edit", "QwenImageEditPipeline"),
+                ("inpaint", "QwenImageEditInpaintPipeline"),
+            ),
         ),
     ),
     workflows=(("img2img", "QwenImageImg2ImgPipeline"), ("inpaint", "QwenImageInpaintPipeline")),

@@ -42,7 +42,7 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, tr
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-__all__ = ["TINY_GENERATE_KWARGS", "TINY_RESOLUTION", "build_tiny_pipeline"]
+__all__ = ["TINY_GENERATE_KWARGS", "TINY_RESOLUTION", "build_tiny_edit_pipeline", "build_tiny_pipeline"]
 
 #: Works for the tiny pipeline; any multiple of 16 (VAE 8x * 2x2 packing) does.
 TINY_RESOLUTION: int = 64
@@ -162,7 +162,34 @@ def build_tiny_pipeline(path: pathlib.Path) -> pathlib.Path:
     """
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    QwenImagePipeline(**_components()).save_pretrained(path, safe_serialization=True)
+    return path
 
+
+def build_tiny_edit_pipeline(path: pathlib.Path) -> pathlib.Path:
+    """Write a tiny ``QwenImageEditPipeline`` to ``path``: the same weights as
+    :func:`build_tiny_pipeline` (same seeds) and a real ``Qwen2VLProcessor``
+    (the tiny tokenizer, a Qwen2-VL image processor capped at 112x112 pixels,
+    so the vision tower sees at most 16 merged patches; the real one allows
+    12.8 MP). transformers builds that processor only with torchvision
+    installed (its video processor needs it)."""
+    from diffusers import QwenImageEditPipeline
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    parts = _components()
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112),
+        tokenizer=parts["tokenizer"],
+        video_processor=Qwen2VLVideoProcessor(),
+    )
+    QwenImageEditPipeline(**parts, processor=processor).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _components() -> dict[str, Any]:
+    """The tiny pipeline's parts, seeded."""
     tokenizer = _build_tokenizer()
 
     torch.manual_seed(0)
@@ -202,12 +229,10 @@ def build_tiny_pipeline(path: pathlib.Path) -> pathlib.Path:
         time_shift_type="exponential",
     )
 
-    pipeline = QwenImagePipeline(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
-    pipeline.save_pretrained(path, safe_serialization=True)
-    return path
+    return {
+        "scheduler": scheduler,
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "transformer": transformer,
+    }

@@ -44,6 +44,42 @@ def encode_prompts(
     }
 
 
+
+def prompt_inputs(pipe, kwargs: dict) -> dict | None:
+    """What ``StableDiffusionXLPipeline``'s prompt encoding depends on in one call
+    (for the inference prompt cache, :mod:`engine.runtime.prompt_cache`): the
+    prompts, the negatives, whether classifier-free guidance runs (the pipeline's
+    own rule: ``guidance_scale`` > 1 on a UNet without a guidance embedding), and
+    ``clip_skip``. None: a call with second prompts or no text."""
+    from engine.runtime.prompt_cache import call_value, prompt_list
+
+    prompts = prompt_list(kwargs.get("prompt"))
+    if prompts is None or kwargs.get("prompt_2") is not None or kwargs.get("negative_prompt_2") is not None:
+        return None
+    guidance = float(call_value(pipe, kwargs, "guidance_scale") or 0.0)
+    cfg = guidance > 1 and pipe.unet.config.time_cond_proj_dim is None
+    return {
+        "prompt": prompts,
+        "negative_prompt": prompt_list(kwargs.get("negative_prompt")) if cfg else None,
+        "cfg": cfg,
+        "clip_skip": call_value(pipe, kwargs, "clip_skip"),
+    }
+
+
+def encode_prompt_inputs(pipe, inputs: dict, device: torch.device) -> dict[str, torch.Tensor | None]:
+    """The four embedding arguments the pipeline's call computes from ``inputs``,
+    through its own ``encode_prompt`` (negatives only under guidance)."""
+    with torch.no_grad():
+        embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
+            prompt=list(inputs["prompt"]), prompt_2=None, device=device, num_images_per_prompt=1,
+            do_classifier_free_guidance=inputs["cfg"], negative_prompt=inputs["negative_prompt"],
+            negative_prompt_2=None, clip_skip=inputs["clip_skip"],
+        )
+    return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled,
+            "negative_prompt_embeds": negative if inputs["cfg"] else None,
+            "negative_pooled_prompt_embeds": negative_pooled if inputs["cfg"] else None}
+
+
 def encode_images(
     pipe, pixels: torch.Tensor, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from diffusers import DiffusionPipeline
 
-__all__ = ["encode_images", "encode_prompts", "predict"]
+__all__ = ["encode_images", "encode_prompt_inputs", "encode_prompts", "predict", "prompt_inputs"]
 
 #: ``ZImagePipeline.__call__``'s default ``max_sequence_length`` (the tokenizer's
 #: padded length, chat template included): train on the truncation it generates with.
@@ -58,6 +58,39 @@ def encode_prompts(
         "cap_feats": cap_feats.to(device=device, dtype=dtype),
         "cap_lens": torch.tensor(lens, dtype=torch.long, device=device),
     }
+
+
+
+def prompt_inputs(pipe: DiffusionPipeline, kwargs: dict) -> dict | None:
+    """What ``ZImagePipeline``'s prompt encoding depends on in one call (for the
+    inference prompt cache, :mod:`engine.runtime.prompt_cache`): the prompts,
+    whether CFG runs (the pipeline's rule: ``guidance_scale`` > 0) with its
+    negatives (empty ones when none is given), and the maximum length."""
+    from engine.runtime.prompt_cache import call_value, prompt_list
+
+    prompts = prompt_list(kwargs.get("prompt"))
+    if prompts is None:
+        return None
+    cfg = float(call_value(pipe, kwargs, "guidance_scale") or 0.0) > 0
+    return {
+        "prompt": prompts,
+        "negative_prompt": prompt_list(kwargs.get("negative_prompt")) if cfg else None,
+        "cfg": cfg,
+        "max_sequence_length": int(call_value(pipe, kwargs, "max_sequence_length") or _MAX_SEQUENCE_LENGTH),
+    }
+
+
+def encode_prompt_inputs(pipe: DiffusionPipeline, inputs: dict, device: torch.device) -> dict[str, list[torch.Tensor]]:
+    """The per-prompt embedding lists the pipeline's call computes from ``inputs``,
+    through its own ``encode_prompt`` (lists copied: it rewrites them in place)."""
+    negatives = inputs["negative_prompt"]
+    with torch.no_grad():
+        embeds, negative = pipe.encode_prompt(
+            prompt=list(inputs["prompt"]), device=device, do_classifier_free_guidance=inputs["cfg"],
+            negative_prompt=list(negatives) if negatives is not None else None,
+            max_sequence_length=inputs["max_sequence_length"],
+        )
+    return {"prompt_embeds": list(embeds), "negative_prompt_embeds": list(negative) if inputs["cfg"] else []}
 
 
 def encode_images(pipe: DiffusionPipeline, pixels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,232 @@
+"""Multi-GPU training (``gpus`` > 1): the trainer child launches its ranks through accelerate.
+
+Why this launcher, and not ``accelerate launch`` (``torch.distributed.run``)
+as a subprocess: the trainer child (:mod:`engine.training.child`) owns the
+one socket to the engine and dies with the engine. ``accelerate launch``
+starts every rank as a fresh ``python -m`` process with its file
+descriptors closed, under torch's elastic agent: rank 0 would need a second
+channel back, and the agent reports the first failure *it notices*, which
+is often a survivor's broken collective rather than the rank that died.
+
+So, as accelerate's own ``notebook_launcher`` / ``debug_launcher`` do, the
+child forks its ranks with torch's ``start_processes`` through accelerate's
+``PrepareForLaunch`` and ``patch_environment`` (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``). Each rank builds an
+``Accelerator``, which sets up the process group from that environment
+(gloo on CPU, NCCL on CUDA) and its device; there is no process-group code
+here. Forking is what keeps the engine's guarantees:
+
+* rank 0 inherits the socket: it sends the events and reads stop requests
+  itself, then broadcasts each stop decision to the others
+  (:meth:`~engine.training.replicas.Replicas.stop`);
+* each rank dies with its launcher (parent-death signal and watch), as the
+  launcher dies with the engine: killing either leaves no rank behind;
+* the launcher sees every rank's exit status: when one fails it gives the
+  others :data:`GRACE_S` to fail on their own (their collectives break at
+  once), kills what is left, and reports the rank that failed first on its
+  own (:func:`root_cause`) as the run's error. Only the launcher reports
+  errors, and only after every rank has exited, so nothing else writes to
+  the socket then.
+
+The launcher must not touch CUDA before forking (accelerate's rule for
+fork): it imports the trainer (no device) so the ranks start warm.
+Multi-node runs use ``accelerate launch`` on each machine (see the README).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_ready
+from pathlib import Path
+from typing import Any
+
+#: Seconds the other ranks get to fail on their own once one rank failed.
+GRACE_S = 20.0
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank ended: its exit code, the error it wrote (if any), whether the launcher killed it."""
+
+    rank: int
+    pid: int
+    exitcode: int | None
+    error: dict[str, Any] | None = None
+    killed: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.exitcode != 0
+
+    @property
+    def primary(self) -> bool:
+        """Failed on its own: its own error, or killed from outside (not by us, not a lost peer)."""
+        if not self.failed or self.killed:
+            return False
+        return self.error is None or not self.error.get("peer_lost", False)
+
+    def describe(self, world: int) -> str:
+        who = f"rank {self.rank} of {world} (pid {self.pid})"
+        if self.error is not None:
+            return f"{who} failed: {self.error['message']}"
+        code = self.exitcode
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = "an unknown signal"
+            return f"{who} was killed by signal {-code} ({name})"
+        return f"{who} ended without finishing (exit code {code})"
+
+
+def launch(plan: Any, folder: Path, channel: Any) -> None:
+    """Run ``plan`` on ``plan.config.gpus`` ranks; every failure becomes one error event."""
+    import torch.multiprocessing as torch_mp
+    from accelerate.utils import PrepareForLaunch, patch_environment
+
+    import engine.training.trainer  # noqa: F401  (imported once here: the forked ranks share it)
+
+    world = int(plan.config.gpus)
+    errors = Path(tempfile.mkdtemp(prefix="diffusion-engine-ranks-"))
+    kind = "MULTI_CPU" if plan.device == "cpu" else "MULTI_GPU"
+    try:
+        with patch_environment(nproc=world, node_rank=0, world_size=world, master_addr="127.0.0.1",
+                               master_port=_free_port()):
+            context = torch_mp.start_processes(
+                PrepareForLaunch(_rank, distributed_type=kind),
+                args=(plan, str(folder), channel, str(errors), os.getpid()),
+                nprocs=world, join=False, start_method="fork",
+            )
+        ends = _wait_all(context.processes, errors)
+    except Exception as exc:  # the ranks could not be started: the run's error, reported
+        channel.emit({"type": "error", "code": "trainer_start_failed",
+                      "message": f"the {world} ranks could not start under accelerate: {type(exc).__name__}: {exc}",
+                      "traceback": traceback.format_exc(limit=8)})
+        return
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+    cause = root_cause(ends)
+    if cause is not None:
+        others = [e.rank for e in ends if e.failed and e.rank != cause.rank]
+        channel.emit({
+            "type": "error",
+            "code": str((cause.error or {}).get("code", "rank_failed")),
+            "message": cause.describe(world) + (f"; ranks {others} were stopped with it" if others else ""),
+            "traceback": (cause.error or {}).get("traceback", ""),
+        })
+
+
+def root_cause(ends: list[RankEnd]) -> RankEnd | None:
+    """The rank whose failure ended the run: the first (in exit order) that failed on its own,
+    else the first that failed at all; None when every rank finished."""
+    failed = [e for e in ends if e.failed]
+    primary = [e for e in failed if e.primary]
+    return (primary or [e for e in failed if not e.killed] or failed or [None])[0]
+
+
+def _wait_all(processes: list[Any], errors: Path) -> list[RankEnd]:
+    """Wait for every rank, in exit order; once one failed, the rest get :data:`GRACE_S`, then SIGKILL."""
+    pending = {p.sentinel: rank for rank, p in enumerate(processes)}
+    killed: set[int] = set()
+    deadline: float | None = None
+    ends: list[RankEnd] = []
+    while pending:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = wait_ready(list(pending), timeout=timeout)
+        if not ready and deadline is not None:
+            for rank in pending.values():
+                processes[rank].kill()
+                killed.add(rank)
+            deadline = None  # now wait for the kills to land
+            continue
+        for sentinel in ready:
+            rank = pending.pop(sentinel)  # type: ignore[call-overload]
+            process = processes[rank]
+            process.join()
+            ends.append(RankEnd(rank, process.pid, process.exitcode, _read_error(errors, rank), rank in killed))
+            if process.exitcode != 0 and deadline is None and not killed:
+                deadline = time.monotonic() + GRACE_S
+    return ends
+
+
+def _rank(plan: Any, folder: str, channel: Any, errors: str, launcher_pid: int) -> None:
+    """One rank (forked): die with the launcher, join the group through accelerate, train."""
+    from engine.training.runner import die_with_parent
+
+    die_with_parent(launcher_pid)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        from accelerate.utils import gather_object
+
+        from engine.logs import quiet_library_logs
+        from engine.training.replicas import join
+        from engine.training.trainer import run_training
+
+        quiet_library_logs(progress_bars=False)
+        if plan.device == "cpu":  # share the cores: N ranks each spinning on all of them crawl
+            import torch
+
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(plan.config.gpus)))
+        replicas = join(plan.device)
+        with replicas.collective():
+            pids = [int(p) for p in gather_object([os.getpid()])]
+        if replicas.main:
+            channel.emit({"type": "phase", "phase": "starting",
+                          "message": f"{replicas.world} ranks up under accelerate "
+                                     f"({replicas.accelerator.distributed_type})",
+                          "ranks": {"world": replicas.world, "pids": pids}})
+        result = run_training(plan, Path(folder), channel.emit if replicas.main else _ignore,
+                              channel.should_stop if replicas.main else _go_on, replicas=replicas)
+        if replicas.main:
+            channel.emit(result)
+    except BaseException as exc:
+        _write_error(Path(errors), rank, exc)
+        raise
+
+
+def _write_error(errors: Path, rank: int, exc: BaseException) -> None:
+    from engine.errors import EngineError
+    from engine.training.records import DISK_FULL, write_error_code
+    from engine.training.replicas import PeerLost
+
+    if isinstance(exc, EngineError):
+        code, message = exc.code, exc.message
+    elif isinstance(exc, OSError) and exc.errno in DISK_FULL:
+        code, message = write_error_code(exc), f"{exc}; free space in the output folder and start again"
+    else:
+        code, message = "trainer_crashed", f"{type(exc).__name__}: {exc}"
+    record = {"code": code, "message": message, "peer_lost": isinstance(exc, PeerLost),
+              "traceback": traceback.format_exc(limit=8)}
+    try:
+        (errors / f"rank-{rank}.json").write_text(json.dumps(record), encoding="utf-8")
+    except OSError:
+        pass  # the launcher still reports the rank, by its exit status
+
+
+def _read_error(errors: Path, rank: int) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads((errors / f"rank-{rank}.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return None
+
+
+def _ignore(event: dict[str, object]) -> None:
+    """Ranks other than 0 say nothing: rank 0 speaks for the run."""
+
+
+def _go_on() -> str | None:
+    return None  # only rank 0 reads stop requests; it broadcasts the decision
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

@@ -1,0 +1,171 @@
+"""Multi-GPU training through accelerate, on CPU: 2 ranks over gloo, in the engine's trainer child.
+
+One 2-rank run is stopped from the parent after a few steps (stop reaches
+both ranks, rank 0 saves); its loss curve is compared with a 1-process run
+with the same global batch, and its ranks' LoRA digests with each other.
+A second 2-rank run loses rank 1 to SIGKILL as soon as the ranks are up
+(rank 0's next collective breaks: the launcher must still name rank 1). The device-count
+refusal runs on a GPU preset with a host model that must never be evicted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from engine import Engine
+from engine.errors import EngineError
+from engine.hardware.devices import device_profiles
+from engine.hardware.presets import preset
+from engine.hardware.probe import probe
+from engine.hardware.profile import DeviceFacts
+from engine.plugins import load_registry
+from engine.testing.datasets import write_dataset
+from engine.training.config import TrainingConfig
+from engine.training.preflight import TrainingPlan, preflight_training
+from engine.training.records import RunRecord
+from engine.training.runner import TrainingRun
+from engine.training.trainer import run_training
+from tests.support import HostModel
+
+REGISTRY = load_registry()
+FAMILY = "flux"
+
+
+def make_plan(base: Path, data: Path, **overrides: object) -> TrainingPlan:
+    config = TrainingConfig.from_data({
+        "base_model": str(base), "dataset_dir": str(data), "resolution": 64, "lora_rank": 4,
+        "learning_rate": 1e-3, "lr_scheduler": "constant", "warmup_steps": 0, "device": "cpu",
+        "prompt_cache": False, **overrides,
+    })
+    return preflight_training(REGISTRY, config, probe(verify=False))
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie counts as gone: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_for(run: TrainingRun, ready: Callable[[RunRecord], bool], timeout: float = 300) -> RunRecord:
+    deadline = time.monotonic() + timeout
+    while not ready(record := run.poll()):
+        assert not record.finished, record.error
+        assert time.monotonic() < deadline, f"run still at step {record.step}"
+        time.sleep(0.1)
+    return record
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Three images in global batches of two: every other batch is short, so one rank has no example.
+    return write_dataset(tmp_path_factory.mktemp("data"), count=3, size=72)
+
+
+@pytest.fixture(scope="module")
+def stopped(
+    tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[RunRecord, list[tuple[int, float]]]:
+    """A 2-rank run (1 image per rank) stopped from the parent at step >= 2, and a
+    1-process run with the same global batch (2) over as many steps: its loss curve."""
+    base = tiny_pipeline(FAMILY)
+    run = TrainingRun(make_plan(base, dataset, gpus=2, batch_size=1, steps=1000), tmp_path_factory.mktemp("runs"))
+    run.start()
+    wait_for(run, lambda r: r.step >= 2)
+    run.stop(save=True)
+    record = run.wait(timeout=300)
+    events: list[dict[str, object]] = []
+    run_training(make_plan(base, dataset, batch_size=2, steps=max(record.step, 1)),
+                 tmp_path_factory.mktemp("solo"), events.append, lambda: None)
+    return record, [(int(e["step"]), float(e["loss"])) for e in events if e["type"] == "progress"]  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_stop_from_the_parent_stops_both_ranks_and_rank_0_saves(
+    stopped: tuple[RunRecord, list[tuple[int, float]]],
+) -> None:
+    record, _ = stopped
+    assert record.status == "stopped" and 2 <= record.step < 1000, record.error
+    assert load_file(record.outputs["lora"])  # written by rank 0, once
+    assert record.ranks is not None and record.ranks["world"] == 2
+    pids = record.ranks["pids"]
+    assert isinstance(pids, list) and len(set(pids)) == 2 and record.pid not in pids
+    assert all(gone(pid) for pid in [*pids, record.pid])  # type: ignore[list-item]
+
+
+@pytest.mark.slow
+def test_both_ranks_hold_the_same_lora_and_match_a_one_process_run(
+    stopped: tuple[RunRecord, list[tuple[int, float]]],
+) -> None:
+    record, solo = stopped
+    assert record.ranks is not None
+    digests = record.ranks["lora_sha256"]
+    assert isinstance(digests, list) and len(digests) == 2 and digests[0] == digests[1]
+    curve = record.metrics["loss"].points
+    assert [s for s, _ in curve] == [s for s, _ in solo] == list(range(1, record.step + 1))
+    assert max(abs(a - b) for (_, a), (_, b) in zip(curve, solo)) < 1e-4
+    assert len({round(v, 3) for _, v in curve}) > 1  # the curve moves: it is not one repeated value
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_run_naming_it_and_leaves_no_process(
+    tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path
+) -> None:
+    run = TrainingRun(make_plan(tiny_pipeline(FAMILY), dataset, gpus=2, batch_size=1, steps=1000), tmp_path)
+    run.start()
+    record = wait_for(run, lambda r: r.ranks is not None)  # the ranks are up: rank 0 goes on loading
+    pids = list(record.ranks["pids"])  # type: ignore[index, call-overload]
+    os.kill(pids[1], signal.SIGKILL)  # rank 0's next collective breaks; the launcher names rank 1
+    record = run.wait(timeout=120)
+    assert record.status == "failed" and record.error is not None
+    assert record.error["code"] == "rank_failed"
+    assert "rank 1 of 2" in record.error["message"] and "signal 9" in record.error["message"]
+    assert all(gone(pid) for pid in [*pids, record.pid])
+    assert not (tmp_path / record.run_id / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_gpus_over_the_device_count_is_refused_before_any_eviction(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = str(Path(__file__).parent / "no-base-needed")  # refused before the base is read
+    engine = Engine(registry=REGISTRY, hardware=preset("h100"), runs_dir=tmp_path / "runs")
+    host = HostModel(engine)
+    with pytest.raises(EngineError) as raised:
+        engine.start_training({"base_model": base, "dataset_dir": str(dataset), "gpus": 2})
+    assert raised.value.code == "not_enough_gpus"
+    assert "--gpus 2" in raised.value.message and "1 GPU (H100 80GB HBM3)" in raised.value.message
+    assert host.evicted == 0 and engine.residency.owner is None and engine.training_status() is None
+    # The terminal's dry run gives the same refusal, in its flags.
+    from engine.cli import main
+
+    assert main(["train", "--base", base, "--data", str(dataset), "--gpus", "2", "--hardware", "h100",
+                 "--dry-run"]) == 2
+    assert "error[not_enough_gpus]" in capsys.readouterr().err
+
+
+def test_each_device_is_checked_and_cpu_ranks_need_no_gpu(
+    tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path
+) -> None:
+    four = preset("4xh100")
+    assert [d.device_name for d in device_profiles(four)] == ["H100 80GB HBM3"] * 4
+    small = DeviceFacts("Tesla T4", 15.8, 0.5, (7, 5))  # device 2: no native bf16, next to no memory
+    box = four.replace(devices=(four.devices[0], four.devices[1], small, four.devices[3]))
+    engine = Engine(registry=REGISTRY, hardware=box, runs_dir=tmp_path / "runs")
+    host = HostModel(engine)
+    config = {"base_model": str(tiny_pipeline(FAMILY)), "dataset_dir": str(dataset), "resolution": 64}
+    assert engine.plan_training({**config, "gpus": 2}).config.gpus == 2  # devices 0 and 1 are fine
+    with pytest.raises(EngineError) as raised:
+        engine.start_training({**config, "gpus": 3})
+    assert raised.value.message.startswith("GPU 2 (Tesla T4)")
+    assert host.evicted == 0 and engine.residency.owner is None
+    plan = make_plan(tiny_pipeline(FAMILY), dataset, gpus=8)  # device=cpu: 8 gloo processes, no GPU needed
+    assert plan.device == "cpu" and plan.to_dict()["gpus"] == 8
