@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test install clean bench gpu-check
+.PHONY: demo test install browser clean bench gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+# The web page's browser tests drive Debian's chromium (never a downloaded browser):
+# installed here when missing, where this user may (root with apt-get).
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "Debian's chromium is missing and cannot be installed here: sudo apt-get install chromium"
+
+test: $(STAMP) browser
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/python bench/info_latency.py

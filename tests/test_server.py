@@ -176,7 +176,7 @@ def test_trainer_killed_while_serving_fails_cleanly_and_the_next_start_works(
     while (status := httpx.get(f"{url}/v1/training/status", headers=AUTH).json())["status"] != "failed":
         assert time.monotonic() < deadline + 60
         time.sleep(0.1)
-    assert status["error"]["code"] == "trainer_died"
+    assert status["error"]["code"] == "trainer_died" and "signal 9" in status["error"]["message"]
     while httpx.get(f"{url}/v1/images/status", headers=AUTH).json()["gpu_owner"] is not None:
         assert time.monotonic() < deadline + 60
         time.sleep(0.05)

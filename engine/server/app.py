@@ -3,31 +3,36 @@
 Routes mirror the Python facade (families, images info / plan / load /
 generate / status / unload, training info / start / status / stop / cancel / runs),
 plus OpenAI-compatible ``POST /v1/images/generations`` and ``/v1/images/edits`` on the loaded
-pipeline, so existing clients work unchanged.
+pipeline, so existing clients work unchanged. The web page is served at ``/``
+(:mod:`engine.server.pages`), with listings of the roots and a run's files
+(:mod:`engine.server.browse`) for it to pick from.
 
 Every error, whatever its status, is JSON ``{"error": {"code", "message"}}``
 (:mod:`engine.server.responses`): 400 for a request that cannot succeed here,
 401 without the token, 404 for an unknown name, path or route, 405, 409 for a
 busy engine or a missing prerequisite, 413 for a body over the cap, 422 for a
-malformed body, 500 ``internal_error`` for a failure nothing foresaw (logged
-on the server, never sent). The token and the body cap are checked by an ASGI
+malformed body, 429 (with ``Retry-After``) when the generate queue is full,
+500 ``internal_error`` for a failure nothing foresaw (logged on the server,
+never sent). The token and the body cap are checked by an ASGI
 middleware (:mod:`engine.server.guard`) before a byte of the body is read.
 Model, dataset, LoRA and output paths are confined to the configured roots.
-A generate whose client disconnects is cancelled at the next step.
+
+Generates go through one bounded FIFO queue (:mod:`engine.server.jobs`,
+routes in :mod:`engine.server.job_routes`): ``POST /v1/images/jobs``
+answers 202 with a job to follow (``GET``, ``DELETE``, SSE ``.../events``);
+the synchronous generate routes queue a job and wait for it, so concurrent
+clients queue rather than refuse each other; a full queue is 429 with
+``Retry-After``. A waiting client that disconnects cancels its job (queued:
+it never runs; running: it stops at the next step).
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import io
 import secrets
-import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
@@ -45,17 +50,17 @@ from engine.server.bodies import (
     StopBody,
     TrainingStartBody,
 )
+from engine.server.browse import browse_router
 from engine.server.edits import read_edit_form
 from engine.server.guard import Guard
+from engine.server.job_routes import EVENT_PATHS, jobs_router, queue_full, run_job
+from engine.server.jobs import JobQueue, QueueFull
+from engine.server.pages import PUBLIC_PATHS, PUBLIC_PREFIXES, add_pages
 from engine.server.paths import confine, confine_model
 from engine.server.settings import ServerSettings
 from engine.service import Engine
 
 __all__ = ["ServerSettings", "create_app"]
-
-#: Seconds between checks that a generating client is still connected.
-DISCONNECT_POLL_S = 0.25
-
 
 class ErrorBody(BaseModel):
     code: str
@@ -66,18 +71,6 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-@dataclass
-class GenerateProgress:
-    """The latest generate's progress, for ``GET /v1/images/status``."""
-
-    state: str = "idle"  # running, done, cancelled, failed
-    step: int = 0
-    steps: int = 0
-
-    def to_dict(self) -> dict[str, object]:
-        return {"state": self.state, "step": self.step, "steps": self.steps}
-
-
 # -- the app -------------------------------------------------------------------
 
 
@@ -86,16 +79,18 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         title="diffusion-engine",
         version=__version__,
         description="Run diffusion image models and train LoRA adapters, the fastest way this machine allows.",
-        responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 500)},
+        responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429, 500)},
     )
     app.add_exception_handler(EngineError, responses.engine_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, responses.validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, responses.http_error)  # type: ignore[arg-type]
-    public = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url} - {None}
+    app.add_exception_handler(QueueFull, queue_full)  # type: ignore[arg-type]
+    public = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url, *PUBLIC_PATHS} - {None}
     app.add_middleware(
-        Guard, token=settings.token, max_body_bytes=settings.max_body_bytes, public_paths=public  # type: ignore[arg-type]
+        Guard, token=settings.token, max_body_bytes=settings.max_body_bytes, public_paths=public,  # type: ignore[arg-type]
+        public_prefixes=PUBLIC_PREFIXES, query_token_paths=EVENT_PATHS,
     )
-    progress = GenerateProgress()
+    queue = JobQueue(engine, size=settings.queue_size)
     api = APIRouter(prefix="/v1")
 
     def model_path(value: str) -> str:
@@ -106,28 +101,10 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
             return None
         return [{"path": str(confine(b.path, settings.lora_roots, "LoRA")), "scale": b.scale} for b in bodies]
 
-    async def generate_watched(request: Request, prompt: str, **options: Any) -> list[str]:
-        """Generate in a worker thread, cancelled when the client disconnects; PNGs as base64."""
-        cancel = threading.Event()
-        watcher = asyncio.create_task(_watch_disconnect(request, cancel))
-
-        def step(done: int, total: int) -> None:
-            progress.step, progress.steps = done, total
-
-        progress.state, progress.step, progress.steps = "running", 0, options.get("steps") or 0
-        try:
-            images = await run_in_threadpool(engine.generate, prompt, progress=step, cancel=cancel, **options)
-            progress.state = "done"
-        except EngineError as error:
-            progress.state = "cancelled" if error.code == "cancelled" else "failed"
-            raise
-        except BaseException:
-            progress.state = "failed"
-            raise
-        finally:
-            cancel.set()  # also stops the engine if this task itself was cancelled
-            watcher.cancel()
-        return await run_in_threadpool(lambda: [_png_b64(image) for image in images])
+    async def generate_watched(request: Request, prompt: str, response: Response | None = None,
+                               **options: Any) -> list[str]:
+        """Queue the generate and wait for its job (cancelled when the client disconnects); PNGs as base64."""
+        return await run_job(queue, request, response, prompt, options)
 
     @api.get("/families")
     def families() -> list[dict[str, Any]]:
@@ -141,7 +118,9 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     def plan(body: PlanBody) -> dict[str, Any]:
         model = model_path(body.model) if body.model else None
         base = model_path(body.base) if body.base else None
-        result = engine.plan(model, family=body.family, checkpoint=body.checkpoint, base=base, request=body.request())
+        controlnet = str(confine(body.controlnet, settings.model_roots, "ControlNet")) if body.controlnet else None
+        result = engine.plan(model, family=body.family, checkpoint=body.checkpoint, base=base, request=body.request(),
+                             controlnet=controlnet)
         return result.to_dict()
 
     @api.post("/images/load")
@@ -160,40 +139,49 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
                 options[name] = str(confine(options[name], settings.input_roots, "input image"))
         return {k: v for k, v in options.items() if not (k in ("seeds", "prompts", "batch") and v is None)}
 
+    def prepare(body: GenerateBody) -> dict[str, Any]:
+        """A generate body as the engine's options, its paths confined (blocking: run it off the loop)."""
+        return {**input_paths(body.model_dump(exclude={"prompt", "loras"})), "loras": lora_paths(body.loras)}
+
     @api.post("/images/generate")
-    async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
+    async def generate(body: GenerateBody, request: Request, response: Response) -> dict[str, Any]:
+        """Queue the generate and wait for it; the wait in the queue counts in ``seconds``."""
         started = time.perf_counter()
-        options = await run_in_threadpool(input_paths, body.model_dump(exclude={"prompt", "loras"}))
-        loras = await run_in_threadpool(lora_paths, body.loras)
-        images = await generate_watched(request, body.prompt, loras=loras, **options)
+        options = await run_in_threadpool(prepare, body)
+        images = await generate_watched(request, body.prompt, response, **options)
         return {"images": images, "seconds": round(time.perf_counter() - started, 3)}
 
     @api.delete("/images/generate")
     def cancel_generate() -> dict[str, Any]:
-        """Stop the running generate after its current step (its caller gets code ``cancelled``)."""
+        """Stop the running generate after its current step (its caller gets code ``cancelled``);
+        the jobs queued behind it still run (``DELETE /v1/images/jobs/{id}`` cancels one job)."""
         return {"cancelled": engine.cancel_generation()}
 
     @api.get("/images/status")
     def status() -> dict[str, Any]:
-        return {**engine.status(), "generate": progress.to_dict()}
+        """The engine's status, the running (else latest) job's progress, and the queue."""
+        return {**engine.status(), "generate": queue.progress(), "queue": queue.status()}
 
     @api.post("/images/unload")
     def unload() -> dict[str, Any]:
         return {"unloaded": engine.unload()}
 
     @api.post("/images/generations")
-    async def openai_images(body: OpenAIImagesBody, request: Request) -> dict[str, Any]:
+    async def openai_images(body: OpenAIImagesBody, request: Request, response: Response) -> dict[str, Any]:
+        """OpenAI's image generation; queued like every generate, the client's timeout
+        (a closed connection) cancelling its job."""
         if body.response_format != "b64_json":
             raise EngineError("only response_format=b64_json is served (no image hosting)", code="invalid_request")
         width, height = body.dimensions()
         loras = await run_in_threadpool(lora_paths, body.loras)
         images = await generate_watched(
-            request, body.prompt, count=body.n, width=width, height=height, seed=secrets.randbelow(2**31), loras=loras
+            request, body.prompt, response, count=body.n, width=width, height=height, seed=secrets.randbelow(2**31),
+            loras=loras,
         )
         return {"created": int(time.time()), "data": [{"b64_json": image} for image in images]}
 
     @api.post("/images/edits")
-    async def openai_edits(request: Request) -> dict[str, Any]:
+    async def openai_edits(request: Request, response: Response) -> dict[str, Any]:
         """OpenAI's image edit: multipart ``image`` (+ ``mask``): an instruction
         edit on an edit checkpoint, inpaint with a mask, img2img otherwise."""
         form = await read_edit_form(request)
@@ -201,7 +189,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
             raise EngineError("only response_format=b64_json is served (no image hosting)", code="invalid_request")
         width, height = form.body.dimensions() if form.sized else (None, None)
         images = await generate_watched(
-            request, form.body.prompt, count=form.body.n, width=width, height=height,
+            request, form.body.prompt, response, count=form.body.n, width=width, height=height,
             seed=secrets.randbelow(2**31), image=form.image, mask_image=form.mask,
         )
         return {"created": int(time.time()), "data": [{"b64_json": image} for image in images]}
@@ -210,8 +198,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     def training_info() -> dict[str, Any]:
         return engine.train_info()
 
-    @api.post("/training/start")
-    def start_training(body: TrainingStartBody) -> dict[str, Any]:
+    def training_config(body: TrainingStartBody) -> Any:
         confined: dict[str, Any] = {
             "base_model": model_path(body.base_model),
             "dataset_dir": confine(str(body.dataset_dir), settings.dataset_roots, "dataset"),
@@ -220,7 +207,16 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
             confined["output_dir"] = confine(str(body.output_dir), settings.output_roots, "output")
         if body.resume_from is not None:  # a checkpoint of a run: runs live under the output roots
             confined["resume_from"] = confine(str(body.resume_from), settings.output_roots, "output")
-        return engine.start_training(body.config(**confined), resume=body.resume)
+        return body.config(**confined)
+
+    @api.post("/training/start")
+    def start_training(body: TrainingStartBody) -> dict[str, Any]:
+        return engine.start_training(training_config(body), resume=body.resume)
+
+    @api.post("/training/plan")
+    def plan_training(body: TrainingStartBody) -> dict[str, Any]:
+        """The dry run: every check a start makes (memory, dataset, precision), loading and evicting nothing."""
+        return engine.plan_training(training_config(body)).to_dict()
 
     @api.get("/training/status")
     def training_status() -> dict[str, Any]:
@@ -239,19 +235,8 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         return engine.runs()
 
     app.include_router(api)
+    app.include_router(jobs_router(queue, engine, prepare))
+    app.include_router(browse_router(engine, settings))
+    add_pages(app, token_required=settings.token is not None)
     return app
 
-
-async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
-    """Set ``cancel`` once the client has gone; the engine stops at its next step."""
-    while not cancel.is_set():
-        if await request.is_disconnected():
-            cancel.set()
-            return
-        await asyncio.sleep(DISCONNECT_POLL_S)
-
-
-def _png_b64(image: Any) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")

@@ -115,6 +115,7 @@ class TrainingStartBody(TrainingConfig):
     dataset_dir: Annotated[Path, Strict(False)] = _CONFIG_FIELDS["dataset_dir"]
     output_dir: Annotated[Path | None, Strict(False)] = _CONFIG_FIELDS["output_dir"]
     lora_targets: Annotated[tuple[str, ...] | None, Strict(False)] = _CONFIG_FIELDS["lora_targets"]
+    sample_prompts: Annotated[tuple[str, ...] | None, Strict(False)] = _CONFIG_FIELDS["sample_prompts"]
     resume_from: Annotated[Path | None, Strict(False)] = _CONFIG_FIELDS["resume_from"]
     #: A finished run of the server's runs folder to continue (its id, as ``GET /v1/training/runs``
     #: lists it): it keeps its id and folder and resumes from its newest checkpoint (or ``resume_from``).

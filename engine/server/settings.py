@@ -18,6 +18,9 @@ from engine.errors import EngineError
 #: under 64 KiB, so 1 MiB leaves ample room and bounds what a client can
 #: make the server hold.
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+#: Default bound on waiting generate jobs: 128 lets a burst of 32 clients with
+#: 4 requests each queue whole, and bounds what clients can make the server hold.
+DEFAULT_QUEUE_SIZE = 128
 
 
 class InsecureServer(EngineError):
@@ -44,6 +47,9 @@ class ServerSettings:
     insecure_no_token: bool = False
     #: Requests whose body is larger are refused with 413 before it is held.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: Generate jobs that may wait behind the running one (``serve --queue-size``);
+    #: one more is refused with 429 and ``Retry-After``.
+    queue_size: int = DEFAULT_QUEUE_SIZE
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -55,6 +61,12 @@ class ServerSettings:
                 "often an unset shell variable); give a non-empty token, or leave --token "
                 "out to serve loopback without one",
                 code="empty_token",
+            )
+        if self.queue_size < 1:
+            raise EngineError(
+                f"the generate queue size must be at least 1 (got {self.queue_size}); "
+                "set --queue-size to a positive number",
+                code="invalid_config",
             )
         if self.max_body_bytes < 1:
             raise EngineError(

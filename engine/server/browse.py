@@ -1,0 +1,130 @@
+"""What the web page picks from: the models, datasets and LoRAs under the
+configured roots, and the files a training run wrote.
+
+The API takes paths confined to the roots (:mod:`engine.server.paths`);
+these routes list what lies there, so a person picks instead of typing a
+path. Listings are shallow and bounded (a root holding a million files
+answers with the first :data:`MAX_ENTRIES`), and read nothing but names and
+a few small headers (``model_index.json``). A run's files are served only
+from inside that run's own folder, looked up by its id in the runs folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import FileResponse
+
+from engine.errors import EngineError, UnknownName
+from engine.preflight.dataset import IMAGE_EXTENSIONS
+from engine.preflight.model import resolve_model
+from engine.server.settings import ServerSettings
+from engine.service import Engine
+from engine.training.records import list_runs
+
+#: The most entries one listing returns (per root, per kind).
+MAX_ENTRIES = 500
+#: Single-file checkpoints and LoRAs.
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".ckpt")
+
+
+class RunFileNotFound(UnknownName):
+    """No such run, or no such file in it (a 404, like any unknown name)."""
+
+    def __init__(self, message: str, *, code: str) -> None:
+        EngineError.__init__(self, message, code=code)
+
+
+def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:
+    api = APIRouter(prefix="/v1")
+
+    @api.get("/roots")
+    def roots() -> dict[str, Any]:
+        """Models (pipeline folders, single files), datasets (folders of images) and LoRAs under the roots."""
+        return {
+            "models": [entry for root in settings.model_roots for entry in _models(engine, Path(root))],
+            "datasets": [entry for root in settings.dataset_roots for entry in _datasets(Path(root))],
+            "loras": [entry for root in settings.lora_roots for entry in _loras(Path(root))],
+        }
+
+    @api.get("/images/plans")
+    def plans() -> dict[str, Any]:
+        """Every family's plan here, or why it cannot run here, in one answer (the machine page)."""
+        return engine.plans()
+
+    @api.get("/training/runs/{run_id}/files")
+    def run_files(run_id: str) -> list[dict[str, Any]]:
+        """Every file the run wrote (its LoRA, checkpoints, samples, charts), relative to its folder."""
+        folder = _run_folder(engine, run_id)
+        found = []
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and not path.is_symlink() and len(found) < MAX_ENTRIES:
+                found.append({"path": path.relative_to(folder).as_posix(), "bytes": path.stat().st_size})
+        return found
+
+    @api.get("/training/runs/{run_id}/files/{name:path}")
+    def run_file(run_id: str, name: str) -> FileResponse:
+        """One file of the run, confined to the run's folder (no ``..``, no symlink out)."""
+        folder = _run_folder(engine, run_id)
+        path = Path(os.path.realpath(folder / name))
+        if folder not in path.parents or not path.is_file():
+            raise RunFileNotFound(f"run {run_id} has no file {name[:120]!r}; list them at /v1/training/runs/{run_id}/files",
+                                  code="unknown_run_file")
+        return FileResponse(path, filename=path.name)
+
+    return api
+
+
+def _run_folder(engine: Engine, run_id: str) -> Path:
+    for record in list_runs(engine.runs_dir):
+        if record.run_id == run_id:
+            return Path(os.path.realpath(record.folder))
+    raise RunFileNotFound(f"no run {run_id[:120]!r} in {engine.runs_dir}; list them at /v1/training/runs", code="unknown_run")
+
+
+def _children(root: Path) -> list[Path]:
+    try:
+        return sorted(p for p in root.iterdir() if not p.name.startswith("."))[:MAX_ENTRIES]
+    except OSError:
+        return []  # a root that is gone or unreadable lists nothing; using it names the problem
+
+
+def _models(engine: Engine, root: Path) -> list[dict[str, Any]]:
+    found = []
+    for path in _children(root):
+        if path.is_dir() and (path / "model_index.json").is_file():
+            kind = "pipeline"
+        elif path.is_file() and path.suffix.lower() in WEIGHT_SUFFIXES:
+            kind = "single_file"
+        else:
+            continue
+        found.append({"name": path.name, "path": os.path.realpath(path), "kind": kind, **_family(engine, path)})
+    return found
+
+
+def _family(engine: Engine, path: Path) -> dict[str, str | None]:
+    """The family the engine would load ``path`` as (headers only), or why it cannot tell."""
+    try:
+        return {"family": resolve_model(engine.registry, str(path)).family.name, "problem": None}
+    except EngineError as error:
+        return {"family": None, "problem": f"{error.code}: {error.message}"}
+
+
+def _datasets(root: Path) -> list[dict[str, Any]]:
+    found = []
+    for path in _children(root):
+        if path.is_dir():
+            images = sum(1 for p in _children(path) if p.suffix.lower() in IMAGE_EXTENSIONS)
+            found.append({"name": path.name, "path": os.path.realpath(path), "images": images})
+    return found
+
+
+def _loras(root: Path) -> list[dict[str, Any]]:
+    return [
+        {"name": path.name, "path": os.path.realpath(path)}
+        for path in _children(root)
+        if path.is_file() and path.suffix.lower() in WEIGHT_SUFFIXES
+    ]

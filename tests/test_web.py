@@ -1,0 +1,298 @@
+"""The web page served by ``serve``, driven in a real Chromium (Playwright) against a
+real server on loopback with a token and tiny pipelines: sign in, the machine page,
+generate, train / watch / stop, a doomed start, two viewports, no console errors."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.hardware.probe import probe
+from engine.plugins import load_registry
+from engine.server.app import ServerSettings, create_app
+from engine.service import Engine
+from engine.testing.datasets import write_dataset
+from tests.support import HostModel, LiveServer
+
+CHROMIUM = Path("/usr/bin/chromium")
+TOKEN = "web-s3cret"
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+WAIT_MS = 120_000  # an upper bound on waits for real work (a trainer child starting), never a timing assertion
+
+if not CHROMIUM.exists():  # `make test` installs it where it can (root with apt-get)
+    pytest.fail("Debian's chromium is missing: apt-get install -y chromium (`make browser` does, as root)",
+                pytrace=False)
+from playwright import sync_api  # noqa: E402 - after the browser check, which names the fix
+
+
+@dataclass
+class Site:
+    url: str
+    engine: Engine
+    host: HostModel
+    roots: Path
+    shots: Path
+
+
+@dataclass
+class Watched:
+    """A page with its console errors and uncaught exceptions collected."""
+
+    page: object
+    errors: list[str] = field(default_factory=list)
+    #: Every URL the page requested (path and query).
+    requests: list[str] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str], Path]) -> Iterator[Site]:
+    base = tmp_path_factory.mktemp("web")
+    models, datasets, outputs = (base / n for n in ("models", "datasets", "outputs"))
+    for folder in (models, datasets, outputs):
+        folder.mkdir()
+    shutil.copytree(tiny_pipeline("sdxl"), models / "tiny-sdxl")
+    write_dataset(datasets / "shapes", count=2, size=64)
+    corrupt = write_dataset(datasets / "corrupt", count=2, size=64)
+    (corrupt / "zero.png").write_bytes(b"")
+    engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=outputs)
+    host = HostModel(engine, name="host.llm", size_gb=0.0)
+    settings = ServerSettings(model_roots=(models,), dataset_roots=(datasets,), output_roots=(outputs,), token=TOKEN)
+    with LiveServer(create_app(engine, settings)) as url:
+        yield Site(url, engine, host, base, tmp_path_factory.mktemp("screenshots"))
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM))
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def open_page(browser: object) -> Iterator[Callable[..., Watched]]:
+    contexts = []
+
+    def open_(viewport: dict[str, int] = DESKTOP) -> Watched:
+        context = browser.new_context(viewport=viewport)  # type: ignore[attr-defined]
+        context.set_default_timeout(WAIT_MS)
+        contexts.append(context)
+        watched = Watched(context.new_page())
+        watched.page.on("console", lambda m: watched.errors.append(m.text) if m.type == "error" else None)  # type: ignore[attr-defined]
+        watched.page.on("pageerror", lambda e: watched.errors.append(f"uncaught: {e}"))  # type: ignore[attr-defined]
+        watched.page.on("request", lambda r: watched.requests.append(r.url.split("/", 3)[3]))  # type: ignore[attr-defined]
+        return watched
+
+    yield open_
+    for context in contexts:
+        context.close()
+
+
+def signed_in(site: Site, watched: Watched) -> object:
+    page = watched.page
+    page.goto(site.url)  # type: ignore[attr-defined]
+    page.fill("#token", TOKEN)  # type: ignore[attr-defined]
+    page.click("#sign-in button[type=submit]")  # type: ignore[attr-defined]
+    page.wait_for_selector("#machine .family")  # type: ignore[attr-defined]
+    return page
+
+
+def tab(page: object, name: str) -> None:
+    page.click(f"#tabs button[data-tab={name}]")  # type: ignore[attr-defined]
+
+
+def only_refusals(errors: list[str], *statuses: int) -> bool:
+    """Every console error is the browser's note of an API refusal with one of ``statuses``."""
+    allowed = re.compile(r"Failed to load resource: the server responded with a status of (%s)" % "|".join(map(str, statuses)))
+    return all(allowed.search(error) for error in errors)
+
+
+# -- the guard ---------------------------------------------------------------------------------------
+
+
+def test_the_page_is_public_and_every_api_call_needs_the_token(site: Site) -> None:
+    page = httpx.get(f"{site.url}/")
+    assert page.status_code == 200 and 'content="yes"' in page.text  # the page knows to ask for the token
+    for asset in ("core.js", "generate.js", "train.js", "app.js", "app.css"):
+        assert httpx.get(f"{site.url}/static/{asset}").status_code == 200
+    for path in ("/v1/families", "/v1/roots", "/v1/training/runs", "/static/../v1/families", "/static%2F..%2Fv1/families",
+                 "/staticx", "/index.html"):
+        response = httpx.get(f"{site.url}{path}")
+        assert response.status_code == 401, path
+        assert response.json()["error"]["code"] == "unauthorized"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    roots = httpx.get(f"{site.url}/v1/roots", headers=auth).json()
+    assert [m["family"] for m in roots["models"]] == ["sdxl"]
+    assert {d["name"]: d["images"] for d in roots["datasets"]} == {"corrupt": 3, "shapes": 2}
+    # The dry run over HTTP: the plan a start would run, or its refusal, with nothing loaded or evicted.
+    body = {"base_model": "tiny-sdxl", "dataset_dir": "shapes", "resolution": 64, "steps": 2, "device": "cpu"}
+    dry = httpx.post(f"{site.url}/v1/training/plan", json=body, headers=auth, timeout=60)
+    assert dry.status_code == 200 and dry.json()["dataset"]["images"] == 2 and dry.json()["memory"]["estimate"]
+    doomed = httpx.post(f"{site.url}/v1/training/plan", json={**body, "dataset_dir": "corrupt"}, headers=auth, timeout=60)
+    assert doomed.status_code == 400 and "zero.png" in doomed.json()["error"]["message"]
+    outside = httpx.post(f"{site.url}/v1/training/plan", json={**body, "dataset_dir": "/etc"}, headers=auth)
+    assert outside.json()["error"]["code"] == "path_outside_roots"
+    assert site.host.evicted == 0 and site.engine.training_status() is None
+    # Each family's plan or why it cannot run here; each training mode not offered, with why.
+    plans = httpx.get(f"{site.url}/v1/images/plans", headers=auth, timeout=60).json()
+    assert plans["sdxl"]["resolved"] and all("resolved" in p or p["error"]["message"] for p in plans.values())
+    training = httpx.get(f"{site.url}/v1/training/info", headers=auth, timeout=60).json()
+    assert "needs a CUDA GPU" in training["flux"]["denied_modes"]["bf16"]
+
+
+# -- pages -------------------------------------------------------------------------------------------
+
+
+def test_sign_in_then_the_machine_page_lists_every_family_with_reasons(site: Site, open_page: Callable[..., Watched]) -> None:
+    watched = open_page()
+    page = watched.page
+    page.goto(site.url)  # type: ignore[attr-defined]
+    assert page.is_visible("#sign-in") and not page.is_visible("#machine")  # type: ignore[attr-defined]
+    page.fill("#token", "wrong")  # type: ignore[attr-defined]
+    page.click("#sign-in button[type=submit]")  # type: ignore[attr-defined]
+    page.wait_for_selector("#sign-in .error:not([hidden])")  # type: ignore[attr-defined]
+    assert "unauthorized" in page.inner_text("#sign-in .error")  # type: ignore[attr-defined]
+    assert only_refusals(watched.errors, 401) and len(watched.errors) == 1
+    watched.errors.clear()
+    signed_in(site, watched)
+    families = page.eval_on_selector_all(".family", "cards => cards.map(c => c.dataset.family)")  # type: ignore[attr-defined]
+    assert {"flux", "qwen_image", "sdxl", "zimage"} <= set(families) and len(families) >= 4
+    for family in families:  # each: the plan's decisions with their reasons, or why it cannot run here
+        card = f'.family[data-family="{family}"]'
+        plan = page.inner_text(f"{card} .plan")  # type: ignore[attr-defined]
+        assert page.locator(f"{card} .plan tbody tr").count() > 3 or "cannot run here" in plan, family  # type: ignore[attr-defined]
+        assert page.inner_text(f"{card} .modes").strip() or page.inner_text(f"{card} .reason").strip()  # type: ignore[attr-defined]
+    assert page.locator('.family[data-family="sdxl"] .plan tbody tr').count() > 3  # type: ignore[attr-defined]
+    assert "memory_mode" in page.inner_text('.family[data-family="sdxl"] .plan')  # type: ignore[attr-defined]
+    # A mode this CPU machine does not offer is listed with why.
+    assert "not offered: FLUX.1 LoRA training needs a CUDA GPU" in page.inner_text('.family[data-family="flux"] .modes')  # type: ignore[attr-defined]
+    page.screenshot(path=str(site.shots / "machine.png"))  # type: ignore[attr-defined]
+    assert watched.errors == []
+
+
+def test_generate_an_image_from_the_page(site: Site, open_page: Callable[..., Watched]) -> None:
+    watched = open_page()
+    page = signed_in(site, watched)
+    tab(page, "generate")
+    page.wait_for_selector("#gen-model option[value$='tiny-sdxl']", state="attached")  # type: ignore[attr-defined]
+    page.click("#gen-plan")  # type: ignore[attr-defined]
+    page.wait_for_selector("#gen-plan-out table")  # type: ignore[attr-defined]
+    assert "sdxl" in page.inner_text("#gen-plan-out h3")  # type: ignore[attr-defined]
+    page.fill("#gen-prompt", "a yellow square")  # type: ignore[attr-defined]
+    for name, value in (("width", "64"), ("height", "64"), ("steps", "2")):
+        page.fill(f"#gen-{name}", value)  # type: ignore[attr-defined]
+    page.fill("#gen-seed", "7")  # type: ignore[attr-defined]
+    page.click("#gen-go")  # type: ignore[attr-defined]
+    page.wait_for_selector("#gallery figure.result figcaption:has-text('64x64')")  # the decoded image's size  # type: ignore[attr-defined]
+    caption = page.inner_text("#gallery figure.result figcaption")  # type: ignore[attr-defined]
+    assert "a yellow square" in caption and "seed 7" in caption and "64x64" in caption
+    link = page.locator("#gallery figure.result a[download]")  # type: ignore[attr-defined]
+    assert link.get_attribute("href").startswith("data:image/png;base64,")
+    width = page.eval_on_selector("#gallery figure.result img", "img => img.naturalWidth")  # type: ignore[attr-defined]
+    assert width == 64  # a real decoded PNG
+    assert "100%" in page.get_attribute("#gen-progress > div", "style")  # type: ignore[attr-defined]
+    # Progress came over the job's event stream (no fallback polling of the job).
+    assert any(re.fullmatch(r"v1/images/jobs/[^/]+/events\?token=.+", url) for url in watched.requests)
+    assert not any(re.fullmatch(r"v1/images/jobs/[^/?]+", url) for url in watched.requests)
+    page.locator("#gallery").scroll_into_view_if_needed()  # type: ignore[attr-defined]
+    page.screenshot(path=str(site.shots / "generate.png"))  # type: ignore[attr-defined]
+    assert watched.errors == []
+    site.engine.unload()
+
+
+def test_a_doomed_start_names_the_bad_file_and_evicts_nothing(site: Site, open_page: Callable[..., Watched]) -> None:
+    watched = open_page()
+    page = signed_in(site, watched)
+    tab(page, "train")
+    page.wait_for_selector("#train-dataset option[value$='corrupt']", state="attached")  # type: ignore[attr-defined]
+    page.select_option("#train-dataset", label="corrupt (3 images)")  # type: ignore[attr-defined]
+    page.fill("#train-resolution", "64")  # type: ignore[attr-defined]
+    before = site.host.evicted
+    page.click("#train-start")  # type: ignore[attr-defined]
+    page.wait_for_selector("#train .error:not([hidden])")  # type: ignore[attr-defined]
+    shown = page.inner_text("#train .error")  # type: ignore[attr-defined]
+    assert "bad_dataset" in shown and "zero.png" in shown
+    assert site.host.evicted == before and site.engine.residency.owner is None
+    assert site.engine.training_status() is None
+    assert only_refusals(watched.errors, 400) and len(watched.errors) == 1  # the refusal, nothing else
+
+
+def test_train_watch_the_charts_stop_and_get_the_lora(site: Site, open_page: Callable[..., Watched]) -> None:
+    watched = open_page()
+    page = signed_in(site, watched)
+    tab(page, "train")
+    page.wait_for_selector("#train-dataset option[value$='shapes']", state="attached")  # type: ignore[attr-defined]
+    page.select_option("#train-dataset", label="shapes (2 images)")  # type: ignore[attr-defined]
+    page.fill("#train-steps", "5000")  # type: ignore[attr-defined]
+    page.fill("#train-resolution", "64")  # type: ignore[attr-defined]
+    page.fill("#train-rank", "2")  # type: ignore[attr-defined]
+    page.select_option("#train-device", "cpu")  # type: ignore[attr-defined]
+    assert page.locator("#train-precision input[disabled]").count() >= 5  # every other mode shown disabled, with its reason  # type: ignore[attr-defined]
+    page.click("#train-check")  # type: ignore[attr-defined]
+    page.wait_for_selector("#train-verdict:not([hidden]) table")  # type: ignore[attr-defined]
+    assert "2 images" in page.inner_text("#train-verdict")  # type: ignore[attr-defined]
+    page.screenshot(path=str(site.shots / "train.png"))  # type: ignore[attr-defined]
+    page.click("#train-start")  # type: ignore[attr-defined]
+    page.wait_for_selector("#run:not([hidden])")  # type: ignore[attr-defined]
+    page.wait_for_function("document.querySelector('.chart[data-metric=loss]')?.dataset.points >= 1")  # type: ignore[attr-defined]
+    assert page.get_attribute("#run-facts", "data-status") == "running"  # type: ignore[attr-defined]
+    seen = int(page.get_attribute(".chart[data-metric=loss]", "data-points"))  # type: ignore[attr-defined]
+    # While it trains, a load is refused (409) and the page says which job holds the engine.
+    tab(page, "generate")
+    page.wait_for_selector("#gen-model option[value$='tiny-sdxl']", state="attached")  # type: ignore[attr-defined]
+    page.click("#gen-load")  # type: ignore[attr-defined]
+    page.wait_for_selector("#generate .error:not([hidden]) div")  # type: ignore[attr-defined]
+    busy = page.inner_text("#generate .error")  # type: ignore[attr-defined]
+    assert "busy" in busy and "held by: training" in busy
+    tab(page, "run")
+    # The chart gains points as the run goes on.
+    page.wait_for_function(f"document.querySelector('.chart[data-metric=loss]')?.dataset.points > {seen}")  # type: ignore[attr-defined]
+    for metric in ("lr", "grad_norm"):
+        assert int(page.get_attribute(f".chart[data-metric={metric}]", "data-points")) > seen  # type: ignore[attr-defined]
+    page.screenshot(path=str(site.shots / "run.png"))  # type: ignore[attr-defined]
+    page.click("#run-stop")  # type: ignore[attr-defined]
+    page.wait_for_selector("#run-facts[data-status=stopped]")  # type: ignore[attr-defined]
+    page.wait_for_selector("#run-files a.lora")  # type: ignore[attr-defined]
+    assert page.inner_text("#run-files a.lora").endswith(".safetensors")  # type: ignore[attr-defined]
+    with page.expect_download() as download:  # type: ignore[attr-defined]
+        page.click("#run-files a.lora")  # type: ignore[attr-defined]
+    assert download.value.suggested_filename.endswith(".safetensors")
+    assert page.locator("#runs li[data-run] .chart").count() >= 1  # past runs, with their charts  # type: ignore[attr-defined]
+    status = site.engine.training_status()
+    assert status is not None and status["status"] == "stopped"
+    # A run's files are served from its own folder only.
+    files = f"{site.url}/v1/training/runs/{status['run_id']}/files"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    listed = [f["path"] for f in httpx.get(files, headers=auth).json()]
+    assert any(p.endswith(".safetensors") for p in listed) and "run.json" in listed
+    for escape in ("%2E%2E/%2E%2E/models/tiny-sdxl/model_index.json", "..%2F..%2Fmodels%2Ftiny-sdxl%2Fmodel_index.json",
+                   "%2Fetc%2Fpasswd", "no-such-file"):
+        response = httpx.get(f"{files}/{escape}", headers=auth)
+        assert response.status_code == 404 and response.json()["error"]["code"] == "unknown_run_file", escape
+    assert httpx.get(f"{site.url}/v1/training/runs/nope/files", headers=auth).json()["error"]["code"] == "unknown_run"
+    assert httpx.get(f"{files}/run.json").status_code == 401
+    assert only_refusals(watched.errors, 409) and len(watched.errors) == 1  # the busy load, nothing else
+    assert "v1/training/events?token=" + TOKEN in watched.requests  # the run was followed over its event stream
+
+
+def test_every_page_at_desktop_and_phone_width(site: Site, open_page: Callable[..., Watched]) -> None:
+    for name, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+        watched = open_page(viewport)
+        page = signed_in(site, watched)
+        for page_name in ("machine", "generate", "train", "run"):
+            tab(page, page_name)
+            page.wait_for_load_state("networkidle")  # type: ignore[attr-defined]
+            assert page.is_visible(f"#{page_name}")  # type: ignore[attr-defined]
+            # Nothing wider than the screen: no sideways scrolling on a phone.
+            overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")  # type: ignore[attr-defined]
+            assert overflow <= 0, (name, page_name, overflow)
+            page.screenshot(path=str(site.shots / f"{name}-{page_name}.png"), full_page=True)  # type: ignore[attr-defined]
+        assert watched.errors == [], name
+    assert len(list(site.shots.glob("phone-*.png"))) == 4
