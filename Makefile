@@ -30,11 +30,11 @@ demo: $(STAMP)
 CHROMIUM := /usr/bin/chromium
 browser:
 	@test -x $(CHROMIUM) || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; } || \
 		echo "Debian's chromium is missing and cannot be installed here: sudo apt-get install chromium"
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python bench/info_latency.py

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
-import os
-import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -160,14 +156,31 @@ def test_doomed_loads_evict_nothing(fixtures_root: dict[str, Path], tiny_pipelin
 
 
 @pytest.mark.slow
-def test_accepted_training_evicts_exactly_once_after_the_checks_and_releases(
+def test_accepted_training_evicts_exactly_once_after_the_checks_one_of_two_racing_starts_runs_and_releases(
     fixtures_root: dict[str, Path], tiny_pipeline: Callable[[str], Path], tmp_path: Path
 ) -> None:
     engine = Engine(registry=REGISTRY, hardware=probe(verify=False), runs_dir=tmp_path)
     host = HostModel(engine)
     config = {"base_model": str(tiny_pipeline("sdxl")), "dataset_dir": str(fixtures_root["good_data"]),
               "resolution": 64, "steps": 2, "lora_rank": 2, "device": "cpu"}
-    started = engine.start_training(config)
+    # Two starts at once: exactly one runs, and the other is told the engine is busy.
+    outcomes: list[object] = []
+    barrier = threading.Barrier(2)
+
+    def start() -> None:
+        barrier.wait()
+        try:
+            outcomes.append(engine.start_training(config))
+        except Busy:
+            outcomes.append("busy")
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    [started] = [o for o in outcomes if o != "busy"]
+    assert outcomes.count("busy") == 1
     assert host.evicted == 1 and engine.residency.owner == "engine.trainer"
     with pytest.raises(Busy):
         engine.start_training(config)  # one run at a time
@@ -177,33 +190,6 @@ def test_accepted_training_evicts_exactly_once_after_the_checks_and_releases(
     assert record.status == "completed" and record.run_id == started["run_id"]
     assert engine.residency.owner is None and engine.status()["job"] is None
     assert host.evicted == 1
-
-
-@pytest.mark.slow
-def test_two_training_starts_at_once_exactly_one_runs(
-    fixtures_root: dict[str, Path], tiny_pipeline: Callable[[str], Path], tmp_path: Path
-) -> None:
-    engine = Engine(registry=REGISTRY, hardware=probe(verify=False), runs_dir=tmp_path)
-    config = {"base_model": str(tiny_pipeline("sdxl")), "dataset_dir": str(fixtures_root["good_data"]),
-              "resolution": 64, "steps": 2, "lora_rank": 2, "device": "cpu"}
-    outcomes: list[str] = []
-    barrier = threading.Barrier(2)
-
-    def start() -> None:
-        barrier.wait()
-        try:
-            engine.start_training(config)
-            outcomes.append("started")
-        except Busy:
-            outcomes.append("busy")
-
-    threads = [threading.Thread(target=start) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert sorted(outcomes) == ["busy", "started"]
-    assert engine.wait_training(timeout=300).status == "completed"
 
 
 @pytest.mark.slow
@@ -218,27 +204,6 @@ def test_loading_a_pipeline_evicts_the_host_model_once_and_generates(
     [image] = engine.generate("a fox", steps=2, width=64, height=64, progress=lambda s, t: steps.append((s, t)))
     assert image.size == (64, 64) and steps == [(1, 2), (2, 2)]
     assert engine.unload() and engine.residency.owner is None
-
-
-@pytest.mark.slow
-def test_killed_trainer_fails_cleanly_releases_the_gpu_and_the_next_start_works(
-    fixtures_root: dict[str, Path], tiny_pipeline: Callable[[str], Path], tmp_path: Path
-) -> None:
-    engine = Engine(registry=REGISTRY, hardware=probe(verify=False), runs_dir=tmp_path)
-    config = {"base_model": str(tiny_pipeline("sdxl")), "dataset_dir": str(fixtures_root["good_data"]),
-              "resolution": 64, "steps": 100_000, "lora_rank": 2, "device": "cpu"}
-    engine.start_training(config)
-    deadline = time.monotonic() + 120
-    while (engine.training_status() or {}).get("step", 0) < 1 and time.monotonic() < deadline:  # type: ignore[operator]
-        time.sleep(0.1)
-    os.kill(engine._run.pid, signal.SIGKILL)  # noqa: SLF001 - the test plays the OOM killer
-    record = engine.wait_training(timeout=60)
-    assert record.status == "failed" and record.error and record.error["code"] == "trainer_died"
-    saved = json.loads(record.path.read_text(encoding="utf-8"))
-    assert saved["status"] == "failed" and saved["error"]["code"] == "trainer_died"
-    assert engine.residency.owner is None
-    engine.start_training({**config, "steps": 2})
-    assert engine.wait_training(timeout=300).status == "completed"
 
 
 def test_residency_release_if_never_releases_a_newer_owner() -> None:

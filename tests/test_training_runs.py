@@ -168,7 +168,8 @@ def test_config_file_and_resume_reproduce_ten_steps_in_one_go_bit_for_bit(
     """Ten steps in one go; then its written config.toml (steps overridden to 5, with a
     checkpoint) and a resume to 10: the same loss at every step and the same LoRA bytes."""
     straight = train("--base", str(tiny_pipeline("sdxl")), "--data", str(dataset), *TINY, "--steps", "10",
-                     "--output", str(tmp_path / "straight"), "--runs-dir", str(tmp_path))
+                     "--output", str(tmp_path / "straight"), "--runs-dir", str(tmp_path), "--export-kohya")
+    assert_kohya_export(straight)
     config = Path(straight["outputs"]["config"])  # type: ignore[index]
     assert "steps = 10" in config.read_text(encoding="utf-8")
     first = train("--config", str(config), "--steps", "5", "--save-every", "5", "--keep-checkpoints", "1",
@@ -183,6 +184,20 @@ def test_config_file_and_resume_reproduce_ten_steps_in_one_go_bit_for_bit(
     # Bit for bit: every tensor and the metadata (safetensors writes its metadata map in a
     # per-process hash order, so the files' bytes are compared through their contents).
     assert lora_contents(resumed["outputs"]["lora"]) == lora_contents(straight["outputs"]["lora"])  # type: ignore[index]
+
+
+def assert_kohya_export(record: dict[str, object]) -> None:
+    """``--export-kohya`` writes the kohya file beside the diffusers one, and ``runs`` lists the run."""
+    from safetensors.torch import load_file
+
+    outputs: dict[str, str] = record["outputs"]  # type: ignore[assignment]
+    assert Path(outputs["lora"]).is_file()
+    kohya = load_file(outputs["lora_kohya"])
+    assert all(k.startswith("lora_unet_") for k in kohya)
+    assert any(k.endswith(".lora_down.weight") for k in kohya) and any(k.endswith(".alpha") for k in kohya)
+    runs = Path(str(record["folder"])).parent
+    listed = json.loads(run_cli("runs", "--runs-dir", str(runs), "--json").stdout)
+    assert record["run_id"] in [r["run_id"] for r in listed]
 
 
 def lora_contents(path: str) -> tuple[dict[str, bytes], dict[str, str]]:

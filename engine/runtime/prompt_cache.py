@@ -275,7 +275,7 @@ def true_cfg_prompt_inputs(
 ) -> dict[str, object]:
     """A true-CFG pipeline's prompt-encoding inputs: the prompts, the negatives
     only when true CFG runs (``true_cfg_scale`` > 1 with a negative prompt; else
-    they are never encoded), and the text length (FLUX.1 and Qwen-Image call this)."""
+    they are never encoded), and the text length (the true-CFG families call this)."""
     negatives = prompt_list(kwargs.get("negative_prompt"))
     true_cfg = float(call_value(pipe, kwargs, "true_cfg_scale") or 1.0) > 1 and negatives is not None  # type: ignore[arg-type]
     length = call_value(pipe, kwargs, "max_sequence_length") or default_max_sequence_length
