@@ -11,6 +11,9 @@ import pytest
 
 from tests.support import EXAMPLE_PLUGIN, example_installed, write_distribution
 
+# One compute thread per process: the suite runs on xdist workers that share the cores
+# (see the Makefile's test target); children started by the tests inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
