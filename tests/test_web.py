@@ -207,12 +207,17 @@ def test_generate_an_image_from_the_page(site: Site, open_page: Callable[..., Wa
     site.engine.unload()
 
 
+def choose_dataset(page: object, name: str, *, images: int) -> None:
+    """The Train tab, with the dataset root's ``name`` picked once the listing has it."""
+    tab(page, "train")
+    page.wait_for_selector(f"#train-dataset option[value$='{name}']", state="attached")  # type: ignore[attr-defined]
+    page.select_option("#train-dataset", label=f"{name} ({images} images)")  # type: ignore[attr-defined]
+
+
 def test_a_doomed_start_names_the_bad_file_and_evicts_nothing(site: Site, open_page: Callable[..., Watched]) -> None:
     watched = open_page()
     page = signed_in(site, watched)
-    tab(page, "train")
-    page.wait_for_selector("#train-dataset option[value$='corrupt']", state="attached")  # type: ignore[attr-defined]
-    page.select_option("#train-dataset", label="corrupt (3 images)")  # type: ignore[attr-defined]
+    choose_dataset(page, "corrupt", images=3)
     page.fill("#train-resolution", "64")  # type: ignore[attr-defined]
     before = site.host.evicted
     page.click("#train-start")  # type: ignore[attr-defined]
@@ -227,9 +232,7 @@ def test_a_doomed_start_names_the_bad_file_and_evicts_nothing(site: Site, open_p
 def test_train_watch_the_charts_stop_and_get_the_lora(site: Site, open_page: Callable[..., Watched]) -> None:
     watched = open_page()
     page = signed_in(site, watched)
-    tab(page, "train")
-    page.wait_for_selector("#train-dataset option[value$='shapes']", state="attached")  # type: ignore[attr-defined]
-    page.select_option("#train-dataset", label="shapes (2 images)")  # type: ignore[attr-defined]
+    choose_dataset(page, "shapes", images=2)
     page.fill("#train-steps", "5000")  # type: ignore[attr-defined]
     page.fill("#train-resolution", "64")  # type: ignore[attr-defined]
     page.fill("#train-rank", "2")  # type: ignore[attr-defined]

@@ -55,20 +55,14 @@ def probed_devices(profile: HardwareProfile) -> HardwareProfile:
     """``profile`` (this machine's, probed) with every visible GPU listed in ``devices``.
 
     Presets and profiles that already list devices come back as they are.
-    Honours ``CUDA_VISIBLE_DEVICES`` (numeric indices) as torch does; where
+    Honours ``CUDA_VISIBLE_DEVICES`` (numeric indices) as torch does, like the
+    probe's device 0 (both read :func:`~engine.hardware.probe.nvidia_smi_rows`); where
     ``nvidia-smi`` cannot say (ROCm, UUID lists), torch's device count and
     device 0's facts stand for every device.
     """
     if profile.devices or not profile.cuda or not profile.source.startswith("probe"):
         return profile
-    gpus = _nvidia_smi_all() if profile.vendor == "nvidia" else []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if gpus and visible is not None:
-        wanted = [v.strip() for v in visible.split(",") if v.strip()]
-        if all(v.isdigit() for v in wanted):
-            gpus = [gpus[int(v)] for v in wanted if int(v) < len(gpus)]
-        else:
-            gpus = []
+    gpus = _nvidia_smi_all() if profile.vendor == "nvidia" else []  # CUDA_VISIBLE_DEVICES applied
     if gpus:
         return profile.replace(devices=tuple(gpus)) if len(gpus) > 1 else profile
     return with_devices(profile, _torch_device_count())

@@ -204,7 +204,10 @@ SmiRow = tuple[str, "tuple[int, int] | None", "float | None", "float | None"]
 
 
 def nvidia_smi_rows() -> list[SmiRow]:
-    """Every GPU ``nvidia-smi`` lists, in device order; [] without it or on output it cannot read.
+    """The GPUs torch will see, in its device order: those ``nvidia-smi`` lists,
+    narrowed and ordered by ``CUDA_VISIBLE_DEVICES`` (numeric indices) as CUDA
+    does; [] without nvidia-smi, on output it cannot read, or for a visible list
+    it cannot map (UUIDs: the caller falls back to torch).
 
     One subprocess call: no CUDA context is created on any card.
     """
@@ -236,7 +239,13 @@ def nvidia_smi_rows() -> list[SmiRow]:
             rows.append((name, capability, float(total) * MIB_IN_GB, float(free) * MIB_IN_GB))
         except ValueError:
             rows.append((name, capability, None, None))
-    return rows
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return rows
+    wanted = [v.strip() for v in visible.split(",") if v.strip()]
+    if not all(v.isdigit() for v in wanted):
+        return []
+    return [rows[int(v)] for v in wanted if int(v) < len(rows)]
 
 
 def _nvidia_smi() -> _Gpu | None:

@@ -228,10 +228,7 @@ def resolve_text_encoder_memory(
         raise ValueError(
             f"text_encoder_memory {requested!r} is not one of {', '.join(TEXT_ENCODER_MEMORY_REQUESTS)}"
         )
-    without = Components(
-        parts.transformer_gb, parts.transformer_transient_gb, 0.0, parts.vae_gb, parts.quantised,
-        controlnet_gb=parts.controlnet_gb,
-    )
+    without = replace(parts, text_encoders_gb=0.0)
     alone = Components(0.0, 0.0, parts.text_encoders_gb, 0.0)
     if requested == "resident":
         return explicit("resident", "the encoders stay loaded, as asked"), mode

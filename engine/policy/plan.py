@@ -125,8 +125,11 @@ class Plan:
     def __getitem__(self, control: str) -> Resolved:
         return self.controls[control]
 
-    def value(self, control: str) -> object:
-        return self.controls[control].value
+    def value(self, control: str, default: object = None) -> object:
+        """The decided value of ``control``; ``default`` where this plan has no such control
+        (a plan made before the control existed, or by a family without it)."""
+        resolved = self.controls.get(control)
+        return default if resolved is None else resolved.value
 
     def with_control(self, control: str, resolved: Resolved) -> Plan:
         """A copy with one control re-decided (at load or generate time); it

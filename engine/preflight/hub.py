@@ -61,7 +61,7 @@ def hub_access_error(source: ModelSource, *, allow_download: bool = True) -> Pre
     only; never reaches the network.
     """
     repo = hub_repo(source)
-    if repo is None or _in_hub_cache(repo):
+    if repo is None or in_hub_cache(repo):
         return None
     fix = (f"download it first (huggingface-cli download {repo} --local-dir DIR) and pass the local "
            "folder, or try a tiny one: `diffusion-engine tiny save FAMILY DIR`")
@@ -115,10 +115,6 @@ def hub_download_gb(repo: str, timeout_s: float = 10.0) -> float:
 
 def in_hub_cache(repo: str) -> bool:
     """Whether the local hub cache holds ``repo``'s pipeline (reads the cache only)."""
-    return _in_hub_cache(repo)
-
-
-def _in_hub_cache(repo: str) -> bool:
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:

@@ -201,13 +201,12 @@ class Generation:
         None where the request turned the cache off, the family's runtime
         module cannot encode a call's prompts, or the workflow's prompt is
         encoded with its image (see :mod:`engine.runtime.prompt_cache`)."""
-        if not getattr(self.request, "prompt_cache", True) or "edit" in type(pipe).__name__.lower():
+        if not getattr(self.request, "prompt_cache", True):
             return None
         if "prompt_embeds" not in inspect.signature(pipe.__call__).parameters:
             return None
         family = self.source.family
-        controls = self.plan.controls
-        scheme = str(controls["text_encoder_quant"].value) if "text_encoder_quant" in controls else "none"
+        scheme = str(self.plan.value("text_encoder_quant", "none"))
         prompts = prompt_cache.for_pipeline(
             family.runtime_module, self._root(),
             {"family": family.name, "dtype": str(self.plan.value("dtype")), "device": self.plan.device,

@@ -74,7 +74,7 @@ class PipelineLoading:
         threads = self.plan.value("threads")
         if threads:
             torch.set_num_threads(int(threads))  # type: ignore[arg-type]
-        if self.plan.device == "cuda" and "tf32" in self.plan.controls and self.plan.value("tf32"):
+        if self.plan.device == "cuda" and self.plan.value("tf32"):
             torch.set_float32_matmul_precision("high")
         if self.plan.value("fp16_accumulation") and flags.fp16_accumulation_available():
             torch.backends.cuda.matmul.allow_fp16_accumulation = True
@@ -176,7 +176,7 @@ class PipelineLoading:
                     root, subfolder=denoiser_name, dtype=dtype,
                     quantization_config=nf4_config(dtype),
                 )
-            if "text_encoder_quant" in self.plan.controls and self.plan.value("text_encoder_quant") == "nf4":
+            if self.plan.value("text_encoder_quant") == "nf4":
                 components.update(text_encoders.nf4_encoder_components(
                     str(root), diffusers.DiffusionPipeline.load_config(root), dtype
                 ))

@@ -138,7 +138,8 @@ class PromptCache:
         """Delete the least recently used entries past ``max_bytes``; returns how many."""
         try:
             entries = sorted(
-                (p.stat().st_mtime_ns, p.stat().st_size, p) for p in self.folder.glob("*.safetensors")
+                (stat.st_mtime_ns, stat.st_size, p)
+                for p, stat in ((p, p.stat()) for p in self.folder.glob("*.safetensors"))
             )
         except OSError:
             return 0

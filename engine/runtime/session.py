@@ -166,7 +166,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
     def _apply_loras(self) -> None:
         """Apply the LoRAs given at construction as the plan's ``lora`` control
         says (before compile, so hot-swap slots are declared first)."""
-        mode = str(self.plan.value("lora")) if "lora" in self.plan.controls else "unfused"
+        mode = str(self.plan.value("lora", "unfused"))
         ranks = self.request.loras.max_rank or max((f.rank for f in self._initial_loras), default=0)
         hooks = None
         if self.capabilities is not None and not self.capabilities["pipeline_lora"].verified:

@@ -151,9 +151,8 @@ def prepare_encoders(
 
     :raises PlacementFailed: out of memory while quantising or moving.
     """
-    controls = plan.controls
-    scheme = str(controls["text_encoder_quant"].value) if "text_encoder_quant" in controls else "none"
-    streamed = "text_encoder_memory" in controls and controls["text_encoder_memory"].value == "streamed"
+    scheme = str(plan.value("text_encoder_quant", "none"))
+    streamed = plan.value("text_encoder_memory") == "streamed"
     placements: list[Placement] = []
     failure = None
     as_stored = tuple(precast.encoders) if precast is not None and scheme == precast.scheme else ()

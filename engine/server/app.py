@@ -101,10 +101,8 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
             return None
         return [{"path": str(confine(b.path, settings.lora_roots, "LoRA")), "scale": b.scale} for b in bodies]
 
-    async def generate_watched(request: Request, prompt: str, response: Response | None = None,
-                               **options: Any) -> list[str]:
-        """Queue the generate and wait for its job (cancelled when the client disconnects); PNGs as base64."""
-        return await run_job(queue, request, response, prompt, options)
+    def controlnet_path(value: str | None) -> str | None:
+        return str(confine(value, settings.model_roots, "ControlNet")) if value else None
 
     @api.get("/families")
     def families() -> list[dict[str, Any]]:
@@ -118,9 +116,8 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     def plan(body: PlanBody) -> dict[str, Any]:
         model = model_path(body.model) if body.model else None
         base = model_path(body.base) if body.base else None
-        controlnet = str(confine(body.controlnet, settings.model_roots, "ControlNet")) if body.controlnet else None
         result = engine.plan(model, family=body.family, checkpoint=body.checkpoint, base=base, request=body.request(),
-                             controlnet=controlnet)
+                             controlnet=controlnet_path(body.controlnet))
         return result.to_dict()
 
     @api.post("/images/load")
@@ -129,7 +126,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         return engine.load(
             model_path(body.model), base=base, family=body.family, request=body.request(),
             loras=lora_paths(body.loras) or [], switching=body.lora_switching,
-            controlnet=str(confine(body.controlnet, settings.model_roots, "ControlNet")) if body.controlnet else None,
+            controlnet=controlnet_path(body.controlnet),
         )
 
     def input_paths(options: dict[str, Any]) -> dict[str, Any]:
@@ -148,7 +145,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         """Queue the generate and wait for it; the wait in the queue counts in ``seconds``."""
         started = time.perf_counter()
         options = await run_in_threadpool(prepare, body)
-        images = await generate_watched(request, body.prompt, response, **options)
+        images = await run_job(queue, request, response, body.prompt, options)
         return {"images": images, "seconds": round(time.perf_counter() - started, 3)}
 
     @api.delete("/images/generate")
@@ -174,10 +171,9 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
             raise EngineError("only response_format=b64_json is served (no image hosting)", code="invalid_request")
         width, height = body.dimensions()
         loras = await run_in_threadpool(lora_paths, body.loras)
-        images = await generate_watched(
-            request, body.prompt, response, count=body.n, width=width, height=height, seed=secrets.randbelow(2**31),
-            loras=loras,
-        )
+        images = await run_job(queue, request, response, body.prompt, dict(
+            count=body.n, width=width, height=height, seed=secrets.randbelow(2**31), loras=loras,
+        ))
         return {"created": int(time.time()), "data": [{"b64_json": image} for image in images]}
 
     @api.post("/images/edits")
@@ -188,10 +184,10 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         if form.body.response_format != "b64_json":
             raise EngineError("only response_format=b64_json is served (no image hosting)", code="invalid_request")
         width, height = form.body.dimensions() if form.sized else (None, None)
-        images = await generate_watched(
-            request, form.body.prompt, response, count=form.body.n, width=width, height=height,
-            seed=secrets.randbelow(2**31), image=form.image, mask_image=form.mask,
-        )
+        images = await run_job(queue, request, response, form.body.prompt, dict(
+            count=form.body.n, width=width, height=height, seed=secrets.randbelow(2**31),
+            image=form.image, mask_image=form.mask,
+        ))
         return {"created": int(time.time()), "data": [{"b64_json": image} for image in images]}
 
     @api.get("/training/info")

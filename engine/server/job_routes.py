@@ -75,13 +75,12 @@ def jobs_router(queue: JobQueue, engine: Any, prepare: Any) -> APIRouter:
     return api
 
 
-async def run_job(queue: JobQueue, request: Request, response: Response | None, prompt: str,
+async def run_job(queue: JobQueue, request: Request, response: Response, prompt: str,
                   options: dict[str, Any]) -> list[str]:
     """Queue a generate and wait for it: its PNGs (base64), or its error raised.
     The client going away cancels the job, queued or running."""
     job = queue.submit(prompt, job_options(options))
-    if response is not None:
-        response.headers["X-Job-Id"] = job.id
+    response.headers["X-Job-Id"] = job.id
     watcher = asyncio.create_task(_watch_disconnect(request, queue, job))
     try:
         while not job.finished_state:

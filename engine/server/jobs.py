@@ -181,9 +181,7 @@ class JobQueue:
     """FIFO generate jobs for one engine, run by one worker thread (started on first use)."""
 
     def __init__(self, engine: Any, *, size: int, kept: int = KEPT_JOBS, kept_bytes: int = KEPT_RESULT_BYTES) -> None:
-        if size < 1:
-            raise EngineError(f"the queue size must be at least 1 (got {size}); set --queue-size to a positive number",
-                              code="invalid_config")
+        """``size``: the bound, at least 1 (:class:`~engine.server.settings.ServerSettings` checks it)."""
         self._engine = engine
         self.size = size
         self._kept, self._kept_bytes = kept, kept_bytes

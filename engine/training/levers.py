@@ -17,6 +17,7 @@ from typing import Any
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
+from engine.policy.training_memory import PATCH_PIXELS
 from engine.types import FamilySpec, TrainingDefaults, TrainingObjective
 
 #: The engine's defaults where neither the config nor the family says.
@@ -123,8 +124,8 @@ def resolve_flow_shift(
 
 
 def image_tokens(resolution: int) -> int:
-    """Packed latent tokens of a square image: one per 16x16 pixels."""
-    return (resolution // 16) ** 2
+    """Packed latent tokens of a square image: one per patch of pixels."""
+    return (resolution // PATCH_PIXELS) ** 2
 
 
 def resolution_shift(defaults: TrainingDefaults, resolution: int) -> float:

@@ -72,5 +72,4 @@ def check_each_device(devices: tuple[HardwareProfile, ...], check: Callable[[Har
 
 
 def _names(devices: tuple[HardwareProfile, ...]) -> str:
-    names = [d.device_name for d in devices]
-    return names[0] if len(set(names)) == 1 and len(names) == 1 else ", ".join(names)
+    return ", ".join(d.device_name for d in devices)

@@ -38,12 +38,14 @@ def main(argv: list[str]) -> int:
 
     from engine.errors import EngineError
     from engine.logs import quiet_library_logs
+    from engine.plugins import load_registry
     from engine.training.replicas import join
     from engine.training.trainer import run_training
 
     quiet_library_logs(progress_bars=False)
     try:
-        plan = _plan(args.config)
+        registry = load_registry()  # once: the preflight and the trainer share it
+        plan = _plan(registry, args.config)
     except EngineError as exc:
         print(f"error[{exc.code}]: {exc.message}", file=sys.stderr)
         return 2
@@ -52,7 +54,7 @@ def main(argv: list[str]) -> int:
     folder = Path(plan.config.output_dir or Path("runs") / _run_id(plan))
     emit = _recorder(plan, folder) if replicas.main else (lambda event: None)
     try:
-        result = run_training(plan, folder, emit, lambda: None, replicas=replicas)
+        result = run_training(plan, folder, emit, lambda: None, registry=registry, replicas=replicas)
     except EngineError as exc:
         emit({"type": "error", "code": exc.code, "message": exc.message})
         return 1
@@ -60,15 +62,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _plan(config_path: Path):  # type: ignore[no-untyped-def]
+def _plan(registry, config_path: Path):  # type: ignore[no-untyped-def]
     """This machine's plan for one rank (``gpus=1``: one device per rank, checked here)."""
     from engine.hardware.probe import probe
-    from engine.plugins import load_registry
     from engine.training.config import TrainingConfig, read_config_file
     from engine.training.preflight import preflight_training
 
     config = TrainingConfig.from_data({**read_config_file(config_path), "gpus": 1})
-    return preflight_training(load_registry(), config, probe(verify=True))
+    return preflight_training(registry, config, probe(verify=True))
 
 
 def _for_world(plan, world: int):  # type: ignore[no-untyped-def]

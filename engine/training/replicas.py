@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-#: Returns None to go on, or "save", "discard" or "cancel" (the trainer's StopCheck).
+#: Returns None to go on, or "save", "discard" or "cancel": how a trainer asks whether to stop.
 StopCheck = Callable[[], "str | None"]
 
 

@@ -37,14 +37,12 @@ from engine.training.captions import CaptionOptions, choose, prompt_table
 from engine.plugins import Registry, load_registry
 from engine.training import levers
 from engine.training.preflight import TrainingPlan
-from engine.training.export import LORA_WEIGHTS, save_lora
-from engine.training.replicas import SOLO, Replicas, example_generators
+from engine.training.export import save_lora
+from engine.training.replicas import SOLO, Replicas, StopCheck, example_generators
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 Emit = Callable[[dict[str, object]], None]
-#: Returns None to go on, or "save", "discard" or "cancel".
-StopCheck = Callable[[], str | None]
 
 
 class _StoppedEarly(Exception):
