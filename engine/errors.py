@@ -78,3 +78,9 @@ class Cancelled(EngineError):
     """A generate was stopped at a step boundary because its caller asked (``cancel`` was set)."""
 
     code = "cancelled"
+
+
+class UnsupportedWorkflow(EngineError):
+    """The checkpoint has no pipeline for what the request asks (or a ControlNet it cannot take)."""
+
+    code = "unsupported_workflow"

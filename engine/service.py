@@ -158,7 +158,7 @@ class Engine(TrainingJobs):
         else:
             raise EngineError("give a model path or a family", code="invalid_request")
         if controlnet is not None:
-            from engine.runtime.workflows import check_controlnet, with_controlnet
+            from engine.preflight.controlnet import check_controlnet, with_controlnet
 
             facts = with_controlnet(facts, check_controlnet(facts.family, controlnet))
         return plan_inference(
@@ -202,7 +202,7 @@ class Engine(TrainingJobs):
         from engine.runtime.loading import check_weightless_components
         from engine.runtime.lora import check_loras
         from engine.runtime.session import InferenceSession
-        from engine.runtime.workflows import check_controlnet, with_controlnet
+        from engine.preflight.controlnet import check_controlnet, with_controlnet
 
         source = resolve_model(self.registry, model, family=family, base=base)
         offline = hub_access_error(source, allow_download=self.allow_download)

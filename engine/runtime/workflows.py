@@ -13,14 +13,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from engine.errors import EngineError
+from engine.errors import EngineError, UnsupportedWorkflow
 from engine.types import Checkpoint, FamilySpec, Workflow
-
-
-class UnsupportedWorkflow(EngineError):
-    """The loaded checkpoint has no pipeline for what the request asks."""
-
-    code = "unsupported_workflow"
 
 
 def choose_workflow(
@@ -172,53 +166,3 @@ def control_input(image: Any, preprocess: str) -> Any:
     picture = read_image(image, "control_image")
     return canny_map(picture) if preprocess == "canny" else picture
 
-
-def check_controlnet(family: FamilySpec, path: str) -> str:
-    """``path`` resolved, when it is a diffusers ControlNet folder of a class
-    ``family`` declares; refused (before anything is evicted) otherwise."""
-    import json
-    from pathlib import Path
-
-    folder = Path(path).expanduser()
-    config = folder / "config.json"
-    if not config.is_file():
-        raise UnsupportedWorkflow(f"controlnet {path} is not a diffusers model folder (no config.json); "
-                                  "give the folder saved with save_pretrained")
-    try:
-        class_name = json.loads(config.read_text(encoding="utf-8")).get("_class_name")
-    except (OSError, ValueError) as exc:
-        raise UnsupportedWorkflow(f"controlnet {config} cannot be read ({exc})") from exc
-    if class_name not in family.controlnet_classes:
-        declared = ", ".join(family.controlnet_classes) or "none"
-        raise UnsupportedWorkflow(
-            f"controlnet {path} is a {class_name}; {family.label} takes {declared}; give a ControlNet for this family"
-        )
-    return str(folder.resolve())
-
-
-def controlnet_gb(path: str) -> float:
-    """bf16 GB of the ControlNet folder at ``path`` (checked by
-    :func:`check_controlnet`), for the memory plan: from its safetensors
-    headers (no weight is read), else the stored size of its weight files."""
-    from pathlib import Path
-
-    from engine.policy.quant_filter import dense_gb
-    from engine.preflight.headers import tensor_shapes
-
-    folder = Path(path)
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        return dense_gb(tensor_shapes(files))
-    stored = [f for pattern in ("*.bin", "*.pt", "*.pth") for f in folder.glob(pattern)]
-    if not stored:
-        raise UnsupportedWorkflow(f"controlnet {path} holds no weights (.safetensors or .bin); "
-                                  "give the folder saved with save_pretrained")
-    return sum(f.stat().st_size for f in stored) / 1e9
-
-
-def with_controlnet(facts: Any, path: str | None) -> Any:
-    """``facts`` (:class:`~engine.policy.plan.ModelFacts`) with the ControlNet
-    at ``path`` sized in, so the plan holds it like any component."""
-    import dataclasses
-
-    return facts if path is None else dataclasses.replace(facts, controlnet_gb=controlnet_gb(path))

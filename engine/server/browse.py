@@ -18,12 +18,12 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
-from engine.errors import EngineError, UnknownName
+from engine.errors import EngineError
 from engine.preflight.dataset import IMAGE_EXTENSIONS
 from engine.preflight.model import resolve_model
 from engine.server.settings import ServerSettings
 from engine.service import Engine
-from engine.training.records import list_runs
+from engine.training.records import find_run
 
 #: The most entries one listing returns (per root, per kind).
 MAX_ENTRIES = 500
@@ -31,11 +31,8 @@ MAX_ENTRIES = 500
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".ckpt")
 
 
-class RunFileNotFound(UnknownName):
-    """No such run, or no such file in it (a 404, like any unknown name)."""
-
-    def __init__(self, message: str, *, code: str) -> None:
-        EngineError.__init__(self, message, code=code)
+class RunFileNotFound(EngineError):
+    """No such run, or no such file in it (a 404: its codes are in ``responses.NOT_FOUND``)."""
 
 
 def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:
@@ -79,9 +76,10 @@ def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:
 
 
 def _run_folder(engine: Engine, run_id: str) -> Path:
-    for record in list_runs(engine.runs_dir):
-        if record.run_id == run_id:
-            return Path(os.path.realpath(record.folder))
+    """The folder of the run ``run_id`` in the engine's runs folder (a plain id, never a path)."""
+    record = None if run_id.startswith(".") else find_run(engine.runs_dir, run_id, paths=False)
+    if record is not None:
+        return Path(os.path.realpath(record.folder))
     raise RunFileNotFound(f"no run {run_id[:120]!r} in {engine.runs_dir}; list them at /v1/training/runs", code="unknown_run")
 
 

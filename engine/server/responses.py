@@ -30,7 +30,7 @@ MESSAGE_LIMIT = 1000
 PROBLEMS_LISTED = 5
 
 NOT_FOUND = {"unknown_family", "unknown_preset", "unknown_checkpoint", "model_not_found", "dataset_not_found",
-             "lora_not_found", "run_not_found", "job_not_found"}
+             "lora_not_found", "run_not_found", "job_not_found", "unknown_run", "unknown_run_file"}
 CONFLICT = {"busy", "not_loaded", "not_training", "run_in_progress", "no_checkpoint", "model_changed"}
 UNPROCESSABLE = {"invalid_config", "invalid_request", "invalid_path"}
 #: The client went away and its job was stopped (nginx's "client closed request").

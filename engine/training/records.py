@@ -231,9 +231,10 @@ def default_runs_dir() -> Path:
     return base / "diffusion-engine" / "runs"
 
 
-def find_run(root: Path, name: str) -> RunRecord | None:
-    """The run ``name`` names: an id in ``root`` (or a folder there), or a run folder's path."""
-    for folder in (Path(root) / name, Path(name)):
+def find_run(root: Path, name: str, *, paths: bool = True) -> RunRecord | None:
+    """The run ``name`` names: an id in ``root`` (or a folder there), or (with
+    ``paths``) a run folder's path; a server passes ``paths=False`` and a plain name."""
+    for folder in (Path(root) / name, Path(name)) if paths else (Path(root) / name,):
         if (folder / RECORD_NAME).is_file():
             return RunRecord.load(folder / RECORD_NAME)
     return next((r for r in list_runs(root) if r.run_id == name), None)  # a run with its own --output name
