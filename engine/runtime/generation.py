@@ -12,6 +12,7 @@ family's ``engine_generate_kwargs`` hook).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Sequence
@@ -212,8 +213,15 @@ class Generation:
             {"family": family.name, "dtype": str(self.plan.value("dtype")), "device": self.plan.device,
              "text_encoder_quant": scheme},
             loras=self.loras.applied if self.loras is not None else (),
+            identity=self._encoder_identity,
         )
         return prompts.replace(pipe, kwargs, before_encode)
+
+    @functools.cached_property
+    def _encoder_identity(self) -> str:
+        """The loaded encoders' identity for the prompt cache: their files do not
+        change while loaded, so they are walked once per load, not per batch."""
+        return prompt_cache.encoder_identity(self._root())
 
     def _call_kwargs(
         self, pipe: Any, request: GenerateRequest, steps: int, chunk: Sequence[batching.BatchItem],

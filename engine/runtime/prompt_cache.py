@@ -289,12 +289,13 @@ def true_cfg_prompt_inputs(
 
 def for_pipeline(
     runtime_module: str, root: str, settings: Mapping[str, object], loras: Sequence[object] = (),
-    folder: Path | None = None,
+    folder: Path | None = None, identity: str | None = None,
 ) -> CallPrompts:
     """The cache of a loaded pipeline: its encoders' folder ``root`` (or hub id),
     the family's runtime module, and what else changes the numbers (dtype,
     encoder scheme, device; LoRAs applied, by file identity and scale: a LoRA
-    may reach the text encoders, so another set is another key)."""
+    may reach the text encoders, so another set is another key). ``identity``:
+    :func:`encoder_identity` of ``root``, when the caller already has it."""
     import importlib
 
     applied = []
@@ -307,7 +308,7 @@ def for_pipeline(
             applied.append(f"{path}:{getattr(lora, 'scale', 1.0)}")
     return CallPrompts(
         cache=PromptCache(folder or default_dir()),
-        identity=encoder_identity(root),
+        identity=identity or encoder_identity(root),
         runtime=importlib.import_module(runtime_module),
         settings={**settings, "runtime": runtime_module, "loras": applied},
     )

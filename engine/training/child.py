@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -89,30 +88,16 @@ def main(argv: list[str]) -> int:
 
 def run(plan: Any, folder: Path, channel: ControlChannel) -> None:
     """Train and report how it ended; every failure becomes an error event."""
-    from engine.errors import EngineError
     from engine.logs import quiet_library_logs
-    from engine.training.records import DISK_FULL, write_error_code
+    from engine.training.records import error_event
 
     quiet_library_logs(progress_bars=False)
     from engine.training.trainer import run_training
 
     try:
         channel.emit(run_training(plan, folder, channel.emit, channel.should_stop))
-    except EngineError as exc:
-        channel.emit({"type": "error", "code": exc.code, "message": exc.message})
-    except OSError as exc:
-        full = exc.errno in DISK_FULL
-        event = _error_event(write_error_code(exc) if full else "trainer_crashed", exc)
-        if full:
-            event["message"] = f"{event['message']}; free space in the output folder and start again"
-        channel.emit(event)
     except Exception as exc:  # the child reports every failure; the parent decides
-        channel.emit(_error_event("trainer_crashed", exc))
-
-
-def _error_event(code: str, exc: BaseException) -> dict[str, object]:
-    return {"type": "error", "code": code, "message": f"{type(exc).__name__}: {exc}",
-            "traceback": traceback.format_exc(limit=8)}
+        channel.emit(error_event(exc))
 
 
 if __name__ == "__main__":

@@ -193,18 +193,10 @@ def _rank(plan: Any, folder: str, channel: Any, errors: str, launcher_pid: int) 
 
 
 def _write_error(errors: Path, rank: int, exc: BaseException) -> None:
-    from engine.errors import EngineError
-    from engine.training.records import DISK_FULL, write_error_code
+    from engine.training.records import error_event
     from engine.training.replicas import PeerLost
 
-    if isinstance(exc, EngineError):
-        code, message = exc.code, exc.message
-    elif isinstance(exc, OSError) and exc.errno in DISK_FULL:
-        code, message = write_error_code(exc), f"{exc}; free space in the output folder and start again"
-    else:
-        code, message = "trainer_crashed", f"{type(exc).__name__}: {exc}"
-    record = {"code": code, "message": message, "peer_lost": isinstance(exc, PeerLost),
-              "traceback": traceback.format_exc(limit=8)}
+    record = {**error_event(exc), "peer_lost": isinstance(exc, PeerLost)}
     try:
         (errors / f"rank-{rank}.json").write_text(json.dumps(record), encoding="utf-8")
     except OSError:

@@ -42,6 +42,25 @@ def write_error_code(exc: OSError) -> str:
     return "disk_full" if exc.errno in DISK_FULL else "write_failed"
 
 
+def error_event(exc: BaseException) -> dict[str, object]:
+    """The ``error`` event a trainer process reports for ``exc``: an engine error's
+    own code and message; a full disk (with what to do); anything else
+    ``trainer_crashed``, with its traceback for the record."""
+    import traceback
+
+    from engine.errors import EngineError
+
+    if isinstance(exc, EngineError):
+        return {"type": "error", "code": exc.code, "message": exc.message}
+    full = isinstance(exc, OSError) and exc.errno in DISK_FULL
+    return {
+        "type": "error",
+        "code": write_error_code(exc) if full else "trainer_crashed",  # type: ignore[arg-type]
+        "message": f"{type(exc).__name__}: {exc}" + ("; free space in the output folder and start again" if full else ""),
+        "traceback": traceback.format_exc(limit=8),
+    }
+
+
 def write_json_atomic(path: Path, data: object) -> None:
     """Write ``data`` as utf-8 JSON to ``path`` via a temp file and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
