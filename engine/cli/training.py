@@ -16,10 +16,12 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import get_args
 
 from engine.cli.common import DOWNLOAD_HELP, download_allowed
 from engine.errors import EngineError
 from engine.plugins import load_registry
+from engine.training.config import LossWeighting, Optimizer
 
 #: What ``--tiny`` trains at when --resolution is not given: small and quick for every family.
 TINY_RESOLUTION = 64
@@ -74,12 +76,12 @@ def add_parsers(commands: argparse._SubParsersAction, *, runs_dir_help: str,  # 
     train.add_argument("--sample-every", type=int, metavar="N", help="steps between samples")
     train.add_argument("--sample-steps", type=int, metavar="N", help="denoising steps per sample (default 20)")
     levers = train.add_argument_group("optimisation")
-    levers.add_argument("--optimizer", choices=("adamw", "adamw8bit", "adafactor"),
+    levers.add_argument("--optimizer", choices=get_args(Optimizer),
                         help="adamw (default); adamw8bit needs CUDA and bitsandbytes; adafactor")
     levers.add_argument("--warmup-steps", type=int, metavar="N", help="learning-rate warmup (default: the family's)")
     levers.add_argument("--flow-shift", metavar="SHIFT", help="timestep shift of flow-matching families: a "
                         "number, or auto (from the resolution where the family says so); default: the family's")
-    levers.add_argument("--loss-weighting", choices=("none", "min_snr", "bell"),
+    levers.add_argument("--loss-weighting", choices=get_args(LossWeighting),
                         help="per-timestep loss weights (default none)")
     levers.add_argument("--ema-decay", type=float, metavar="D",
                         help="also keep an EMA of the LoRA (saved as a second file), e.g. 0.999")

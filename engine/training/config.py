@@ -29,6 +29,12 @@ MAX_BATCH = 64
 MAX_GPUS = 64
 
 
+#: Per-timestep loss weights (the trainer's levers: :mod:`engine.training.levers`).
+LossWeighting = Literal["none", "min_snr", "bell"]
+#: The optimizers a run may ask for (8-bit AdamW needs CUDA and bitsandbytes).
+Optimizer = Literal["adamw", "adamw8bit", "adafactor"]
+
+
 class TrainingConfig(BaseModel):
     """One LoRA training run. ``None`` means the family's default.
 
@@ -54,10 +60,10 @@ class TrainingConfig(BaseModel):
     warmup_steps: int | None = Field(None, ge=0, le=MAX_STEPS)
     #: Flow-matching sigma shift: a number, ``auto`` (by resolution), None: the family's.
     flow_shift: Annotated[float, Field(gt=0, le=100)] | Literal["auto"] | None = None
-    loss_weighting: Literal["none", "min_snr", "bell"] = "none"
+    loss_weighting: LossWeighting = "none"
     #: Decay of an EMA of the LoRA, saved as a second adapter; None: no EMA.
     ema_decay: float | None = Field(None, gt=0, lt=1)
-    optimizer: Literal["adamw", "adamw8bit", "adafactor"] = "adamw"
+    optimizer: Optimizer = "adamw"
     #: Reuse caption embeddings across runs on the same data and base.
     prompt_cache: bool = True
     #: Where they are kept (None: $DIFFUSION_ENGINE_PROMPT_CACHE or the user's cache folder).

@@ -27,8 +27,6 @@ ENGINE_WARMUP_STEPS = 0
 MIN_SNR_GAMMA = 5.0
 #: The bell weighting: a Gaussian over sigma (or t/T) centred mid-schedule.
 BELL_CENTRE, BELL_WIDTH = 0.5, 0.25
-LOSS_WEIGHTINGS: tuple[str, ...] = ("none", "min_snr", "bell")
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "adafactor")
 EMA_FILE = "pytorch_lora_weights_ema.safetensors"
 
 
