@@ -57,7 +57,8 @@ class Engine(TrainingJobs):
         the server its ``--allow-hub``."""
         self.allow_download = allow_download
         self.registry = registry or load_registry()
-        self.residency = residency or Residency()
+        # Engines of one process share the GPU: their arbiters hand it over (engine.residency).
+        self.residency = residency or Residency(busy=lambda: self._job)
         self.runs_dir = Path(runs_dir)
         self._hardware = hardware
         self._lock = threading.Lock()

@@ -132,6 +132,16 @@ TRAIN_FLAGS: dict[str, str] = {
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """``train``: the engine's refusals name the config's fields; the terminal names the flags."""
+    try:
+        return _train(args)
+    except EngineError as exc:
+        exc.message = _flag_names(exc.message)
+        exc.args = (exc.message,)
+        raise
+
+
+def _train(args: argparse.Namespace) -> int:
     import tempfile
 
     from engine.cli.machine import machine_from_args

@@ -82,8 +82,16 @@ def tensor_storage(files: list[Path]) -> list[tuple[str, str, int, int]]:
     return found
 
 
-def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
-    """The header of a complete safetensors file (its tensor data fills the file exactly)."""
+def read_safetensors_header(file: Path) -> tuple[dict[str, dict[str, object]], int]:
+    """The tensor entries of a complete safetensors file and where its data starts.
+
+    Complete means what a loader needs: a bounded JSON header, every entry
+    with a dtype, a shape and a byte range its shape fills, and tensor data
+    that fills the rest of the file exactly (a truncated or padded file is
+    refused here, never half-read later). Reads the header only.
+
+    :raises ValueError: naming what is wrong (an ``OSError`` reading it included).
+    """
     try:
         size = file.stat().st_size
         with file.open("rb") as handle:
@@ -93,21 +101,33 @@ def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
             if 8 + length > size:
                 raise ValueError(f"its {length}-byte header runs past the end of the {size}-byte file")
             header = json.loads(handle.read(length))
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-        header.pop("__metadata__", None)
-        end, data = _data_end(header), size - 8 - length
-        if end != data:
-            raise ValueError(
-                f"truncated or padded: its header describes {end:,} bytes of tensor data, "
-                f"the file holds {data:,}"
-            )
-    except (OSError, ValueError, struct.error) as exc:
+    except (OSError, struct.error) as exc:
+        raise ValueError(getattr(exc, "strerror", None) or str(exc) or type(exc).__name__) from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the header is not UTF-8 JSON ({exc.reason})") from None
+    except RecursionError:
+        raise ValueError("the header nests too deeply to be a tensor index") from None
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    end, data = _data_end(header), size - 8 - length
+    if end != data:
+        raise ValueError(
+            f"truncated or padded: its header describes {end:,} bytes of tensor data, "
+            f"the file holds {data:,}"
+        )
+    return header, 8 + length
+
+
+def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
+    """The header of a complete safetensors file (its tensor data fills the file exactly)."""
+    try:
+        return read_safetensors_header(file)[0]
+    except ValueError as exc:
         raise NotAPipeline(
             f"{file} is not a complete safetensors file ({exc}); re-download or re-export it",
             code="corrupt_checkpoint",
         ) from None
-    return header
 
 
 def _data_end(header: dict[str, object]) -> int:

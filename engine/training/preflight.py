@@ -28,6 +28,7 @@ from engine.preflight.model import ModelSource, hub_access_error, lora_target_er
 from engine.training.buckets import BucketPlan, plan_buckets
 from engine.training.config import TrainingConfig
 from engine.training.levers import TrainingLevers, resolve_levers
+from engine.training.resume import check_resume
 from engine.training.multigpu import check_each_device, rank_devices
 from engine.types import FamilySpec, TrainingObjective
 
@@ -54,6 +55,8 @@ class TrainingPlan:
     buckets: BucketPlan | None = None
     #: LR, warmup, flow shift, loss weighting, EMA, optimizer (see :mod:`engine.training.levers`).
     levers: TrainingLevers | None = None
+    #: A resume's changed settings, ``(field, recorded, asked)`` (only those a checkpoint can honour).
+    resume_changes: tuple[tuple[str, object, object], ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -95,6 +98,7 @@ def preflight_training(
         ``hardware``'s. Without it, ``hardware``'s free memory is used as is.
     :param allow_download: whether a hub base missing from the cache may be downloaded.
     """
+    resume_changes = check_resume(config)  # the checkpoint read safely, its settings kept
     available = available or available_memory(hardware)
     hardware = available.apply(hardware)
     devices = rank_devices(config, hardware)  # --gpus N: N devices, each checked below
@@ -149,6 +153,7 @@ def preflight_training(
         available=available,
         gradient_checkpointing=checkpointing,
         levers=levers,
+        resume_changes=resume_changes,
         buckets=plan_buckets(
             [item.size for item in dataset.items], [item.relative for item in dataset.items],
             config.resolution, family.side_multiple, warned={name for name, _ in dataset.small},

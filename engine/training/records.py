@@ -119,6 +119,10 @@ class RunRecord:
     #: A multi-GPU run's ranks: ``world``, their ``pids`` and, at the end,
     #: each rank's LoRA digest (``lora_sha256``, equal when in sync); None for one process.
     ranks: dict[str, object] | None = None
+    #: Each resume of the run: ``{"from_step", "started_at", "changes": {field: [before, after]}}``.
+    #: The settings a resume may change (more steps, another save cadence) are recorded
+    #: here as they apply from that step on; what came before is never rewritten.
+    segments: list[dict[str, object]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in METRICS:

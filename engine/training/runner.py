@@ -82,6 +82,8 @@ class TrainingRun:
             history_limit=plan.config.metric_history,
         )
         self._process: _Child | None = None
+        #: The step a resumed run continues from (None: a new run).
+        self._resumed_at: int | None = None
         self._unsaved = False
         self.phase = "pending"
 
@@ -122,12 +124,23 @@ class TrainingRun:
                 self.record.metrics[name].points = [(s, v) for s, v in history.points if s <= upto]
         self.record.samples = [s for s in previous.samples if int(s.get("step", 0)) <= upto]  # type: ignore[call-overload]
         self.record.step = upto
+        self.record.outputs = {k: v for k, v in previous.outputs.items() if k == "config"}
+        self.record.segments = [*previous.segments, {
+            "from_step": upto, "started_at": time.time(),
+            "changes": {name: [before, after] for name, before, after in self.plan.resume_changes},
+        }]
+        self._resumed_at = upto
 
     def _write_config(self) -> None:
-        """``config.toml`` beside the record: ``train --config`` with it repeats the run."""
+        """``config.toml`` beside the record: ``train --config`` with it repeats the run.
+
+        A resumed run keeps the file its first segment wrote (the past is not
+        rewritten) and writes its own settings beside it, named by the step it
+        resumed from."""
         from engine.training.config import config_toml
 
-        path = self.record.folder / "config.toml"
+        name = "config.toml" if self._resumed_at is None else f"config.resumed-{self._resumed_at:08d}.toml"
+        path = self.record.folder / name
         try:
             path.write_text(config_toml(self.plan.config), encoding="utf-8")
         except OSError as exc:
