@@ -178,6 +178,10 @@ def test_config_file_and_resume_reproduce_ten_steps_in_one_go_bit_for_bit(
     assert losses(first) == losses(straight)[:5]  # the file plus a flag repeats the run
     resumed = train("--resume", "split", "--steps", "10", "--runs-dir", str(tmp_path))
     assert resumed["run_id"] == first["run_id"] and resumed["status"] == "completed"
+    # The resume's change is a new segment; the first segment's config file is not rewritten.
+    assert [(s["from_step"], s["changes"]) for s in resumed["segments"]] == [(5, {"steps": [5, 10]})]  # type: ignore[union-attr]
+    assert "steps = 5" in (tmp_path / "split" / "config.toml").read_text(encoding="utf-8")
+    assert "steps = 10" in Path(resumed["outputs"]["config"]).read_text(encoding="utf-8")  # type: ignore[index]
     assert [s for s, _ in losses(resumed)] == list(range(1, 11))
     for (step, got), (_, want) in zip(losses(resumed), losses(straight), strict=True):
         assert got == pytest.approx(want, abs=1e-5), f"step {step}"
@@ -277,7 +281,7 @@ def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(
     assert record["status"] == "stopped" and record["error"] is None
     assert "lora" not in record["outputs"]  # type: ignore[operator]  # the partial step was not saved
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())  # no half-written one left behind
-    assert len(kept) == 2 and all((out / "checkpoints" / k / "state.pt").is_file() for k in kept)
+    assert len(kept) == 2 and all((out / "checkpoints" / k / "state.safetensors").is_file() for k in kept)
     assert record["outputs"]["checkpoint"] == str(out / "checkpoints" / kept[-1])  # type: ignore[index]
     trainer = record["pid"]
     assert not Path(f"/proc/{trainer}").exists() or "Z" in Path(f"/proc/{trainer}/stat").read_text().split()[2]

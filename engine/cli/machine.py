@@ -137,6 +137,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         insecure_no_token=args.insecure_no_token,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         queue_size=args.queue_size,
+        bind_host=args.host,
+        extra_hosts=tuple(args.allow_host),
     )
     settings.check_bind(args.host)
     try:

@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a root for input images (img2img, masks, control images) (repeatable)")
     serve.add_argument("--outputs", default="runs", metavar="DIR", help="where runs are written")
     serve.add_argument("--allow-hub", action="store_true", help="accept hub repo ids as models")
+    serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                       help="another name clients may reach the server by (a reverse proxy's; repeatable; "
+                            "'*' for any). A loopback server answers only loopback names otherwise")
     serve.add_argument("--load", metavar="PATH", help="load this model at start")
     serve.add_argument(
         "--insecure-no-token", action="store_true",

@@ -28,6 +28,7 @@ it never runs; running: it stops at the next step).
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from typing import Any
@@ -57,10 +58,13 @@ from engine.server.job_routes import EVENT_PATHS, jobs_router, queue_full, run_j
 from engine.server.jobs import JobQueue, QueueFull
 from engine.server.pages import PUBLIC_PATHS, PUBLIC_PREFIXES, add_pages
 from engine.server.paths import confine, confine_model
-from engine.server.settings import ServerSettings
+from engine.server.settings import ServerSettings, allowed_hosts
 from engine.service import Engine
 
 __all__ = ["ServerSettings", "create_app"]
+
+#: The routes whose POST takes a multipart upload (OpenAI's edits).
+FORM_PATHS = re.compile(r"/v1/images/edits")
 
 class ErrorBody(BaseModel):
     code: str
@@ -89,6 +93,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     app.add_middleware(
         Guard, token=settings.token, max_body_bytes=settings.max_body_bytes, public_paths=public,  # type: ignore[arg-type]
         public_prefixes=PUBLIC_PREFIXES, query_token_paths=EVENT_PATHS,
+        allowed_hosts=allowed_hosts(settings), form_paths=FORM_PATHS,
     )
     queue = JobQueue(engine, size=settings.queue_size)
     api = APIRouter(prefix="/v1")

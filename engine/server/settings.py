@@ -50,6 +50,12 @@ class ServerSettings:
     #: Generate jobs that may wait behind the running one (``serve --queue-size``);
     #: one more is refused with 429 and ``Retry-After``.
     queue_size: int = DEFAULT_QUEUE_SIZE
+    #: The address the server binds (``serve --host``): a loopback bind answers only
+    #: requests whose ``Host`` names loopback (DNS rebinding: see :meth:`allowed_hosts`).
+    bind_host: str = "127.0.0.1"
+    #: More names a ``Host`` header may give (``serve --allow-host``: a reverse proxy's
+    #: public name); ``*`` turns the check off.
+    extra_hosts: tuple[str, ...] = ()
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -85,6 +91,29 @@ class ServerSettings:
                 "accept the risk",
                 code="token_required",
             )
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def allowed_hosts(settings: ServerSettings) -> frozenset[str] | None:
+    """The host names a request's ``Host`` (and a state-changing request's ``Origin``) may give; None: any.
+
+    A web page on another site can make the browser talk to a loopback
+    server by re-pointing its own name at 127.0.0.1 (DNS rebinding): the
+    request then carries that site's name in ``Host``. So a loopback server
+    answers only loopback names and the operator's ``--allow-host`` names, as
+    Jupyter does. A server bound beyond loopback is reached by names nobody
+    can list here: it needs its token anyway, and checks only the names given.
+    """
+    extra = {h.lower() for h in settings.extra_hosts}
+    if "*" in extra:
+        return None
+    if is_loopback(settings.bind_host):
+        return frozenset({*LOOPBACK_NAMES, settings.bind_host.lower().strip("[]"), *extra})
+    if extra:
+        return frozenset({*LOOPBACK_NAMES, settings.bind_host.lower().strip("[]"), *extra})
+    return None
 
 
 def is_loopback(host: str) -> bool:

@@ -17,7 +17,8 @@ async function api(method, path, body) {
   const headers = {};
   const token = sessionStorage.getItem(TOKEN_KEY);
   if (token) headers.Authorization = `Bearer ${token}`;
-  if (body !== undefined) headers["Content-Type"] = "application/json";
+  // Every state-changing call is JSON: a tokenless server refuses other content types (cross-site forms).
+  if (body !== undefined || method !== "GET") headers["Content-Type"] = "application/json";
   let response;
   try {
     response = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
