@@ -221,3 +221,37 @@ def test_engine_import_stays_light() -> None:
     code = "import sys, engine; engine.Engine; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.slow
+def test_two_engines_in_one_process_share_one_gpu_arbiter(tiny_pipeline: Callable[[str], Path]) -> None:
+    """One process, one GPU: a second Engine's load evicts the first's idle pipeline (and the
+    host's model registered with it), and is refused while the first is using the GPU."""
+    first = Engine(registry=REGISTRY, hardware=probe(verify=False))
+    second = Engine(registry=REGISTRY, hardware=probe(verify=False))
+    host = HostModel(first, size_gb=0.0)
+    first.load(str(tiny_pipeline("sdxl")))
+    assert host.evicted == 1
+    running = threading.Event()
+
+    def generate() -> None:
+        try:
+            first.generate("a fox", steps=500, width=64, height=64, progress=lambda s, t: running.set())
+        except EngineError as exc:
+            assert exc.code == "cancelled"
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    assert running.wait(120)
+    with pytest.raises(Busy, match="another Engine in this process"):
+        second.load(str(tiny_pipeline("sdxl")))
+    first.cancel_generation()
+    thread.join(120)
+    assert first.status()["pipeline"] is not None  # the refused load took nothing from it
+    second.load(str(tiny_pipeline("sdxl")))
+    assert first.status()["pipeline"] is None and second.status()["pipeline"] is not None
+    assert host.evicted == 2
+    with pytest.raises(EngineError) as refused:
+        first.generate("a fox", steps=1, width=64, height=64)
+    assert refused.value.code == "not_loaded"
+    assert second.unload()

@@ -146,3 +146,24 @@ def test_a_second_run_on_the_same_data_does_not_encode_captions_and_ema_is_a_sec
     lora, ema = load_file(outputs["lora"]), load_file(outputs["lora_ema"])  # type: ignore[index]
     assert lora.keys() == ema.keys()
     assert any(not torch.equal(lora[k], ema[k]) for k in lora)  # the EMA lags the trained weights
+
+
+def test_a_prompt_cache_entry_of_the_wrong_shape_is_encoded_again(
+    tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path
+) -> None:
+    """An entry that does not hold one row per prompt (replaced, or from an older writer)
+    is re-encoded and rewritten instead of crashing the run at its first batch."""
+    from safetensors.torch import save_file
+
+    options = {"prompt_cache_dir": str(tmp_path / "cache"), "steps": 1}
+    first = run_training(make_plan(tiny_pipeline("flux"), dataset, **options), tmp_path / "one",
+                         lambda _: None, lambda: None, registry=REGISTRY)
+    [entry] = (tmp_path / "cache").glob("*.safetensors")
+    good = load_file(str(entry))
+    assert all(v.shape[0] > 1 for v in good.values())
+    save_file({k: v[:1].contiguous() for k, v in good.items()}, str(entry))  # one row for two prompts
+    second = run_training(make_plan(tiny_pipeline("flux"), dataset, **options), tmp_path / "two",
+                          lambda _: None, lambda: None, registry=REGISTRY)
+    assert first["type"] == second["type"] == "completed"
+    rewritten = load_file(str(entry))
+    assert all(torch.equal(rewritten[k], good[k]) for k in good)

@@ -130,6 +130,39 @@ def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
         ) from None
 
 
+#: How each float dtype marks NaN and infinity: (unsigned view, exponent mask); a value whose
+#: exponent bits are all set is not finite. (E4M3 has no infinity: its NaN is 0x7f / 0xff.)
+_NONFINITE = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
+              "BF16": ("<u2", 0x7F80), "F8_E5M2": ("u1", 0x7C), "F8_E4M3": ("u1", 0x7F)}
+
+
+def nonfinite_tensors(file: Path, header: dict[str, dict[str, object]], data_start: int) -> list[str]:
+    """The names of the float tensors in ``file`` holding NaN or infinity (a complete file's header).
+
+    Reads the data through a memory map with numpy, by bit pattern (numpy
+    has no bfloat16 or fp8), so it needs neither torch nor a copy of the file.
+    """
+    import numpy as np
+
+    bad = []
+    if not any(str(info.get("dtype")) in _NONFINITE for info in header.values()):
+        return bad
+    data = np.memmap(file, dtype=np.uint8, mode="r")
+    try:
+        for name, info in header.items():
+            kind = _NONFINITE.get(str(info.get("dtype")))
+            if kind is None:
+                continue
+            begin, end = (data_start + int(o) for o in info["data_offsets"])  # type: ignore[union-attr]
+            bits = data[begin:end].view(kind[0])
+            mask = kind[1]
+            if np.any((bits & mask) == mask):
+                bad.append(str(name))
+    finally:
+        del data
+    return bad
+
+
 def _data_end(header: dict[str, object]) -> int:
     """Where the last tensor's bytes end; ValueError for an entry that cannot be read."""
     end = 0

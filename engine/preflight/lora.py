@@ -11,9 +11,7 @@ module of the model is checked against the model's own module tree by
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Union
 from engine.errors import EngineError, PreflightError
 from engine.plugins import Registry
 from engine.policy.lora import LoraPlanInput
+from engine.preflight.headers import nonfinite_tensors, read_safetensors_header
 from engine.types import FamilySpec
 
 #: The file a training run (and diffusers' ``save_lora_weights``) writes.
@@ -207,21 +206,27 @@ def plan_input(files: Sequence[LoraFile], *, switching: bool = False) -> LoraPla
 
 
 def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, once the file is known complete and every value finite.
+
+    The finite check reads the data (a LoRA is megabytes): a NaN or inf weight
+    would turn every image black, so it is refused before anything is loaded
+    or evicted, naming the tensors."""
     try:
-        with path.open("rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            if length > 100_000_000:
-                raise ValueError("header too large")
-            header = json.loads(handle.read(length))
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-    except (OSError, ValueError, struct.error) as exc:
+        header, start = read_safetensors_header(path)
+    except ValueError as exc:
         raise PreflightError(
-            f"{path} is not a readable safetensors file ({exc}); re-download or re-export it",
-            code="invalid_lora",
+            f"LoRA {path} is not a complete safetensors file ({exc}); re-download or re-export it",
+            code="lora_unreadable",
         ) from None
-    header.pop("__metadata__", None)
+    bad = nonfinite_tensors(path, header, start)
+    if bad:
+        raise PreflightError(
+            f"LoRA {path} holds NaN or infinite values in {len(bad)} tensor(s) (e.g. {', '.join(bad[:3])}); "
+            "it would turn every image black. Use an earlier checkpoint of the run, or retrain with a lower "
+            "learning rate",
+            code="lora_not_finite",
+        )
     return {
-        str(name): tuple(int(d) for d in info.get("shape", []))
+        str(name): tuple(int(d) for d in info.get("shape", []))  # type: ignore[union-attr]
         for name, info in header.items() if isinstance(info, dict)
     }

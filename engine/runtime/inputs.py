@@ -16,6 +16,7 @@ processor binarises it) at the same size.
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,19 +25,13 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from engine.errors import EngineError
+from engine.preflight.images import InvalidImage, image_header
 
 #: What a request may carry as an image: a path, encoded bytes, or a PIL image.
 ImageLike = str | Path | bytes | Image.Image
 
 #: Longest side an input image is taken at without a requested box.
 MAX_INPUT_SIDE = 4096
-
-
-class InvalidImage(EngineError):
-    """An input image that cannot be read or cannot be fitted; the message names the field."""
-
-    code = "invalid_image"
 
 
 @dataclass(frozen=True)
@@ -56,19 +51,34 @@ class FittedInputs:
 
 
 def read_image(value: ImageLike, field: str) -> Image.Image:
-    """``value`` decoded (fully, now: a truncated file fails here, not mid-generate)."""
+    """``value`` decoded (fully, now: a truncated file fails here, not mid-generate),
+    after its header showed it within the size caps (:mod:`engine.preflight.images`)."""
     if isinstance(value, Image.Image):
-        image = value
-    else:
-        try:
+        return value
+    image_header(value, field)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # sized above
             image = Image.open(io.BytesIO(value) if isinstance(value, bytes) else Path(value))
             image.load()
-        except FileNotFoundError:
-            raise InvalidImage(f"{field}: no file at {value}; give the path of an image file") from None
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-            what = "the uploaded bytes" if isinstance(value, bytes) else str(value)
-            raise InvalidImage(f"{field}: {what} is not a readable image ({exc}); give a PNG, JPEG or WebP") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as exc:
+        what = "the uploaded bytes" if isinstance(value, bytes) else str(value)
+        raise InvalidImage(f"{field}: {what} is not a readable image ({exc}); give a PNG, JPEG or WebP") from None
     return image
+
+
+def read_mask(value: ImageLike) -> Image.Image:
+    """A mask as one channel, white where the image is redrawn.
+
+    A mask that uses transparency marks the area to redraw by it, as
+    OpenAI's image edits define (fully transparent = redraw); any other mask
+    is read as grey levels (white = redraw)."""
+    mask = read_image(value, "mask_image")
+    if "A" in mask.getbands():
+        alpha = mask.getchannel("A")
+        if alpha.getextrema()[0] < 255:
+            return alpha.point(lambda level: 255 if level == 0 else 0)
+    return mask.convert("L")
 
 
 def fitted_size(size: tuple[int, int], box: tuple[int | None, int | None], multiple: int, field: str) -> tuple[int, int]:
@@ -124,7 +134,7 @@ def fit_inputs(
     pixels = torch.from_numpy(np.asarray(picture, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
     fitted_mask = None
     if mask is not None:
-        fitted_mask = _resized(read_image(mask, "mask_image").convert("L"), fit_w, fit_h)
+        fitted_mask = _resized(read_mask(mask), fit_w, fit_h)
     return FittedInputs(fit_w, fit_h, pixels.to(dtype), fitted_mask, picture)
 
 

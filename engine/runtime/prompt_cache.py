@@ -91,13 +91,19 @@ class PromptCache:
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
     def get_or_encode(
-        self, identity: str, prompts: Sequence[str], settings: Mapping[str, object], encode: Encode
+        self, identity: str, prompts: Sequence[str], settings: Mapping[str, object], encode: Encode,
+        fits: Callable[[Mapping[str, torch.Tensor]], bool] | None = None,
     ) -> tuple[dict[str, torch.Tensor], bool]:
-        """The embeddings of ``prompts`` (on the CPU), and whether they came from disk."""
+        """The embeddings of ``prompts`` (on the CPU), and whether they came from disk.
+
+        ``fits``: whether a cached entry has the shape its user needs; one that
+        does not (a file replaced, an older writer) is encoded again and rewritten."""
         path = self.folder / f"{self.key(identity, prompts, settings)}.safetensors"
         cached = self._read(path)
-        if cached is not None:
+        if cached is not None and (fits is None or fits(cached)):
             return cached, True
+        if cached is not None:
+            log.warning("prompt cache entry %s has the wrong shape for its prompts; encoding again", path.name)
         fresh = {k: v.detach().to("cpu").contiguous() for k, v in encode(list(prompts)).items()}
         self._write(path, fresh)
         return fresh, False

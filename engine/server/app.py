@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException
 
 from engine import __version__
 from engine.errors import EngineError
+from engine.preflight.images import image_header
 from engine.server import responses
 from engine.server.bodies import (
     GenerateBody,
@@ -135,10 +136,12 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         )
 
     def input_paths(options: dict[str, Any]) -> dict[str, Any]:
-        """Image paths confined to the input roots; unset lists dropped."""
+        """Image paths confined to the input roots and sized from their headers
+        (a bomb is refused before it is queued or decoded); unset lists dropped."""
         for name in ("image", "mask_image", "control_image"):
             if options.get(name) is not None:
                 options[name] = str(confine(options[name], settings.input_roots, "input image"))
+                image_header(options[name], name)
         return {k: v for k, v in options.items() if not (k in ("seeds", "prompts", "batch") and v is None)}
 
     def prepare(body: GenerateBody) -> dict[str, Any]:

@@ -84,10 +84,21 @@ def _run_folder(engine: Engine, run_id: str) -> Path:
 
 
 def _children(root: Path) -> list[Path]:
+    """The visible entries of ``root`` that stay inside it: a symlink that leads out is
+    neither listed nor its real path shown (the API would refuse it anyway)."""
     try:
-        return sorted(p for p in root.iterdir() if not p.name.startswith("."))[:MAX_ENTRIES]
+        real_root = Path(os.path.realpath(root))
+        entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
     except OSError:
         return []  # a root that is gone or unreadable lists nothing; using it names the problem
+    inside = []
+    for path in entries:
+        real = Path(os.path.realpath(path))
+        if real == real_root or real_root in real.parents:
+            inside.append(path)
+        if len(inside) == MAX_ENTRIES:
+            break
+    return inside
 
 
 def _models(engine: Engine, root: Path) -> list[dict[str, Any]]:

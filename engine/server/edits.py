@@ -5,23 +5,26 @@ with ``prompt``, ``n``, ``size`` and ``response_format`` as form fields. The
 whole body is capped by the server's body limit before a byte is read
 (:mod:`engine.server.guard`), so an upload can never exceed it; the scalar
 fields are held to the same limits as ``/v1/images/generations``
-(:class:`~engine.server.bodies.OpenAIImagesBody`). OpenAI's mask marks the
-area to edit by full transparency; it becomes the engine's mask (white where
-redrawn). A mask without transparency is taken as the engine's own.
+(:class:`~engine.server.bodies.OpenAIImagesBody`). Both uploads are sized
+from their headers here (:mod:`engine.preflight.images`: a bomb is refused
+before a pixel is decoded) and decoded only by the generate job, in the
+queue, like every other input. OpenAI's mask marks the area to edit by full
+transparency, which the engine's mask reader honours
+(:func:`engine.runtime.inputs.read_mask`).
 """
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from PIL import Image, UnidentifiedImageError
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from engine.errors import EngineError
+from engine.preflight.images import image_header
 from engine.server.bodies import OpenAIImagesBody
 
 
@@ -29,7 +32,7 @@ from engine.server.bodies import OpenAIImagesBody
 class EditForm:
     body: OpenAIImagesBody
     image: bytes
-    mask: Image.Image | None
+    mask: bytes | None
     #: Whether the client sent ``size``; without it the output keeps the input's size.
     sized: bool
 
@@ -40,6 +43,10 @@ async def read_edit_form(request: Request) -> EditForm:
         form = await request.form(max_files=2, max_fields=20)
     except (AssertionError, ValueError) as exc:  # starlette: no multipart parser, or a malformed body
         raise EngineError(f"the edit request must be multipart/form-data ({exc})", code="invalid_request") from exc
+    except HTTPException as exc:  # starlette's own 400 for a malformed multipart body: a body error, 422
+        if exc.status_code != 400:
+            raise
+        raise EngineError(f"the edit request's multipart body is malformed ({exc.detail})", code="invalid_request") from None
     image = form.get("image") or form.get("image[]")
     if image is None or isinstance(image, str):
         raise RequestValidationError([{"type": "missing", "loc": ("body", "image"), "msg": "Field required", "input": None}])
@@ -54,18 +61,9 @@ async def read_edit_form(request: Request) -> EditForm:
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
     mask_file = form.get("mask")
-    mask = None
-    if mask_file is not None and not isinstance(mask_file, str):
-        mask = _engine_mask(await mask_file.read())
-    return EditForm(body, await image.read(), mask, "size" in fields)
-
-
-def _engine_mask(data: bytes) -> Image.Image:
-    try:
-        mask = Image.open(io.BytesIO(data))
-        mask.load()
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise EngineError(f"mask: the upload is not a readable image ({exc}); send a PNG", code="invalid_image") from None
-    if "A" in mask.getbands():
-        return mask.getchannel("A").point(lambda alpha: 255 if alpha == 0 else 0)
-    return mask.convert("L")
+    mask = await mask_file.read() if mask_file is not None and not isinstance(mask_file, str) else None
+    picture = await image.read()
+    image_header(picture, "image")
+    if mask is not None:
+        image_header(mask, "mask")
+    return EditForm(body, picture, mask, "size" in fields)

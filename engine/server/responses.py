@@ -94,7 +94,10 @@ async def engine_error(_: Request, error: EngineError) -> JSONResponse:
 
 
 async def http_error(_: Request, error: HTTPException) -> JSONResponse:
-    """Starlette's own errors (404 route, 405 method, 413 body) in the one shape."""
+    """Starlette's own errors (404 route, 405 method, 413 body) in the one shape. Its 400
+    is a body it could not parse (a malformed multipart form): a body error is 422 everywhere."""
+    if error.status_code == 400:
+        return error_response(422, "invalid_request", f"the request body is malformed ({error.detail})")
     code = HTTP_CODES.get(error.status_code, "http_error")
     message = error.detail if isinstance(error.detail, str) else code.replace("_", " ")
     return error_response(error.status_code, code, message, headers=error.headers)

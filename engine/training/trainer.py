@@ -376,7 +376,10 @@ def _cached_prompts(
 
     cache = PromptCache(Path(config.prompt_cache_dir) if config.prompt_cache_dir else default_dir())
     settings = {"dtype": str(dtype), "device": device.type, "encode": f"{runtime.__name__}.encode_prompts", "family": plan.family.name}
-    embeddings, _ = cache.get_or_encode(encoder_identity(plan.base.location), prompts, settings, encode)
+    embeddings, _ = cache.get_or_encode(
+        encoder_identity(plan.base.location), prompts, settings, encode,
+        fits=lambda cached: bool(cached) and all(t.dim() > 0 and t.shape[0] == len(prompts) for t in cached.values()),
+    )
     return embeddings
 
 

@@ -1,0 +1,80 @@
+"""Input images sized from their headers before a pixel is decoded.
+
+A PNG of a few hundred KB can declare 12000x12000 pixels and cost gigabytes
+once decoded, so every image a request brings (an img2img or edit input, a
+mask, a ControlNet map; a path or an upload) is opened lazily first: Pillow
+reads the header and says the size, and a file over the byte cap or an image
+over the pixel cap is refused (``invalid_image``, naming the field) before
+it is decoded. Pillow's own refusals (not an image, a truncated header, its
+decompression-bomb error) become the same code. Torch-free, so the server
+checks before a job is queued and the CLI before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+from engine.errors import EngineError
+
+#: The most pixels an input image may have: 8192x8192, twice the longest side a request
+#: takes without a box (:data:`engine.runtime.inputs.MAX_INPUT_SIDE`) in each direction.
+#: Decoded as RGBA that is 256 MB; a 12000x12000 bomb is over it.
+MAX_INPUT_PIXELS = 8192 * 8192
+#: The most bytes of an input image file (a 50-megapixel PNG is well under it).
+MAX_INPUT_BYTES = 256 * 1024 * 1024
+
+
+class InvalidImage(EngineError):
+    """An input image that cannot be read, is too large, or cannot be fitted; the message names the field."""
+
+    code = "invalid_image"
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    width: int
+    height: int
+    format: str | None
+
+
+def image_header(
+    value: str | Path | bytes, field: str, *, max_pixels: int = MAX_INPUT_PIXELS, max_bytes: int = MAX_INPUT_BYTES
+) -> ImageHeader:
+    """The size ``value`` declares, read from its header alone, within the caps.
+
+    :raises InvalidImage: naming ``field``: no such file, too many bytes or pixels, or not an image.
+    """
+    what = "the uploaded bytes" if isinstance(value, bytes) else str(value)
+    try:
+        size = len(value) if isinstance(value, bytes) else Path(value).stat().st_size
+    except FileNotFoundError:
+        raise InvalidImage(f"{field}: no file at {value}; give the path of an image file") from None
+    except OSError as exc:
+        raise InvalidImage(f"{field}: {what} cannot be read ({exc.strerror or exc})") from None
+    if size > max_bytes:
+        raise InvalidImage(f"{field}: {what} is {size:,} bytes, over the {max_bytes:,}-byte limit for an input image")
+    if size == 0:
+        raise InvalidImage(f"{field}: {what} is empty (0 bytes); give a PNG, JPEG or WebP")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the cap below decides
+            with Image.open(io.BytesIO(value) if isinstance(value, bytes) else Path(value)) as image:
+                width, height, kind = image.width, image.height, image.format
+                frames = getattr(image, "n_frames", 1)
+    except Image.DecompressionBombError as exc:
+        raise InvalidImage(f"{field}: {what} is a decompression bomb ({exc}); give an image of at most "
+                           f"{max_pixels:,} pixels") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise InvalidImage(f"{field}: {what} is not a readable image ({exc}); give a PNG, JPEG or WebP") from None
+    if width * height * max(1, frames) > max_pixels:
+        many = f" x {frames} frames" if frames > 1 else ""
+        raise InvalidImage(
+            f"{field}: {what} declares {width}x{height}{many} pixels, over the {max_pixels:,}-pixel limit for an "
+            "input image; downscale it first"
+        )
+    return ImageHeader(width, height, kind)
