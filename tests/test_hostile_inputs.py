@@ -230,3 +230,17 @@ def test_roots_never_list_a_symlink_that_leads_out(world: tuple[str, Engine, Wor
     assert str(w.outside) not in shown and "escape" not in shown
     assert {d["name"] for d in roots["datasets"]} == {"bombed", "cut", "fine"}
     assert "whole.safetensors" in {entry["name"] for entry in roots["loras"]}
+
+
+@pytest.mark.parametrize(("lora", "code"), [("truncated.safetensors", "lora_unreadable"),
+                                            ("nan.safetensors", "lora_not_finite")])
+def test_the_cli_refuses_a_broken_lora_without_a_traceback(
+    world: tuple[str, Engine, World, HostModel], tmp_path: Path, lora: str, code: str
+) -> None:
+    from tests.support import run_cli
+
+    _, _, w, _ = world
+    done = run_cli("generate", "--tiny", "sdxl", "--prompt", "a box", "--lora", str(w.loras / lora),
+                   "-o", str(tmp_path / "out.png"))
+    assert done.returncode == 2 and f"error[{code}]" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "out.png").exists()
