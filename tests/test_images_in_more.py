@@ -141,7 +141,10 @@ def test_workflow_pipelines_follow_the_loaded_pipelines_offload(
                            "controlnet": "CpuOffload",  # outside the offload sequence: offloaded on its own
                            "all_hooks": "True"}  # so each call ends with its last model offloaded
     for ours, reference in zip(model, resident, strict=True):
-        assert np.array_equal(ours, reference)
+        # Within one level of 255: the offload hooks' casts may round one pixel the other way
+        # (seen with accelerate 1.15); a workflow that ran without its model would differ everywhere.
+        difference = np.abs(ours.astype(int) - reference.astype(int))
+        assert difference.max() <= 1 and difference.mean() < 0.01
     assert not np.array_equal(resident[0], resident[1]) and not np.array_equal(resident[0], resident[2])
 
 

@@ -286,10 +286,10 @@ def _closed(data: bytes) -> bytes:
 def test_the_token_is_checked_before_the_body_is_read(served: tuple[str, Engine, Roots, HostModel]) -> None:
     url, *_ = served
     # A 200 MB body is declared and never sent: the 401 can only come before the body was read.
-    status, body = _raw(url, "POST /v1/images/generate HTTP/1.1\nHost: x\nContent-Type: application/json\n"
+    status, body = _raw(url, "POST /v1/images/generate HTTP/1.1\nHost: 127.0.0.1\nContent-Type: application/json\n"
                         "Content-Length: 200000000\n")
     assert status == 401 and body["error"]["code"] == "unauthorized"
-    chunked = _raw(url, "POST /v1/training/start HTTP/1.1\nHost: x\nTransfer-Encoding: chunked\n", [b"10\r\n"])
+    chunked = _raw(url, "POST /v1/training/start HTTP/1.1\nHost: 127.0.0.1\nTransfer-Encoding: chunked\n", [b"10\r\n"])
     assert chunked[0] == 401
     # The schema stays readable without the token; every other path needs it, even an unknown one.
     assert httpx.get(f"{url}/openapi.json").status_code == 200
@@ -298,7 +298,7 @@ def test_the_token_is_checked_before_the_body_is_read(served: tuple[str, Engine,
 
 def test_bodies_over_the_cap_are_refused_declared_or_streamed(served: tuple[str, Engine, Roots, HostModel]) -> None:
     url, *_ = served
-    head = f"POST /v1/images/plan HTTP/1.1\nHost: x\nAuthorization: Bearer {TOKEN}\nContent-Type: application/json\n"
+    head = f"POST /v1/images/plan HTTP/1.1\nHost: 127.0.0.1\nAuthorization: Bearer {TOKEN}\nContent-Type: application/json\n"
     status, body = _raw(url, head + f"Content-Length: {MAX_BODY + 1}\n")
     assert status == 413 and body["error"]["code"] == "body_too_large" and str(MAX_BODY) in body["error"]["message"]
     # Chunked: no length is declared; the bytes are counted as they arrive (the body is never finished).
@@ -456,7 +456,7 @@ def test_a_generate_whose_client_went_away_is_cancelled(served: tuple[str, Engin
         body = json.dumps({"prompt": "a slow fox", "steps": 200, "width": 64, "height": 64}).encode()
         host, port = url.removeprefix("http://").rsplit(":", 1)
         sock = socket.create_connection((host, int(port)), timeout=30)
-        sock.sendall(f"POST /v1/images/generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        sock.sendall(f"POST /v1/images/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         deadline = time.monotonic() + 120
         while httpx.get(f"{url}/v1/images/status", headers=AUTH).json()["generate"]["step"] < 1:

@@ -143,7 +143,7 @@ def test_images_info_route_is_torch_free_on_a_gpu_machine(tmp_path: Path) -> Non
         from starlette.testclient import TestClient
         from engine.server.app import ServerSettings, create_app
         from engine.service import Engine
-        client = TestClient(create_app(Engine(), ServerSettings(token="t")))
+        client = TestClient(create_app(Engine(), ServerSettings(token="t")), base_url="http://localhost")
         response = client.get("/v1/images/info", headers={"Authorization": "Bearer t"})
         body = response.json()
         print(json.dumps({"status": response.status_code, "torch": "torch" in sys.modules,
