@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from engine import Engine
@@ -23,7 +24,11 @@ from engine.testing.checkpoints import write_single_file
 from engine.testing.datasets import write_dataset
 from engine.types import TRAINING_PRECISIONS
 from tests.test_preflight_hardening import escaping_dataset, truncated_pipeline
+from engine.training.config import TrainingConfig
+from engine.training.records import RunRecord
+from engine.training.state_file import write_state
 from tests.support import HostModel
+from tests.test_checkpoint_safety import Planted, real_state
 
 REGISTRY = load_registry()
 FAMILIES = ["flux", "qwen_image", "zimage", "sdxl"]
@@ -48,6 +53,16 @@ def fixtures_root(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Calla
     secret = root / "outside" / "passwd"
     secret.parent.mkdir()
     secret.write_text("root:x:0:0:root:/root:/bin/bash\n", encoding="utf-8")
+    # Resumes: a checkpoint whose state.pt runs code when unpickled, and one of a run trained at rank 2.
+    planted = root / "planted-run" / "checkpoints" / "step-00000001"
+    planted.mkdir(parents=True)
+    torch.save({**real_state(), "trainable": {"x": Planted(root / "pwned")}}, planted / "state.pt")
+    other_rank = root / "rank-2-run" / "checkpoints" / "step-00000001"
+    other_rank.mkdir(parents=True)
+    write_state(other_rank, real_state())
+    config = TrainingConfig(base_model=str(tiny_pipeline("sdxl")), dataset_dir=good_data, lora_rank=2)
+    RunRecord(run_id="rank-2-run", folder=other_rank.parent.parent, family="sdxl", base_model=config.base_model,
+              config=config.public_dict(), plan={}, status="completed").save()
     truncated = {
         f"truncated_{family}": truncated_pipeline(tiny_pipeline(family), root / f"cut-{family}", REGISTRY.family(family).denoiser)
         for family in FAMILIES
@@ -58,6 +73,7 @@ def fixtures_root(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Calla
         "missing_base": root / "no-such-base", "single_file": single,
         "linked_image_data": escaping_dataset(root / "linked-image-data", secret, "passwd.png"),
         "linked_caption_data": escaping_dataset(root / "linked-caption-data", secret, "image_000.txt"),
+        "planted_checkpoint": planted, "rank_2_checkpoint": other_rank, "pwned": root / "pwned",
         **truncated,
     }
 
@@ -95,7 +111,8 @@ def doomed_cases(fx: dict[str, Path], tiny: Callable[[str], Path]) -> list[tuple
                 {"base_model": "someone-offline/FLUX.1-dev-not-downloaded"}, {"base_precision": "bf16"},
                 {"lora_targets": ["no_such_proj"]}, {"lora_targets": ["norm"]},
                 {"base_model": str(tiny("flux")), "family": "sdxl"},
-                {"base_model": str(fx["truncated_sdxl"])}):
+                {"base_model": str(fx["truncated_sdxl"])}, {"resume_from": str(fx["planted_checkpoint"])},
+                {"resume_from": str(fx["rank_2_checkpoint"])}, {"resume_from": str(fx["good_data"])}):
         cases.append(("h100", f"config={bad}", {**good, **bad}))
     return cases
 
@@ -121,12 +138,13 @@ def test_five_hundred_doomed_training_starts_evict_nothing(
             assert label.endswith(("corrupt_data", "empty_data", "missing_data", "linked_image_data", "linked_caption_data"))
     assert all(host.evicted == 0 for host in hosts.values())
     assert not list(tmp_path.iterdir()), "no run folder was created for a refused start"
+    assert not fixtures_root["pwned"].exists(), "a planted checkpoint ran"
     # Every stage of the preflight refused something.
     for expected in ("no_native_bf16", "needs_cuda", "quant_denied", "invalid_base_precision", "not_a_pipeline",
                      "model_not_found", "bad_dataset", "empty_dataset", "dataset_not_found", "invalid_config",
                      "fp8_unsupported", "mxfp8_unsupported", "unknown_family", "path_outside_root",
                      "corrupt_checkpoint", "family_mismatch", "unknown_lora_target", "hub_offline",
-                     "base_precision_not_applicable"):
+                     "base_precision_not_applicable", "checkpoint_unreadable", "resume_mismatch"):
         assert codes.get(expected), (expected, codes)
 
 
