@@ -84,7 +84,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         title="diffusion-engine",
         version=__version__,
         description="Run diffusion image models and train LoRA adapters, the fastest way this machine allows.",
-        responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429, 500)},
+        responses={code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 415, 422, 429, 500)},
     )
     app.add_exception_handler(EngineError, responses.engine_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, responses.validation_error)  # type: ignore[arg-type]
