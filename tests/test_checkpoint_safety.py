@@ -156,19 +156,26 @@ def test_a_config_files_resume_from_refuses_a_planted_pickle(planted: dict[str, 
     assert_refused_untouched(planted, before)
 
 
-def test_http_and_python_resumes_refuse_a_planted_pickle_before_eviction(planted: dict[str, Path]) -> None:
-    before = planted["record"].read_bytes()
+def serve_starts(planted: dict[str, Path], *bodies: dict[str, object]) -> tuple[Engine, HostModel, list[httpx.Response]]:
+    """``bodies`` POSTed to ``training/start`` of a real server whose outputs root is the runs folder."""
     engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=planted["runs"])
     host = HostModel(engine, name="host.llm", size_gb=0.0)
     settings = ServerSettings(model_roots=(planted["base"].parent,), dataset_roots=(planted["data"].parent,),
                               output_roots=(planted["runs"],), token=TOKEN)
-    body = {"base_model": str(planted["base"]), "dataset_dir": str(planted["data"]), "resolution": 64,
+    base = {"base_model": str(planted["base"]), "dataset_dir": str(planted["data"]), "resolution": 64,
             "lora_rank": 2, "device": "cpu", "steps": 2}
     with LiveServer(create_app(engine, settings)) as url:
-        auth = {"Authorization": f"Bearer {TOKEN}"}
-        by_id = httpx.post(f"{url}/v1/training/start", json={**body, "resume": "planted"}, headers=auth, timeout=60)
-        by_path = httpx.post(f"{url}/v1/training/start", headers=auth, timeout=60,
-                             json={**body, "resume_from": str(planted["checkpoint"])})
+        responses = [httpx.post(f"{url}/v1/training/start", json={**base, **body}, timeout=60,
+                                headers={"Authorization": f"Bearer {TOKEN}"}) for body in bodies]
+    return engine, host, responses
+
+
+def test_http_and_python_resumes_refuse_a_planted_pickle_before_eviction(planted: dict[str, Path]) -> None:
+    before = planted["record"].read_bytes()
+    engine, host, (by_id, by_path) = serve_starts(
+        planted, {"resume": "planted"}, {"resume_from": str(planted["checkpoint"])})
+    body = {"base_model": str(planted["base"]), "dataset_dir": str(planted["data"]), "resolution": 64,
+            "lora_rank": 2, "device": "cpu", "steps": 2}
     for response in (by_id, by_path):
         assert response.status_code == 400 and response.json()["error"]["code"] == "checkpoint_unreadable", response.text
     with pytest.raises(EngineError) as refused:
@@ -205,14 +212,7 @@ def test_a_resume_that_changes_what_the_checkpoint_holds_is_refused_naming_it(
 
 def test_an_http_resume_with_another_rank_is_refused_before_eviction(finished: dict[str, Path]) -> None:
     before = finished["record"].read_bytes()
-    engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=finished["runs"])
-    host = HostModel(engine, name="host.llm", size_gb=0.0)
-    settings = ServerSettings(model_roots=(finished["base"].parent,), dataset_roots=(finished["data"].parent,),
-                              output_roots=(finished["runs"],), token=TOKEN)
-    with LiveServer(create_app(engine, settings)) as url:
-        response = httpx.post(f"{url}/v1/training/start", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60, json={
-            "base_model": str(finished["base"]), "dataset_dir": str(finished["data"]), "resolution": 64,
-            "lora_rank": 4, "device": "cpu", "steps": 2, "resume": "planted"})
+    _, host, (response,) = serve_starts(finished, {"lora_rank": 4, "resume": "planted"})
     assert response.status_code == 400 and response.json()["error"]["code"] == "resume_mismatch"
     assert "lora_rank" in response.json()["error"]["message"]
     assert host.evicted == 0
