@@ -103,6 +103,13 @@ class Engine(TrainingJobs):
 
     # -- light questions ------------------------------------------------------------
 
+    def check_image(self, value: str | Path | bytes, field: str) -> tuple[int, int]:
+        """An input image's (width, height) from its header, within the engine's caps;
+        nothing decoded, so a bomb is refused (``invalid_image``, naming ``field``) for nothing."""
+        from engine.preflight.images import image_size
+
+        return image_size(value, field)
+
     def families(self) -> list[dict[str, object]]:
         return [
             {"name": f.name, "label": f.label, "aliases": list(f.aliases),

@@ -114,9 +114,7 @@ def planted(tmp_path: Path, tiny_pipeline: Callable[[str], Path]) -> dict[str, P
     folder = runs / "planted"
     checkpoint = folder / "checkpoints" / "step-00000001"
     checkpoint.mkdir(parents=True)
-    state = {k: v for k, v in real_state().items()}
-    state["trainable"] = {"x": Planted(marker)}
-    torch.save(state, checkpoint / "state.pt")
+    torch.save({**real_state(), "trainable": {"x": Planted(marker)}}, checkpoint / "state.pt")
     config = TrainingConfig(base_model=str(tiny_pipeline("sdxl")), dataset_dir=data, resolution=64, lora_rank=2,
                             device="cpu", steps=1, save_every=1)
     RunRecord(run_id="planted", folder=folder, family="sdxl", base_model=config.base_model,

@@ -51,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except EngineError as exc:
         message = flag_words(exc.message, getattr(args, "field_flags", None))
+        if getattr(args, "field_names", None) is not None:  # a command whose messages name its config's fields
+            message = args.field_names(message)
         if getattr(args, "json", False):
             print(json.dumps({"error": {**exc.to_dict(), "message": message}}, indent=2))
         print(f"error[{exc.code}]: {message}", file=sys.stderr)

@@ -104,7 +104,8 @@ def add_parsers(commands: argparse._SubParsersAction, *, runs_dir_help: str,  # 
     train.add_argument("--dry-run", action="store_true", help="run every preflight, load nothing")
     _add_machine_args(train)
     common(train)
-    train.set_defaults(run=cmd_train, field_flags={"family": "--family"})
+    # Every refusal train prints names flags, not the config's fields (``lora_rank`` -> ``--rank``).
+    train.set_defaults(run=cmd_train, field_flags={"family": "--family"}, field_names=_flag_names)
 
     runs = commands.add_parser("runs", help="list training runs; `runs show ID`, `runs rm ID`")
     runs.add_argument("action", nargs="?", choices=("list", "show", "rm"), default="list",
@@ -132,16 +133,6 @@ TRAIN_FLAGS: dict[str, str] = {
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """``train``: the engine's refusals name the config's fields; the terminal names the flags."""
-    try:
-        return _train(args)
-    except EngineError as exc:
-        exc.message = _flag_names(exc.message)
-        exc.args = (exc.message,)
-        raise
-
-
-def _train(args: argparse.Namespace) -> int:
     import tempfile
 
     from engine.cli.machine import machine_from_args
@@ -204,10 +195,7 @@ def _train_config(args: argparse.Namespace, base: str | None, previous):  # type
                if not data.get(field)]
     if missing:
         raise InvalidConfig(f"train needs {' and '.join(missing)} (or a --config file that sets them)")
-    try:
-        return TrainingConfig.from_data(data)
-    except InvalidConfig as exc:
-        raise InvalidConfig(_flag_names(exc.message)) from None
+    return TrainingConfig.from_data(data)  # a refusal's fields become flags where every refusal is printed
 
 
 def _flag_names(message: str) -> str:

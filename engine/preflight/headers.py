@@ -144,22 +144,16 @@ def nonfinite_tensors(file: Path, header: dict[str, dict[str, object]], data_sta
     """
     import numpy as np
 
-    bad = []
-    if not any(str(info.get("dtype")) in _NONFINITE for info in header.values()):
-        return bad
+    floats = [(name, _NONFINITE[str(info.get("dtype"))], info["data_offsets"])
+              for name, info in header.items() if str(info.get("dtype")) in _NONFINITE]
+    if not floats:
+        return []
     data = np.memmap(file, dtype=np.uint8, mode="r")
-    try:
-        for name, info in header.items():
-            kind = _NONFINITE.get(str(info.get("dtype")))
-            if kind is None:
-                continue
-            begin, end = (data_start + int(o) for o in info["data_offsets"])  # type: ignore[union-attr]
-            bits = data[begin:end].view(kind[0])
-            mask = kind[1]
-            if np.any((bits & mask) == mask):
-                bad.append(str(name))
-    finally:
-        del data
+    bad = []
+    for name, (view, mask), (begin, end) in floats:  # type: ignore[misc]
+        bits = data[data_start + int(begin):data_start + int(end)].view(view)
+        if np.any((bits & mask) == mask):
+            bad.append(str(name))
     return bad
 
 

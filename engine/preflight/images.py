@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
@@ -35,46 +34,64 @@ class InvalidImage(EngineError):
     code = "invalid_image"
 
 
-@dataclass(frozen=True)
-class ImageHeader:
-    width: int
-    height: int
-    format: str | None
-
-
-def image_header(
+def image_size(
     value: str | Path | bytes, field: str, *, max_pixels: int = MAX_INPUT_PIXELS, max_bytes: int = MAX_INPUT_BYTES
-) -> ImageHeader:
-    """The size ``value`` declares, read from its header alone, within the caps.
+) -> tuple[int, int]:
+    """(width, height) as ``value``'s header declares them, within the caps; nothing decoded.
 
     :raises InvalidImage: naming ``field``: no such file, too many bytes or pixels, or not an image.
     """
-    what = "the uploaded bytes" if isinstance(value, bytes) else str(value)
+    image = _opened(value, field, max_pixels, max_bytes)
+    image.close()
+    return image.size
+
+
+def decode_image(value: str | Path | bytes, field: str) -> Image.Image:
+    """``value`` decoded whole (a truncated file fails here, not mid-generate), once its
+    header showed it within the caps: one open for both."""
+    image = _opened(value, field, MAX_INPUT_PIXELS, MAX_INPUT_BYTES)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # sized by _opened
+            image.load()
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        image.close()
+        raise InvalidImage(f"{field}: {_what(value)} is not a readable image ({exc}); give a PNG, JPEG or WebP") from None
+    return image
+
+
+def _what(value: str | Path | bytes) -> str:
+    return "the uploaded bytes" if isinstance(value, bytes) else str(value)
+
+
+def _opened(value: str | Path | bytes, field: str, max_pixels: int, max_bytes: int) -> Image.Image:
+    """``value`` opened lazily (Pillow has read the header only) and within the caps."""
     try:
         size = len(value) if isinstance(value, bytes) else Path(value).stat().st_size
     except FileNotFoundError:
         raise InvalidImage(f"{field}: no file at {value}; give the path of an image file") from None
     except OSError as exc:
-        raise InvalidImage(f"{field}: {what} cannot be read ({exc.strerror or exc})") from None
+        raise InvalidImage(f"{field}: {_what(value)} cannot be read ({exc.strerror or exc})") from None
     if size > max_bytes:
-        raise InvalidImage(f"{field}: {what} is {size:,} bytes, over the {max_bytes:,}-byte limit for an input image")
+        raise InvalidImage(f"{field}: {_what(value)} is {size:,} bytes, over the {max_bytes:,}-byte limit for an input image")
     if size == 0:
-        raise InvalidImage(f"{field}: {what} is empty (0 bytes); give a PNG, JPEG or WebP")
+        raise InvalidImage(f"{field}: {_what(value)} is empty (0 bytes); give a PNG, JPEG or WebP")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the cap below decides
-            with Image.open(io.BytesIO(value) if isinstance(value, bytes) else Path(value)) as image:
-                width, height, kind = image.width, image.height, image.format
-                frames = getattr(image, "n_frames", 1)
+            image = Image.open(io.BytesIO(value) if isinstance(value, bytes) else Path(value))
+            frames = getattr(image, "n_frames", 1)
     except Image.DecompressionBombError as exc:
-        raise InvalidImage(f"{field}: {what} is a decompression bomb ({exc}); give an image of at most "
+        raise InvalidImage(f"{field}: {_what(value)} is a decompression bomb ({exc}); give an image of at most "
                            f"{max_pixels:,} pixels") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
-        raise InvalidImage(f"{field}: {what} is not a readable image ({exc}); give a PNG, JPEG or WebP") from None
+        raise InvalidImage(f"{field}: {_what(value)} is not a readable image ({exc}); give a PNG, JPEG or WebP") from None
+    width, height = image.size
     if width * height * max(1, frames) > max_pixels:
+        image.close()
         many = f" x {frames} frames" if frames > 1 else ""
         raise InvalidImage(
-            f"{field}: {what} declares {width}x{height}{many} pixels, over the {max_pixels:,}-pixel limit for an "
-            "input image; downscale it first"
+            f"{field}: {_what(value)} declares {width}x{height}{many} pixels, over the {max_pixels:,}-pixel limit "
+            "for an input image; downscale it first"
         )
-    return ImageHeader(width, height, kind)
+    return image

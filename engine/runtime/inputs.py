@@ -15,17 +15,15 @@ processor binarises it) at the same size.
 
 from __future__ import annotations
 
-import io
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
-from engine.preflight.images import InvalidImage, image_header
+from engine.preflight.images import InvalidImage, decode_image
 
 #: What a request may carry as an image: a path, encoded bytes, or a PIL image.
 ImageLike = str | Path | bytes | Image.Image
@@ -51,20 +49,8 @@ class FittedInputs:
 
 
 def read_image(value: ImageLike, field: str) -> Image.Image:
-    """``value`` decoded (fully, now: a truncated file fails here, not mid-generate),
-    after its header showed it within the size caps (:mod:`engine.preflight.images`)."""
-    if isinstance(value, Image.Image):
-        return value
-    image_header(value, field)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # sized above
-            image = Image.open(io.BytesIO(value) if isinstance(value, bytes) else Path(value))
-            image.load()
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as exc:
-        what = "the uploaded bytes" if isinstance(value, bytes) else str(value)
-        raise InvalidImage(f"{field}: {what} is not a readable image ({exc}); give a PNG, JPEG or WebP") from None
-    return image
+    """``value`` decoded, after its header showed it within the size caps (:mod:`engine.preflight.images`)."""
+    return value if isinstance(value, Image.Image) else decode_image(value, field)
 
 
 def read_mask(value: ImageLike) -> Image.Image:

@@ -171,6 +171,11 @@ PROMPT_ARGUMENTS = ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2"
 _ITEM = "#"
 
 
+def one_row_per_prompt(count: int) -> Callable[[Mapping[str, torch.Tensor]], bool]:
+    """The ``fits`` rule of an entry whose every tensor holds one row per prompt (the trainer's)."""
+    return lambda cached: bool(cached) and all(t.dim() > 0 and t.shape[0] == count for t in cached.values())
+
+
 def pack(values: Mapping[str, object]) -> dict[str, torch.Tensor]:
     """Embedding arguments as flat tensors: a list (one tensor per prompt, as
     some pipelines take them) becomes ``name#0``, ``name#1``...; None and empty

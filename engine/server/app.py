@@ -41,7 +41,6 @@ from starlette.exceptions import HTTPException
 
 from engine import __version__
 from engine.errors import EngineError
-from engine.preflight.images import image_header
 from engine.server import responses
 from engine.server.bodies import (
     GenerateBody,
@@ -141,7 +140,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         for name in ("image", "mask_image", "control_image"):
             if options.get(name) is not None:
                 options[name] = str(confine(options[name], settings.input_roots, "input image"))
-                image_header(options[name], name)
+                engine.check_image(options[name], name)
         return {k: v for k, v in options.items() if not (k in ("seeds", "prompts", "batch") and v is None)}
 
     def prepare(body: GenerateBody) -> dict[str, Any]:
@@ -189,6 +188,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         """OpenAI's image edit: multipart ``image`` (+ ``mask``): an instruction
         edit on an edit checkpoint, inpaint with a mask, img2img otherwise."""
         form = await read_edit_form(request)
+        await run_in_threadpool(form.check, engine)
         if form.body.response_format != "b64_json":
             raise EngineError("only response_format=b64_json is served (no image hosting)", code="invalid_request")
         width, height = form.body.dimensions() if form.sized else (None, None)

@@ -6,7 +6,7 @@ whole body is capped by the server's body limit before a byte is read
 (:mod:`engine.server.guard`), so an upload can never exceed it; the scalar
 fields are held to the same limits as ``/v1/images/generations``
 (:class:`~engine.server.bodies.OpenAIImagesBody`). Both uploads are sized
-from their headers here (:mod:`engine.preflight.images`: a bomb is refused
+from their headers by the engine (:meth:`~engine.service.Engine.check_image`: a bomb is refused
 before a pixel is decoded) and decoded only by the generate job, in the
 queue, like every other input. OpenAI's mask marks the area to edit by full
 transparency, which the engine's mask reader honours
@@ -21,11 +21,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException
 
 from engine.errors import EngineError
-from engine.preflight.images import image_header
 from engine.server.bodies import OpenAIImagesBody
+from engine.service import Engine
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,12 @@ class EditForm:
     #: Whether the client sent ``size``; without it the output keeps the input's size.
     sized: bool
 
+    def check(self, engine: Engine) -> None:
+        """Both uploads sized from their headers by the engine (a bomb is refused, nothing decoded)."""
+        engine.check_image(self.image, "image")
+        if self.mask is not None:
+            engine.check_image(self.mask, "mask")
+
 
 async def read_edit_form(request: Request) -> EditForm:
     """The edit request in ``request``'s multipart body, or a 422 / 400 naming the field."""
@@ -43,10 +48,6 @@ async def read_edit_form(request: Request) -> EditForm:
         form = await request.form(max_files=2, max_fields=20)
     except (AssertionError, ValueError) as exc:  # starlette: no multipart parser, or a malformed body
         raise EngineError(f"the edit request must be multipart/form-data ({exc})", code="invalid_request") from exc
-    except HTTPException as exc:  # starlette's own 400 for a malformed multipart body: a body error, 422
-        if exc.status_code != 400:
-            raise
-        raise EngineError(f"the edit request's multipart body is malformed ({exc.detail})", code="invalid_request") from None
     image = form.get("image") or form.get("image[]")
     if image is None or isinstance(image, str):
         raise RequestValidationError([{"type": "missing", "loc": ("body", "image"), "msg": "Field required", "input": None}])
@@ -62,8 +63,4 @@ async def read_edit_form(request: Request) -> EditForm:
         raise RequestValidationError(exc.errors()) from None
     mask_file = form.get("mask")
     mask = await mask_file.read() if mask_file is not None and not isinstance(mask_file, str) else None
-    picture = await image.read()
-    image_header(picture, "image")
-    if mask is not None:
-        image_header(mask, "mask")
-    return EditForm(body, picture, mask, "size" in fields)
+    return EditForm(body, await image.read(), mask, "size" in fields)

@@ -109,9 +109,7 @@ def allowed_hosts(settings: ServerSettings) -> frozenset[str] | None:
     extra = {h.lower() for h in settings.extra_hosts}
     if "*" in extra:
         return None
-    if is_loopback(settings.bind_host):
-        return frozenset({*LOOPBACK_NAMES, settings.bind_host.lower().strip("[]"), *extra})
-    if extra:
+    if is_loopback(settings.bind_host) or extra:
         return frozenset({*LOOPBACK_NAMES, settings.bind_host.lower().strip("[]"), *extra})
     return None
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from engine.errors import EngineError
 from engine.training.config import TrainingConfig
 from engine.training.checkpoints import check_checkpoint, latest_checkpoint
-from engine.training.records import RunRecord, find_run
+from engine.training.records import RECORD_NAME, RunRecord, find_run
 
 
 def resumable_run(runs_dir: Path, name: str) -> tuple[RunRecord, Path]:
@@ -51,9 +51,10 @@ def resumable_run(runs_dir: Path, name: str) -> tuple[RunRecord, Path]:
 #: checkpoint holds: changing it would crash the trainer or continue a different run.
 RESUMABLE_CHANGES = frozenset({
     "steps", "epochs", "save_every", "keep_checkpoints", "sample_prompts", "sample_every", "sample_steps",
-    "metric_history", "export_kohya", "strict", "prompt_cache", "prompt_cache_dir", "output_dir", "resume_from",
-    "compile", "gradient_checkpointing",
+    "metric_history", "export_kohya", "strict", "prompt_cache", "prompt_cache_dir", "compile", "gradient_checkpointing",
 })
+#: Fields that belong to one start of a run, never compared.
+_THIS_START = frozenset({"output_dir", "resume_from"})
 
 
 class ResumeMismatch(EngineError):
@@ -64,8 +65,6 @@ class ResumeMismatch(EngineError):
 
 def checkpoint_run(checkpoint: Path) -> RunRecord | None:
     """The run a checkpoint folder belongs to (``RUN/checkpoints/step-N``), if it has a record."""
-    from engine.training.records import RECORD_NAME
-
     folder = Path(checkpoint).parent.parent
     if not (folder / RECORD_NAME).is_file():
         return None
@@ -83,6 +82,8 @@ def resume_changes(recorded: dict[str, object], config: TrainingConfig) -> dict[
     asked = config.public_dict()
     changes: dict[str, tuple[object, object]] = {}
     for name, field in TrainingConfig.model_fields.items():
+        if name in _THIS_START:
+            continue
         before = recorded.get(name, _jsonable(field.default))
         after = asked.get(name, _jsonable(field.default))
         if not _same(name, before, after):
@@ -94,10 +95,9 @@ def resume_changes(recorded: dict[str, object], config: TrainingConfig) -> dict[
         raise ResumeMismatch(
             f"the checkpoint cannot honour a resume that changes {', '.join(refused)} ({listed}). "
             "A resume may change only how long the run goes on and what it writes "
-            f"({', '.join(sorted(RESUMABLE_CHANGES - {'output_dir', 'resume_from'}))}); "
-            "start a new run for other settings"
+            f"({', '.join(sorted(RESUMABLE_CHANGES))}); start a new run for other settings"
         )
-    return {name: change for name, change in changes.items() if name not in ("output_dir", "resume_from")}
+    return changes
 
 
 def _jsonable(value: object) -> object:

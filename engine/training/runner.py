@@ -124,7 +124,6 @@ class TrainingRun:
                 self.record.metrics[name].points = [(s, v) for s, v in history.points if s <= upto]
         self.record.samples = [s for s in previous.samples if int(s.get("step", 0)) <= upto]  # type: ignore[call-overload]
         self.record.step = upto
-        self.record.outputs = {k: v for k, v in previous.outputs.items() if k == "config"}
         self.record.segments = [*previous.segments, {
             "from_step": upto, "started_at": time.time(),
             "changes": {name: [before, after] for name, before, after in self.plan.resume_changes},

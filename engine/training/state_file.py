@@ -28,6 +28,7 @@ and refuses every other global.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -62,13 +63,13 @@ def has_state(folder: Path) -> bool:
 
 def write_state(folder: Path, state: Mapping[str, Any]) -> None:
     """``state`` as ``state.safetensors`` + ``state.json`` in ``folder`` (both fsynced)."""
-    import os
-
     from safetensors.torch import save_file
 
     tensors: dict[str, Any] = {}
     structure = {"format": FORMAT, "state": _encode(dict(state), tensors)}
     save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, str(folder / TENSORS))
+    with open(folder / TENSORS, "rb") as written:
+        os.fsync(written.fileno())
     with open(folder / STRUCTURE, "w", encoding="utf-8") as out:
         json.dump(structure, out, allow_nan=True)
         out.flush()
@@ -197,7 +198,10 @@ def read_state(folder: Path) -> dict[str, Any]:
         tensors = load_file(str(folder / TENSORS), device="cpu")
     except (SafetensorError, OSError) as exc:
         raise CheckpointUnreadable(f"{folder / TENSORS} cannot be read ({exc})") from None
-    return _decode(state, tensors)
+    try:
+        return _decode(state, tensors)
+    except (TypeError, ValueError) as exc:  # an ``$items`` entry that is no pair, a key that cannot be one
+        raise CheckpointUnreadable(f"{folder / STRUCTURE} is malformed ({exc})") from None
 
 
 def _decode(value: Any, tensors: Mapping[str, Any]) -> Any:
@@ -216,5 +220,5 @@ def _decode(value: Any, tensors: Mapping[str, Any]) -> Any:
 
 def _key(value: Any) -> Any:
     if isinstance(value, (list, dict)):
-        raise CheckpointUnreadable("a checkpoint state has a dict keyed by a list or dict; it was not written here")
+        raise TypeError("a dict keyed by a list or dict")
     return value

@@ -372,14 +372,12 @@ def _cached_prompts(
 
     if not config.prompt_cache:
         return encode(prompts)
-    from engine.runtime.prompt_cache import PromptCache, default_dir, encoder_identity
+    from engine.runtime.prompt_cache import PromptCache, default_dir, encoder_identity, one_row_per_prompt
 
     cache = PromptCache(Path(config.prompt_cache_dir) if config.prompt_cache_dir else default_dir())
     settings = {"dtype": str(dtype), "device": device.type, "encode": f"{runtime.__name__}.encode_prompts", "family": plan.family.name}
-    embeddings, _ = cache.get_or_encode(
-        encoder_identity(plan.base.location), prompts, settings, encode,
-        fits=lambda cached: bool(cached) and all(t.dim() > 0 and t.shape[0] == len(prompts) for t in cached.values()),
-    )
+    embeddings, _ = cache.get_or_encode(encoder_identity(plan.base.location), prompts, settings, encode,
+                                        fits=one_row_per_prompt(len(prompts)))
     return embeddings
 
 
