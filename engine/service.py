@@ -32,6 +32,9 @@ from engine.policy.info import images_info, training_info
 from engine.preflight.lora import LoraLike, lora_choices, read_loras
 from engine.preflight.lora import plan_input as lora_plan_input
 from engine.preflight.model import hub_access_error, resolve_model
+from engine.requests.bodies import GenerateBody
+from engine.training.records import default_runs_dir
+from engine.requests.machine import MachineRequest
 from engine.residency import Residency, Resident
 from engine.service_training import TRAINER, TrainingJobs
 
@@ -46,21 +49,24 @@ class Engine(TrainingJobs):
         self,
         *,
         registry: Registry | None = None,
-        hardware: HardwareProfile | None = None,
-        runs_dir: Path | str = "runs",
+        hardware: HardwareProfile | MachineRequest | None = None,
+        runs_dir: Path | str | None = None,
         residency: Residency | None = None,
         allow_download: bool = True,
     ) -> None:
         """``allow_download``: whether a hub model missing from the local cache may
         be downloaded (many GB); False refuses it with ``download_not_allowed``
         before anything is evicted. The CLI passes the user's ``--allow-download``,
-        the server its ``--allow-hub``."""
+        the server its ``--allow-hub``. ``runs_dir``: where training runs are kept
+        (default: $DIFFUSION_ENGINE_HOME/runs, else the per-user data folder)."""
         self.allow_download = allow_download
         self.registry = registry or load_registry()
         # Engines of one process share the GPU: their arbiters hand it over (engine.residency).
         self.residency = residency or Residency(busy=lambda: self._job)
-        self.runs_dir = Path(runs_dir)
+        #: One runs folder for every face: the CLI's ``--runs-dir`` and the server's ``--outputs`` default here.
+        self.runs_dir = Path(runs_dir) if runs_dir is not None else default_runs_dir()
         self._hardware = hardware
+        self._machines: dict[bool | None, HardwareProfile] = {}
         self._lock = threading.Lock()
         #: Serialises generates (see :meth:`generate`); never held while reserving other jobs.
         self._generate_lock = threading.Lock()
@@ -79,7 +85,15 @@ class Engine(TrainingJobs):
     # -- machine --------------------------------------------------------------
 
     def hardware(self, *, verify: bool | None = None) -> HardwareProfile:
-        """The machine decisions are made for: the one given, else a probe."""
+        """The machine decisions are made for: the one given, else a probe.
+
+        A :class:`~engine.requests.MachineRequest` given at construction (a preset,
+        or this machine with overrides) is resolved here, when first needed, so
+        building an engine probes nothing and a refusal before that stays cheap."""
+        if isinstance(self._hardware, MachineRequest):
+            if verify not in self._machines:  # one answer per kind of probe for this engine's life
+                self._machines[verify] = self._hardware.profile(verify=verify)
+            return self._machines[verify]
         if self._hardware is not None:
             return self._hardware
         from engine.hardware.probe import probe
@@ -103,6 +117,14 @@ class Engine(TrainingJobs):
 
     # -- light questions ------------------------------------------------------------
 
+    def check_generate(self, request: GenerateBody) -> None:
+        """Refuse, before anything loads, a generate whose input images are missing,
+        unreadable or beyond the caps (each named by its request field)."""
+        for name in ("image", "mask_image", "control_image"):
+            value = getattr(request, name)
+            if value is not None:
+                self.check_image(value, name)
+
     def check_image(self, value: str | Path | bytes, field: str) -> tuple[int, int]:
         """An input image's (width, height) from its header, within the engine's caps;
         nothing decoded, so a bomb is refused (``invalid_image``, naming ``field``) for nothing."""
@@ -111,24 +133,98 @@ class Engine(TrainingJobs):
         return image_size(value, field)
 
     def families(self) -> list[dict[str, object]]:
-        return [
-            {"name": f.name, "label": f.label, "aliases": list(f.aliases),
-             "checkpoints": [c.name for c in f.checkpoints]}
-            for f in self.registry.families.values()
-        ]
+        """Every installed family: its names, checkpoints, and the plugin package that brought it."""
+        rows = []
+        for name, family in self.registry.families.items():
+            owner = next((p for p in self.registry.plugins if name in p.families), None)
+            rows.append({
+                "name": family.name, "label": family.label, "aliases": list(family.aliases),
+                "package": owner.package if owner else "?", "version": owner.version if owner else "",
+                "plugin": owner.name if owner else "?", "checkpoints": [c.name for c in family.checkpoints],
+            })
+        return rows
 
-    def info(self) -> dict[str, object]:
+    def family(self, name: str) -> dict[str, object]:
+        """One family's row of :meth:`families`, by name or alias (``unknown_family`` otherwise)."""
+        spec = self.registry.family(name)
+        return next(row for row in self.families() if row["name"] == spec.name)
+
+    def plugins(self, *, builtin: bool = True) -> dict[str, list[dict[str, object]]]:
+        """The plugins that loaded (the engine's own built-in one with ``builtin``) and those that failed."""
+        return {
+            "plugins": [
+                {"name": p.name, "package": p.package, "version": p.version, "hooks": list(p.hooks),
+                 "families": list(p.families), "builtin": p.builtin}
+                for p in self.registry.plugins if builtin or not p.builtin
+            ],
+            "errors": [dict(e.__dict__) for e in self.registry.errors],
+        }
+
+    def info(self, family: str | None = None, *, model: str | None = None,
+             base: str | None = None) -> dict[str, object]:
+        """Each family's sizes and training options on this engine's machine (torch-free).
+
+        ``family``: only that one. ``model``: only the family of that model
+        reference (as :meth:`check_model` resolves it, downloading nothing), whose
+        resolution is reported too."""
+        checked = self.check_model(model, family=family, base=base) if model is not None else None
+        if checked is not None:
+            family = str(checked["family"])
         available = self.available_memory()
         hardware = available.apply(self.hardware())
+        chosen = [self.registry.family(family)] if family else list(self.registry.families.values())
         return {
-            "hardware": hardware.to_dict(),
+            "hardware": {**hardware.to_dict(), "capability_label": hardware.capability_label},
             "available_memory": available.to_dict(),
             "families": {
                 f.name: {"images": images_info(self.registry, f).to_dict(),
                          "training": training_info(self.registry, f, hardware).to_dict()}
-                for f in self.registry.families.values()
+                for f in chosen
             },
+            **({"model": checked} if checked is not None else {}),
+            "errors": [dict(e.__dict__) for e in self.registry.errors],
         }
+
+    def check_model(self, reference: str, *, family: str | None = None,
+                    base: str | None = None) -> dict[str, object]:
+        """What a model reference resolves to, the same for every command and face.
+
+        A local pipeline folder, a single file (with or without ``base``), a
+        GGUF, a checkpoint name of any installed family (as `families` lists them) or a
+        hub id: its kind, family, checkpoint and whether its weights are here
+        (if not: the download a start would need, from the family's table).
+        Reads headers and the hub cache only; downloads nothing."""
+        from engine.preflight.hub import weights_report
+
+        source = resolve_model(self.registry, reference, family=family, base=base)
+        table_gb = self.registry.component_sizes(source.family, source.checkpoint).total_gb
+        return {
+            "reference": reference, "kind": source.kind, "location": source.location,
+            "family": source.family.name, "checkpoint": source.checkpoint.name if source.checkpoint else None,
+            "base": source.base, "prequantised": source.prequantised_scheme,
+            "weights": weights_report(source, table_gb),
+        }
+
+    def tiny_pipeline(self, family: str, folder: str | Path) -> Path:
+        """Write ``family``'s tiny random-weight pipeline to ``folder`` (new or empty): a real
+        diffusers folder to try every command on, offline, in seconds."""
+        return Path(self.registry.build_tiny_pipeline(self.registry.family(family), _new_folder(Path(folder))))
+
+    def tiny_dataset(self, folder: str | Path, *, count: int = 4, size: int = 64) -> Path:
+        """Write ``count`` drawn, captioned ``size`` px images to ``folder`` (new or empty): a dataset to train on."""
+        if not 1 <= count <= 64:
+            raise EngineError(f"count must be from 1 to 64 (got {count})", code="invalid_request")
+        if not 16 <= size <= 1024:
+            raise EngineError(f"size must be from 16 to 1024 (got {size})", code="invalid_request")
+        from engine.testing.datasets import write_dataset
+
+        return Path(write_dataset(_new_folder(Path(folder)), count=count, size=size))
+
+    def doctor(self, *, as_json: bool = False) -> str:
+        """Versions, then one verdict per family for inference and training (probes with torch)."""
+        from engine.doctor import run_doctor
+
+        return run_doctor(self, as_json=as_json)
 
     def images_info(self) -> dict[str, object]:
         """Each family's component sizes and resident GB per scheme, from the
@@ -207,25 +303,11 @@ class Engine(TrainingJobs):
         is checked against the model's module tree first, so a LoRA for
         another model is refused with every resident in place. ``switching``
         says LoRAs will be changed later (they then stay unfused)."""
-        from engine.runtime.loading import check_weightless_components
-        from engine.runtime.lora import check_loras
         from engine.runtime.session import InferenceSession
-        from engine.preflight.controlnet import check_controlnet, with_controlnet
 
-        source = resolve_model(self.registry, model, family=family, base=base)
-        offline = hub_access_error(source, allow_download=self.allow_download)
-        if offline is not None:
-            raise offline
-        lora_files = read_loras(lora_choices(loras))
-        check_loras(self.registry, source, lora_files)
-        check_weightless_components(source)  # a processor missing a library fails here, not mid-load
-        if controlnet is not None:
-            controlnet = check_controlnet(source.family, controlnet)
-        request = dataclasses.replace(request, loras=lora_plan_input(lora_files, switching=switching))
-        plan = plan_inference(
-            self.registry, with_controlnet(source.facts(self.registry), controlnet),
-            self.hardware(verify=True), request,
-            available=self.available_memory(verify=True),
+        source, lora_files, controlnet, request, plan = self._load_preflight(
+            model, base=base, family=family, request=request, loras=loras, switching=switching,
+            controlnet=controlnet, verify=True,
         )
         self._reserve("loading")
         try:
@@ -246,17 +328,68 @@ class Engine(TrainingJobs):
         finally:
             self._release_job("loading")
 
+    def check_load(
+        self,
+        model: str,
+        *,
+        base: str | None = None,
+        family: str | None = None,
+        request: InferenceRequest = InferenceRequest(),
+        loras: Sequence[LoraLike] = (),
+        switching: bool = False,
+        controlnet: str | None = None,
+    ) -> Plan:
+        """Every check :meth:`load` makes, loading nothing: the plan it would load with,
+        or the refusal it would give (a single file without its base, an uncached hub
+        model without consent, a LoRA that is missing or for another model...)."""
+        return self._load_preflight(model, base=base, family=family, request=request, loras=loras,
+                                    switching=switching, controlnet=controlnet, verify=False)[-1]
+
+    def _load_preflight(
+        self, model: str, *, base: str | None, family: str | None, request: InferenceRequest,
+        loras: Sequence[LoraLike], switching: bool, controlnet: str | None, verify: bool,
+    ) -> tuple[Any, Any, Any, InferenceRequest, Plan]:
+        """The load's checks, cheapest first: nothing is imported that a refusal does not need."""
+        from engine.preflight.controlnet import check_controlnet, with_controlnet
+        from engine.preflight.hub import base_required_error
+
+        source = resolve_model(self.registry, model, family=family, base=base)
+        refusal = base_required_error(source, base_given=base is not None) or hub_access_error(
+            source, allow_download=self.allow_download)
+        if refusal is not None:
+            raise refusal
+        lora_files = read_loras(lora_choices(loras))
+        if controlnet is not None:
+            controlnet = check_controlnet(source.family, controlnet)
+        if lora_files:
+            from engine.runtime.lora import check_loras
+
+            check_loras(self.registry, source, lora_files)
+        if verify:
+            from engine.runtime.loading import check_weightless_components
+
+            check_weightless_components(source)  # a processor missing a library fails here, not mid-load
+        request = dataclasses.replace(request, loras=lora_plan_input(lora_files, switching=switching))
+        plan = plan_inference(
+            self.registry, with_controlnet(source.facts(self.registry), controlnet),
+            self.hardware(verify=verify or None), request,
+            available=self.available_memory(verify=verify or None),
+        )
+        return source, lora_files, controlnet, request, plan
+
     def generate(
         self,
-        prompt: str,
+        prompt: str | GenerateBody,
         *,
         progress: Callable[[int, int], None] | None = None,
         loras: Sequence[LoraLike] | None = None,
         cancel: threading.Event | None = None,
         **options: object,
     ) -> list[Any]:
-        """Images for ``prompt`` (options: steps, guidance, width, height, seed,
-        count, negative_prompt); ``progress(step, total)`` after each step.
+        """Images for a :class:`~engine.requests.GenerateBody` (the request every face
+        builds), or for a ``prompt`` string with keyword options (steps, guidance,
+        width, height, seed, count, negative_prompt...); ``progress(step, total)``
+        after each step.
 
         ``loras`` (as for :meth:`load`) replaces the loaded pipeline's LoRAs
         or their scales for this and later calls without reloading the base
@@ -281,6 +414,11 @@ class Engine(TrainingJobs):
         (images per forward)."""
         from engine.runtime.session import GenerateRequest
 
+        if isinstance(prompt, GenerateBody):  # the typed request: its options and LoRAs
+            options = {**prompt.options(), **options}
+            if loras is None and prompt.loras is not None:
+                loras = [{"path": lo.path, "scale": lo.scale} for lo in prompt.loras]
+            prompt = prompt.prompt
         cancel = cancel or threading.Event()
         progress = _cancellable(progress, cancel)
         for name in ("prompts", "seeds"):
@@ -380,6 +518,13 @@ class Engine(TrainingJobs):
         """Forget a host-owned model (the host freed it itself); True when it was registered."""
         _check_host_name(name)
         return self.residency.unregister(name)
+
+
+def _new_folder(folder: Path) -> Path:
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise EngineError(f"{folder} already exists and is not an empty folder; give a new folder",
+                          code="output_exists")
+    return folder
 
 
 def _check_host_name(name: str) -> None:

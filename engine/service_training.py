@@ -43,12 +43,17 @@ class TrainingJobs:
 
     def plan_training(self, config: TrainingConfig | Mapping[str, object]) -> Any:
         """Every training preflight (bounds, family, precision, memory, dataset),
-        loading nothing: the plan a start would run, or the refusal it would give."""
+        loading nothing: the plan a start would run, or the refusal it would give.
+
+        A base that is not on this machine (a hub id or checkpoint name not in
+        the cache) is sized from its family's table and nothing is downloaded;
+        the plan's ``weights`` says so and what a start would fetch (a start
+        still needs the weights, or consent to download them)."""
         if not isinstance(config, TrainingConfig):
             config = TrainingConfig.from_data(dict(config))
         return preflight_training(
             self.registry, config, self.hardware(verify=True), self.available_memory(verify=True),
-            allow_download=self.allow_download,
+            allow_download=self.allow_download, fetch=False,
         )
 
     def start_training(
@@ -223,3 +228,45 @@ class TrainingJobs:
         if run is not None and run.record.finished:
             run.flush()  # a final record the full disk refused is written once it can be
         return [r.to_dict() for r in list_runs(self.runs_dir)]
+
+    def run(self, run_id: str, *, by_path: bool = True) -> dict[str, object]:
+        """One run's record, with its files: ``run_id`` is an id in the runs folder, or
+        (``by_path``) a run folder anywhere (a server passes ``by_path=False``)."""
+        record = self._named_run(run_id, by_path)
+        return {**record.to_dict(), "files": self.run_files(run_id, by_path=by_path)}
+
+    def run_files(self, run_id: str, *, by_path: bool = True) -> list[str]:
+        """The files in a run's folder, relative to it (LoRAs, checkpoints, samples, record)."""
+        folder = self._named_run(run_id, by_path).folder
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+    def remove_run(self, run_id: str, *, by_path: bool = True) -> dict[str, object]:
+        """Delete a finished run's folder; a run still going is refused (``run_in_progress``)."""
+        import shutil
+
+        record = self._named_run(run_id, by_path)
+        if not record.finished:
+            raise EngineError(f"run {record.run_id} is still {record.status} (PID {record.pid}); stop it first",
+                              code="run_in_progress")
+        shutil.rmtree(record.folder)
+        return {"run_id": record.run_id, "folder": str(record.folder), "removed": True}
+
+    def resume_point(self, run_id: str) -> dict[str, object]:
+        """What resuming ``run_id`` continues from: its recorded config (to layer changes on) and
+        its newest checkpoint; refused as :meth:`start_training` would (``run_not_found``,
+        ``run_in_progress``, ``no_checkpoint``)."""
+        from engine.training.resume import resumable_run
+
+        record, checkpoint = resumable_run(self.runs_dir, run_id)
+        return {"run_id": record.run_id, "folder": str(record.folder), "config": dict(record.config),
+                "checkpoint": str(checkpoint)}
+
+    def _named_run(self, run_id: str, by_path: bool = True) -> RunRecord:
+        from engine.training.records import find_run
+
+        plain = by_path or not (run_id.startswith(".") or "/" in run_id or "\\" in run_id)
+        record = find_run(self.runs_dir, run_id, paths=by_path) if run_id and plain else None
+        if record is None:
+            raise EngineError(f"no run {run_id!r} in {self.runs_dir}; list the runs (`diffusion-engine runs`, "
+                              "or GET /v1/training/runs) and pass one of their ids", code="run_not_found")
+        return record

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Runs, caches and settings of the suite never land in the user's own folders.
+os.environ["DIFFUSION_ENGINE_HOME"] = tempfile.mkdtemp(prefix="diffusion-engine-test-home-")
 
 
 @pytest.fixture

@@ -94,8 +94,11 @@ def test_model_files_are_refused_before_loading(
     assert "error[base_required]" in no_base and "--base" in no_base and "FluxPipeline" in no_base
     wrong_base = refused(capsys, ["generate", "--model", str(single), "--base", str(sdxl), "--prompt", "x"])
     assert "error[family_mismatch]" in wrong_base and "FLUX.1" in wrong_base and "Stable Diffusion XL" in wrong_base
-    wrong_family = refused(capsys, ["generate", "--model", str(sdxl), "--model-family", "flux", "--prompt", "x"])
-    assert "error[family_mismatch]" in wrong_family and "--model-family sdxl" in wrong_family
+    wrong_family = refused(capsys, ["generate", "--model", str(sdxl), "--family", "flux", "--prompt", "x"])
+    assert "error[family_mismatch]" in wrong_family and "--family sdxl" in wrong_family
+    # The spelling earlier releases had still works, and is answered in today's words.
+    older = refused(capsys, ["generate", "--model", str(sdxl), "--model-family", "flux", "--prompt", "x"])
+    assert "error[family_mismatch]" in older and "--family sdxl" in older
     exists = refused(capsys, ["generate", "--model", str(sdxl), "--prompt", "x", "-o", "taken.png"])
     assert "error[output_exists]" in exists and "--overwrite" in exists
     occupied = refused(capsys, ["tiny", "save", "sdxl", str(tmp_path)])
@@ -170,7 +173,7 @@ def test_ctrl_c_exits_130_quietly(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     def interrupted(*_args: object, **_kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("engine.cli.machine.load_registry", interrupted)
+    monkeypatch.setattr("engine.service.load_registry", interrupted)
     assert main(["families"]) == 130
     assert "Traceback" not in capsys.readouterr().err
 

@@ -290,10 +290,14 @@ def test_a_download_needs_consent_from_the_engine_for_every_face(
     assert refused.value.code == "download_not_allowed" and "--allow-download" in refused.value.message
     config = {"base_model": repo, "dataset_dir": str(write_dataset(tmp_path / "data", count=1)),
               "output_dir": str(tmp_path / "out")}
-    for attempt in (engine.plan_training, engine.start_training):
-        with pytest.raises(EngineError) as refused:
-            attempt(config)
-        assert refused.value.code == "download_not_allowed"
+    with pytest.raises(EngineError) as refused:
+        engine.start_training(config)
+    assert refused.value.code == "download_not_allowed"
+    # A dry run downloads nothing, so it needs no consent: it sizes the base from the family's
+    # table and says the weights are not here, and what a start would fetch.
+    weights = engine.plan_training(config).weights
+    assert weights is not None and weights["here"] is False and weights["repo"] == repo
+    assert "--allow-download" in str(weights["note"])
     assert main(["generate", "--model", repo, "--prompt", "x"]) == 2
     assert "error[download_not_allowed]" in capsys.readouterr().err
     assert host.evicted == 0 and engine.residency.owner is None

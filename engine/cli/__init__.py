@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_REFUSED
     args.verbose = verbose  # -v before or after the command
     if hasattr(args, "runs_dir") and args.runs_dir is None:
-        from engine.training.records import default_runs_dir
+        from engine.requests import default_runs_dir
 
         args.runs_dir = default_runs_dir()
     if not hasattr(args, "run"):

@@ -3,33 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import NoReturn
+
+from engine import requests
+from engine.requests import FIELD_FLAGS, Control, in_flag_words
 
 EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130
 DOWNLOAD_HELP = ("allow downloading a hub model that is not in the local cache (its size is printed "
                  "first); or set DIFFUSION_ENGINE_ALLOW_DOWNLOAD=1")
 
-#: ``name=value`` as the engine's messages spell a request field -> the flag a terminal user types.
-FIELD_FLAGS: dict[str, str] = {
-    "dtype": "--dtype", "quant": "--quant", "memory": "--memory", "attention": "--attention",
-    "step_cache": "--step-cache", "compile": "--compile", "speed": "--speed", "steps": "--steps",
-    "threads": "--threads", "family": "--model-family", "base": "--base", "device": "--device",
-    "text_encoder_quant": "--text-encoder-quant", "text_encoder_memory": "--text-encoder-memory",
-    "vae_tiling": "--vae-tiling",
-}
-
-
 def flag_words(message: str, overrides: Mapping[str, str] | None = None) -> str:
-    """``Pass quant=int8`` -> ``Pass --quant int8``: engine messages name API fields;
+    """``Pass quant=int8`` -> ``Pass --quant int8``: engine messages name request fields;
     at the terminal the user typed flags (``overrides``: a command's own spellings)."""
-    flags = {**FIELD_FLAGS, **(overrides or {})}
-    names = "|".join(sorted(flags, key=len, reverse=True))
-    return re.sub(r"(?<![\w.-])(" + names + r")=([\w.-]+)",
-                  lambda m: f"{flags[m.group(1)]} {m.group(2)}", message)
+    return in_flag_words(message, {**FIELD_FLAGS, **(overrides or {})})
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -62,9 +51,7 @@ class Parser(argparse.ArgumentParser):
 
 def download_allowed(args: argparse.Namespace) -> bool:
     """``--allow-download``, or ``DIFFUSION_ENGINE_ALLOW_DOWNLOAD=1``: the user's consent to a download."""
-    from engine.preflight.hub import download_allowed_by_env
-
-    return bool(getattr(args, "allow_download", False)) or download_allowed_by_env()
+    return requests.download_allowed(bool(getattr(args, "allow_download", False)))
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:
@@ -74,3 +61,15 @@ def add_json(parser: argparse.ArgumentParser) -> None:
 def add_verbose(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show the libraries' own log lines and warnings")
+
+
+def add_controls(parser: argparse.ArgumentParser | argparse._ArgumentGroup, controls: Iterable[Control]) -> None:
+    """One flag per row of the control table; a row with a ``group`` is listed under that heading."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for control in controls:
+        target = parser
+        if control.group is not None and isinstance(parser, argparse.ArgumentParser):
+            if control.group not in groups:
+                groups[control.group] = parser.add_argument_group(control.group)
+            target = groups[control.group]
+        target.add_argument(control.flag, **control.argparse_kwargs())  # type: ignore[arg-type]

@@ -12,21 +12,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from engine.cli.common import download_allowed
-from engine.cli.machine import machine_from_args
-from engine.cli.requests import CONTROL_FLAGS, generate_body, images_of, output_paths, plan_controls
+from engine.cli.machine import machine_request
+from engine.cli.requests import CONTROL_FLAGS, generate_body, output_paths, plan_controls
 from engine.errors import EngineError
-from engine.plugins import Registry, load_registry
-from engine.policy.resolved import Resolved
 
 
 class Strict(EngineError):
@@ -39,35 +36,39 @@ class Strict(EngineError):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from engine.policy.inference import CONTROLS
-    from engine.service import Engine
+    from engine import Engine
 
     controls = plan_controls(args)
-    registry = load_registry()
-    hardware = machine_from_args(args)
-    model = model_location(registry, args.model) if args.model else None
-    plan = Engine(registry=registry, hardware=hardware).plan(
-        model, family=args.family_only or args.model_family, checkpoint=args.checkpoint,
+    if args.model is None and args.family is None:
+        raise EngineError("plan needs a model (--model NAME|PATH) or a family's table (--family F)",
+                          code="invalid_request")
+    engine = Engine(hardware=machine_request(args))
+    checked = engine.check_model(args.model, family=args.family, base=args.base) if args.model else None
+    plan = engine.plan(
+        args.model, family=args.family, checkpoint=args.checkpoint,
         base=args.base, request=controls.request(), controlnet=args.controlnet,
     )
+    hardware = engine.hardware()
     overridden = report_overrides(plan.controls, strict=args.strict)
-    family = registry.family(plan.family)
-    if model is not None and not args.base:
-        from engine.preflight.model import resolve_model
-
-        if resolve_model(registry, model, family=args.model_family).kind in ("single_file", "gguf"):
-            print(f"note: {model} is a single {family.label} denoiser file: without --base its text encoders "
-                  f"and VAE are sized from the {family.label} table, and generate needs --base", file=sys.stderr)
+    label = engine.family(plan.family)["label"]
+    notes = []
+    if checked is not None and checked["kind"] in ("single_file", "gguf") and not args.base:
+        notes.append(f"{args.model} is a single {label} denoiser file: without --base its text encoders "
+                     f"and VAE are sized from the {label} table, and generate needs --base")
+    if checked is not None and not checked["weights"]["here"]:  # type: ignore[index]
+        notes.append(str(checked["weights"]["note"]))  # type: ignore[index]
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"hardware": hardware.to_dict(), "plan": plan.to_dict(),
-                          "overridden": overridden}, indent=2))
+        print(json.dumps({"hardware": hardware.to_dict(), "plan": plan.to_dict(), "overridden": overridden,
+                          **({"model": checked} if checked is not None else {})}, indent=2))
         return 0
-    print(f"{family.label} ({plan.checkpoint or 'unknown checkpoint'}) on {hardware.name} "
+    print(f"{label} ({plan.checkpoint or 'unknown checkpoint'}) on {hardware.name} "
           f"({hardware.device_name}); device {plan.device}")
-    for name in CONTROLS:
+    for name in plan.to_dict()["resolved"]:  # type: ignore[union-attr]
         resolved = plan[name]
-        label = "Auto" if resolved.source == "auto" else "Set"
-        print(f"  {name:<19} {str(resolved.value):<18} {label}: {resolved.reason}")
+        how = "Auto" if resolved.source == "auto" else "Set"
+        print(f"  {name:<19} {str(resolved.value):<18} {how}: {resolved.reason}")
     for kind, sizes in plan.sizes.items():
         print(f"  sizes ({kind}): transformer {sizes.transformer_gb:.3g} GB, text encoders "
               f"{sizes.text_encoders_gb:.3g} GB, VAE {sizes.vae_gb:.3g} GB")
@@ -84,7 +85,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def report_overrides(controls: dict[str, Resolved], *, strict: bool,
+def report_overrides(controls: Mapping[str, Any], *, strict: bool,
                      already: Iterable[str] = ()) -> list[dict[str, object]]:
     """One ``warning[overridden]`` line per explicit request the engine did not honour.
 
@@ -108,88 +109,50 @@ def _shown(value: object) -> str:
     return "none" if value is None else str(value)
 
 
-# -- the model: names, single files, the hub -------------------------------------------------
-
-
-def model_location(registry: Registry, text: str) -> str:
-    """``text``, or the hub repo of the checkpoint it names (a ``Checkpoint.name`` or label) when
-    no such local path exists."""
-    if os.path.lexists(Path(text).expanduser()):
-        return text
-    lowered = text.lower()
-    for family in registry.families.values():
-        for checkpoint in family.checkpoints:
-            if lowered in (checkpoint.name.lower(), checkpoint.label.lower()):
-                return checkpoint.repo
-    return text
-
-
-def check_source(source: Any, args: argparse.Namespace) -> None:
-    """Refuse, before loading, a model that would need what was not given:
-    ``--base`` for a single file, the hub (and consent) for a repo not cached."""
-    family = source.family
-    if source.kind in ("single_file", "gguf") and not args.base:
-        raise EngineError(
-            f"{source.location} is a single {family.label} denoiser file: pass --base with a "
-            f"{family.label} diffusers pipeline folder ({family.pipeline_class}) for its text encoders "
-            f"and VAE, e.g. `diffusion-engine tiny save {family.name} DIR` for a tiny one, or "
-            f"--base {(source.checkpoint or family.default_checkpoint).repo} --allow-download",
-            code="base_required",
-        )
-    from engine.preflight.hub import hub_access_error, hub_download_gb, hub_repo, in_hub_cache
-
-    refusal = hub_access_error(source, allow_download=download_allowed(args))
-    if refusal is not None:
-        raise refusal
-    repo = hub_repo(source)
-    if repo is not None and not in_hub_cache(repo):
-        print(f"downloading {repo}: {hub_download_gb(repo):.1f} GB into the hub cache", file=sys.stderr)
-
-
 # -- generate -------------------------------------------------------------------------------
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.preflight.model import resolve_model
-    from engine.service import Engine
+    from engine import Engine
 
     controls = plan_controls(args)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     body = generate_body(args, seed)
-    items = images_of(body)
+    items = body.images()
     paths = output_paths(args.output, len(items), overwrite=args.overwrite)
-    registry = load_registry()
-    tiny = registry.family(args.tiny) if args.tiny else None
+    engine = Engine(allow_download=download_allowed(args))
+    engine.check_generate(body)  # input images: present, readable, within the caps
+    if args.tiny:
+        engine.family(args.tiny)  # an unknown family before anything is built
     request = controls.request()
-    if tiny is not None and request.steps is None:
+    if args.tiny and request.steps is None:
         request = dataclasses.replace(request, steps=body.steps)
     # The activation guard sizes the plan for this image size and batch.
     request = dataclasses.replace(request, width=body.width, height=body.height, count=len(items))
-    engine = Engine(registry=registry, allow_download=download_allowed(args))
+    loras = [f"{lora.path}:{lora.scale}" for lora in body.loras or ()]
     with tempfile.TemporaryDirectory(prefix="diffusion-engine-tiny-") as scratch:
-        if tiny is not None:
+        if args.tiny:
             _quiet_loading(args)
-            model = str(registry.build_tiny_pipeline(tiny, Path(scratch) / tiny.name))
+            model = str(engine.tiny_pipeline(args.tiny, Path(scratch) / args.tiny))
         else:
-            model = model_location(registry, args.model)
-        source = resolve_model(registry, model, family=args.model_family, base=args.base)
-        check_source(source, args)  # before diffusers is even imported: a refusal is instant
+            model = args.model
+        load = {"base": args.base, "family": args.family, "request": request, "loras": loras,
+                "controlnet": args.controlnet}
+        plan = engine.check_load(model, **load)  # every refusal a load gives, before anything heavy
+        checked = engine.check_model(model, family=args.family, base=args.base)
+        if not checked["weights"]["here"]:  # type: ignore[index]
+            print(f"downloading {checked['weights']['repo']}: about {checked['weights']['download_gb']} GB "  # type: ignore[index]
+                  "into the hub cache", file=sys.stderr)
         _quiet_loading(args)
-        plan = engine.plan(model, family=args.model_family, base=args.base, request=request)
         overridden = report_overrides(plan.controls, strict=args.strict)
         started = time.perf_counter()
-        loras = [f"{lora.path}:{lora.scale}" for lora in body.loras or ()]
-        engine.load(model, base=args.base, family=args.model_family, request=request, loras=loras,
-                    controlnet=args.controlnet)
+        engine.load(model, **load)  # type: ignore[arg-type]
         loaded = time.perf_counter()
         try:
             status = engine.status()["pipeline"] or {}
             overridden += report_overrides(_controls(engine), strict=args.strict,
                                            already=[o["control"] for o in overridden])
-            images = engine.generate(
-                body.prompt, progress=None if args.json else progress_bar(),
-                **body.model_dump(exclude={"prompt", "loras"}, exclude_none=True),
-            )
+            images = engine.generate(body, progress=None if args.json else progress_bar())
             status = engine.status()["pipeline"] or {}
         finally:
             engine.unload()
@@ -198,8 +161,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     steps = body.steps or plan.default_steps
     applied = list((status.get("loras") or {}).get("applied") or [])  # type: ignore[union-attr]
     for index, (image, path) in enumerate(zip(images, paths)):
-        info = _png_info(body, items[index], model=str(source.location), steps=steps, image=image, index=index,
-                         loras=applied)
+        info = _png_info(body, items[index], model=str(checked["location"]), steps=steps, image=image,
+                         index=index, loras=applied)
         image.save(path, pnginfo=info)
     if args.json:
         print(json.dumps({
@@ -223,7 +186,7 @@ def _quiet_loading(args: argparse.Namespace) -> None:
         quiet_library_logs(progress_bars=False)
 
 
-def _controls(engine: Any) -> dict[str, Resolved]:
+def _controls(engine: Any) -> dict[str, Any]:
     """The loaded pipeline's controls, as the runtime recorded them (fallbacks included)."""
     plan = engine.loaded_plan()
     return dict(plan.controls) if plan is not None else {}
@@ -266,25 +229,19 @@ def progress_bar(description: str = "denoising") -> Any:
 # -- tiny save ------------------------------------------------------------------------------
 
 
-def _new_folder(folder: Path) -> Path:
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise EngineError(f"{folder} already exists and is not an empty folder; give a new folder",
-                          code="output_exists")
-    return folder
-
-
 def cmd_tiny(args: argparse.Namespace) -> int:
     """Write FAMILY's tiny random-weight pipeline to DIR: a real diffusers folder to try
     every command on, offline, in seconds."""
-    registry = load_registry()
-    family = registry.family(args.family)
-    folder = _new_folder(Path(args.folder))
+    from engine import Engine
+
+    engine = Engine()
+    family = engine.family(args.family)
     _quiet_loading(args)
-    written = registry.build_tiny_pipeline(family, folder)
+    written = engine.tiny_pipeline(args.family, args.folder)
     if args.json:
-        print(json.dumps({"family": family.name, "path": str(written)}, indent=2))
+        print(json.dumps({"family": family["name"], "path": str(written)}, indent=2))
     else:
-        print(f"wrote a tiny {family.label} pipeline to {written}")
+        print(f"wrote a tiny {family['label']} pipeline to {written}")
         print(f"  try: diffusion-engine generate --model {written} --prompt 'a fox' "
               "--width 64 --height 64 --steps 4 -o fox.png")
     return 0
@@ -292,13 +249,9 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 def cmd_tiny_dataset(args: argparse.Namespace) -> int:
     """Write a few drawn, captioned PNGs to DIR: a dataset ``train`` accepts, offline."""
-    from engine.testing.datasets import write_dataset
+    from engine import Engine
 
-    if not 1 <= args.count <= 64:
-        raise EngineError(f"--count must be from 1 to 64 (got {args.count})", code="invalid_request")
-    if not 16 <= args.size <= 1024:
-        raise EngineError(f"--size must be from 16 to 1024 (got {args.size})", code="invalid_request")
-    folder = write_dataset(_new_folder(Path(args.folder)), count=args.count, size=args.size)
+    folder = Engine().tiny_dataset(args.folder, count=args.count, size=args.size)
     if args.json:
         print(json.dumps({"path": str(folder), "images": args.count}, indent=2))
     else:

@@ -12,26 +12,12 @@ from pathlib import Path
 
 from engine import __version__
 from engine.cli import images, machine, training
-from engine.cli.common import DOWNLOAD_HELP, Parser, add_json, add_verbose
+from engine.cli.common import DOWNLOAD_HELP, Parser, add_controls, add_json, add_verbose
+from engine.requests import GENERATE_CONTROLS, MODEL_CONTROLS, PLAN_CONTROLS
 
 RUNS_DIR_HELP = ("where runs live (default: $DIFFUSION_ENGINE_HOME/runs, else the per-user data folder, "
                  "e.g. ~/.local/share/diffusion-engine/runs)")
 STRICT_HELP = "exit 2 instead of warning when the engine overrides a value given explicitly"
-
-#: Plan controls: (flag, default, choices help). The dest is the InferenceRequest field.
-PLAN_FLAGS: tuple[tuple[str, str | None, str], ...] = (
-    ("--dtype", "auto", "compute dtype: auto | bf16 | fp16 | fp32"),
-    ("--quant", "auto", "transformer weights: auto | none | int8 | fp8 | mxfp8 | nvfp4 | nf4"),
-    ("--memory", "auto", "placement: auto | resident | model_offload | group_offload | sequential_offload"),
-    ("--attention", "auto", "attention kernel: auto | native | flash | flash3 | sage | xformers"),
-    ("--step-cache", "auto", "reuse of late denoising steps: auto | off | fbcache"),
-    ("--compile", "auto", "torch.compile of the repeated blocks: auto | on | off"),
-    ("--speed", "default", "speed tier: off | eager | default | max"),
-    ("--text-encoder-quant", "auto", "text-encoder weights: auto | none | int8 | fp8 | nvfp4 | nf4"),
-    ("--text-encoder-memory", "auto", "text encoders: auto | resident | streamed (load, encode, free)"),
-    ("--vae-tiling", "auto", "decode in tiles: auto (above the size the plan names) | on | off"),
-)
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
@@ -50,16 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="sizes and training options per family on a machine")
     info.add_argument("--family", help="only this family")
+    info.add_argument("--model", metavar="NAME|PATH", help="only this model's family, with what the model "
+                      "reference resolves to (a hub id or checkpoint name that is not here is sized from its "
+                      "family's table; nothing is downloaded)")
     _add_machine_args(info)
     _common(info)
     info.set_defaults(run=machine.cmd_info)
 
     plan = commands.add_parser("plan", help="every inference control, decided with its reason")
     _add_model_args(plan, tiny=False)
-    _add_plan_args(plan)
-    plan.add_argument("--steps", type=int, help="denoising steps (default: the checkpoint's)")
-    plan.add_argument("--controlnet", metavar="DIR", help="a ControlNet folder that will load beside the "
-                      "model: sized into the plan like any component")
+    _add_plan_args(plan, steps=True)
     _add_machine_args(plan)
     plan.add_argument("--strict", action="store_true", help=STRICT_HELP)
     _common(plan)
@@ -69,39 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(generate, tiny=True)
     generate.add_argument("--prompt", required=True, action="append", dest="prompt_list", metavar="PROMPT",
                           help="what to draw; repeat it for one image per prompt")
-    generate.add_argument("--negative-prompt", help="what not to draw (families that take one)")
     generate.add_argument("-o", "--output", default="out.png",
                           help="PNG path; with --count N > 1, files NAME-0.png ... NAME-(N-1).png")
-    generate.add_argument("--guidance", type=float, help="guidance scale (default: the checkpoint's)")
-    generate.add_argument("--width", type=int, help="pixels, a multiple of 16 (default: the "
-                          "pipeline's; 64 with --tiny)")
-    generate.add_argument("--height", type=int, help="pixels, a multiple of 16 (default: the "
-                          "pipeline's; 64 with --tiny)")
     generate.add_argument("--steps", type=int, help="denoising steps (default: the checkpoint's; 4 with --tiny)")
-    generate.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
-    generate.add_argument("--count", type=int, default=1, help="images to generate (at most 8)")
     generate.add_argument(
         "--lora", action="append", default=[], metavar="PATH[:SCALE]",
         help="apply a LoRA (.safetensors file or a training run's folder), scale 1.0 by default (repeatable)",
     )
     generate.add_argument("--seeds", type=_seed_list, metavar="N,N,...",
                           help="one seed per image (image k replays alone with seed k)")
-    generate.add_argument("--batch", type=int, metavar="N", help="images per forward (default: as memory allows)")
     generate.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    inputs = generate.add_argument_group("images in")
-    inputs.add_argument("--image", metavar="PATH", help="an input image: img2img (with --strength), or the "
-                        "image an edit checkpoint edits; fitted within --width x --height")
-    inputs.add_argument("--mask", dest="mask_image", metavar="PATH",
-                        help="with --image: inpaint, redrawing where the mask is white")
-    inputs.add_argument("--strength", type=float, help="with --image: how much is redrawn, (0, 1] "
-                        "(default: the pipeline's)")
-    inputs.add_argument("--controlnet", metavar="DIR", help="a diffusers ControlNet folder of a class the "
-                        "model's family supports, loaded beside the pipeline")
-    inputs.add_argument("--control-image", metavar="PATH", help="with --controlnet: the image to follow")
-    inputs.add_argument("--control-preprocess", choices=("canny", "none"), default="canny",
-                        help="turn --control-image into the map the ControlNet reads")
-    inputs.add_argument("--control-scale", type=float, help="ControlNet strength, 0-2 (default 1)")
-    _add_plan_args(generate)
+    add_controls(generate, GENERATE_CONTROLS)
+    _add_plan_args(generate, steps=False)
     generate.add_argument("--strict", action="store_true", help=STRICT_HELP)
     _common(generate)
     generate.set_defaults(run=images.cmd_generate)
@@ -134,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--loras", action="append", default=[], metavar="DIR", help="a LoRA root (repeatable)")
     serve.add_argument("--inputs", action="append", default=[], metavar="DIR",
                        help="a root for input images (img2img, masks, control images) (repeatable)")
-    serve.add_argument("--outputs", default="runs", metavar="DIR", help="where runs are written")
+    serve.add_argument("--outputs", default=None, metavar="DIR", help="where runs are written and read: "
+                       "the same folder as `train --runs-dir` (default: $DIFFUSION_ENGINE_HOME/runs, else the "
+                       "per-user data folder), so the web page and `runs` see the same runs")
     serve.add_argument("--allow-hub", action="store_true", help="accept hub repo ids as models")
     serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                        help="another name clients may reach the server by (a reverse proxy's; repeatable; "
@@ -171,34 +138,31 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _add_machine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("machine (ask for a machine you do not have)")
     group.add_argument("--hardware", metavar="PRESET",
-                       help="a preset instead of this machine (an unknown name lists them)")
+                       help="a preset instead of this machine (an unknown name lists them); a dry run "
+                            "for a model that is not here is sized from its family's table")
     group.add_argument("--free-gb", type=float, metavar="N", help="override free device memory")
     group.add_argument("--no-torchao", action="store_true", help="treat torchao as missing or a stub")
 
 
 def _add_model_args(parser: argparse.ArgumentParser, *, tiny: bool) -> None:
+    """The model a command is about, as every command names it (the control table's model rows)."""
     group = parser.add_argument_group("model")
-    which = group.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", metavar="NAME|PATH",
-                       help="pipeline folder, single file (with --base), GGUF, hub id, or a checkpoint "
-                       "name listed by `diffusion-engine families`")
+    rows = {c.field: c for c in MODEL_CONTROLS}
+    which = group.add_mutually_exclusive_group(required=tiny)
+    which.add_argument(rows["model"].flag, **rows["model"].argparse_kwargs())  # type: ignore[arg-type]
     if tiny:
         which.add_argument("--tiny", metavar="FAMILY", help="a tiny random-weight pipeline of FAMILY "
                            "(64 px, 4 steps unless you say otherwise)")
-    else:
-        which.add_argument("--family", dest="family_only", metavar="F", help="plan from F's table")
-        group.add_argument("--checkpoint", metavar="C", help="with --family: which checkpoint")
-    group.add_argument("--base", metavar="PATH", help="the pipeline providing the rest of a single file / GGUF")
-    group.add_argument("--model-family", dest="model_family", metavar="F",
-                       help="the model's family when detection cannot tell")
+    group.add_argument(rows["family"].flag, **rows["family"].argparse_kwargs())  # type: ignore[arg-type]
+    # The name earlier releases gave the model's family on plan and generate.
+    group.add_argument("--model-family", dest="family", help=argparse.SUPPRESS)
+    if not tiny:
+        group.add_argument(rows["checkpoint"].flag, **rows["checkpoint"].argparse_kwargs())  # type: ignore[arg-type]
+    group.add_argument(rows["base"].flag, **rows["base"].argparse_kwargs())  # type: ignore[arg-type]
+    group.add_argument(rows["controlnet"].flag, **rows["controlnet"].argparse_kwargs())  # type: ignore[arg-type]
     group.add_argument("--allow-download", action="store_true", help=DOWNLOAD_HELP)
 
 
-def _add_plan_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("plan (auto: the engine decides and says why)")
-    for flag, default, text in PLAN_FLAGS:
-        group.add_argument(flag, default=default, help=text)
-    group.add_argument("--threads", type=int, help="CPU threads (default: the engine's choice)")
-    group.add_argument("--no-prompt-cache", dest="prompt_cache", action="store_false",
-                       help="encode every prompt: neither reuse nor write the prompt embeddings cached on disk "
-                            "($DIFFUSION_ENGINE_PROMPT_CACHE, default ~/.cache/diffusion-engine/prompt-embeddings)")
+def _add_plan_args(parser: argparse.ArgumentParser, *, steps: bool) -> None:
+    add_controls(parser.add_argument_group("plan (auto: the engine decides and says why)"),
+                 [c for c in PLAN_CONTROLS if steps or c.field != "steps"])

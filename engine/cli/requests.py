@@ -1,9 +1,11 @@
-"""Flags -> the engine's request models, validated before anything loads.
+"""Flags -> the engine's request records, validated before anything loads.
 
 The CLI builds the same :class:`~engine.requests.PlanControls` and
-:class:`~engine.requests.GenerateBody` the HTTP API validates; a problem is
-reported naming the flag the user typed (``--width must be a multiple of
-16 (got 100)``), with the API's ``invalid_request`` code.
+:class:`~engine.requests.GenerateBody` the HTTP API validates; a flag's
+argparse destination is its request field (the control table,
+:mod:`engine.requests.controls`), and a problem is reported naming the flag
+the user typed (``--width must be a multiple of 16 (got 100)``), with the
+API's ``invalid_request`` code.
 """
 
 from __future__ import annotations
@@ -11,39 +13,26 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from engine.errors import EngineError
-from engine.policy.batch import BatchItem, batch_items
-from engine.requests import GenerateBody, PlanControls, describe_problems
+from engine.requests import (
+    FIELD_FLAGS,
+    GENERATE_CONTROLS,
+    PLAN_CONTROLS,
+    PLAN_KEY_FLAGS,
+    GenerateBody,
+    PlanControls,
+    describe_problems,
+    lora_bodies,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
-#: Request field -> the flag that sets it (the flag's argparse dest is the field's name).
-PLAN_FIELDS: dict[str, str] = {
-    "dtype": "--dtype", "quant": "--quant", "memory": "--memory", "attention": "--attention",
-    "step_cache": "--step-cache", "compile": "--compile", "speed": "--speed", "steps": "--steps",
-    "threads": "--threads", "text_encoder_quant": "--text-encoder-quant",
-    "text_encoder_memory": "--text-encoder-memory", "vae_tiling": "--vae-tiling",
-    "prompt_cache": "--no-prompt-cache",
-}
-GENERATE_FIELDS: dict[str, str] = {
-    "prompt": "--prompt", "negative_prompt": "--negative-prompt", "steps": "--steps",
-    "guidance": "--guidance", "width": "--width", "height": "--height", "seed": "--seed",
-    "count": "--count", "loras": "--lora", "prompts": "--prompt", "seeds": "--seeds", "batch": "--batch",
-    "image": "--image", "mask_image": "--mask", "strength": "--strength", "control_image": "--control-image",
-    "control_preprocess": "--control-preprocess", "control_scale": "--control-scale",
-}
 #: Plan control (as the plan names it) -> the flag that asks for it.
-CONTROL_FLAGS: dict[str, str] = {
-    "dtype": "--dtype", "transformer_quant": "--quant", "memory_mode": "--memory",
-    "attention_backend": "--attention", "step_cache": "--step-cache", "compile": "--compile",
-    "speed_tier": "--speed", "threads": "--threads", "text_encoder_quant": "--text-encoder-quant",
-    "text_encoder_memory": "--text-encoder-memory", "vae_tiling": "--vae-tiling",
-    "prompt_cache": "--no-prompt-cache",
-}
+CONTROL_FLAGS = PLAN_KEY_FLAGS
 #: What ``--tiny`` means when a size or step count is not given: small and quick for every family.
 TINY_DEFAULTS: dict[str, int] = {"width": 64, "height": 64, "steps": 4}
 #: Image formats that carry the prompt and seed in text chunks.
@@ -56,7 +45,7 @@ class InvalidFlags(EngineError):
     code = "invalid_request"
 
 
-def validated(model: type[M], data: Mapping[str, object], flags: Mapping[str, str]) -> M:
+def validated(model: type[M], data: Mapping[str, object], flags: Mapping[str, str] = FIELD_FLAGS) -> M:
     """``model`` built from ``data``, or :class:`InvalidFlags` naming the flags at fault."""
     try:
         return model.model_validate(dict(data))
@@ -67,35 +56,27 @@ def validated(model: type[M], data: Mapping[str, object], flags: Mapping[str, st
         raise InvalidFlags("; ".join(describe_problems(exc, name_of))) from None
 
 
-def plan_controls(args: argparse.Namespace) -> PlanControls:
-    return validated(PlanControls, {f: getattr(args, f, None) for f in PLAN_FIELDS
-                                    if getattr(args, f, None) is not None}, PLAN_FIELDS)
+def plan_controls(args: argparse.Namespace) -> Any:
+    """The :class:`~engine.requests.PlanControls` the flags ask for."""
+    given = {c.field: getattr(args, c.field) for c in PLAN_CONTROLS if getattr(args, c.field, None) is not None}
+    return validated(PlanControls, given)
 
 
 def generate_body(args: argparse.Namespace, seed: int) -> GenerateBody:
     """The generate request the flags describe (``--tiny`` fills sizes and steps left out)."""
-    # A field's flag stores under the field's name (argparse dest): a new
-    # GenerateBody field is a GENERATE_FIELDS row and an add_argument.
-    data: dict[str, object] = {field: getattr(args, field, None) for field in GENERATE_FIELDS
-                               if field not in ("loras", "prompt", "prompts")}
+    data: dict[str, object] = {c.field: getattr(args, c.field, None) for c in GENERATE_CONTROLS}
+    data["steps"] = args.steps
     prompts = list(args.prompt_list)
     data["prompt"] = prompts[0]
     if len(prompts) > 1:
         data["prompts"] = prompts
     data["seed"] = seed
+    data["seeds"] = args.seeds
     if getattr(args, "tiny", None):
         data.update({k: v for k, v in TINY_DEFAULTS.items() if data.get(k) is None})
     if args.lora:
-        from engine.preflight.lora import lora_choices
-
-        data["loras"] = [{"path": c.path, "scale": c.scale} for c in lora_choices(args.lora)]
-    return validated(GenerateBody, {k: v for k, v in data.items() if v is not None}, GENERATE_FIELDS)
-
-
-def images_of(body: GenerateBody) -> list[BatchItem]:
-    """The images the request makes, each with its own prompt and seed (what the engine runs)."""
-    return batch_items(body.prompt, prompts=body.prompts or (), seeds=body.seeds or (), seed=body.seed,
-                       count=body.count, negative_prompt=body.negative_prompt)
+        data["loras"] = lora_bodies(args.lora)
+    return validated(GenerateBody, {k: v for k, v in data.items() if v is not None})
 
 
 def output_paths(output: str, count: int, *, overwrite: bool) -> list[Path]:

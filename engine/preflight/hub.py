@@ -120,3 +120,45 @@ def in_hub_cache(repo: str) -> bool:
     except ImportError:
         return False
     return isinstance(try_to_load_from_cache(repo, "model_index.json"), str)
+
+
+def weights_report(source: ModelSource, table_gb: float) -> dict[str, object]:
+    """Whether ``source``'s weights are on this machine, and if not what a start would fetch.
+
+    A plan or a dry run answers for a model that is not here (a hub id, a
+    checkpoint name) from the family's table, downloading nothing: this says
+    so, with the download's size from the table (the hub is never asked).
+    """
+    repo = hub_repo(source)
+    if repo is None:
+        return {"here": True, "repo": None, "download_gb": 0.0, "note": "local files"}
+    if in_hub_cache(repo):
+        return {"here": True, "repo": repo, "download_gb": 0.0, "note": f"{repo} is in the local hub cache"}
+    return {
+        "here": False, "repo": repo, "download_gb": round(table_gb, 1),
+        "note": (f"{repo} is not on this machine: sized from the family's table; loading or training it downloads "
+                 f"about {table_gb:.0f} GB (allow it with --allow-download, or pass a local folder)"),
+    }
+
+
+def base_required_error(source: ModelSource, *, base_given: bool) -> PreflightError | None:
+    """A single denoiser file (or GGUF) given without a base whose default base is not here.
+
+    Its text encoders and VAE come from a base pipeline; without one named,
+    the family's default checkpoint repo would be fetched silently. Refused
+    the same for every face (``base_required``), naming what to give; a
+    default base already in the hub cache is used as is.
+    """
+    if source.kind not in ("single_file", "gguf") or base_given:
+        return None
+    if source.base is not None and in_hub_cache(source.base):
+        return None
+    family = source.family
+    default = (source.checkpoint or family.default_checkpoint).repo
+    return PreflightError(
+        f"{source.location} is a single {family.label} denoiser file: it needs a base for its text "
+        f"encoders and VAE; give base=DIR, a {family.label} diffusers pipeline folder "
+        f"({family.pipeline_class}), e.g. `diffusion-engine tiny save {family.name} DIR` for a tiny one, "
+        f"or base={default} with consent to download it",
+        code="base_required",
+    )

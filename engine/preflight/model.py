@@ -39,6 +39,7 @@ from pathlib import Path
 
 from engine.errors import EngineError, PreflightError
 from engine.plugins import Registry
+from engine.types import Checkpoint
 from engine.preflight.folder import pipeline_source
 from engine.preflight.hub import hub_access_error, hub_offline, is_hub_id, looks_like_path
 from engine.preflight.single_file import single_file_source
@@ -50,6 +51,7 @@ __all__ = [
     "ModelNotFound",
     "ModelSource",
     "NotAPipeline",
+    "checkpoint_named",
     "hub_access_error",
     "hub_offline",
     "is_hub_id",
@@ -96,8 +98,15 @@ def resolve_model(
         )
     if os.path.lexists(path):
         raise ModelNotFound(f"{path} is a broken symlink or neither a file nor a folder; point at the model itself")
-    if not is_hub_id(text):
-        raise ModelNotFound(f"{path} does not exist (and is not a hub repo id like org/name)")
+    named = checkpoint_named(registry, text)
+    if named is not None:
+        text = named.repo  # a checkpoint name (as `families` lists it) stands for its hub repo
+    elif not is_hub_id(text):
+        names = ", ".join(c.name for f in registry.families.values() for c in f.checkpoints)
+        raise ModelNotFound(
+            f"{path} does not exist, is not a hub repo id like org/name, and is not a checkpoint name "
+            f"({names})"
+        )
     if not allow_hub:
         raise ModelNotFound(
             f"{text} is not a local model, and hub repo ids are not accepted here; "
@@ -111,6 +120,16 @@ def resolve_model(
         "hub", text, spec, spec.checkpoint(text),
         prequantised_scheme="nf4" if spec.is_prequantised(text) else None,
     )
+
+
+def checkpoint_named(registry: Registry, text: str) -> Checkpoint | None:
+    """The checkpoint of any installed family that ``text`` names (its name or label, any case)."""
+    lowered = text.strip().lower()
+    for family in registry.families.values():
+        for checkpoint in family.checkpoints:
+            if lowered in (checkpoint.name.lower(), checkpoint.label.lower()):
+                return checkpoint
+    return None
 
 
 def lora_target_error(source: ModelSource, targets: Iterable[str]) -> PreflightError | None:

@@ -59,7 +59,7 @@ from engine.server.jobs import JobQueue, QueueFull
 from engine.server.pages import PUBLIC_PATHS, PUBLIC_PREFIXES, add_pages
 from engine.server.paths import confine, confine_model
 from engine.server.settings import ServerSettings, allowed_hosts
-from engine.service import Engine
+from engine import Engine
 
 __all__ = ["ServerSettings", "create_app"]
 
@@ -98,8 +98,12 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     queue = JobQueue(engine, size=settings.queue_size)
     api = APIRouter(prefix="/v1")
 
+    checkpoint_names = frozenset(str(name).lower() for family in engine.families()
+                                 for name in family["checkpoints"])  # type: ignore[attr-defined]
+
     def model_path(value: str) -> str:
-        return confine_model(value, settings.model_roots, allow_hub=settings.allow_hub)
+        return confine_model(value, settings.model_roots, allow_hub=settings.allow_hub,
+                             checkpoint_names=checkpoint_names)
 
     def lora_paths(bodies: list[LoraBody] | None) -> list[dict[str, object]] | None:
         if bodies is None:

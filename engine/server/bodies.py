@@ -49,7 +49,7 @@ from engine.requests import (  # noqa: F401  (re-exports)
     Steps,
     refuse_lone_surrogates,
 )
-from engine.training.config import TrainingConfig
+from engine.requests import TrainingConfig
 
 _SIDE = TypeAdapter(Side)
 _CONFIG_FIELDS = TrainingConfig.model_fields

@@ -19,11 +19,9 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 from engine.errors import EngineError
-from engine.preflight.dataset import IMAGE_EXTENSIONS
-from engine.preflight.model import resolve_model
+from engine import Engine
+from engine.requests import IMAGE_EXTENSIONS, RUN_ADAPTER_FILES
 from engine.server.settings import ServerSettings
-from engine.service import Engine
-from engine.training.records import find_run
 
 #: The most entries one listing returns (per root, per kind).
 MAX_ENTRIES = 500
@@ -52,6 +50,16 @@ def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:
         """Every family's plan here, or why it cannot run here, in one answer (the machine page)."""
         return engine.plans()
 
+    @api.get("/training/runs/{run_id}")
+    def run(run_id: str) -> dict[str, Any]:
+        """One run's record and the files in its folder."""
+        return engine.run(run_id, by_path=False)
+
+    @api.delete("/training/runs/{run_id}")
+    def remove_run(run_id: str) -> dict[str, Any]:
+        """Delete a finished run's folder (``run_in_progress`` while it trains)."""
+        return engine.remove_run(run_id, by_path=False)
+
     @api.get("/training/runs/{run_id}/files")
     def run_files(run_id: str) -> list[dict[str, Any]]:
         """Every file the run wrote (its LoRA, checkpoints, samples, charts), relative to its folder."""
@@ -77,10 +85,11 @@ def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:
 
 def _run_folder(engine: Engine, run_id: str) -> Path:
     """The folder of the run ``run_id`` in the engine's runs folder (a plain id, never a path)."""
-    record = None if run_id.startswith(".") else find_run(engine.runs_dir, run_id, paths=False)
-    if record is not None:
-        return Path(os.path.realpath(record.folder))
-    raise RunFileNotFound(f"no run {run_id[:120]!r} in {engine.runs_dir}; list them at /v1/training/runs", code="unknown_run")
+    try:
+        return Path(os.path.realpath(str(engine.run(run_id, by_path=False)["folder"])))
+    except EngineError:
+        raise RunFileNotFound(f"no run {run_id[:120]!r} in the runs folder; list them at /v1/training/runs",
+                              code="unknown_run") from None
 
 
 def _children(root: Path) -> list[Path]:
@@ -117,7 +126,7 @@ def _models(engine: Engine, root: Path) -> list[dict[str, Any]]:
 def _family(engine: Engine, path: Path) -> dict[str, str | None]:
     """The family the engine would load ``path`` as (headers only), or why it cannot tell."""
     try:
-        return {"family": resolve_model(engine.registry, str(path)).family.name, "problem": None}
+        return {"family": engine.check_model(str(path))["family"], "problem": None}
     except EngineError as error:
         return {"family": None, "problem": f"{error.code}: {error.message}"}
 
@@ -132,8 +141,16 @@ def _datasets(root: Path) -> list[dict[str, Any]]:
 
 
 def _loras(root: Path) -> list[dict[str, Any]]:
-    return [
-        {"name": path.name, "path": os.path.realpath(path)}
-        for path in _children(root)
-        if path.is_file() and path.suffix.lower() in WEIGHT_SUFFIXES
-    ]
+    """Loose LoRA files, and the adapters of the training runs kept under ``root`` (a run's
+    final LoRA and its EMA, named after the run), so a run trained here is one click away."""
+    found = []
+    for path in _children(root):
+        if path.is_file() and path.suffix.lower() in WEIGHT_SUFFIXES:
+            found.append({"name": path.name, "path": os.path.realpath(path)})
+        elif path.is_dir():
+            for adapter in RUN_ADAPTER_FILES:
+                if (path / adapter).is_file() and not (path / adapter).is_symlink():
+                    ema = "ema" in adapter
+                    found.append({"name": f"{path.name} (EMA)" if ema else path.name,
+                                  "path": os.path.realpath(path / adapter), "run": path.name})
+    return found

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from engine.errors import EngineError
 from engine.server.bodies import OpenAIImagesBody
-from engine.service import Engine
+from engine import Engine
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ with code ``invalid_path``, before any system call can fail on it.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path, PurePath
 
 from engine.errors import EngineError
-from engine.preflight.hub import is_hub_id
+from engine.requests import is_hub_id
 
 #: Linux limits: bytes in one path component, bytes in a whole path.
 NAME_MAX = 255
@@ -46,14 +46,22 @@ def confine(value: str, roots: Sequence[Path], what: str) -> Path:
                           "give a path inside the configured roots") from None
 
 
-def confine_model(value: str, roots: Sequence[Path], *, allow_hub: bool) -> str:
+def confine_model(value: str, roots: Sequence[Path], *, allow_hub: bool,
+                  checkpoint_names: Collection[str] = ()) -> str:
     """A model path confined like any other, or, with ``allow_hub``, a hub repo id
-    passed through when it is written as one and nothing by that name lies in a root
-    (a name that does exist there, a symlink leading out included, is a path)."""
+    (or a checkpoint name, which stands for its hub repo: ``checkpoint_names``, lower
+    case) passed through when it is written as one and nothing by that name lies in a
+    root (a name that does exist there, a symlink leading out included, is a path)."""
     check_form(value, "model")
     # The server's working folder counts too: the engine would find ``org/name`` there first.
-    if allow_hub and is_hub_id(value) and not any(os.path.lexists(p) for p in (value, *(Path(r) / value for r in roots))):
+    local = any(os.path.lexists(p) for p in (value, *(Path(r) / value for r in roots)))
+    named = value.strip().lower() in checkpoint_names
+    if allow_hub and (is_hub_id(value) or named) and not local:
         return value
+    if named and not local:
+        raise PathRefused(f"{_echo(value)} is a checkpoint name: it stands for a hub model, and hub models are "
+                          "not accepted by this server (it was started without --allow-hub); give a model "
+                          "folder inside the model roots", code="hub_not_allowed")
     return str(confine(value, roots, "model"))
 
 

@@ -18,9 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from engine.errors import EngineError, UnknownName
-from engine.service import Busy
-from engine.training.config import InvalidConfig
+from engine.errors import Busy, EngineError, UnknownName
+from engine.requests import InvalidConfig
+from engine.requests import describe_problems as sentences_of
 
 #: The most characters of any one input (a run without whitespace) a message echoes.
 ECHO_LIMIT = 200
@@ -108,10 +108,14 @@ async def validation_error(_: Request, error: RequestValidationError) -> JSONRes
 
 
 def describe_problems(problems: Any) -> str:
-    """``where: what`` for the first few problems; inputs are never echoed whole."""
-    listed = [
-        f"{'.'.join(clip(str(part), 60) for part in problem.get('loc', ()))}: {clip(str(problem.get('msg', '')))}"
-        for problem in list(problems)[:PROBLEMS_LISTED]
-    ]
+    """``field must be ...`` for the first few problems, named by their JSON field (the
+    request vocabulary's own wording, as the CLI names flags); inputs are never echoed whole."""
+    problems = list(problems)
+
+    def name_of(loc: tuple[int | str, ...]) -> str:
+        parts = loc[1:] if loc and loc[0] in ("body", "query", "path") else loc
+        return ".".join(clip(str(part), 60) for part in parts) or "the request body"
+
+    listed = [clip(sentence) for sentence in sentences_of(problems[:PROBLEMS_LISTED], name_of)]
     more = len(problems) - len(listed)
     return "; ".join(listed) + (f"; and {more} more" if more > 0 else "")

@@ -9,6 +9,7 @@ never re-decides anything.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
@@ -24,6 +25,7 @@ from engine.policy.training import (
 )
 from engine.policy.training_memory import BaseFacts, TrainingMemoryEstimate, TrainingShape
 from engine.preflight.dataset import DatasetReport, discover_dataset
+from engine.preflight.hub import weights_report
 from engine.preflight.model import ModelSource, hub_access_error, lora_target_error, resolve_model
 from engine.training.buckets import BucketPlan, plan_buckets
 from engine.training.config import TrainingConfig
@@ -57,6 +59,8 @@ class TrainingPlan:
     levers: TrainingLevers | None = None
     #: A resume's changed settings, ``(field, recorded, asked)`` (only those a checkpoint can honour).
     resume_changes: tuple[tuple[str, object, object], ...] = ()
+    #: Whether the base's weights are here, and what a start would download (:func:`weights_report`).
+    weights: dict[str, object] | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -66,6 +70,7 @@ class TrainingPlan:
             },
             "family": self.family.name,
             "base": self.base.to_dict(),
+            "weights": self.weights,
             "device": self.device,
             "gpus": self.config.gpus,
             "steps": self.steps,
@@ -90,6 +95,7 @@ def preflight_training(
     available: AvailableMemory | None = None,
     *,
     allow_download: bool = True,
+    fetch: bool = True,
 ) -> TrainingPlan:
     """The plan for ``config`` on ``hardware``, or the first :class:`PreflightError`.
 
@@ -97,6 +103,9 @@ def preflight_training(
         service's figure, with its sources); its free figure replaces
         ``hardware``'s. Without it, ``hardware``'s free memory is used as is.
     :param allow_download: whether a hub base missing from the cache may be downloaded.
+    :param fetch: whether the run will be started (its base must then be here or fetchable);
+        False for a dry run, which sizes a base that is not here from the family's table,
+        downloads nothing and says so (``TrainingPlan.weights``).
     """
     resume_changes = check_resume(config)  # the checkpoint read safely, its settings kept
     available = available or available_memory(hardware)
@@ -115,7 +124,8 @@ def preflight_training(
             "needs a diffusers pipeline folder (with model_index.json) or a hub repo id",
             code="not_a_pipeline",
         )
-    _base_check(base, config.lora_targets or family.lora_targets, allow_download=allow_download)
+    _base_check(base, config.lora_targets or family.lora_targets, allow_download=allow_download, fetch=fetch)
+    config = _anchored(config, base)
     objective = registry.training_objective(family)
     if objective is None:
         raise PreflightError(f"the {family.name} plugin provides no trainer", code="not_trainable")
@@ -154,6 +164,7 @@ def preflight_training(
         gradient_checkpointing=checkpointing,
         levers=levers,
         resume_changes=resume_changes,
+        weights=weights_report(base, registry.component_sizes(family, base.checkpoint).total_gb),
         buckets=plan_buckets(
             [item.size for item in dataset.items], [item.relative for item in dataset.items],
             config.resolution, family.side_multiple, warned={name for name, _ in dataset.small},
@@ -161,11 +172,26 @@ def preflight_training(
     )
 
 
-def _base_check(base: ModelSource, targets: tuple[str, ...], *, allow_download: bool) -> None:
-    """Refuse a hub base that cannot (or may not) be had, and LoRA targets the base lacks."""
-    error = hub_access_error(base, allow_download=allow_download) or lora_target_error(base, targets)
+def _base_check(base: ModelSource, targets: tuple[str, ...], *, allow_download: bool, fetch: bool) -> None:
+    """Refuse a hub base that cannot (or may not) be had for a start, and LoRA targets the base lacks."""
+    access = hub_access_error(base, allow_download=allow_download) if fetch else None
+    error = access or lora_target_error(base, targets)
     if error is not None:
         raise error
+
+
+def _anchored(config: TrainingConfig, base: ModelSource) -> TrainingConfig:
+    """``config`` with every local path absolute (a hub base stays its repo id): the run's
+    record and ``config.toml`` then mean the same from any working directory, so
+    ``train --resume`` and ``train --config`` work wherever they are typed."""
+    update: dict[str, object] = {}
+    if base.kind != "hub":
+        update["base_model"] = str(Path(base.location).expanduser().absolute())
+    for name in ("dataset_dir", "output_dir", "prompt_cache_dir", "resume_from"):
+        value = getattr(config, name)
+        if value is not None:
+            update[name] = Path(value).expanduser().absolute()
+    return config.model_copy(update=update)
 
 
 def _output_check(config: TrainingConfig) -> None:

@@ -18,12 +18,13 @@ the terminal, a JSON field over HTTP).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from engine.policy.plan import InferenceRequest
+from engine.requests.controls import PLAN_CONTROLS, Control
 
 # -- the shared limits ------------------------------------------------------------
 
@@ -94,29 +95,33 @@ class LoraBody(Body):
 Loras = Annotated[list[LoraBody], Field(max_length=MAX_LORAS)]
 
 
-class PlanControls(Body):
+class _PlanControlsBase(Body):
     """The plan's controls; ``auto`` leaves a control to the engine (it says why)."""
 
-    dtype: Name = "auto"
-    quant: Name = "auto"
-    memory: Name = "auto"
-    attention: Name = "auto"
-    step_cache: Name = "auto"
-    compile: Name = "auto"
-    speed: Name = "default"
-    steps: Annotated[int, Field(ge=1, le=MAX_PLAN_STEPS)] | None = None
-    threads: Annotated[int, Field(ge=1, le=1024)] | None = None
-    #: none / int8 / fp8 / nvfp4 / nf4 (weight-only encoders); checked by the planner.
-    text_encoder_quant: Name = "auto"
-    #: resident / streamed (load, encode, free per prompt).
-    text_encoder_memory: Name = "auto"
-    #: on / off; auto tiles above the size the plan names.
-    vae_tiling: Name = "auto"
-    #: Reuse prompt embeddings cached on disk across loads (false: encode every call).
-    prompt_cache: bool = True
-
     def request(self) -> InferenceRequest:
-        return InferenceRequest(**self.model_dump(include=set(PlanControls.model_fields)))
+        return InferenceRequest(**self.model_dump(include=set(PLAN_FIELDS)))
+
+
+def _plan_field(control: Control) -> tuple[Any, Any]:
+    """A plan control's type and default, from its row in the control table."""
+    if control.choices:
+        return Literal[control.choices], control.default  # type: ignore[valid-type]
+    if control.field == "steps":
+        return Annotated[int, Field(ge=1, le=MAX_PLAN_STEPS)] | None, None
+    if control.field == "threads":
+        return Annotated[int, Field(ge=1, le=1024)] | None, None
+    if isinstance(control.default, bool):
+        return bool, control.default
+    return Name, control.default
+
+
+#: The plan's controls, one field per row of :data:`engine.requests.controls.PLAN_CONTROLS`.
+PLAN_FIELDS: tuple[str, ...] = tuple(c.field for c in PLAN_CONTROLS)
+PlanControls = create_model(  # type: ignore[call-overload]
+    "PlanControls", __base__=_PlanControlsBase, __module__=__name__,
+    **{c.field: _plan_field(c) for c in PLAN_CONTROLS},
+)
+PlanControls.__doc__ = _PlanControlsBase.__doc__
 
 
 class PlanBody(PlanControls):
@@ -187,6 +192,25 @@ class GenerateBody(Body):
             raise ValueError("count and seeds / prompts both set the number of images; give one")
         return self
 
+    def images(self) -> list[Any]:
+        """The images this request makes, each with its own prompt and seed
+        (:class:`~engine.policy.batch.BatchItem`, as the engine runs them)."""
+        from engine.policy.batch import batch_items
+
+        return batch_items(self.prompt, prompts=self.prompts or (), seeds=self.seeds or (), seed=self.seed,
+                           count=self.count, negative_prompt=self.negative_prompt)
+
+    def options(self) -> dict[str, object]:
+        """The keyword options of :meth:`engine.Engine.generate` this request sets (prompt and LoRAs apart)."""
+        return self.model_dump(exclude={"prompt", "loras"}, exclude_none=True)
+
+
+def lora_bodies(texts: list[str]) -> list[dict[str, object]]:
+    """``PATH[:SCALE]`` strings (the CLI's ``--lora``) as ``{"path", "scale"}`` request items."""
+    from engine.preflight.lora import lora_choices
+
+    return [{"path": c.path, "scale": c.scale} for c in lora_choices(texts)]
+
 
 # -- problems, in the caller's words ---------------------------------------------------
 
@@ -195,7 +219,7 @@ _PHRASES = (("Input should be ", "must be "), ("Value error, ", ""), ("Input ", 
 
 
 def describe_problems(
-    error: ValidationError, name_of: Callable[[tuple[int | str, ...]], str] | None = None
+    error: ValidationError | Iterable[Any], name_of: Callable[[tuple[int | str, ...]], str] | None = None
 ) -> list[str]:
     """One sentence per problem: ``NAME must be ...`` (with the value given for scalars).
 
@@ -203,7 +227,7 @@ def describe_problems(
     user typed: a ``--flag`` at the terminal; the dotted field path by default.
     """
     sentences = []
-    for problem in error.errors():
+    for problem in error.errors() if isinstance(error, ValidationError) else error:
         loc = tuple(problem.get("loc", ()))
         name = name_of(loc) if name_of is not None else ".".join(str(p) for p in loc) or "request"
         message = str(problem.get("msg", ""))

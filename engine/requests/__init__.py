@@ -1,0 +1,90 @@
+"""The request vocabulary: every record a face builds and :class:`engine.Engine` takes.
+
+- :mod:`engine.requests.controls`: the table of controls (field, flag,
+  default, choices, help, plan key), from which the CLI's flags, the request
+  models' plan fields, the docs' tables and a refusal's words come;
+- :mod:`engine.requests.bodies`: the strict request models (plan, load,
+  generate with its image inputs and LoRAs) and their shared limits;
+- :mod:`engine.requests.training`: the training run's config;
+- :mod:`engine.requests.machine`: the machine a request is decided for.
+
+The CLI and the HTTP server import the engine only through this package,
+:mod:`engine.errors` and the facade (:class:`engine.Engine`), so one request
+means one thing whichever door it came in by.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.preflight.hub import ALLOW_DOWNLOAD_ENV, download_allowed_by_env
+
+from engine.requests.bodies import (
+    MAX_COUNT,
+    MAX_LORAS,
+    MAX_PLAN_STEPS,
+    MAX_SEED,
+    MAX_SIDE,
+    MAX_STEPS,
+    MIN_SIDE,
+    PLAN_FIELDS,
+    SIDE_MULTIPLE,
+    Body,
+    Count,
+    GenerateBody,
+    Guidance,
+    LoadBody,
+    LoraBody,
+    Loras,
+    Name,
+    PathText,
+    PlanBody,
+    PlanControls,
+    Prompt,
+    Seed,
+    Side,
+    Steps,
+    describe_problems,
+    lora_bodies,
+    refuse_lone_surrogates,
+)
+from engine.requests.controls import (
+    ALL_CONTROLS,
+    FIELD_FLAGS,
+    GENERATE_CONTROLS,
+    MODEL_CONTROLS,
+    PLAN_CONTROLS,
+    PLAN_KEY_FLAGS,
+    TRAIN_CONTROLS,
+    Control,
+    in_flag_words,
+    markdown_table,
+)
+from engine.requests.machine import MachineRequest
+from engine.requests.references import IMAGE_EXTENSIONS, RUN_ADAPTER_FILES, is_hub_id, looks_like_path
+from engine.requests.training import InvalidConfig, LossWeighting, Optimizer, TrainingConfig, read_config_file
+
+
+
+def download_allowed(flag: bool = False) -> bool:
+    """The user's consent to a hub download: the flag, or ``DIFFUSION_ENGINE_ALLOW_DOWNLOAD=1``."""
+    return flag or download_allowed_by_env()
+
+
+def default_runs_dir() -> Path:
+    """The one runs folder every face uses by default: ``$DIFFUSION_ENGINE_HOME/runs``, else the
+    per-user data folder (``train``, ``runs`` and ``serve`` all read and write here)."""
+    from engine.training.records import default_runs_dir as runs_dir
+
+    return runs_dir()
+
+
+__all__ = [
+    "ALLOW_DOWNLOAD_ENV", "ALL_CONTROLS", "IMAGE_EXTENSIONS", "RUN_ADAPTER_FILES", "is_hub_id", "looks_like_path", "Body", "Control", "Count", "FIELD_FLAGS", "GENERATE_CONTROLS",
+    "GenerateBody", "Guidance", "InvalidConfig", "LoadBody", "LoraBody", "Loras", "LossWeighting",
+    "MAX_COUNT", "MAX_LORAS", "MAX_PLAN_STEPS", "MAX_SEED", "MAX_SIDE", "MAX_STEPS", "MIN_SIDE",
+    "MODEL_CONTROLS", "MachineRequest", "Name", "Optimizer", "PLAN_CONTROLS", "PLAN_FIELDS", "PLAN_KEY_FLAGS",
+    "PathText", "PlanBody", "PlanControls", "Prompt", "SIDE_MULTIPLE", "Seed", "Side", "Steps",
+    "TRAIN_CONTROLS", "TrainingConfig", "default_runs_dir", "describe_problems", "download_allowed",
+    "in_flag_words", "lora_bodies", "markdown_table", "read_config_file", "refuse_lone_surrogates",
+]

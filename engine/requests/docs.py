@@ -1,0 +1,52 @@
+"""The docs' tables of controls, generated from the control table.
+
+``python -m engine.requests.docs`` rewrites ``docs/controls.md``; a test
+checks it is current, so the docs never spell a control differently from
+the CLI and the HTTP API.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from engine.requests.controls import GENERATE_CONTROLS, MODEL_CONTROLS, PLAN_CONTROLS, TRAIN_CONTROLS, markdown_table
+
+SECTIONS = (
+    ("The model", "Every command that takes a model (`plan`, `generate`, `info`, `train` as `--base`; "
+     "`model`, `family`, `base` in the HTTP bodies) reads it the same way.", MODEL_CONTROLS),
+    ("Plan controls", "`plan` and `generate` at the terminal; `POST /v1/images/plan` and `/v1/images/load` "
+     "over HTTP; `PlanControls` / `InferenceRequest` in Python. `auto` leaves the control to the engine, "
+     "which says why it chose what it did.", PLAN_CONTROLS),
+    ("Generate", "`generate` at the terminal; `POST /v1/images/generate` over HTTP; `GenerateBody` with "
+     "`Engine.generate` in Python.", GENERATE_CONTROLS),
+    ("Training", "`train` at the terminal; `POST /v1/training/plan` and `/v1/training/start` over HTTP; "
+     "`TrainingConfig` with `Engine.plan_training` / `Engine.start_training` in Python (and a "
+     "`--config` TOML file of the same fields).", TRAIN_CONTROLS),
+)
+
+
+def render() -> str:
+    parts = [
+        "# Controls",
+        "",
+        "<!-- Generated from engine/requests/controls.py by `python -m engine.requests.docs`; do not edit. -->",
+        "",
+        "One row per control: the flag a terminal user types, the JSON field (and Python keyword) that "
+        "means the same, its default and its choices. A refusal names the flag at the terminal and the "
+        "field over HTTP.",
+    ]
+    for title, text, controls in SECTIONS:
+        parts += ["", f"## {title}", "", text, "", markdown_table(controls)]
+    return "\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    target = Path(argv[0]) if argv else Path(__file__).resolve().parents[2] / "docs" / "controls.md"
+    target.write_text(render(), encoding="utf-8")
+    print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
