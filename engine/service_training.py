@@ -51,10 +51,21 @@ class TrainingJobs:
         still needs the weights, or consent to download them)."""
         if not isinstance(config, TrainingConfig):
             config = TrainingConfig.from_data(dict(config))
-        return preflight_training(
-            self.registry, config, self.hardware(verify=True), self.available_memory(verify=True),
-            allow_download=self.allow_download, fetch=False,
-        )
+        return self._preflight(config, fetch=False)
+
+    def _preflight(self, config: TrainingConfig, *, fetch: bool) -> Any:
+        """Every training preflight, cheap first: one pass on the light probe (no torch
+        on a machine without a GPU), so a doomed run is refused in a fraction of a
+        second; then the torch-verified machine (a stub torchao, say), which can only
+        take capabilities away, and a second pass only where it did."""
+        light = self.hardware(verify=None)
+        plan = preflight_training(self.registry, config, light, self.available_memory(verify=None),
+                                  allow_download=self.allow_download, fetch=fetch)
+        verified = self.hardware(verify=True)
+        if _capabilities(verified) == _capabilities(light):
+            return plan
+        return preflight_training(self.registry, config, verified, self.available_memory(verify=True),
+                                  allow_download=self.allow_download, fetch=fetch)
 
     def start_training(
         self, config: TrainingConfig | Mapping[str, object], *, resume: str | None = None
@@ -83,10 +94,7 @@ class TrainingJobs:
             previous, checkpoint = resumable_run(self.runs_dir, resume)
             if config.resume_from is None:
                 config = config.model_copy(update={"resume_from": checkpoint})
-        plan = preflight_training(
-            self.registry, config, self.hardware(verify=True), self.available_memory(verify=True),
-            allow_download=self.allow_download,
-        )
+        plan = self._preflight(config, fetch=True)
         from engine.runtime.canary import training_canary
 
         canary = training_canary(plan)  # a scheme that breaks a real slice is refused here, before eviction
@@ -270,3 +278,8 @@ class TrainingJobs:
             raise EngineError(f"no run {run_id!r} in {self.runs_dir}; list the runs (`diffusion-engine runs`, "
                               "or GET /v1/training/runs) and pass one of their ids", code="run_not_found")
         return record
+
+
+def _capabilities(hardware: Any) -> Any:
+    """A profile without its moment-to-moment figures (free memory, swap): what a plan's rules read."""
+    return hardware.replace(free_memory_gb=None, swap_free_gb=None, source=None)

@@ -285,3 +285,63 @@ def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(
     assert record["outputs"]["checkpoint"] == str(out / "checkpoints" / kept[-1])  # type: ignore[index]
     trainer = record["pid"]
     assert not Path(f"/proc/{trainer}").exists() or "Z" in Path(f"/proc/{trainer}/stat").read_text().split()[2]
+
+
+@pytest.mark.slow
+def test_one_runs_folder_a_run_resumes_from_another_folder_and_every_face_sees_it(
+    tiny_pipeline: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A run trained with relative paths in one folder records them absolute; resumed from
+    another folder it continues; `runs`, `serve`'s default outputs and its LoRA roots (the web
+    page's lists) all see it, in the one per-user runs folder."""
+    import shutil
+
+    import httpx
+
+    from engine import Engine
+    from engine.cli.machine import serve_settings
+    from engine.cli.parser import build_parser
+    from engine.server.app import create_app
+    from tests.support import LiveServer
+
+    first_folder, other_folder, home = tmp_path / "here", tmp_path / "elsewhere", tmp_path / "home"
+    other_folder.mkdir()
+    shutil.copytree(tiny_pipeline("sdxl"), first_folder / "tiny")
+    write_dataset(first_folder / "data", count=2)
+    env = {**os.environ, "DIFFUSION_ENGINE_HOME": str(home)}
+
+    def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
+                              timeout=300, cwd=cwd, env=env)
+
+    done = cli("train", "--base", "./tiny", "--data", "./data", *TINY, "--steps", "2", "--save-every", "2",
+               "--json", cwd=first_folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(done.stdout)
+    assert Path(record["folder"]).parent == home / "runs"
+    assert record["config"]["base_model"] == str(first_folder / "tiny")
+    assert record["config"]["dataset_dir"] == str(first_folder / "data")
+
+    resumed = cli("train", "--resume", record["run_id"], "--steps", "3", "--json", cwd=other_folder)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads(resumed.stdout)["status"] == "completed" and json.loads(resumed.stdout)["step"] == 3
+    listed = json.loads(cli("runs", "--json", cwd=other_folder).stdout)
+    assert [r["run_id"] for r in listed] == [record["run_id"]]
+
+    # `serve` with no --outputs: the same folder, listed as runs and as LoRAs.
+    os.environ["DIFFUSION_ENGINE_HOME"], saved = str(home), os.environ.get("DIFFUSION_ENGINE_HOME")
+    try:
+        settings = serve_settings(build_parser().parse_args(["serve"]))
+        assert settings.output_roots == (home / "runs",)
+        engine = Engine(runs_dir=settings.output_roots[0])
+        with LiveServer(create_app(engine, settings)) as url:
+            runs = httpx.get(f"{url}/v1/training/runs", timeout=30).json()
+            one = httpx.get(f"{url}/v1/training/runs/{record['run_id']}", timeout=30).json()
+            loras = httpx.get(f"{url}/v1/roots", timeout=30).json()["loras"]
+    finally:
+        if saved is not None:
+            os.environ["DIFFUSION_ENGINE_HOME"] = saved
+    assert [r["run_id"] for r in runs] == [record["run_id"]]
+    assert one["step"] == 3 and "pytorch_lora_weights.safetensors" in one["files"]
+    assert [lo["run"] for lo in loras] == [record["run_id"]]
+    assert loras[0]["path"].endswith("pytorch_lora_weights.safetensors")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 from engine.cli.common import flag_words
 from engine.errors import EngineError
@@ -79,18 +81,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_settings(args: argparse.Namespace) -> Any:
+    """The server's settings from ``serve``'s flags (checked before anything heavy is imported
+    and before any port opens: an empty token, an unset "$TOKEN", is refused here)."""
     import os
-    from pathlib import Path
-
-    from engine.server.settings import ServerSettings, is_loopback
 
     from engine.requests import default_runs_dir
+    from engine.server.settings import ServerSettings
 
+    # One runs folder: `train` and `runs` use it too, unless --outputs says otherwise.
     outputs = Path(args.outputs) if args.outputs is not None else default_runs_dir()
-    # Checked before anything heavy is imported and before any port opens: an
-    # empty token (an unset "$TOKEN") or a public bind without one is refused.
-    settings = ServerSettings(
+    return ServerSettings(
         model_roots=tuple(Path(p) for p in args.models),
         dataset_roots=tuple(Path(p) for p in args.datasets),
         # The runs folder is a LoRA root too: a run trained here is listed and usable at once.
@@ -105,6 +106,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         bind_host=args.host,
         extra_hosts=tuple(args.allow_host),
     )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from engine.server.settings import is_loopback
+
+    settings = serve_settings(args)
+    outputs = settings.output_roots[0]
     settings.check_bind(args.host)
     try:
         import uvicorn
