@@ -10,6 +10,7 @@ must be identical, and a refusal must carry the same code at every door
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,15 @@ def _python(preset: str, model: dict[str, str], controls: dict[str, object]) -> 
     return {"plan": plan.to_dict()}
 
 
+#: Where each door's refusal messages are kept, to check their words.
+MESSAGES: dict[str, list[str]] = {"cli": [], "http": []}
+#: A request field written as the engine's messages name one (``quant=int8``).
+FIELD_SPELLING = re.compile(r"(?<![\w./-])(" + "|".join(sorted(FIELD_FLAGS, key=len, reverse=True)) + r")=\S")
+#: A flag of the control table.
+FLAG_SPELLING = re.compile(r"(?<![\w-])(" + "|".join(sorted(set(FIELD_FLAGS.values()), key=len, reverse=True))
+                           + r")(?![\w-])")
+
+
 def _cli(preset: str, model: dict[str, str], controls: dict[str, object], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     capsys.readouterr()
     code = main(["plan", "--json", "--hardware", preset, *_flags(model), *_flags(controls)])
@@ -102,6 +112,7 @@ def _cli(preset: str, model: dict[str, str], controls: dict[str, object], capsys
     if code != 0:
         if not out.strip():  # argparse's own refusals (usage) print no JSON
             return {"error": "usage"}
+        MESSAGES["cli"].append(json.loads(out)["error"]["message"])
         return {"error": json.loads(out)["error"]["code"]}
     return {"plan": json.loads(out)["plan"]}
 
@@ -110,6 +121,7 @@ def _http(url: str, model: dict[str, str], controls: dict[str, object]) -> dict[
     response = httpx.post(f"{url}/v1/images/plan", json={**model, **controls}, timeout=60)
     body = response.json()
     if response.status_code != 200:
+        MESSAGES["http"].append(body["error"]["message"])
         return {"error": body["error"]["code"]}
     return {"plan": body}
 
@@ -140,6 +152,11 @@ def test_plans_and_refusals_are_the_same_through_every_door(
     # The refusals a plan can give without a GPU were all reached, and agreed on.
     assert {"invalid_request", "family_mismatch", "family_unknown", "model_not_found",
             "fp16_unsafe"} <= refusals, refusals
+    # Each door in its own words: the terminal names flags, never a field=value; HTTP names
+    # JSON fields, never a flag.
+    assert MESSAGES["cli"] and MESSAGES["http"]
+    assert [m for m in MESSAGES["cli"] if FIELD_SPELLING.search(m)] == []
+    assert [m for m in MESSAGES["http"] if FLAG_SPELLING.search(m)] == []
 
 
 def test_training_dry_runs_are_the_same_through_every_door(

@@ -37,7 +37,7 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
         known = sorted(c for f in registry.families.values() for c in f.pipeline_class_names)
         raise NotAPipeline(
             f"{folder}/model_index.json names pipeline class {class_name!r}, which no installed "
-            f"family plugin handles (known: {', '.join(known)}); pass --family or install its plugin",
+            f"family plugin handles (known: {', '.join(known)}); give family=NAME or install its plugin",
             code="family_unknown",
         )
     components = {

@@ -145,7 +145,7 @@ def read_lora(choice: LoraChoice) -> LoraFile:
     if not ranks:
         raise PreflightError(
             f"{path} holds no LoRA matrices (no lora_A / lora_down keys); is it a full checkpoint? "
-            "Load full checkpoints with --model",
+            "Load full checkpoints as model=PATH",
             code="invalid_lora",
         )
     return LoraFile(

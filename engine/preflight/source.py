@@ -83,7 +83,7 @@ class ModelSource:
 def unknown_family(registry: Registry, what: str) -> EngineError:
     """The refusal for a model whose family neither its files nor its name tell."""
     return EngineError(
-        f"could not tell the model family of {what}; pass --family "
+        f"could not tell the model family of {what}; give family=NAME "
         f"({', '.join(registry.families)})",
         code="family_unknown",
     )
