@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from info_latency import wall  # bench/ is on sys.path when a script in it runs
+
 #: Set in the child: print whether torch was imported when the process ends.
 PROBE = ("import atexit, sys; atexit.register(lambda: sys.stderr.write("
          "'\\ntorch-imported=%s\\n' % ('torch' in sys.modules))); "
@@ -60,12 +62,6 @@ def run(args: list[str]) -> tuple[float, str, bool]:
     code = next((line.split("]")[0].removeprefix("error[") for line in done.stderr.splitlines()
                  if line.startswith("error[")), f"exit {done.returncode}")
     return seconds, code, "torch-imported=True" in done.stderr
-
-
-def wall(command: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
 
 
 def main() -> None:

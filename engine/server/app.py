@@ -42,15 +42,8 @@ from starlette.exceptions import HTTPException
 from engine import __version__
 from engine.errors import EngineError
 from engine.server import responses
-from engine.server.bodies import (
-    GenerateBody,
-    LoadBody,
-    LoraBody,
-    OpenAIImagesBody,
-    PlanBody,
-    StopBody,
-    TrainingStartBody,
-)
+from engine.requests import GenerateBody, LoadBody, LoraBody, PlanBody
+from engine.server.bodies import OpenAIImagesBody, StopBody, TrainingStartBody
 from engine.server.browse import browse_router
 from engine.server.edits import read_edit_form
 from engine.server.guard import Guard

@@ -1,7 +1,8 @@
 """Request bodies: strict JSON types, bounded sizes, one definition of the limits.
 
 The shared models and limits live in :mod:`engine.requests` (the CLI
-validates with them too); this module adds the HTTP-only bodies. Every body
+validates with them too; the routes import them from there); this module
+adds the HTTP-only bodies. Every body
 is strict (``true`` is not a step count, ``"3"`` is not an int),
 refuses lone surrogates anywhere in its JSON (they cannot be encoded as
 UTF-8: tokenizers, paths and responses would fail on them later), and bounds
@@ -26,30 +27,18 @@ from pydantic import (
     model_validator,
 )
 
-# The request models and limits are the engine's (the CLI builds the same
-# ones); re-exported here so the server's routes read as before.
-from engine.requests import (  # noqa: F401  (re-exports)
-    MAX_COUNT,
+from engine.requests import (
     MAX_SIDE,
-    MAX_STEPS,
     MIN_SIDE,
     SIDE_MULTIPLE,
     Body,
     Count,
-    GenerateBody,
-    LoadBody,
-    LoraBody,
     Loras,
-    Name,
-    PathText,
-    PlanBody,
-    PlanControls,
     Prompt,
     Side,
-    Steps,
+    TrainingConfig,
     refuse_lone_surrogates,
 )
-from engine.requests import TrainingConfig
 
 _SIDE = TypeAdapter(Side)
 _CONFIG_FIELDS = TrainingConfig.model_fields

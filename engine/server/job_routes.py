@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.errors import EngineError
 from engine.server import responses
-from engine.server.bodies import GenerateBody
+from engine.requests import GenerateBody
 from engine.server.events import event_stream, job_events, training_events
 from engine.server.jobs import Job, JobQueue, QueueFull, job_options
 
