@@ -8,6 +8,7 @@ one field mapping there; the command functions live in their own modules.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from engine import __version__
@@ -125,6 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Renamed(argparse.Action):
+    """A flag an earlier release spelled differently: still taken, with a warning naming today's."""
+
+    def __init__(self, *args: object, new: str, **kwargs: object) -> None:
+        self.new = new
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"warning[deprecated]: {option_string} is now {self.new}; the old name will be removed "
+              "in a later release", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def _seed_list(text: str) -> list[int]:
     """``"1,2,3"`` -> ``[1, 2, 3]`` (argparse reports a ValueError as a usage error naming the flag)."""
     return [int(part) for part in text.split(",") if part.strip()]
@@ -155,7 +170,8 @@ def _add_model_args(parser: argparse.ArgumentParser, *, tiny: bool) -> None:
                            "(64 px, 4 steps unless you say otherwise)")
     group.add_argument(rows["family"].flag, **rows["family"].argparse_kwargs())  # type: ignore[arg-type]
     # The name earlier releases gave the model's family on plan and generate.
-    group.add_argument("--model-family", dest="family", help=argparse.SUPPRESS)
+    group.add_argument("--model-family", dest="family", help=argparse.SUPPRESS, action=_Renamed,
+                       new="--family")
     if not tiny:
         group.add_argument(rows["checkpoint"].flag, **rows["checkpoint"].argparse_kwargs())  # type: ignore[arg-type]
     group.add_argument(rows["base"].flag, **rows["base"].argparse_kwargs())  # type: ignore[arg-type]
