@@ -11,17 +11,31 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from engine.error_catalogue import status_of
+
 
 class EngineError(Exception):
-    """Base of every refusal. ``code`` is stable; ``message`` is for people."""
+    """Base of every refusal. ``code`` is stable; ``message`` is for people.
+
+    Every code and its HTTP status are listed in :mod:`engine.error_catalogue`
+    (``docs/errors.md``); :attr:`status` reads it. A plugin's own code, not
+    listed there, gets its class's ``http_status`` (400 unless the class says).
+    """
 
     code: str = "engine_error"
+    #: The HTTP status of a code the catalogue does not list.
+    http_status: int = 400
 
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
+
+    @property
+    def status(self) -> int:
+        """The HTTP status the server answers this error with (the catalogue's, by code)."""
+        return status_of(self.code, self.http_status)
 
     def to_dict(self) -> dict[str, str]:
         return {"code": self.code, "message": self.message}
@@ -31,6 +45,7 @@ class UnknownName(EngineError):
     """A name (family, preset, checkpoint...) that is not one of the valid ones."""
 
     code = "unknown_name"
+    http_status = 404
 
     def __init__(self, kind: str, name: str, valid: Iterable[str]) -> None:
         self.kind = kind
@@ -72,6 +87,7 @@ class Busy(EngineError):
     """Another job holds the engine; try again when it is done."""
 
     code = "busy"
+    http_status = 409
 
 
 class Cancelled(EngineError):

@@ -30,7 +30,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".ckpt")
 
 
 class RunFileNotFound(EngineError):
-    """No such run, or no such file in it (a 404: its codes are in ``responses.NOT_FOUND``)."""
+    """No such run, or no such file in it (a 404: see ``docs/errors.md``)."""
 
 
 def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:

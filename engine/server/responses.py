@@ -18,8 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from engine.errors import Busy, EngineError, UnknownName
-from engine.requests import InvalidConfig
+from engine.errors import EngineError
 from engine.requests import describe_problems as sentences_of
 
 #: The most characters of any one input (a run without whitespace) a message echoes.
@@ -29,12 +28,6 @@ MESSAGE_LIMIT = 1000
 #: Validation problems listed in one 422 message; the rest are counted.
 PROBLEMS_LISTED = 5
 
-NOT_FOUND = {"unknown_family", "unknown_preset", "unknown_checkpoint", "model_not_found", "dataset_not_found",
-             "lora_not_found", "run_not_found", "job_not_found", "unknown_run", "unknown_run_file"}
-CONFLICT = {"busy", "not_loaded", "not_training", "run_in_progress", "no_checkpoint", "model_changed"}
-UNPROCESSABLE = {"invalid_config", "invalid_request", "invalid_path"}
-#: The client went away and its job was stopped (nginx's "client closed request").
-CLIENT_CLOSED = 499
 
 HTTP_CODES = {
     400: "bad_request",
@@ -76,17 +69,8 @@ def error_bytes(code: str, message: str) -> bytes:
 
 
 def status_for(error: EngineError) -> int:
-    if error.code == "unauthorized":
-        return 401
-    if error.code == "cancelled":
-        return CLIENT_CLOSED
-    if isinstance(error, Busy) or error.code in CONFLICT:
-        return 409
-    if isinstance(error, UnknownName) or error.code in NOT_FOUND:
-        return 404
-    if isinstance(error, InvalidConfig) or error.code in UNPROCESSABLE:
-        return 422
-    return 400
+    """The error's own HTTP status, from the error catalogue (``docs/errors.md``)."""
+    return error.status
 
 
 async def engine_error(_: Request, error: EngineError) -> JSONResponse:

@@ -1,0 +1,237 @@
+"""Every error code the engine can give: its HTTP status and what it means.
+
+The codes are stable between releases (UIs and HTTP clients switch on them);
+this table is their one home. :attr:`engine.errors.EngineError.status`
+reads a refusal's HTTP status from it, the server answers with that status,
+``docs/errors.md`` is generated from it (``python -m engine.error_catalogue``),
+and a test checks that every code raised anywhere in the engine, the
+built-in families and the example plugin has a row here, once.
+
+A plugin raising a code of its own gets 400 unless its error class says
+otherwise (``status`` on the class).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class ErrorCode:
+    code: str
+    #: The HTTP status the server answers with.
+    status: int
+    #: What went wrong, for the docs (the error's own message says which file or flag).
+    meaning: str
+    #: Where it comes from: a refusal before anything loads, a failure while running, the server.
+    when: str = "refused before anything loads"
+
+
+_RUNTIME = "while loading, generating or training (the job reports it)"
+_SERVER = "by the HTTP server, before the engine sees the request"
+_RUN = "in a run's record (`runs show`, `GET /v1/training/runs`)"
+
+_ROWS: tuple[ErrorCode, ...] = (
+    # -- the request itself (422) --------------------------------------------------------
+    ErrorCode("invalid_request", 422, "A value is out of its bounds, of the wrong type or not one of its choices; "
+              "the message names the flag (terminal) or the JSON field (HTTP)."),
+    ErrorCode("invalid_config", 422, "A training config (flags, `--config` file or HTTP body) is incomplete or "
+              "holds a value the trainer cannot take."),
+    ErrorCode("invalid_path", 422, "A path no file system call could take: a NUL byte, not valid Unicode, or "
+              "longer than the system's limits."),
+    ErrorCode("invalid_base_precision", 400, "`base_precision` is not one of the training precisions."),
+    ErrorCode("invalid_device", 400, "`device` is not one of auto, cuda, cpu."),
+    ErrorCode("invalid_dtype", 400, "`dtype` is not one of auto, bf16, fp16, fp32."),
+    ErrorCode("invalid_memory_mode", 400, "`memory` is not one of the memory modes."),
+    ErrorCode("invalid_image", 400, "An input image (img2img, mask, control, edit, dataset) is missing, not an "
+              "image, or beyond the caps (8192 x 8192 px, 256 MB)."),
+    ErrorCode("invalid_lora", 400, "A LoRA file holds no LoRA matrices (a full checkpoint, say)."),
+    ErrorCode("incompatible_options", 400, "Two options that cannot run together (a quant scheme with a memory "
+              "mode, compile with a LoRA mode...); the message names the pair."),
+    ErrorCode("incompatible_plan", 400, "A control asked for explicitly conflicts with another explicit one."),
+    ErrorCode("overridden", 400, "`--strict`: the engine would override a value given explicitly."),
+    ErrorCode("output_exists", 400, "The output file or run folder already holds something; choose another or "
+              "pass `--overwrite`."),
+    ErrorCode("base_required", 400, "A single denoiser file or GGUF needs a base pipeline for its text encoders "
+              "and VAE (`--base`, `base`)."),
+    ErrorCode("base_precision_not_applicable", 400, "The family's trainer holds its base in the training dtype; "
+              "an explicit base precision does not apply."),
+    ErrorCode("unsupported_workflow", 400, "The loaded checkpoint does not serve this workflow (img2img, "
+              "inpaint, edit, ControlNet)."),
+    ErrorCode("not_applicable", 400, "The request does not apply to what is loaded."),
+    ErrorCode("empty_token", 400, "`serve --token` (or `DIFFUSION_ENGINE_TOKEN`) is set but empty."),
+    ErrorCode("insecure_server", 400, "`serve --host` beyond loopback without a token (pass one, or "
+              "`--insecure-no-token`)."),
+    ErrorCode("missing_extra", 400, "A command needs an optional extra that is not installed "
+              "(`pip install -e '.[server]'`)."),
+    # -- names and paths that are not there (404) -----------------------------------------
+    ErrorCode("unknown_name", 404, "A name that is not one of the valid ones."),
+    ErrorCode("unknown_family", 404, "No installed family has this name or alias (`diffusion-engine families`)."),
+    ErrorCode("unknown_checkpoint", 404, "The family has no checkpoint of this name."),
+    ErrorCode("unknown_preset", 404, "No hardware preset has this name (the message lists them)."),
+    ErrorCode("model_not_found", 404, "The model path does not exist, and it is neither a hub repo id nor a "
+              "checkpoint name."),
+    ErrorCode("dataset_not_found", 404, "The dataset folder does not exist."),
+    ErrorCode("lora_not_found", 404, "The LoRA file (or run folder) does not exist."),
+    ErrorCode("run_not_found", 404, "No run of this id in the runs folder, and no run folder at that path."),
+    ErrorCode("unknown_run", 404, "The server's runs folder holds no run of this id.", _SERVER),
+    ErrorCode("unknown_run_file", 404, "The run holds no such file.", _SERVER),
+    ErrorCode("job_not_found", 404, "No generate job of this id (it finished long ago, or never was).", _SERVER),
+    ErrorCode("model_file_missing", 400, "A pipeline folder lacks a component its model_index.json lists."),
+    ErrorCode("no_tiny_pipeline", 400, "The family provides no tiny pipeline builder."),
+    # -- what the model is -----------------------------------------------------------------
+    ErrorCode("not_a_pipeline", 400, "A folder that is neither a diffusers pipeline nor a single-file "
+              "checkpoint, or a training base that is not a pipeline."),
+    ErrorCode("corrupt_checkpoint", 400, "A weights file is truncated or its header is broken "
+              "(an interrupted download)."),
+    ErrorCode("family_unknown", 400, "The model's family cannot be told from its files or name; give `--family`."),
+    ErrorCode("family_mismatch", 400, "The family given disagrees with the model's own files."),
+    ErrorCode("gguf_unsupported", 400, "The family cannot load a GGUF transformer (the message says why)."),
+    ErrorCode("unsupported_encoder_checkpoint", 400, "A text encoder stored in a form the engine cannot load."),
+    ErrorCode("prequantised_base", 400, "A pre-quantised base cannot be trained in the precision asked for."),
+    ErrorCode("hub_offline", 400, "A hub model that is not in the local cache, and the hub is offline "
+              "(`HF_HUB_OFFLINE`) or does not answer."),
+    ErrorCode("download_not_allowed", 400, "A hub model that is not in the local cache, and no consent to "
+              "download it (`--allow-download`, `serve --allow-hub`, `Engine(allow_download=True)`)."),
+    ErrorCode("hub_not_allowed", 400, "A hub id or checkpoint name sent to a server started without `--allow-hub`."),
+    ErrorCode("path_outside_roots", 400, "A path outside the server's configured roots (`..`, an absolute path "
+              "elsewhere, a symlink leading out).", _SERVER),
+    ErrorCode("path_outside_root", 400, "A dataset file (image or caption) that is a symlink leading out of "
+              "the dataset folder."),
+    # -- what the machine can do -----------------------------------------------------------
+    ErrorCode("bf16_unsupported", 400, "bf16 asked for on a device without native bf16 (a T4, a V100)."),
+    ErrorCode("fp16_unsafe", 400, "fp16 compute renders black or fails for this family."),
+    ErrorCode("fp16_on_bf16_family", 400, "fp16 mixed precision for a family whose trainer computes in bf16."),
+    ErrorCode("no_safe_dtype", 400, "No compute dtype this device runs is safe for this family."),
+    ErrorCode("no_native_bf16", 400, "The family trains in bf16 and the device has no native bf16."),
+    ErrorCode("needs_cuda", 400, "The request needs a CUDA GPU (pass `--device cpu` to train slowly on the CPU)."),
+    ErrorCode("not_enough_gpus", 400, "`--gpus N` asks for more GPUs than the machine has."),
+    ErrorCode("quant_denied", 400, "The family's table denies this quantisation scheme for this purpose, "
+              "with the measured reason."),
+    ErrorCode("fp8_unsupported", 400, "fp8 needs an Ada / Hopper or newer GPU (sm89+) and a working torchao."),
+    ErrorCode("mxfp8_unsupported", 400, "mxfp8 needs a Blackwell GPU (sm100+) and a working torchao."),
+    ErrorCode("torchao_unavailable", 400, "int8 / fp8 asked for, and torchao is missing or a stub."),
+    ErrorCode("bitsandbytes_unavailable", 400, "nf4 (or 8-bit AdamW) asked for, and bitsandbytes cannot run here."),
+    ErrorCode("optimizer_unavailable", 400, "The optimizer asked for cannot run here (8-bit AdamW needs CUDA and "
+              "bitsandbytes)."),
+    ErrorCode("insufficient_memory", 400, "The job would not fit in the memory this device has, even after "
+              "evicting the residents; the message lists what would fit."),
+    ErrorCode("does_not_fit", 400, "No plan fits the device's memory."),
+    ErrorCode("not_trainable", 400, "The family's plugin provides no trainer."),
+    # -- datasets and LoRAs ---------------------------------------------------------------
+    ErrorCode("bad_dataset", 400, "A dataset image cannot be decoded, or a caption cannot be read."),
+    ErrorCode("empty_dataset", 400, "The dataset folder holds no images."),
+    ErrorCode("small_images", 400, "`--strict`: images under half the training resolution."),
+    ErrorCode("lora_unreadable", 400, "A LoRA file's header cannot be read (truncated, not safetensors)."),
+    ErrorCode("lora_not_finite", 400, "A LoRA file holds NaN or infinite weights."),
+    ErrorCode("lora_mismatch", 400, "A LoRA's keys do not land on the model's modules (a LoRA for another "
+              "model; the message says which family it looks like)."),
+    ErrorCode("unknown_lora_target", 400, "A LoRA target names no layer of the denoiser."),
+    # -- training runs ----------------------------------------------------------------------
+    ErrorCode("checkpoint_unreadable", 400, "A checkpoint to resume from is missing, malformed or not a "
+              "`step-N` folder; it is never unpickled."),
+    ErrorCode("resume_mismatch", 400, "The resumed run's recorded settings disagree with the config in a way "
+              "a checkpoint cannot honour."),
+    ErrorCode("no_checkpoint", 409, "The run to resume wrote no checkpoint."),
+    ErrorCode("run_in_progress", 409, "A training run is in progress (in this engine, or another process holds "
+              "the runs folder's lock)."),
+    ErrorCode("not_training", 409, "No training run is in progress to stop, cancel or wait for."),
+    ErrorCode("trainer_machine_mismatch", 400, "The trainer child found another machine than the plan was made "
+              "for.", _RUN),
+    ErrorCode("ranks_diverged", 400, "The ranks of a multi-GPU run hold different LoRAs.", _RUN),
+    ErrorCode("non_finite_loss", 400, "The loss became NaN or infinite; the run stopped before it touched the "
+              "LoRA, keeping the last checkpoint.", _RUN),
+    ErrorCode("trainer_gone", 400, "The trainer process is gone without a final record (killed, or the "
+              "machine restarted).", _RUN),
+    ErrorCode("trainer_died", 500, "The trainer process ended without finishing (killed by a signal, or "
+              "an exit code); the last checkpoint is kept.", _RUN),
+    ErrorCode("trainer_crashed", 500, "The trainer process failed; its record holds the traceback.", _RUN),
+    ErrorCode("trainer_start_failed", 500, "The trainer process could not be started.", _RUN),
+    ErrorCode("watcher_failed", 500, "The engine could not follow the run; the trainer was stopped.", _RUN),
+    ErrorCode("disk_full", 507, "A write failed: the disk is full.", _RUN),
+    ErrorCode("write_failed", 500, "A write failed (permissions, a read-only file system).", _RUN),
+    # -- jobs and the engine's state (409) ---------------------------------------------------
+    ErrorCode("busy", 409, "Another job holds the engine (a load, a generate, a training run); try again when "
+              "it is done.", _RUNTIME),
+    ErrorCode("not_loaded", 409, "No image pipeline is loaded; load one first.", _RUNTIME),
+    ErrorCode("model_changed", 409, "The loaded model changed while the job waited in the queue.", _RUNTIME),
+    ErrorCode("cancelled", 499, "The generate was cancelled (its client went away, or a cancel was asked for).",
+              _RUNTIME),
+    # -- while running ----------------------------------------------------------------------
+    ErrorCode("load_failed", 500, "The pipeline could not be loaded.", _RUNTIME),
+    ErrorCode("placement_failed", 500, "The memory plan could not be applied to the loaded pipeline.", _RUNTIME),
+    ErrorCode("quantisation_failed", 500, "The quantised build failed and no fallback was possible.", _RUNTIME),
+    ErrorCode("canary_failed", 400, "A quantised slice of the model produced non-finite or wrong output on this "
+              "machine; refused before eviction.", _RUNTIME),
+    ErrorCode("evict_failed", 500, "A resident model could not be evicted.", _RUNTIME),
+    ErrorCode("lora_load_failed", 500, "A LoRA could not be applied to the loaded pipeline.", _RUNTIME),
+    ErrorCode("lora_adapter_failed", 500, "A LoRA adapter could not be set on the loaded pipeline.", _RUNTIME),
+    ErrorCode("hardware_probe_failed", 500, "The machine could not be probed.", _RUNTIME),
+    ErrorCode("internal_error", 500, "A failure the engine did not expect; the server logs it.", _RUNTIME),
+    ErrorCode("engine_error", 400, "An engine error without a more specific code.", _RUNTIME),
+    ErrorCode("preflight_failed", 400, "A preflight refusal without a more specific code."),
+    # -- plugins ----------------------------------------------------------------------------
+    ErrorCode("plugin_error", 500, "A plugin broke the contract (strict mode)."),
+    ErrorCode("plugin_load_failed", 500, "A plugin could not be imported (listed by `families`)."),
+    ErrorCode("plugin_object_missing", 500, "A plugin's entry point names an object that is not there."),
+    ErrorCode("family_conflict", 500, "Two plugins claim the same family name or alias."),
+    # -- the HTTP server ---------------------------------------------------------------------
+    ErrorCode("unauthorized", 401, "A bearer token is required and was missing or wrong.", _SERVER),
+    ErrorCode("token_required", 400, "`serve --host` beyond loopback without a token: give `--token`, bind "
+              "127.0.0.1, or pass `--insecure-no-token`.", "when the server starts"),
+    ErrorCode("host_not_allowed", 403, "The Host header names the server by a name it does not answer to "
+              "(DNS rebinding); `serve --allow-host NAME`.", _SERVER),
+    ErrorCode("cross_origin_refused", 403, "A browser request from another origin to a tokenless server.",
+              _SERVER),
+    ErrorCode("bad_request", 400, "A request the server cannot read (duplicate headers, say).", _SERVER),
+    ErrorCode("not_found", 404, "No such route.", _SERVER),
+    ErrorCode("method_not_allowed", 405, "The route does not take this method.", _SERVER),
+    ErrorCode("body_too_large", 413, "The request body is larger than `serve --max-body-mb`.", _SERVER),
+    ErrorCode("unsupported_media_type", 415, "A tokenless POST that is not JSON.", _SERVER),
+    ErrorCode("queue_full", 429, "The generate queue is full; retry after `Retry-After` seconds.", _SERVER),
+    ErrorCode("http_error", 400, "Another HTTP-level refusal.", _SERVER),
+)
+
+#: Code -> its row.
+CATALOGUE: Mapping[str, ErrorCode] = MappingProxyType({row.code: row for row in _ROWS})
+
+
+def status_of(code: str, default: int = 400) -> int:
+    """The HTTP status of ``code`` (``default`` for a code a plugin made up)."""
+    row = CATALOGUE.get(code)
+    return row.status if row is not None else default
+
+
+def render() -> str:
+    """``docs/errors.md``: every code, its status and meaning, by HTTP status."""
+    lines = [
+        "# Error codes",
+        "",
+        "<!-- Generated from engine/error_catalogue.py by `python -m engine.error_catalogue`; do not edit. -->",
+        "",
+        "Every refusal and failure carries a stable `code` (switch on it; the message is for people and "
+        "names the file, flag or field at fault). The CLI prints `error[code]: message` and exits 2; the "
+        "HTTP API answers `{\"error\": {\"code\", \"message\"}}` with the status below; Python raises "
+        "`engine.errors.EngineError` (its `.code`, `.message` and `.status`).",
+        "",
+        "| code | HTTP | when | meaning |",
+        "|---|---|---|---|",
+    ]
+    for row in sorted(_ROWS, key=lambda r: (r.status, r.code)):
+        lines.append(f"| `{row.code}` | {row.status} | {row.when} | {row.meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    target = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+    target.write_text(render(), encoding="utf-8")
+    print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
