@@ -72,6 +72,7 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("unknown_name", 404, "A name that is not one of the valid ones."),
     ErrorCode("unknown_family", 404, "No installed family has this name or alias (`diffusion-engine families`)."),
     ErrorCode("unknown_checkpoint", 404, "The family has no checkpoint of this name."),
+    ErrorCode("unknown_hook", 404, "No hook of the plugin contract has this name (`families --hook`)."),
     ErrorCode("unknown_preset", 404, "No hardware preset has this name (the message lists them)."),
     ErrorCode("model_not_found", 404, "The model path does not exist, and it is neither a hub repo id nor a "
               "checkpoint name."),

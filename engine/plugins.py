@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from engine.hardware.profile import HardwareProfile
 
 STRICT_ENV = "DIFFUSION_ENGINE_STRICT_PLUGINS"
+#: Set to 1 to log, on stderr, which plugin answered each hook call.
+TRACE_ENV = "DIFFUSION_ENGINE_TRACE_PLUGINS"
 BLOCK_ENV = "DIFFUSION_ENGINE_BLOCK_PLUGINS"
 TABLE_PLUGIN_NAME = "engine.table_plugin"
 
@@ -66,6 +69,22 @@ class Registry:
             return self.families[canonical]
         except KeyError:
             raise UnknownName("family", name, self.families) from None
+
+    def hook_implementations(self, hook: str) -> list[dict[str, object]]:
+        """The plugins implementing ``hook``, in the order pluggy calls them (the first
+        that answers a ``firstresult`` hook wins); :class:`UnknownName` for no such hook."""
+        caller = getattr(self._pm.hook, hook, None)
+        if caller is None or not hook.startswith("engine_"):
+            names = [n for n in dir(self._pm.hook) if n.startswith("engine_")]
+            raise UnknownName("hook", hook, names)
+        packages = {p.name: (p.package, p.version) for p in self.plugins}
+        return [
+            {"plugin": impl.plugin_name, "package": packages.get(impl.plugin_name, ("?", ""))[0],
+             "version": packages.get(impl.plugin_name, ("?", ""))[1],
+             "order": "tryfirst" if impl.tryfirst else "trylast" if impl.trylast else "normal",
+             "firstresult": bool(caller.spec and caller.spec.opts.get("firstresult"))}
+            for impl in reversed(caller.get_hookimpls())
+        ]
 
     def family_for_pipeline_class(self, class_name: str) -> FamilySpec | None:
         """The family whose pipelines have ``model_index.json`` ``_class_name``."""
@@ -231,6 +250,8 @@ def load_registry(
         for spec in families.values()
         for alias in spec.aliases
     }
+    if env.get(TRACE_ENV, "") not in ("", "0", "false"):
+        _trace_answers(loading)
     return Registry(
         families=MappingProxyType(dict(sorted(families.items()))),
         plugins=_plugin_infos(loading, owners),
@@ -299,6 +320,37 @@ def _collect_families(loading: _Loading) -> tuple[dict[str, FamilySpec], dict[st
         except Exception as exc:  # a plugin's own bug is its error, not the host's
             loading.fail(plugin_name, package, exc)
     return families, owners
+
+
+def _trace_answers(loading: _Loading, write: Callable[[str], object] | None = None) -> None:
+    """Log every hook call's answer: which plugin (and package) returned it.
+
+    A ``firstresult`` hook is answered by the first implementation that
+    returns something (pluggy calls them newest-first, ``trylast`` ones
+    last), so a third-party plugin that overrides a table answer shows up
+    here by name; a collected hook lists every plugin that added to it.
+    """
+    out = write or (lambda line: print(line, file=sys.stderr))
+    for plugin in loading.pm.get_plugins():
+        for caller in loading.pm.get_hookcallers(plugin) or []:
+            for impl in caller.get_hookimpls():
+                if impl.plugin is not plugin or getattr(impl.function, "__traced__", False):
+                    continue
+                package, version = loading.packages.get(impl.plugin_name, ("?", ""))
+                impl.function = _traced(impl.function, caller.name, f"{impl.plugin_name} ({package} {version})".strip(), out)
+
+
+def _traced(function: Callable[..., object], hook: str, who: str,
+            write: Callable[[str], object]) -> Callable[..., object]:
+    def traced(*args: object, **kwargs: object) -> object:
+        result = function(*args, **kwargs)
+        if result is not None:
+            shown = repr(result)
+            write(f"trace[plugins]: {hook} answered by {who}: {shown[:120]}{'...' if len(shown) > 120 else ''}")
+        return result
+
+    traced.__traced__ = True  # type: ignore[attr-defined]
+    return traced
 
 
 def _plugin_infos(loading: _Loading, owners: Mapping[str, str]) -> tuple[PluginInfo, ...]:

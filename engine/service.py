@@ -149,6 +149,10 @@ class Engine(TrainingJobs):
         spec = self.registry.family(name)
         return next(row for row in self.families() if row["name"] == spec.name)
 
+    def hook_implementations(self, hook: str) -> list[dict[str, object]]:
+        """Which plugins implement ``hook``, in the order they are asked (``families --hook``)."""
+        return self.registry.hook_implementations(hook)
+
     def plugins(self, *, builtin: bool = True) -> dict[str, list[dict[str, object]]]:
         """The plugins that loaded (the engine's own built-in one with ``builtin``) and those that failed."""
         return {

@@ -22,6 +22,8 @@ def cmd_families(args: argparse.Namespace) -> int:
     from engine import Engine
 
     engine = Engine()
+    if args.hook:
+        return _hook_report(engine, args.hook, as_json=args.json)
     families = engine.families()
     plugins = engine.plugins(builtin=args.all)
     if args.json:
@@ -35,6 +37,21 @@ def cmd_families(args: argparse.Namespace) -> int:
         print(f"{family['name']:<22} checkpoints (--model NAME): {', '.join(family['checkpoints'])}")  # type: ignore[arg-type]
     for error in plugins["errors"]:
         print(f"{error['plugin']:<22} {error['package']}  FAILED TO LOAD: {error['error']}")
+    return 0
+
+
+def _hook_report(engine: Any, hook: str, *, as_json: bool) -> int:
+    """``families --hook NAME``: who implements it, in the order they are asked."""
+    rows = engine.hook_implementations(hook)
+    if as_json:
+        print(json.dumps({"hook": hook, "implementations": rows}, indent=2))
+        return 0
+    kind = "firstresult: the first answer wins" if rows and rows[0]["firstresult"] else "every answer is collected"
+    print(f"{hook} ({kind}); asked in this order:")
+    for row in rows:
+        print(f"  {row['plugin']:<24} {row['package']} {row['version']}  ({row['order']})")
+    if not rows:
+        print("  (no plugin implements it)")
     return 0
 
 

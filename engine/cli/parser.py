@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     families = commands.add_parser("families", help="list model-family plugins and their checkpoints")
     families.add_argument("--all", action="store_true", help="include the engine's built-in plugin")
+    families.add_argument("--hook", metavar="NAME", help="which plugins implement hook NAME, in the order "
+                          "they are asked (set DIFFUSION_ENGINE_TRACE_PLUGINS=1 to log who answers each call)")
     _common(families)
     families.set_defaults(run=machine.cmd_families)
 
