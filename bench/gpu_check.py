@@ -222,7 +222,7 @@ def all_cases(registry: Registry, families: list[str]) -> list[Case]:
     cases: list[Case] = []
     for family_name in families:
         family = registry.family(family_name)
-        training = TRAINING_PATHS if family.base_precision_applies else SINGLE_MODE_TRAINING
+        training = TRAINING_PATHS if family.training.base_precision_applies else SINGLE_MODE_TRAINING
         for path, mode, compiled, static, rank in training:
             if static and family_name not in SPEC_DYNAMIC:
                 rank = 14  # the spec has a static-vs-dynamic figure for its families only

@@ -402,7 +402,7 @@ def _build(
         model = getattr(diffusers, d.model_class).from_config(config)
         model.requires_grad_(False)
         model.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, lora_dropout=0.0, init_lora_weights="gaussian",
-                                     target_modules=list(d.spec.lora_targets)))
+                                     target_modules=list(d.spec.lora.targets)))
     finally:
         torch.set_default_dtype(previous)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -437,7 +437,7 @@ def measure_step(
         cond.pop("prompt_embeds_mask", None)
         if "cap_lens" in cond:
             cond["cap_lens"] = SimpleNamespace(tolist=lambda: [text])  # type: ignore[assignment]
-        flow = d.spec.training_objective.prediction == "flow_matching"  # type: ignore[union-attr]
+        flow = d.spec.training.objective.prediction == "flow_matching"  # type: ignore[union-attr]
 
         def step(tracker: LiveBytes | None) -> None:
             x0 = torch.randn(1, d.latent_channels, side, side, dtype=dtype)
@@ -597,7 +597,7 @@ def full_lora_targets(d: Denoiser) -> tuple[LoraTargetShape, ...]:
     with torch.device("meta"):
         model = getattr(diffusers, d.model_class).from_config(_config(d, {}))
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    return lora_target_shapes(shapes, d.spec.lora_targets)
+    return lora_target_shapes(shapes, d.spec.lora.targets)
 
 
 def derive(d: Denoiser, resolutions: tuple[int, ...], log: Callable[[str], None]) -> TrainingMemoryFigures:
@@ -700,10 +700,10 @@ def estimate_for(d: Denoiser, config: dict[str, Any], m: Measured, extra: dict[s
     this model's block count, prompt length and LoRA target shapes, and the
     measured weight bytes as the base."""
     spec = d.spec
-    figures = spec.training_memory
+    figures = spec.training.memory
     if figures is None:
         raise SystemExit(f"{d.family}: no training_memory figures in its table; run --derive first")
-    targets = lora_target_shapes(extra["base_shapes"], spec.lora_targets)
+    targets = lora_target_shapes(extra["base_shapes"], spec.lora.targets)
     own = replace(
         figures,
         activations=replace(figures.activations, blocks=count_blocks(d, config), text_tokens=text),

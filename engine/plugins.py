@@ -15,10 +15,13 @@ typed method per hook.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.metadata
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -28,6 +31,7 @@ import pluggy
 
 from engine import hookspecs
 from engine.errors import FamilyConflict, PluginError, UnknownName
+from engine.plugin_api import PluginDeprecationWarning, declared_api, shape_refusal, version_refusal
 from engine.types import (
     PURPOSES,
     Checkpoint,
@@ -190,6 +194,21 @@ class _Loading:
     strict: bool
     errors: list[PluginLoadError]
     packages: dict[str, tuple[str, str]]  # plugin name -> (package, version)
+    #: plugin name -> the earlier-API spellings it used (messages of the shims' warnings).
+    deprecations: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    #: plugin name -> the plugin API it declares.
+    apis: dict[str, int | None] = dataclasses.field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def noting_deprecations(self, plugin: str) -> Iterator[None]:
+        """Note the plugin-API shims' warnings ``plugin`` triggers, and let every warning through."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+        for warning in caught:
+            if issubclass(warning.category, PluginDeprecationWarning):
+                self.deprecations.setdefault(plugin, []).append(str(warning.message))
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
     def fail(self, plugin: str, package: str, error: BaseException | str) -> None:
         message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
@@ -234,7 +253,11 @@ def load_registry(
             if ep.name in blocked or package in blocked:
                 continue
             try:
-                plugin = ep.load()
+                with loading.noting_deprecations(ep.name):
+                    plugin = ep.load()
+            except TypeError as exc:  # a plugin object of a shape no shim reads
+                loading.fail(ep.name, package, shape_refusal(None, exc))
+                continue
             except Exception as exc:  # a broken plugin must not take the host down
                 loading.fail(ep.name, package, exc)
                 continue
@@ -262,6 +285,12 @@ def load_registry(
 
 
 def _register(loading: _Loading, name: str, plugin: object, package: str, version: str) -> None:
+    declared = declared_api(plugin)
+    refusal = version_refusal(declared)
+    if refusal is not None:
+        loading.fail(name, package, refusal)
+        return
+    loading.apis[name] = declared
     if loading.pm.has_plugin(name):
         other = loading.packages.get(name, ("?", ""))[0]
         loading.fail(name, package, f"plugin name {name!r} is already registered by {other}")
@@ -314,9 +343,12 @@ def _collect_families(loading: _Loading) -> tuple[dict[str, FamilySpec], dict[st
             families[spec.name] = spec
 
         try:
-            impl.function(register=register)
+            with loading.noting_deprecations(plugin_name):
+                impl.function(register=register)
         except FamilyConflict:
             raise
+        except TypeError as exc:  # a FamilySpec (or part) of a shape no shim reads
+            loading.fail(plugin_name, package, shape_refusal(loading.apis.get(plugin_name), exc))
         except Exception as exc:  # a plugin's own bug is its error, not the host's
             loading.fail(plugin_name, package, exc)
     return families, owners
@@ -366,6 +398,8 @@ def _plugin_infos(loading: _Loading, owners: Mapping[str, str]) -> tuple[PluginI
                 hooks=tuple(sorted(c.name for c in callers)),
                 families=tuple(sorted(f for f, owner in owners.items() if owner == name)),
                 builtin=name == TABLE_PLUGIN_NAME,
+                api=loading.apis.get(name),
+                deprecations=tuple(dict.fromkeys(loading.deprecations.get(name, ()))),
             )
         )
     return tuple(sorted(infos, key=lambda i: (i.builtin, i.name)))

@@ -158,7 +158,8 @@ class Engine(TrainingJobs):
         return {
             "plugins": [
                 {"name": p.name, "package": p.package, "version": p.version, "hooks": list(p.hooks),
-                 "families": list(p.families), "builtin": p.builtin}
+                 "families": list(p.families), "builtin": p.builtin, "api": p.api,
+                 "deprecations": list(p.deprecations)}
                 for p in self.registry.plugins if builtin or not p.builtin
             ],
             "errors": [dict(e.__dict__) for e in self.registry.errors],

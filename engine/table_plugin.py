@@ -38,7 +38,7 @@ def engine_component_sizes(
 
 @hookimpl(trylast=True)
 def engine_quant_deny(family: FamilySpec, purpose: Purpose) -> Iterable[QuantDeny] | None:
-    return family.quant_deny.get(purpose, ())
+    return family.quantisation.deny(purpose)
 
 
 @hookimpl(trylast=True)
@@ -76,14 +76,14 @@ def engine_dense_base(family: FamilySpec, repo: str) -> str | None:
     checkpoint = family.checkpoint(repo)
     if checkpoint is not None:
         return checkpoint.repo
-    return family.default_dense_base or family.default_checkpoint.repo
+    return family.quantisation.default_dense_base or family.default_checkpoint.repo
 
 
 @hookimpl(trylast=True)
 def engine_training_precision_modes(
     family: FamilySpec, hardware: HardwareProfile
 ) -> tuple[str, ...] | None:
-    return TRAINING_PRECISIONS if family.base_precision_applies else ()
+    return TRAINING_PRECISIONS if family.training.base_precision_applies else ()
 
 
 @hookimpl(trylast=True)
@@ -93,7 +93,7 @@ def engine_compile_regions(family: FamilySpec) -> tuple[str, ...] | None:
 
 @hookimpl(trylast=True)
 def engine_training_objective(family: FamilySpec) -> TrainingObjective | None:
-    return family.training_objective
+    return family.training.objective
 
 
 @hookimpl(trylast=True)

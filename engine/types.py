@@ -10,8 +10,10 @@ Sizes are decimal gigabytes (1 GB = 10**9 bytes), the unit model cards use.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 Purpose = Literal["inference", "training"]
@@ -118,7 +120,7 @@ class Checkpoint:
 Prediction = Literal["flow_matching", "epsilon", "v_prediction"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TrainingObjective:
     """What one generic LoRA trainer loop needs to know about a family.
 
@@ -132,6 +134,17 @@ class TrainingObjective:
     prediction: Prediction
     #: How training timesteps are drawn.
     timestep_sampling: Literal["logit_normal", "uniform", "shifted_sigmoid"]
+
+    def __init__(self, prediction: Prediction,
+                 timestep_sampling: Literal["logit_normal", "uniform", "shifted_sigmoid"],
+                 runtime_module: str | None = None) -> None:
+        object.__setattr__(self, "prediction", prediction)
+        object.__setattr__(self, "timestep_sampling", timestep_sampling)
+        if runtime_module is not None:  # plugin API 0 named the runtime module here
+            from engine.plugin_api import deprecate
+
+            deprecate("TrainingObjective(runtime_module=...)", "FamilySpec(runtime_module=...)")
+            object.__setattr__(self, "_legacy_runtime_module", runtime_module)
 
 
 @dataclass(frozen=True)
@@ -255,14 +268,144 @@ class Capabilities:
         return {name: getattr(self, name) for name in CAPABILITIES}
 
 
+def _pairs(value: object) -> tuple[tuple[str, object], ...]:
+    """A mapping (as an author writes it) or pairs, as sorted pairs: hashable and comparable."""
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((str(k), v) for k, v in items))  # type: ignore[union-attr]
+
+
 @dataclass(frozen=True)
+class QuantRules:
+    """How the family's weights may be quantised, and what each scheme costs it."""
+
+    #: Schemes denied for inference / for training, each with its measured reason.
+    deny_inference: tuple[QuantDeny, ...] = ()
+    deny_training: tuple[QuantDeny, ...] = ()
+    #: Steady size factors per scheme for this family's transformer, where they
+    #: differ from the generic ones (its layer mix, under the filter); a mapping
+    #: or ``(scheme, factor)`` pairs.
+    factors: tuple[tuple[str, float], ...] = ()
+    #: The inference build's factors where they differ from ``factors`` (the
+    #: trainer's), because ``int8_dense_modules`` keeps more dense there.
+    inference_factors: tuple[tuple[str, float], ...] = ()
+    #: Name fragments of Linears int8 keeps dense, beyond the engine's generic
+    #: norm / modulation / timestep rule (layers run at M = prompt tokens or batch).
+    int8_dense_modules: tuple[str, ...] = ()
+    #: Inference denials a machine capability lifts: ``(scheme, HardwareProfile
+    #: attribute)`` pairs (``("fp8", "fp8_activation_floor")``).
+    deny_lifted_by: tuple[tuple[str, str], ...] = ()
+    #: Text-encoder schemes the family must not use, with the reason.
+    text_encoder_deny: tuple[QuantDeny, ...] = ()
+    #: Glob patterns naming a pre-quantised repo (``*bnb-4bit*``).
+    prequantised_patterns: tuple[str, ...] = ()
+    #: The dense base to use when a pre-quantised repo matches no checkpoint.
+    default_dense_base: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("factors", "inference_factors", "deny_lifted_by"):
+            object.__setattr__(self, name, _pairs(getattr(self, name)))
+
+    def deny(self, purpose: Purpose) -> tuple[QuantDeny, ...]:
+        return self.deny_inference if purpose == "inference" else self.deny_training
+
+    def factor(self, scheme: str, *, inference: bool = False) -> float | None:
+        """The family's own steady factor for ``scheme`` (None: the generic one applies)."""
+        own = dict(self.factors)
+        if inference:
+            own.update(self.inference_factors)
+        return own.get(scheme)
+
+
+@dataclass(frozen=True)
+class SingleFileLayout:
+    """What a single ``.safetensors`` (or ``.gguf``) file of this family holds."""
+
+    #: Substrings of state-dict keys that identify this family's denoiser in a
+    #: single-file checkpoint (diffusers or original key names).
+    markers: tuple[str, ...] = ()
+    #: Whether one file holds the whole pipeline (denoiser, text encoders, VAE),
+    #: loaded with ``from_single_file`` and no base; False: a file is the denoiser.
+    whole_pipeline: bool = False
+    #: Key prefixes of each part in such a file: ``(prefix, "denoiser" |
+    #: "text_encoders" | "vae")``.
+    parts: tuple[tuple[str, str], ...] = ()
+    #: Why a ``.gguf`` of this family cannot be loaded, when it cannot.
+    gguf_refused_reason: str = ""
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """Which modules a LoRA adapts, and how its keys are spelled outside diffusers."""
+
+    #: Module names (or their last parts) a LoRA adapts by default.
+    targets: tuple[str, ...] = ()
+    #: Substrings of LoRA keys (diffusers, kohya, ComfyUI or ai-toolkit
+    #: spellings) typical of this family; the family whose markers match the
+    #: most keys is the one a foreign LoRA is said to look like.
+    key_markers: tuple[str, ...] = ()
+    #: How the kohya / ComfyUI export names the modules where the original
+    #: checkpoint's layout differs: ``(kohya module, (diffusers modules...))``
+    #: with ``{i}`` for a block index; several modules are fused in order.
+    kohya_map: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """How the family trains: its objective, what it holds, its defaults and precision rules."""
+
+    #: What the trainer loop needs to know (None: the family is not trainable).
+    objective: TrainingObjective | None = None
+    #: bf16 GB of the denoiser a LoRA trainer holds dense.
+    dense_gb: float = 0.0
+    #: Activation and LoRA-shape figures for the memory estimate; None where
+    #: unmeasured (the estimate then says it cannot size the run).
+    memory: TrainingMemoryFigures | None = None
+    #: Trainer defaults (LR, warmup, flow shift); None: the engine's.
+    defaults: TrainingDefaults | None = None
+    #: Whether the trainer honours ``base_precision`` (DiT yes, UNet no).
+    base_precision_applies: bool = True
+    #: Whether the trainer computes in bf16 whatever the base precision.
+    requires_bf16: bool = False
+
+
+#: The pipeline components fp16 safety is stated for.
+COMPONENTS: tuple[str, ...] = ("denoiser", "text_encoders", "vae")
+
+
+@dataclass(frozen=True)
+class PrecisionRules:
+    """Where fp16 compute is unsafe, component by component."""
+
+    #: ``(component, reason)`` for each component whose fp16 compute renders
+    #: black or fails (``denoiser``, ``text_encoders``, ``vae``).
+    fp16_unsafe: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [c for c, _ in self.fp16_unsafe if c not in COMPONENTS]
+        if unknown:
+            raise ValueError(f"fp16_unsafe names {unknown}; components are {', '.join(COMPONENTS)}")
+
+    def fp16_safe(self, component: str = "denoiser") -> bool:
+        return all(c != component for c, _ in self.fp16_unsafe)
+
+    def fp16_reason(self, component: str = "denoiser") -> str:
+        return next((reason for c, reason in self.fp16_unsafe if c == component), "")
+
+
+@dataclass(frozen=True, init=False)
 class FamilySpec:
     """Everything the engine may know about a model family without torch.
 
     Registered through ``engine_register_families``. The per-concern hooks
     (sizes, deny lists, dense base, training modes, compile regions) are
     answered from these fields by the engine's built-in table plugin unless a
-    plugin answers them first.
+    plugin answers them first. The identity and loading facts are fields of
+    their own; the rules of one concern live together in a section
+    (:class:`QuantRules`, :class:`SingleFileLayout`, :class:`LoraLayout`,
+    :class:`TrainingSpec`, :class:`PrecisionRules`, :class:`Capabilities`).
+    The flat spellings of plugin API 0 (``lora_targets=``, ``quant_deny=``...)
+    are still accepted, with a ``DeprecationWarning`` naming the new one
+    (:data:`engine.plugin_api.RENAMED`).
     """
 
     name: str
@@ -273,106 +416,71 @@ class FamilySpec:
     pipeline_class_names: tuple[str, ...]
     checkpoints: tuple[Checkpoint, ...]
     sizes: ComponentSizes
-    #: bf16 GB of the denoiser a LoRA trainer holds dense.
-    training_dense_gb: float
-    lora_targets: tuple[str, ...]
-    #: Class names of the repeated blocks that regional compile targets.
-    compile_regions: tuple[str, ...]
-    #: False where fp16 compute renders black or fails; the reason says which.
-    fp16_compute_safe: bool
-    #: Whether the trainer honours ``base_precision`` (DiT yes, UNet no).
-    base_precision_applies: bool
-    #: Whether the trainer computes in bf16 whatever the base precision.
-    training_requires_bf16: bool
-    #: Dotted path of the module with this family's torch code (the trainer's
-    #: ``encode_prompts`` / ``encode_images`` / ``predict``); the one runtime
-    #: module of the family, imported only when a run starts.
-    runtime_module: str
+    #: Dotted path of the family's one torch module (the trainer's
+    #: ``encode_prompts`` / ``encode_images`` / ``predict``), imported only
+    #: when a model loads or a run starts.
+    runtime_module: str = ""
     aliases: tuple[str, ...] = ()
-    fp16_unsafe_reason: str = ""
-    quant_deny: dict[Purpose, tuple[QuantDeny, ...]] = field(default_factory=dict)
-    #: Glob patterns naming a pre-quantised repo (``*bnb-4bit*``).
-    prequantised_patterns: tuple[str, ...] = ()
-    #: The dense base to use when a pre-quantised repo matches no checkpoint.
-    default_dense_base: str = ""
+    #: Class names of the repeated blocks that regional compile targets.
+    compile_regions: tuple[str, ...] = ()
     #: ``"module:function"`` writing a tiny random-weight pipeline to a folder.
     tiny_pipeline: str = ""
     #: The pipeline component that denoises (``transformer`` or ``unet``).
     denoiser: str = "transformer"
     #: The pipeline call's guidance argument (``true_cfg_scale`` for real CFG).
     guidance_kwarg: str = "guidance_scale"
-    #: Substrings of state-dict keys that identify this family's denoiser in a
-    #: single-file checkpoint (diffusers or original key names).
-    single_file_markers: tuple[str, ...] = ()
     optimization_deny: tuple[OptimizationDeny, ...] = ()
-    #: Steady size factors per scheme for this family's transformer, where
-    #: they differ from the generic ones (its layer mix, under the filter).
-    quant_factors: dict[str, float] = field(default_factory=dict)
-    training_objective: TrainingObjective | None = None
-    #: Activation and LoRA-shape figures for the training memory estimate;
-    #: None where unmeasured (the estimate then says it cannot size the run).
-    training_memory: TrainingMemoryFigures | None = None
-    #: Substrings of LoRA state-dict keys (diffusers, kohya, ComfyUI or
-    #: ai-toolkit spellings) typical of this family; the family whose markers
-    #: match the most keys is the one a foreign LoRA is said to look like.
-    lora_key_markers: tuple[str, ...] = ()
-    #: How the exported kohya / ComfyUI LoRA names this family's modules where
-    #: the original checkpoint's layout differs from diffusers': rules of
-    #: ``(kohya module, (diffusers modules...))`` with ``{i}`` for a block
-    #: index; several diffusers modules are fused (rows stacked in order) into
-    #: one kohya module. Modules no rule covers keep their diffusers path.
-    lora_kohya_map: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    #: Name fragments of Linears int8 keeps dense in this family, beyond the
-    #: engine's generic norm / modulation / timestep rule: layers run at
-    #: M = prompt tokens (CUDA int8 matmuls need M >= 16) or at M = batch.
-    int8_dense_modules: tuple[str, ...] = ()
     #: Pipeline classes whose call opens a cache context around the denoiser
-    #: (First-Block-Cache needs one); None when undeclared, and the runtime
-    #: reads the loaded pipeline's call instead.
+    #: (First-Block-Cache needs one); None when undeclared.
     cache_context_pipelines: tuple[str, ...] | None = None
-    #: Inference denials a machine capability lifts: scheme -> the
-    #: ``HardwareProfile`` attribute (``fp8_activation_floor``).
-    inference_deny_lifted_by: dict[str, str] = field(default_factory=dict)
-    #: Steady size factors of the inference build where they differ from
-    #: ``quant_factors`` (the trainer's), because ``int8_dense_modules``
-    #: keeps more of the transformer dense there.
-    inference_quant_factors: dict[str, float] = field(default_factory=dict)
-    #: What the family's diffusers classes support (step-cache hooks, the
-    #: attention dispatcher, peft adapters, compile regions, the pipeline's
-    #: LoRA mixin); undeclared ones are checked at load.
-    capabilities: Capabilities = Capabilities()
-    #: Text-encoder schemes this family must not use, with the reason
-    #: (``text_encoder_quant``; see :mod:`engine.policy.encoders`).
-    text_encoder_quant_deny: tuple[QuantDeny, ...] = ()
-    #: Elements the VAE decoder holds live per output pixel at its peak
-    #: (full-resolution up block); 0: unknown, the plan does not tile.
+    #: Elements the VAE decoder holds live per output pixel at its peak; 0: unknown.
     vae_decode_per_pixel: float = 0.0
-    #: Trainer defaults (LR, warmup, flow shift); None: the engine's.
-    training_defaults: TrainingDefaults | None = None
-
     #: Image workflows of the family's checkpoints and the diffusers pipeline
-    #: class serving each (built from the loaded components, not reloaded);
-    #: ``txt2img`` is the loaded pipeline itself unless declared (an edit
-    #: pipeline that needs an input image). A checkpoint may override.
+    #: class serving each; a checkpoint may override.
     workflows: tuple[tuple[Workflow, str], ...] = ()
-    #: Image sides the denoiser takes are multiples of this (VAE stride x
-    #: patch): an input image is fitted to it.
+    #: Image sides the denoiser takes are multiples of this (VAE stride x patch).
     side_multiple: int = 16
-    #: Whether a single ``.safetensors`` file of this family holds the whole
-    #: pipeline (denoiser, text encoders, VAE), loaded with diffusers'
-    #: ``from_single_file`` and no base; False: a single file is the denoiser.
-    single_file_whole_pipeline: bool = False
-    #: Key prefixes of each part in such a whole-pipeline file:
-    #: ``(prefix, "denoiser" | "text_encoders" | "vae")``; a file holding keys
-    #: of every part is a whole pipeline, sized per part from its header.
-    single_file_parts: tuple[tuple[str, str], ...] = ()
-    #: Why a ``.gguf`` of this family cannot be loaded, when it cannot.
-    gguf_refused_reason: str = ""
     #: diffusers ControlNet model classes this family's pipelines take.
     controlnet_classes: tuple[str, ...] = ()
+    # -- the sections -------------------------------------------------------------
+    quantisation: QuantRules = QuantRules()
+    single_file: SingleFileLayout = SingleFileLayout()
+    lora: LoraLayout = LoraLayout()
+    training: TrainingSpec = TrainingSpec()
+    precision: PrecisionRules = PrecisionRules()
+    #: What the family's diffusers classes support; undeclared ones are checked at load.
+    capabilities: Capabilities = Capabilities()
 
-    def __hash__(self) -> int:  # dict fields make the default hash fail
-        return hash((self.name, self.pipeline_class))
+    def __init__(self, name: str, label: str, architecture: Architecture, pipeline_class: str,
+                 pipeline_class_names: tuple[str, ...], checkpoints: tuple[Checkpoint, ...],
+                 sizes: ComponentSizes, **fields: object) -> None:
+        from engine.plugin_api import sections_from_legacy
+
+        given = dict(name=name, label=label, architecture=architecture, pipeline_class=pipeline_class,
+                     pipeline_class_names=tuple(pipeline_class_names), checkpoints=tuple(checkpoints),
+                     sizes=sizes)
+        known = {f.name for f in dataclasses.fields(FamilySpec)}
+        current = {k: v for k, v in fields.items() if k in known}
+        legacy = {k: v for k, v in fields.items() if k not in known}
+        current = sections_from_legacy(current, legacy, family=name)
+        objective = current["training"].objective if "training" in current else None
+        if not current.get("runtime_module") and objective is not None:
+            current["runtime_module"] = getattr(objective, "_legacy_runtime_module", "")
+        for f in dataclasses.fields(FamilySpec):
+            if f.name in given:
+                value = given[f.name]
+            elif f.name in current:
+                value = current[f.name]
+            else:
+                value = f.default
+            object.__setattr__(self, f.name, value)
+
+    # -- plugin API 0's flat spellings, read (deprecated) -------------------------------
+
+    def __getattr__(self, name: str) -> object:
+        from engine.plugin_api import legacy_read
+
+        return legacy_read(self, name)
 
     def workflows_of(self, checkpoint: Checkpoint | None) -> dict[Workflow, str]:
         """Workflow -> diffusers pipeline class for ``checkpoint`` (the family's
@@ -397,7 +505,7 @@ class FamilySpec:
         """Whether the model's own name (:func:`model_name`) says it is stored
         pre-quantised. The one test inference and training both use."""
         lowered = model_name(model_id).lower()
-        return any(fnmatch.fnmatch(lowered, p.lower()) for p in self.prequantised_patterns)
+        return any(fnmatch.fnmatch(lowered, p.lower()) for p in self.quantisation.prequantised_patterns)
 
     def matches_id(self, model_id: str) -> bool:
         return any(c.match_score(model_id) for c in self.checkpoints)
@@ -422,4 +530,8 @@ class PluginInfo:
     hooks: tuple[str, ...]
     families: tuple[str, ...]
     builtin: bool = False
+    #: The plugin API the plugin says it targets (``ENGINE_PLUGIN_API``); None: it does not say.
+    api: int | None = None
+    #: The earlier-API spellings it uses (each still read, with a ``DeprecationWarning``).
+    deprecations: tuple[str, ...] = ()
 

@@ -22,7 +22,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from engine.hookspecs import hookimpl
-from engine.types import Checkpoint, FamilySpec
+from engine.types import Checkpoint, FamilySpec, LoraLayout
 from tests.support import EXAMPLE_PLUGIN
 
 if str(EXAMPLE_PLUGIN) not in sys.path:  # the example's tiny SD3 parts, imported as a user would
@@ -103,9 +103,10 @@ def _spec(name: str) -> FamilySpec:
         SD3, name=name, label=f"{name} test family", aliases=(),
         checkpoints=(Checkpoint(name=name, label=name, repo=f"someone/{name}", default_steps=2,
                                 default_guidance=1.0, matches=(f"*{name}*",)),),
-        lora_targets=("to_q", "to_k", "to_v", "to_out"),
+        lora=LoraLayout(targets=("to_q", "to_k", "to_v", "to_out")),
         compile_regions=(), tiny_pipeline="", capabilities=type(SD3.capabilities)(),
-        quant_deny={}, prequantised_patterns=(), lora_key_markers=(),
+        quantisation=dataclasses.replace(SD3.quantisation, deny_inference=(), deny_training=(),
+                                         prequantised_patterns=()),
     )
 
 

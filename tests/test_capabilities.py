@@ -127,7 +127,8 @@ def test_declared_missing_capabilities_turn_optimisations_off_before_load(regist
 def test_info_calls_a_family_without_trainer_untrainable(registry: Registry) -> None:
     import dataclasses
 
-    untrainable = dataclasses.replace(registry.family("bare"), training_objective=None)
+    bare = registry.family("bare")
+    untrainable = dataclasses.replace(bare, training=dataclasses.replace(bare.training, objective=None))
     assert training_info(registry, untrainable, probe(verify=False)).trainable is False
 
 

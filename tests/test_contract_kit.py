@@ -48,7 +48,8 @@ def test_kit_fails_a_family_with_no_tiny_pipeline_with_what_to_add(tmp_path: Pat
 def test_kit_accepts_an_epsilon_predicting_dit() -> None:
     registry = load_registry()
     epsilon = TrainingObjective(prediction="epsilon", timestep_sampling="uniform")
-    dit = dataclasses.replace(registry.family("flux"), training_objective=epsilon)
+    flux = registry.family("flux")
+    dit = dataclasses.replace(flux, training=dataclasses.replace(flux.training, objective=epsilon))
 
     class Epsilon:
         from engine.hookspecs import hookimpl

@@ -220,8 +220,8 @@ QWEN_TEXT_STREAM = (
 
 
 def test_5_qwen_image_keeps_its_text_stream_dense_for_int8() -> None:
-    qwen = REGISTRY.family("qwen_image").int8_dense_modules
-    flux = REGISTRY.family("flux").int8_dense_modules
+    qwen = REGISTRY.family("qwen_image").quantisation.int8_dense_modules
+    flux = REGISTRY.family("flux").quantisation.int8_dense_modules
     for name in QWEN_TEXT_STREAM:
         assert not quantises("int8", name, 3072, 3072, qwen), name
         assert quantises("fp8", name, 3072, 3072, qwen), name  # int8's M >= 16 rule only
@@ -243,7 +243,7 @@ def test_5_the_runtime_filter_uses_the_family_tokens(
 
     from engine.runtime import quantize
 
-    qwen = REGISTRY.family("qwen_image").int8_dense_modules
+    qwen = REGISTRY.family("qwen_image").quantisation.int8_dense_modules
     keep = quantize.module_filter("int8", qwen)
     layer = torch.nn.Linear(1024, 1024)
     assert not keep(layer, "transformer_blocks.0.txt_mlp.net.2")
@@ -456,5 +456,5 @@ def test_12_lifted_denials_name_real_capabilities_and_real_denials() -> None:
     fields = {f.name for f in dataclasses.fields(HardwareProfile)}
     for spec in REGISTRY.families.values():
         denied = REGISTRY.quant_deny(spec, "inference")
-        for scheme, capability in spec.inference_deny_lifted_by.items():
+        for scheme, capability in spec.quantisation.deny_lifted_by:
             assert scheme in denied and capability in fields, (spec.name, scheme, capability)

@@ -49,7 +49,7 @@ def test_images_info_estimates_resident_bytes_per_scheme(family: str) -> None:
     info = images_info(REGISTRY, spec)
     sizes = info.sizes_gb
     others = sizes.text_encoders_gb + sizes.vae_gb
-    factor = {"int8": 0.55, "nvfp4": 0.33, **spec.quant_factors}  # the family's own, else generic
+    factor = {"int8": 0.55, "nvfp4": 0.33, **dict(spec.quantisation.factors)}  # the family's own, else generic
     assert info.resident_gb["bf16"] == pytest.approx(sizes.transformer_gb + others, abs=0.01)
     assert info.resident_gb["int8"] == pytest.approx(factor["int8"] * sizes.transformer_gb + others, abs=0.01)
     assert info.resident_gb["nvfp4"] == pytest.approx(factor["nvfp4"] * sizes.transformer_gb + others, abs=0.01)

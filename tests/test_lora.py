@@ -52,7 +52,7 @@ def make_lora(
     denoiser = getattr(pipe, spec.denoiser)
     torch.manual_seed(seed)
     denoiser.add_adapter(LoraConfig(
-        r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=targets or list(spec.lora_targets),
+        r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=targets or list(spec.lora.targets),
     ))
     state = {k: v * 4 for k, v in get_peft_model_state_dict(denoiser).items()}  # a visible change
     type(pipe).save_lora_weights(str(out), **{f"{spec.denoiser}_lora_layers": state})

@@ -58,7 +58,7 @@ def adapted(pipeline: Path, family: str, targets: object = None, seed: int = 0) 
     pipe = diffusers.DiffusionPipeline.from_pretrained(pipeline)
     torch.manual_seed(seed)
     getattr(pipe, spec.denoiser).add_adapter(LoraConfig(
-        r=RANK, lora_alpha=ALPHA, init_lora_weights=False, target_modules=targets or list(spec.lora_targets),
+        r=RANK, lora_alpha=ALPHA, init_lora_weights=False, target_modules=targets or list(spec.lora.targets),
     ))
     state = {k: v * 3 for k, v in get_peft_model_state_dict(getattr(pipe, spec.denoiser)).items()}
     return pipe, state
@@ -192,9 +192,9 @@ def test_flux_single_blocks_round_trip_through_diffusers_at_full_width(which: st
     model = _full_width_flux()
     names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     if which == "default targets":
-        modules = [n for n in names if any(n == t or n.endswith("." + t) for t in spec.lora_targets)]
+        modules = [n for n in names if any(n == t or n.endswith("." + t) for t in spec.lora.targets)]
     else:  # every module a double or single block maps to in the kohya / ComfyUI layout
-        sources = {s.replace("{i}", "0") for _, group in spec.lora_kohya_map for s in group if "{i}" in s}
+        sources = {s.replace("{i}", "0") for _, group in spec.lora.kohya_map for s in group if "{i}" in s}
         modules = [n for n in names if n in sources]
     assert any(m.startswith("single_transformer_blocks.0.") for m in modules)
     state = _random_adapter(model, modules)

@@ -68,10 +68,10 @@ def request(family: str, s: TrainingShape = TrainingShape()) -> MemoryRequest:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_builtin_family_carries_measured_figures(family: str) -> None:
-    figures = REGISTRY.family(family).training_memory
+    figures = REGISTRY.family(family).training.memory
     assert figures is not None
     assert figures.activations.blocks > 0 and figures.activations.block_per_image_token > 0
-    assert {t.target for t in figures.lora_targets} <= set(REGISTRY.family(family).lora_targets)
+    assert {t.target for t in figures.lora_targets} <= set(REGISTRY.family(family).lora.targets)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -80,7 +80,7 @@ def test_lora_size_from_headers_equals_what_peft_adds(family: str, tiny_pipeline
 
     spec = REGISTRY.family(family)
     source = resolve_model(REGISTRY, tiny_pipeline(family))
-    shapes = lora_target_shapes(source.denoiser_shapes, spec.lora_targets)
+    shapes = lora_target_shapes(source.denoiser_shapes, spec.lora.targets)
     counted = sum(t.lora_params(8) for t in shapes)
 
     import diffusers
@@ -89,7 +89,7 @@ def test_lora_size_from_headers_equals_what_peft_adds(family: str, tiny_pipeline
     cls = getattr(diffusers, config[spec.denoiser][1])
     denoiser = cls.from_pretrained(str(tiny_pipeline(family)), subfolder=spec.denoiser)
     denoiser.requires_grad_(False)
-    denoiser.add_adapter(peft.LoraConfig(r=8, lora_alpha=8, target_modules=list(spec.lora_targets)))
+    denoiser.add_adapter(peft.LoraConfig(r=8, lora_alpha=8, target_modules=list(spec.lora.targets)))
     added = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
     assert counted == added > 0
 
@@ -97,7 +97,7 @@ def test_lora_size_from_headers_equals_what_peft_adds(family: str, tiny_pipeline
 def test_components_add_up_and_phases_take_the_larger() -> None:
     spec = REGISTRY.family("flux")
     est = estimate_training_memory(spec, request("flux").base, "int8", shape(1024))
-    assert est.base_gb == pytest.approx(23.8 * spec.quant_factors["int8"])
+    assert est.base_gb == pytest.approx(23.8 * spec.quantisation.factor("int8"))
     assert est.training_peak_gb == pytest.approx(est.base_gb + est.lora_gb + est.activations_gb + est.overhead_gb)
     assert est.caching_peak_gb == pytest.approx(est.text_encoders_gb + est.vae_gb + est.overhead_gb)
     assert est.peak_gb == max(est.training_peak_gb, est.caching_peak_gb)
@@ -152,7 +152,7 @@ def test_every_verdict_is_the_estimates() -> None:
         memory = request(family, shape(resolution, batch))
         without = training_precision_preflight_error(REGISTRY, spec, hardware, mode)
         error = training_precision_preflight_error(REGISTRY, spec, hardware, mode, memory=memory)
-        if without is not None or not spec.base_precision_applies:
+        if without is not None or not spec.training.base_precision_applies:
             continue  # a rule refuses it first (or the trainer ignores the mode)
         device = "cuda" if hardware.cuda else "cpu"
         fits = memory.estimate(spec, mode, device).peak_gb <= usable_gb(hardware.free_memory_gb)
@@ -205,7 +205,7 @@ def test_rtx4090_qwen_image_int8_is_planned_quantised_on_the_host_or_refused() -
         memory = request("qwen_image", s)
         est = memory.estimate(spec, "int8", "cuda")
         # Quantised on the host: the 41 GB dense transformer is never on the card.
-        assert est.base_gb == pytest.approx(41.0 * spec.quant_factors.get("int8", 0.55))
+        assert est.base_gb == pytest.approx(41.0 * (spec.quantisation.factor("int8") or 0.55))
         error = training_precision_preflight_error(REGISTRY, spec, hardware, "int8", memory=memory)
         assert (error is None) == (est.peak_gb <= usable_gb(24.8))
 
@@ -313,7 +313,7 @@ def test_memory_refusals_evict_nothing(tmp_path: Path, sized: Callable[[str], st
     data = write_dataset(tmp_path / "data", count=2)
     refusals = 0
     for hw, family, mode, resolution, batch in _verdict_cases():
-        if not REGISTRY.family(family).base_precision_applies or mode == "nf4":
+        if not REGISTRY.family(family).training.base_precision_applies or mode == "nf4":
             continue
         hardware = PRESETS[hw]
         if not hardware.cuda:
@@ -363,7 +363,8 @@ def test_cli_dry_run_shows_the_breakdown(tmp_path: Path, sized: Callable[[str], 
 def test_an_unsized_family_falls_back_to_the_bands() -> None:
     import dataclasses
 
-    spec = dataclasses.replace(REGISTRY.family("flux"), training_memory=None)
+    flux = REGISTRY.family("flux")
+    spec = dataclasses.replace(flux, training=dataclasses.replace(flux.training, memory=None))
     hardware = preset("h100")
     memory = request("flux", shape(4096, batch=64))
     assert training_precision_preflight_error(REGISTRY, spec, hardware, "bf16", memory=memory) is None

@@ -140,3 +140,16 @@ def test_every_help_line_comes_from_the_table() -> None:
         first_words = " ".join(control.help.split()[:3])
         assert first_words in " ".join(help_text.split()), control.flag
     assert markdown_table(PLAN_CONTROLS).count("\n") == len(PLAN_CONTROLS) + 1
+
+
+def test_the_plans_provenance_keys_are_the_tables() -> None:
+    """A control asked for is reported under the plan key its row names (``quant`` ->
+    ``transformer_quant``): the policy's mapping and the table agree."""
+    from engine.policy.plan import InferenceRequest, requested_by_control
+
+    for control in PLAN_CONTROLS:
+        if control.plan_key is None or control.field == "prompt_cache":
+            continue
+        value = control.choices[-1] if control.choices else 3
+        asked = requested_by_control(InferenceRequest(**{control.field: value}))
+        assert asked[control.plan_key] == value, control.field

@@ -138,7 +138,7 @@ def test_int8_transformer_is_quantised_block_by_block_on_the_host_before_it_move
     def move_to(module: Any, device: str, what: str) -> None:
         if isinstance(module, torch.nn.Module):
             # The session filters with the family's int8 exclusions (its table).
-            flux_dense = REGISTRY.family("flux").int8_dense_modules
+            flux_dense = REGISTRY.family("flux").quantisation.int8_dense_modules
             layers = quantisable(module, quantize.module_filter("int8", flux_dense))
             seen_at_move.append((what, bool(layers) and all(is_quantised(m.weight) for m in layers)))
         real_move(module, device, what)

@@ -39,7 +39,7 @@ def test_info_advertises_exactly_what_the_preflight_accepts(hw: str, family: str
         # info sizes each mode at the default shape (512px, batch 1) from the table
         memory = MemoryRequest.from_table(spec, TrainingShape(gradient_checkpointing=None))
         accepted = refusal(family, hw, mode, memory=memory) is None
-        if spec.base_precision_applies:
+        if spec.training.base_precision_applies:
             assert (mode in info.precision_modes) == accepted, (hw, family, mode)
         else:
             # Only "auto" is accepted: an explicit base_precision would be silently ignored.

@@ -31,8 +31,11 @@ def cmd_families(args: argparse.Namespace) -> int:
         return 0
     for plugin in plugins["plugins"]:
         names = ", ".join(plugin["families"]) or "-"  # type: ignore[arg-type]
-        print(f"{plugin['name']:<22} {plugin['package']} {plugin['version']}  families: {names}")
+        api = f"  plugin API {plugin['api']}" if plugin["api"] is not None else ""
+        print(f"{plugin['name']:<22} {plugin['package']} {plugin['version']}  families: {names}{api}")
         print(f"{'':<22} hooks: {', '.join(plugin['hooks'])}")  # type: ignore[arg-type]
+        for line in plugin["deprecations"]:  # type: ignore[attr-defined]
+            print(f"{'':<22} deprecated: {line}")
     for family in families:
         print(f"{family['name']:<22} checkpoints (--model NAME): {', '.join(family['checkpoints'])}")  # type: ignore[arg-type]
     for error in plugins["errors"]:

@@ -55,7 +55,7 @@ class ImageShape:
 
 def denoiser_activation_gb(family: FamilySpec, shape: ImageShape, dtype_bytes: float) -> float:
     """GB one denoiser forward holds live at its peak; 0 where the family has no figures."""
-    figures = family.training_memory.activations if family.training_memory else None
+    figures = family.training.memory.activations if family.training.memory else None
     if figures is None:
         return 0.0
     per_image = figures.block_per_image_token + figures.outside_per_image_token

@@ -112,7 +112,7 @@ def precast_encoders(encoders: Mapping[str, Iterable[tuple[str, str, int, int]]]
 
 def encoder_denials(family: FamilySpec) -> dict[str, str]:
     """Schemes the family's table denies its text encoders, with the reason."""
-    return {deny.scheme: deny.reason for deny in family.text_encoder_quant_deny}
+    return {deny.scheme: deny.reason for deny in family.quantisation.text_encoder_deny}
 
 
 def _ladder(hardware: HardwareProfile) -> tuple[str, ...]:

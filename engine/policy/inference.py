@@ -122,7 +122,7 @@ def plan_inference(
         if scheme is not None:
             steady, transient = transformer_gb(
                 sizes.transformer_gb, scheme, prequantised=scheme == model.prequantised_scheme,
-                factor=family.inference_quant_factors.get(scheme, family.quant_factors.get(scheme)),
+                factor=family.quantisation.factor(scheme, inference=True),
             )
             if model.measured_scheme_gb and scheme in model.measured_scheme_gb:
                 steady = model.measured_scheme_gb[scheme]

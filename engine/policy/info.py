@@ -84,7 +84,7 @@ def images_info(registry: Registry, family: FamilySpec) -> ImagesInfo:
     sizes = registry.component_sizes(family, None)
     resident = {
         scheme: round(
-            transformer_gb(sizes.transformer_gb, scheme, factor=family.quant_factors.get(scheme))[0]
+            transformer_gb(sizes.transformer_gb, scheme, factor=family.quantisation.factor(scheme))[0]
             + sizes.text_encoders_gb
             + sizes.vae_gb,
             2,
@@ -98,7 +98,7 @@ def images_info(registry: Registry, family: FamilySpec) -> ImagesInfo:
         sizes_gb=sizes,
         resident_gb=resident,
         denied=dict(registry.quant_deny(family, "inference")),
-        fp16_compute_safe=family.fp16_compute_safe,
+        fp16_compute_safe=family.precision.fp16_safe(),
         capabilities={
             name: {True: "yes", False: "no", None: "undeclared (checked at load)"}[value]
             for name, value in family.capabilities.declared().items()
@@ -172,15 +172,15 @@ def _offered(
     best = recommended.value if "auto" in modes else next(m for m in modes if m != "auto")
     free = "unknown" if hardware.free_memory_gb is None else f"{hardware.free_memory_gb:.1f} GB"
     note = (
-        f"{free} free; dense bf16 base {family.training_dense_gb} GB; "
+        f"{free} free; dense bf16 base {family.training.dense_gb} GB; "
         + (recommended.reason if "auto" in modes else f"auto is unavailable, {best} is")
     )
     device = "cuda" if hardware.cuda else "cpu"
     peaks = {
         mode: round(memory.estimate(family, mode, device).peak_gb, 1)
-        for mode in modes if mode != "auto" and family.training_memory is not None
+        for mode in modes if mode != "auto" and family.training.memory is not None
     }
-    breakdown = memory.estimate(family, best, device).to_dict() if family.training_memory else None
+    breakdown = memory.estimate(family, best, device).to_dict() if family.training.memory else None
     compiles = regions and any(m not in UNCOMPILED_MODES for m in modes if m != "auto")
     return TrainingInfo(family.name, True, modes, best, compiles, note, peaks, breakdown)
 

@@ -60,7 +60,7 @@ def lift_denials(
     together: without the capability the deny stands.
     """
     lifted = {
-        scheme for scheme, capability in family.inference_deny_lifted_by.items()
+        scheme for scheme, capability in family.quantisation.deny_lifted_by
         if scheme in denied and bool(getattr(hardware, capability, False))
     }
     return {scheme: why for scheme, why in denied.items() if scheme not in lifted}

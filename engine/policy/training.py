@@ -61,7 +61,7 @@ class MemoryRequest:
         """Sized from the family's table alone (hub ids, ``info``); ``sizes``:
         a checkpoint's own component sizes, where the registry has them."""
         sizes = sizes or family.sizes
-        return cls(BaseFacts(family.training_dense_gb, sizes.text_encoders_gb, sizes.vae_gb), shape)
+        return cls(BaseFacts(family.training.dense_gb, sizes.text_encoders_gb, sizes.vae_gb), shape)
 
     def settled(self, checkpointing: bool) -> MemoryRequest:
         """This request with gradient checkpointing decided."""
@@ -142,11 +142,11 @@ def resolve_training_precision(
     if not hardware.cuda:
         return auto("nf4", f"no CUDA device ({hardware.vendor}): nf4 is the only choice left")
     free = hardware.free_memory_gb
-    dense = family.training_dense_gb
+    dense = family.training.dense_gb
     if free is None or dense <= 0:
         return auto("nf4", "free memory or the dense size is unknown: nf4 is the safe choice")
     denied = registry.quant_deny(family, "training")
-    if memory is not None and family.training_memory is not None:
+    if memory is not None and family.training.memory is not None:
         return _auto_by_estimate(family, hardware, free, memory, denied)
     if free > thresholds.bf16_headroom * dense:
         return auto(
@@ -199,10 +199,10 @@ def training_precision_preflight_error(
         return PreflightError(
             f"device {device!r} is not one of {', '.join(DEVICES)}", code="invalid_device"
         )
-    if mixed_precision == "fp16" and family.training_requires_bf16:
+    if mixed_precision == "fp16" and family.training.requires_bf16:
         return PreflightError(
             f"{family.label} trains in bf16; fp16 mixed precision is refused"
-            + (f" ({family.fp16_unsafe_reason})" if family.fp16_unsafe_reason else "")
+            + (f" ({family.precision.fp16_reason()})" if family.precision.fp16_reason() else "")
             + ". Use mixed_precision=bf16 on a GPU with native bf16.",
             code="fp16_on_bf16_family",
         )
@@ -211,7 +211,7 @@ def training_precision_preflight_error(
             f"device=cuda but this machine has no CUDA device ({hardware.device_name})",
             code="needs_cuda",
         )
-    if not family.base_precision_applies:
+    if not family.training.base_precision_applies:
         if base_precision == "auto":
             # The trainer holds its base in the training dtype: sized as "none".
             if memory is None:
@@ -224,8 +224,8 @@ def training_precision_preflight_error(
             code="base_precision_not_applicable",
         )
     on_cpu = device == "cpu"
-    if not on_cpu and hardware.cuda and family.training_requires_bf16 and not hardware.native_bf16:
-        fp16_families = [f.name for f in registry.families.values() if not f.training_requires_bf16]
+    if not on_cpu and hardware.cuda and family.training.requires_bf16 and not hardware.native_bf16:
+        fp16_families = [f.name for f in registry.families.values() if not f.training.requires_bf16]
         return PreflightError(
             f"{family.label} LoRA training computes in bf16 whatever the base precision, "
             f"and {hardware.device_name} ({hardware.capability_label}) has no native bf16 "
@@ -279,7 +279,7 @@ def training_memory_error(
     unknown: nothing to refuse on."""
     run_device = "cpu" if device == "cpu" or not hardware.cuda else "cuda"
     free = hardware.free_memory_gb
-    if free is None or family.training_memory is None:
+    if free is None or family.training.memory is None:
         return None
     usable = usable_gb(free, memory.thresholds)
     settled = memory.settled(resolve_checkpointing(family, mode, memory, hardware, device).value)
@@ -325,7 +325,7 @@ def resolve_checkpointing(
         return explicit(requested)
     run_device = "cpu" if device == "cpu" or not hardware.cuda else "cuda"
     free = hardware.free_memory_gb
-    if free is None or family.training_memory is None:
+    if free is None or family.training.memory is None:
         if run_device == "cpu":
             return auto(False, "CPU run of unknown size: off (recomputing only slows it)")
         return auto(True, "the run cannot be sized here: on, the safe choice")

@@ -150,7 +150,7 @@ def base_gb(family: FamilySpec, dense_gb: float, mode: str) -> float:
     their steady size: quantised before the base reaches the device)."""
     if mode in DENSE_WEIGHT_MODES:
         return dense_gb
-    factor = family.quant_factors.get(mode, SCHEME_SIZES[mode].steady)
+    factor = family.quantisation.factor(mode) or SCHEME_SIZES[mode].steady
     return dense_gb * factor
 
 
@@ -168,8 +168,8 @@ def estimate_training_memory(
     :param compute: the compute dtype (``fp32`` on a CPU run, whose weights
         are held in fp32 too: twice the bf16 bytes).
     """
-    figures = family.training_memory
-    targets = shape.lora_targets or family.lora_targets
+    figures = family.training.memory
+    targets = shape.lora_targets or family.lora.targets
     scale = _Scale.of(family, base, targets)
     dtype_bytes = BYTES[compute]
     weight_scale = dtype_bytes / 2  # sizes are bf16 GB
@@ -221,7 +221,7 @@ class _Scale:
 
     @classmethod
     def of(cls, family: FamilySpec, base: BaseFacts, targets: Sequence[str]) -> _Scale:
-        table = family.training_memory.lora_targets if family.training_memory else ()
+        table = family.training.memory.lora_targets if family.training.memory else ()
         table = tuple(t for t in table if t.target in targets)
         if not base.shapes:
             return cls(table)

@@ -189,11 +189,11 @@ def gguf_tensor_names(file: Path) -> tuple[str, ...]:
 def whole_pipeline_sizes(spec: FamilySpec, shapes: Shapes) -> ComponentSizes | None:
     """bf16 GB per part of a file holding the family's whole pipeline, or None
     when the family's files are denoiser-only or this one lacks a part."""
-    if not spec.single_file_whole_pipeline or not spec.single_file_parts:
+    if not spec.single_file.whole_pipeline or not spec.single_file.parts:
         return None
     groups: dict[str, Shapes] = {"denoiser": [], "text_encoders": [], "vae": []}
     for name, shape in shapes:
-        part = next((p for prefix, p in spec.single_file_parts if name.startswith(prefix)), None)
+        part = next((p for prefix, p in spec.single_file.parts if name.startswith(prefix)), None)
         if part is not None:
             groups[part].append((name, shape))
     if not all(groups.values()):

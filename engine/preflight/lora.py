@@ -172,7 +172,7 @@ def looks_like(registry: Registry, keys: Sequence[str]) -> FamilySpec | None:
     """The family whose LoRA key markers match the most keys (None: no marker matches)."""
     best, best_hits = None, 0
     for family in registry.families.values():
-        hits = sum(1 for key in keys if any(marker in key for marker in family.lora_key_markers))
+        hits = sum(1 for key in keys if any(marker in key for marker in family.lora.key_markers))
         if hits > best_hits:
             best, best_hits = family, hits
     return best

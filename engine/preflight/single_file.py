@@ -47,8 +47,8 @@ def single_file_source(
     if spec is None:
         raise unknown_family(registry, str(file))
     checkpoint = spec.checkpoint(file.name) or spec.checkpoint(file.parent.name)
-    if suffix == ".gguf" and spec.gguf_refused_reason:
-        raise PreflightError(f"{file}: {spec.gguf_refused_reason}", code="gguf_unsupported")
+    if suffix == ".gguf" and spec.single_file.gguf_refused_reason:
+        raise PreflightError(f"{file}: {spec.single_file.gguf_refused_reason}", code="gguf_unsupported")
     whole = whole_pipeline_sizes(spec, shapes)
     if whole is not None:
         return whole_file_source(file, spec, checkpoint, base, whole, shapes)
@@ -95,7 +95,7 @@ def whole_file_source(
         config = str(file.parent)
     else:
         config = (checkpoint or spec.default_checkpoint).repo
-    prefix = next(p for p, part in spec.single_file_parts if part == "denoiser")
+    prefix = next(p for p, part in spec.single_file.parts if part == "denoiser")
     denoiser = [(name[len(prefix):], shape) for name, shape in shapes if name.startswith(prefix)]
     return ModelSource(
         "single_file_pipeline", str(file), spec, checkpoint, base=config,
@@ -106,6 +106,6 @@ def whole_file_source(
 def family_from_keys(registry: Registry, keys: tuple[str, ...]) -> FamilySpec | None:
     """The first family whose table's single-file markers appear in ``keys``."""
     for spec in registry.families.values():
-        if any(marker in key for marker in spec.single_file_markers for key in keys):
+        if any(marker in key for marker in spec.single_file.markers for key in keys):
             return spec
     return None

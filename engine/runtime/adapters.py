@@ -37,7 +37,7 @@ def add_adapter(denoiser: torch.nn.Module, config: Any, adapter_name: str) -> st
     except ValueError as exc:  # peft: no target module found
         raise AdapterFailed(
             f"peft could not add a LoRA to {type(denoiser).__name__}: {str(exc).splitlines()[0][:300]}; "
-            "check the family's lora_targets (or --lora-targets)"
+            "check the family's lora.targets (or the run's lora_targets)"
         ) from exc
     return f"peft's inject_adapter_in_model ({type(denoiser).__name__} has no add_adapter)"
 

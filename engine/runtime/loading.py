@@ -97,11 +97,11 @@ class PipelineLoading:
             denoiser = getattr(pipe, self.source.family.denoiser)
             self.placement = quantize_on_host_then_place(
                 denoiser, str(scheme), plan.device, resident=resident(plan),
-                keep=quantize.module_filter(str(scheme), self.source.family.int8_dense_modules),
+                keep=quantize.module_filter(str(scheme), self.source.family.quantisation.int8_dense_modules),
             )
             self.quantised_layers = self.placement.layers
             self.canary = inference_canary(
-                denoiser, quantize.module_filter(str(scheme), self.source.family.int8_dense_modules),
+                denoiser, quantize.module_filter(str(scheme), self.source.family.quantisation.int8_dense_modules),
                 scheme=str(scheme), dtype=dtype,
             ).to_dict()  # a broken scheme raises CanaryFailed: the fallback is built instead
         elif dtype == torch.float16:  # fp16 compute: the dtype some families render black in

@@ -71,14 +71,14 @@ def write_sized_pipeline(tiny_dir: Path, spec: FamilySpec, target: Path) -> Path
     import shutil
 
     shutil.copytree(tiny_dir, target, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
-    figures = spec.training_memory
+    figures = spec.training.memory
     targets = figures.lora_targets if figures else ()
     width = max((t.in_features for t in targets), default=4096)
     denoiser: list[tuple[str, tuple[int, ...]]] = [
         (f"blocks.{i}.{t.target}.weight", (t.out_features, t.in_features))
         for t in targets for i in range(t.count)
     ]
-    parts = {spec.denoiser: (spec.training_dense_gb, denoiser), "vae": (spec.sizes.vae_gb, [])}
+    parts = {spec.denoiser: (spec.training.dense_gb, denoiser), "vae": (spec.sizes.vae_gb, [])}
     encoders = sorted(p.name for p in target.iterdir() if p.name.startswith("text_encoder"))
     for name in encoders:
         parts[name] = (spec.sizes.text_encoders_gb / len(encoders), [])

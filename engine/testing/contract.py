@@ -98,9 +98,9 @@ class FamilyContract:
             assert checkpoint.default_steps >= 1
             assert checkpoint.default_guidance >= 0
             assert family.checkpoint(checkpoint.repo) == checkpoint
-        assert family.training_dense_gb > 0
-        assert family.lora_targets
-        assert family.fp16_compute_safe or family.fp16_unsafe_reason, (
+        assert family.training.dense_gb > 0
+        assert family.lora.targets
+        assert all(reason for _, reason in family.precision.fp16_unsafe), (
             "a family unsafe in fp16 must say why"
         )
         assert family.runtime_module.split(".")[0].isidentifier()
@@ -134,8 +134,8 @@ class FamilyContract:
     def test_engine_dense_base(self, registry: Registry, family: FamilySpec) -> None:
         for checkpoint in family.checkpoints:
             assert registry.dense_base(family, checkpoint.repo) is None
-        if family.prequantised_patterns:
-            name = family.prequantised_patterns[0].replace("*", "")
+        if family.quantisation.prequantised_patterns:
+            name = family.quantisation.prequantised_patterns[0].replace("*", "")
             repo = f"someone/{family.default_checkpoint.repo.split('/')[1]}-{name}"
             assert registry.dense_base(family, repo) == family.default_checkpoint.repo
 
@@ -143,7 +143,7 @@ class FamilyContract:
         for hardware in PRESETS.values():
             modes = registry.training_precision_modes(family, hardware)
             assert set(modes) <= set(TRAINING_PRECISIONS)
-            assert bool(modes) == family.base_precision_applies
+            assert bool(modes) == family.training.base_precision_applies
 
     def test_engine_compile_regions(self, registry: Registry, family: FamilySpec) -> None:
         regions = registry.compile_regions(family)
@@ -191,7 +191,7 @@ class FamilyContract:
         for checkpoint in family.checkpoints:
             sizes = registry.component_sizes(family, checkpoint)
             assert sizes.total_gb == sizes.transformer_gb + sizes.text_encoders_gb + sizes.vae_gb
-        assert family.training_dense_gb <= family.sizes.transformer_gb * 1.5, (
+        assert family.training.dense_gb <= family.sizes.transformer_gb * 1.5, (
             "training_dense_gb is the denoiser's bf16 size; it cannot be far above the transformer's"
         )
 

@@ -72,7 +72,7 @@ def kohya_state_dict(
 ) -> dict[str, torch.Tensor]:
     """``state`` (peft keys ``<module>.lora_A.weight``, no adapter name) in the
     kohya / ComfyUI layout for ``family``; ``alpha`` is the adapter's alpha."""
-    rules = [_Rule(target, sources) for target, sources in family.lora_kohya_map]
+    rules = [_Rule(target, sources) for target, sources in family.lora.kohya_map]
     modules = sorted({k[: -len(_A)] for k in state if k.endswith(_A)})
     groups: dict[tuple[int, str], dict[int, str]] = {}
     kohya: dict[str, torch.Tensor] = {}

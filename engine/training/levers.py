@@ -59,7 +59,7 @@ def resolve_levers(
     :raises PreflightError: a lever that cannot run here (8-bit AdamW without
         CUDA, a flow shift on a family that does not flow-match).
     """
-    defaults = family.training_defaults or TrainingDefaults()
+    defaults = family.training.defaults or TrainingDefaults()
     learning_rate = _defaulted(config.learning_rate, defaults.learning_rate, ENGINE_LEARNING_RATE, family, "LR")
     warmup = _defaulted(config.warmup_steps, defaults.warmup_steps, ENGINE_WARMUP_STEPS, family, "warmup")
     if warmup.source == "auto" and steps is not None and warmup.value > steps // WARMUP_SHARE:
@@ -90,7 +90,7 @@ def _defaulted(
     if value is not None:
         return explicit(value, "as configured")
     if family_value is not None:
-        source = (family.training_defaults.source if family.training_defaults else "") or "its table"
+        source = (family.training.defaults.source if family.training.defaults else "") or "its table"
         return auto(family_value, f"{family.label}'s default {what} ({source})")
     return auto(engine_value, f"the engine's default {what}")
 
@@ -107,7 +107,7 @@ def resolve_flow_shift(
                 code="not_applicable",
             )
         return auto(None, f"{family.label} trains by {objective.prediction.replace('_', ' ')}: no flow shift")
-    defaults = family.training_defaults or TrainingDefaults()
+    defaults = family.training.defaults or TrainingDefaults()
     if isinstance(requested, (int, float)):
         return explicit(float(requested), "as configured")
     if requested == "auto" or (requested is None and defaults.flow_shift_auto):

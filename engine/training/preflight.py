@@ -124,7 +124,7 @@ def preflight_training(
             "needs a diffusers pipeline folder (with model_index.json) or a hub repo id",
             code="not_a_pipeline",
         )
-    _base_check(base, config.lora_targets or family.lora_targets, allow_download=allow_download, fetch=fetch)
+    _base_check(base, config.lora_targets or family.lora.targets, allow_download=allow_download, fetch=fetch)
     config = _anchored(config, base)
     objective = registry.training_objective(family)
     if objective is None:
@@ -136,7 +136,7 @@ def preflight_training(
             registry, family, hardware, config.base_precision,
             base_repo=config.base_model, device=config.device, memory=memory,
         )
-        if family.base_precision_applies
+        if family.training.base_precision_applies
         else auto("none", f"{family.label}'s trainer ignores base_precision")
     )
     _precision_check(registry, family, config, hardware, memory)
@@ -156,7 +156,7 @@ def preflight_training(
         weight_dtype=_weight_dtype(family, hardware, device, config),
         compile=_compile(registry, family, device, precision.value, config.compile),
         steps=config.total_steps(len(dataset.items)),
-        lora_targets=config.lora_targets or family.lora_targets,
+        lora_targets=config.lora_targets or family.lora.targets,
         objective=objective,
         dataset=dataset,
         memory=memory.settled(checkpointing.value).estimate(family, precision.value, device),
@@ -271,7 +271,7 @@ def _precision_check(
 def _weight_dtype(family: FamilySpec, hardware: HardwareProfile, device: str, config: TrainingConfig) -> Resolved[str]:
     if device == "cpu":
         return auto("fp32", "CPU: fp32 weights and compute (bf16 matmuls are emulated on most CPUs)")
-    if family.training_requires_bf16 or (hardware.native_bf16 and config.mixed_precision != "fp16"):
+    if family.training.requires_bf16 or (hardware.native_bf16 and config.mixed_precision != "fp16"):
         return auto("bf16", f"{family.label} trains in bf16")
     return auto("fp16", f"no native bf16 on {hardware.device_name}: fp16 mixed precision")
 

@@ -11,6 +11,9 @@ from engine.types import FamilySpec
 from families.flux.table import FLUX
 
 
+#: The plugin API this plugin is written for (engine.plugin_api).
+ENGINE_PLUGIN_API = 1
+
 @hookimpl
 def engine_register_families(register: Callable[[FamilySpec], None]) -> None:
     register(FLUX)

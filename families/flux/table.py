@@ -9,10 +9,14 @@ from engine.types import (
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    LoraLayout,
     LoraTargetShape,
+    QuantRules,
+    SingleFileLayout,
+    TrainingDefaults,
     TrainingMemoryFigures,
     TrainingObjective,
-    TrainingDefaults,
+    TrainingSpec,
 )
 
 FLUX = FamilySpec(
@@ -65,109 +69,116 @@ FLUX = FamilySpec(
     ),
     controlnet_classes=("FluxControlNetModel",),
     sizes=ComponentSizes(transformer_gb=23.8, text_encoders_gb=9.8, vae_gb=0.2),
-    training_dense_gb=23.8,
-    lora_targets=(
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    ),
     compile_regions=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
-    fp16_compute_safe=True,
-    base_precision_applies=True,
-    training_requires_bf16=True,
-    prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
-    default_dense_base="black-forest-labs/FLUX.1-dev",
-    # Measured with bench/planner_accuracy.py --factors (full-size config, the
-    # engine's module filter): int8 keeps modulation and embeddings in bf16.
-    quant_factors={"int8": 0.64},
-    # int8 keeps the timestep / guidance / pooled-text embedders dense (M = batch).
-    int8_dense_modules=("time_text_embed",),
     # FluxPipeline opens a cache context around its transformer calls; the
     # Kontext and img2img pipelines do not (First-Block-Cache would fail there).
     cache_context_pipelines=("FluxPipeline",),
-    single_file_markers=("single_transformer_blocks.", "double_blocks."),
     runtime_module="families.flux.runtime",
     tiny_pipeline="families.flux.tiny:build_tiny_pipeline",
-    # LoRA keys: diffusers (single_transformer_blocks) and BFL / kohya /
-    # ComfyUI (double_blocks, single_blocks) spellings.
-    lora_key_markers=("single_transformer_blocks", "double_blocks", "single_blocks"),
-    # The kohya / ComfyUI layout is BFL's: q, k, v fused into one qkv Linear
-    # per stream; a single block's linear1 is q, k, v and the MLP input fused.
-    lora_kohya_map=(
-        ("double_blocks_{i}_img_attn_qkv", (
-            "transformer_blocks.{i}.attn.to_q",
-            "transformer_blocks.{i}.attn.to_k",
-            "transformer_blocks.{i}.attn.to_v",
-        )),
-        ("double_blocks_{i}_img_attn_proj", ("transformer_blocks.{i}.attn.to_out.0",)),
-        ("double_blocks_{i}_txt_attn_qkv", (
-            "transformer_blocks.{i}.attn.add_q_proj",
-            "transformer_blocks.{i}.attn.add_k_proj",
-            "transformer_blocks.{i}.attn.add_v_proj",
-        )),
-        ("double_blocks_{i}_txt_attn_proj", ("transformer_blocks.{i}.attn.to_add_out",)),
-        ("double_blocks_{i}_img_mlp_0", ("transformer_blocks.{i}.ff.net.0.proj",)),
-        ("double_blocks_{i}_img_mlp_2", ("transformer_blocks.{i}.ff.net.2",)),
-        ("double_blocks_{i}_txt_mlp_0", ("transformer_blocks.{i}.ff_context.net.0.proj",)),
-        ("double_blocks_{i}_txt_mlp_2", ("transformer_blocks.{i}.ff_context.net.2",)),
-        ("double_blocks_{i}_img_mod_lin", ("transformer_blocks.{i}.norm1.linear",)),
-        ("double_blocks_{i}_txt_mod_lin", ("transformer_blocks.{i}.norm1_context.linear",)),
-        ("single_blocks_{i}_linear1", (
-            "single_transformer_blocks.{i}.attn.to_q",
-            "single_transformer_blocks.{i}.attn.to_k",
-            "single_transformer_blocks.{i}.attn.to_v",
-            "single_transformer_blocks.{i}.proj_mlp",
-        )),
-        ("single_blocks_{i}_linear2", ("single_transformer_blocks.{i}.proj_out",)),
-        ("single_blocks_{i}_modulation_lin", ("single_transformer_blocks.{i}.norm.linear",)),
-        ("img_in", ("x_embedder",)),
-        ("txt_in", ("context_embedder",)),
-    ),
     # The VAE decoder's peak per output pixel: its full-resolution up block
     # (128 channels) holds about six tensors of that width at once (input,
     # fp32 group-norm upcast, conv output), 6 x 128 elements. Derived from
     # the architecture, not yet benchmarked (bench/ has no VAE probe yet).
     vae_decode_per_pixel=768.0,
-    # FLUX.1-dev's scheduler shifts dynamically at inference; its LoRA recipes
-    # train with logit-normal sampling unshifted, 10 warmup steps, LR 1e-4.
-    training_defaults=TrainingDefaults(
-        learning_rate=1e-4, warmup_steps=10, flow_shift=1.0,
-        source="FLUX.1 LoRA recipes: logit-normal timesteps, no shift, short warmup",
+    quantisation=QuantRules(
+        prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
+        default_dense_base="black-forest-labs/FLUX.1-dev",
+        # Measured with bench/planner_accuracy.py --factors (full-size config, the
+        # engine's module filter): int8 keeps modulation and embeddings in bf16.
+        factors={"int8": 0.64},
+        # int8 keeps the timestep / guidance / pooled-text embedders dense (M = batch).
+        int8_dense_modules=("time_text_embed",),
     ),
-    training_objective=TrainingObjective(
-        prediction="flow_matching",
-        timestep_sampling="logit_normal",
+    single_file=SingleFileLayout(
+        markers=("single_transformer_blocks.", "double_blocks."),
     ),
-    # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
-    # real widths, 1 + 2 and 2 + 4 double + single blocks: a "block" is the
-    # 1:2 average of the 19 double and 38 single). Elements per token; outside
-    # includes the backward's transient at the step's peak. Text: T5 padded
-    # to 512.
-    training_memory=TrainingMemoryFigures(
-        activations=ActivationFigures(
-            block_per_image_token=61693.3,
-            block_per_text_token=61693.3,
-            checkpointed_block_per_image_token=3072.0,
-            checkpointed_block_per_text_token=3072.0,
-            outside_per_image_token=40670.0,
-            outside_per_text_token=40350.0,
-            blocks=57,
-            text_tokens=512,
+    lora=LoraLayout(
+        targets=(
+            "to_q",
+            "to_k",
+            "to_v",
+            "to_out.0",
+            "add_q_proj",
+            "add_k_proj",
+            "add_v_proj",
+            "to_add_out",
         ),
-        lora_targets=(
-            LoraTargetShape("add_k_proj", 3072, 3072, 19),
-            LoraTargetShape("add_q_proj", 3072, 3072, 19),
-            LoraTargetShape("add_v_proj", 3072, 3072, 19),
-            LoraTargetShape("to_add_out", 3072, 3072, 19),
-            LoraTargetShape("to_k", 3072, 3072, 57),
-            LoraTargetShape("to_out.0", 3072, 3072, 19),
-            LoraTargetShape("to_q", 3072, 3072, 57),
-            LoraTargetShape("to_v", 3072, 3072, 57),
+        # LoRA keys: diffusers (single_transformer_blocks) and BFL / kohya /
+        # ComfyUI (double_blocks, single_blocks) spellings.
+        key_markers=("single_transformer_blocks", "double_blocks", "single_blocks"),
+        # The kohya / ComfyUI layout is BFL's: q, k, v fused into one qkv Linear
+        # per stream; a single block's linear1 is q, k, v and the MLP input fused.
+        kohya_map=(
+            ("double_blocks_{i}_img_attn_qkv", (
+                "transformer_blocks.{i}.attn.to_q",
+                "transformer_blocks.{i}.attn.to_k",
+                "transformer_blocks.{i}.attn.to_v",
+            )),
+            ("double_blocks_{i}_img_attn_proj", ("transformer_blocks.{i}.attn.to_out.0",)),
+            ("double_blocks_{i}_txt_attn_qkv", (
+                "transformer_blocks.{i}.attn.add_q_proj",
+                "transformer_blocks.{i}.attn.add_k_proj",
+                "transformer_blocks.{i}.attn.add_v_proj",
+            )),
+            ("double_blocks_{i}_txt_attn_proj", ("transformer_blocks.{i}.attn.to_add_out",)),
+            ("double_blocks_{i}_img_mlp_0", ("transformer_blocks.{i}.ff.net.0.proj",)),
+            ("double_blocks_{i}_img_mlp_2", ("transformer_blocks.{i}.ff.net.2",)),
+            ("double_blocks_{i}_txt_mlp_0", ("transformer_blocks.{i}.ff_context.net.0.proj",)),
+            ("double_blocks_{i}_txt_mlp_2", ("transformer_blocks.{i}.ff_context.net.2",)),
+            ("double_blocks_{i}_img_mod_lin", ("transformer_blocks.{i}.norm1.linear",)),
+            ("double_blocks_{i}_txt_mod_lin", ("transformer_blocks.{i}.norm1_context.linear",)),
+            ("single_blocks_{i}_linear1", (
+                "single_transformer_blocks.{i}.attn.to_q",
+                "single_transformer_blocks.{i}.attn.to_k",
+                "single_transformer_blocks.{i}.attn.to_v",
+                "single_transformer_blocks.{i}.proj_mlp",
+            )),
+            ("single_blocks_{i}_linear2", ("single_transformer_blocks.{i}.proj_out",)),
+            ("single_blocks_{i}_modulation_lin", ("single_transformer_blocks.{i}.norm.linear",)),
+            ("img_in", ("x_embedder",)),
+            ("txt_in", ("context_embedder",)),
+        ),
+    ),
+    training=TrainingSpec(
+        dense_gb=23.8,
+        base_precision_applies=True,
+        requires_bf16=True,
+        # FLUX.1-dev's scheduler shifts dynamically at inference; its LoRA recipes
+        # train with logit-normal sampling unshifted, 10 warmup steps, LR 1e-4.
+        defaults=TrainingDefaults(
+            learning_rate=1e-4, warmup_steps=10, flow_shift=1.0,
+            source="FLUX.1 LoRA recipes: logit-normal timesteps, no shift, short warmup",
+        ),
+        objective=TrainingObjective(
+            prediction="flow_matching",
+            timestep_sampling="logit_normal",
+        ),
+        # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
+        # real widths, 1 + 2 and 2 + 4 double + single blocks: a "block" is the
+        # 1:2 average of the 19 double and 38 single). Elements per token; outside
+        # includes the backward's transient at the step's peak. Text: T5 padded
+        # to 512.
+        memory=TrainingMemoryFigures(
+            activations=ActivationFigures(
+                block_per_image_token=61693.3,
+                block_per_text_token=61693.3,
+                checkpointed_block_per_image_token=3072.0,
+                checkpointed_block_per_text_token=3072.0,
+                outside_per_image_token=40670.0,
+                outside_per_text_token=40350.0,
+                blocks=57,
+                text_tokens=512,
+            ),
+            lora_targets=(
+                LoraTargetShape("add_k_proj", 3072, 3072, 19),
+                LoraTargetShape("add_q_proj", 3072, 3072, 19),
+                LoraTargetShape("add_v_proj", 3072, 3072, 19),
+                LoraTargetShape("to_add_out", 3072, 3072, 19),
+                LoraTargetShape("to_k", 3072, 3072, 57),
+                LoraTargetShape("to_out.0", 3072, 3072, 19),
+                LoraTargetShape("to_q", 3072, 3072, 57),
+                LoraTargetShape("to_v", 3072, 3072, 57),
+            ),
         ),
     ),
 )

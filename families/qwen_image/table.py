@@ -10,11 +10,16 @@ from engine.types import (
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    LoraLayout,
     LoraTargetShape,
+    PrecisionRules,
     QuantDeny,
+    QuantRules,
+    SingleFileLayout,
+    TrainingDefaults,
     TrainingMemoryFigures,
     TrainingObjective,
-    TrainingDefaults,
+    TrainingSpec,
 )
 
 FP8_BLACK = (
@@ -74,48 +79,9 @@ QWEN_IMAGE = FamilySpec(
     ),
     workflows=(("img2img", "QwenImageImg2ImgPipeline"), ("inpaint", "QwenImageInpaintPipeline")),
     sizes=ComponentSizes(transformer_gb=40.9, text_encoders_gb=16.6, vae_gb=0.3),
-    training_dense_gb=41.0,
-    lora_targets=(
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    ),
     compile_regions=("QwenImageTransformerBlock",),
-    fp16_compute_safe=False,
-    fp16_unsafe_reason="Qwen-Image renders black frames in fp16 compute",
-    base_precision_applies=True,
-    training_requires_bf16=True,
-    quant_deny={
-        "inference": (
-            QuantDeny("fp8", FP8_BLACK),
-            QuantDeny("mxfp8", MXFP8_DRIFT),
-            QuantDeny("nvfp4", NVFP4_DRIFT),
-        ),
-        "training": (
-            QuantDeny("fp8", FP8_BLACK_TRAINING),
-            QuantDeny("mxfp8", MXFP8_DRIFT),
-        ),
-    },
-    prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
-    default_dense_base="Qwen/Qwen-Image",
     # Real classifier-free guidance: the pipeline's guidance knob is true_cfg_scale.
     guidance_kwarg="true_cfg_scale",
-    # Measured with bench/planner_accuracy.py --factors (full-size config, the
-    # engine's module filter): int8 keeps modulation and embeddings in bf16.
-    quant_factors={"int8": 0.67},
-    # The inference build also keeps the text stream (int8_dense_modules,
-    # about a third of the weights) in bf16: measured on the full-size config
-    # (meta device) with the filter and those tokens.
-    inference_quant_factors={"int8": 0.83},
-    # CUDA's int8 matmul needs M >= 16 rows, and the text stream runs at
-    # M = prompt tokens (unpadded): short prompts would fail. bf16 there costs
-    # almost nothing in speed.
-    int8_dense_modules=("txt_in", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_mlp"),
     # Every Qwen-Image pipeline opens a cache context around its transformer calls.
     cache_context_pipelines=(
         "QwenImagePipeline",
@@ -123,56 +89,102 @@ QWEN_IMAGE = FamilySpec(
         "QwenImageEditPipeline",
         "QwenImageEditPlusPipeline",
     ),
-    # fp8 is allowed for inference where torchao floors the fp8 activation
-    # scales (activation_value_lb), which the runtime then always sets.
-    inference_deny_lifted_by={"fp8": "fp8_activation_floor"},
-    single_file_markers=("txt_norm.", "img_mod."),
     runtime_module="families.qwen_image.runtime",
     tiny_pipeline="families.qwen_image.tiny:build_tiny_pipeline",
-    # LoRA keys: the dual-stream MLP and modulation names (diffusers, kohya
-    # and ComfyUI spell them alike).
-    lora_key_markers=("img_mlp", "txt_mlp", "img_mod", "txt_mod"),
     # Qwen-Image's causal VAE decodes at 96 channels at full resolution:
     # about six such tensors live at once (6 x 96). Derived from the
     # architecture, not yet benchmarked.
     vae_decode_per_pixel=576.0,
-    # Qwen-Image's scheduler shifts by resolution (exponential, mu from 0.5
-    # at 256 image tokens to 0.9 at 8192): training shifts the same way, so
-    # a 1328 px LoRA trains on the sigmas it samples with.
-    training_defaults=TrainingDefaults(
-        learning_rate=1e-4, warmup_steps=20, flow_shift_auto=True,
-        base_shift=0.5, max_shift=0.9, base_seq_len=256, max_seq_len=8192,
-        source="Qwen-Image scheduler config: use_dynamic_shifting, base_shift 0.5, max_shift 0.9, "
-        "base_image_seq_len 256, max_image_seq_len 8192, exponential",
+    quantisation=QuantRules(
+        deny_training=(
+                QuantDeny("fp8", FP8_BLACK_TRAINING),
+                QuantDeny("mxfp8", MXFP8_DRIFT),
+            ),
+        deny_inference=(
+                QuantDeny("fp8", FP8_BLACK),
+                QuantDeny("mxfp8", MXFP8_DRIFT),
+                QuantDeny("nvfp4", NVFP4_DRIFT),
+            ),
+        prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
+        default_dense_base="Qwen/Qwen-Image",
+        # Measured with bench/planner_accuracy.py --factors (full-size config, the
+        # engine's module filter): int8 keeps modulation and embeddings in bf16.
+        factors={"int8": 0.67},
+        # The inference build also keeps the text stream (int8_dense_modules,
+        # about a third of the weights) in bf16: measured on the full-size config
+        # (meta device) with the filter and those tokens.
+        inference_factors={"int8": 0.83},
+        # CUDA's int8 matmul needs M >= 16 rows, and the text stream runs at
+        # M = prompt tokens (unpadded): short prompts would fail. bf16 there costs
+        # almost nothing in speed.
+        int8_dense_modules=("txt_in", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_mlp"),
+        # fp8 is allowed for inference where torchao floors the fp8 activation
+        # scales (activation_value_lb), which the runtime then always sets.
+        deny_lifted_by={"fp8": "fp8_activation_floor"},
     ),
-    training_objective=TrainingObjective(
-        prediction="flow_matching",
-        timestep_sampling="logit_normal",
+    single_file=SingleFileLayout(
+        markers=("txt_norm.", "img_mod."),
     ),
-    # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
-    # real widths, 2 and 3 blocks). Elements per token; outside includes the
-    # backward's transient at the step's peak. Text: the prompt is truncated
-    # to 512 positions (max_sequence_length), an upper bound for real captions.
-    training_memory=TrainingMemoryFigures(
-        activations=ActivationFigures(
-            block_per_image_token=61716.0,
-            block_per_text_token=61716.0,
-            checkpointed_block_per_image_token=3072.0,
-            checkpointed_block_per_text_token=3072.0,
-            outside_per_image_token=22589.7,
-            outside_per_text_token=26119.0,
-            blocks=60,
-            text_tokens=512,
+    lora=LoraLayout(
+        targets=(
+            "to_q",
+            "to_k",
+            "to_v",
+            "to_out.0",
+            "add_q_proj",
+            "add_k_proj",
+            "add_v_proj",
+            "to_add_out",
         ),
-        lora_targets=(
-            LoraTargetShape("add_k_proj", 3072, 3072, 60),
-            LoraTargetShape("add_q_proj", 3072, 3072, 60),
-            LoraTargetShape("add_v_proj", 3072, 3072, 60),
-            LoraTargetShape("to_add_out", 3072, 3072, 60),
-            LoraTargetShape("to_k", 3072, 3072, 60),
-            LoraTargetShape("to_out.0", 3072, 3072, 60),
-            LoraTargetShape("to_q", 3072, 3072, 60),
-            LoraTargetShape("to_v", 3072, 3072, 60),
+        # LoRA keys: the dual-stream MLP and modulation names (diffusers, kohya
+        # and ComfyUI spell them alike).
+        key_markers=("img_mlp", "txt_mlp", "img_mod", "txt_mod"),
+    ),
+    training=TrainingSpec(
+        dense_gb=41.0,
+        base_precision_applies=True,
+        requires_bf16=True,
+        # Qwen-Image's scheduler shifts by resolution (exponential, mu from 0.5
+        # at 256 image tokens to 0.9 at 8192): training shifts the same way, so
+        # a 1328 px LoRA trains on the sigmas it samples with.
+        defaults=TrainingDefaults(
+            learning_rate=1e-4, warmup_steps=20, flow_shift_auto=True,
+            base_shift=0.5, max_shift=0.9, base_seq_len=256, max_seq_len=8192,
+            source="Qwen-Image scheduler config: use_dynamic_shifting, base_shift 0.5, max_shift 0.9, "
+            "base_image_seq_len 256, max_image_seq_len 8192, exponential",
         ),
+        objective=TrainingObjective(
+            prediction="flow_matching",
+            timestep_sampling="logit_normal",
+        ),
+        # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
+        # real widths, 2 and 3 blocks). Elements per token; outside includes the
+        # backward's transient at the step's peak. Text: the prompt is truncated
+        # to 512 positions (max_sequence_length), an upper bound for real captions.
+        memory=TrainingMemoryFigures(
+            activations=ActivationFigures(
+                block_per_image_token=61716.0,
+                block_per_text_token=61716.0,
+                checkpointed_block_per_image_token=3072.0,
+                checkpointed_block_per_text_token=3072.0,
+                outside_per_image_token=22589.7,
+                outside_per_text_token=26119.0,
+                blocks=60,
+                text_tokens=512,
+            ),
+            lora_targets=(
+                LoraTargetShape("add_k_proj", 3072, 3072, 60),
+                LoraTargetShape("add_q_proj", 3072, 3072, 60),
+                LoraTargetShape("add_v_proj", 3072, 3072, 60),
+                LoraTargetShape("to_add_out", 3072, 3072, 60),
+                LoraTargetShape("to_k", 3072, 3072, 60),
+                LoraTargetShape("to_out.0", 3072, 3072, 60),
+                LoraTargetShape("to_q", 3072, 3072, 60),
+                LoraTargetShape("to_v", 3072, 3072, 60),
+            ),
+        ),
+    ),
+    precision=PrecisionRules(
+        fp16_unsafe=(("denoiser", "Qwen-Image renders black frames in fp16 compute"),),
     ),
 )

@@ -10,12 +10,16 @@ from engine.types import (
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    LoraLayout,
     LoraTargetShape,
     OptimizationDeny,
+    QuantDeny,
+    QuantRules,
+    SingleFileLayout,
+    TrainingDefaults,
     TrainingMemoryFigures,
     TrainingObjective,
-    QuantDeny,
-    TrainingDefaults,
+    TrainingSpec,
 )
 
 SDXL = FamilySpec(
@@ -55,36 +59,10 @@ SDXL = FamilySpec(
     # VAE stride 8; the UNet pads odd latent sides itself (forward_upsample_size).
     side_multiple=8,
     controlnet_classes=("ControlNetModel",),
-    # The checkpoints people download (base, fine-tunes) are one .safetensors
-    # holding UNet, both text encoders and the VAE in the original layout.
-    single_file_whole_pipeline=True,
-    single_file_parts=(
-        ("model.diffusion_model.", "denoiser"),
-        ("conditioner.embedders.", "text_encoders"),
-        ("first_stage_model.", "vae"),
-    ),
-    gguf_refused_reason=(
-        "diffusers loads GGUF weights only for transformer models; an SDXL UNet in GGUF "
-        "cannot be loaded (use the .safetensors checkpoint, or --quant int8 on it)"
-    ),
     sizes=ComponentSizes(transformer_gb=5.1, text_encoders_gb=1.6, vae_gb=0.2),
-    training_dense_gb=5.1,
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
     compile_regions=("BasicTransformerBlock",),
-    fp16_compute_safe=True,
-    base_precision_applies=False,
-    training_requires_bf16=False,
-    prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
-    default_dense_base="stabilityai/stable-diffusion-xl-base-1.0",
     denoiser="unet",
-    # Measured with bench/planner_accuracy.py --factors (full-size config, the
-    # engine's module filter): the UNet's convolutions stay dense in every scheme.
-    quant_factors={"int8": 0.57, "fp8": 0.57, "mxfp8": 0.58, "nvfp4": 0.38, "nf4": 0.38},
-    # int8 keeps the time and added-condition embeddings and each resnet's
-    # timestep projection dense (M = batch: under CUDA int8's 16 rows).
-    int8_dense_modules=("time_embedding", "add_embedding", "time_emb_proj"),
     cache_context_pipelines=(),
-    single_file_markers=("add_embedding.linear_1.", "conditioner.embedders.1."),
     optimization_deny=(
         OptimizationDeny(
             "step_cache",
@@ -93,65 +71,98 @@ SDXL = FamilySpec(
     ),
     runtime_module="families.sdxl.runtime",
     tiny_pipeline="families.sdxl.tiny:build_tiny_pipeline",
-    # LoRA keys: UNet blocks (diffusers and SGM spellings) and the second
-    # text encoder.
-    lora_key_markers=(
-        "down_blocks", "up_blocks", "mid_block", "input_blocks", "output_blocks",
-        "middle_block", "lora_te1_", "lora_te2_", "text_encoder_2",
-    ),
     # The VAE decoder's peak per output pixel: its full-resolution up block
     # (128 channels) holds about six tensors of that width at once (input,
     # fp32 group-norm upcast, conv output), 6 x 128 elements. Derived from
     # the architecture, not yet benchmarked (bench/ has no VAE probe yet).
     vae_decode_per_pixel=768.0,
-    # CLIP-L + OpenCLIP-bigG are 1.6 GB together: quantising them saves
-    # under 1 GB, and the UNet reads their penultimate hidden states and
-    # pooled projection directly, which no A/B here has checked quantised.
-    text_encoder_quant_deny=tuple(
-        QuantDeny(scheme, "SDXL's CLIP encoders are 1.6 GB: quantising saves under 1 GB, "
-                  "and their penultimate states feed the UNet unchecked by any A/B")
-        for scheme in ("int8", "fp8", "nvfp4", "nf4")
-    ),
-    # Epsilon prediction: no flow shift; the common SDXL LoRA recipe.
-    training_defaults=TrainingDefaults(
-        learning_rate=1e-4, warmup_steps=0, source="SDXL LoRA recipes: LR 1e-4, no warmup",
-    ),
-    training_objective=TrainingObjective(
-        prediction="epsilon",
-        timestep_sampling="uniform",
-    ),
-    # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
-    # real channels, transformer_layers_per_block (1, 1, 5): 35 of the 70
-    # BasicTransformerBlocks in the real 640:1280-channel mix). An image token
-    # is a 16x16-pixel patch; the resnets, convolutions and the backward's
-    # transient at the peak are outside. Under checkpointing diffusers also
-    # recomputes the resnets, so the outside then has its own figure. Text: 77 (CLIP).
-    training_memory=TrainingMemoryFigures(
-        activations=ActivationFigures(
-            block_per_image_token=12162.1,
-            block_per_text_token=10633.1,
-            checkpointed_block_per_image_token=365.7,
-            checkpointed_block_per_text_token=0.0,
-            outside_per_image_token=95728.0,
-            outside_per_text_token=0.0,
-            blocks=70,
-            text_tokens=77,
-            checkpointed_outside_per_image_token=33259.9,
-            checkpointed_outside_per_text_token=0.0,
+    quantisation=QuantRules(
+        prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
+        default_dense_base="stabilityai/stable-diffusion-xl-base-1.0",
+        # Measured with bench/planner_accuracy.py --factors (full-size config, the
+        # engine's module filter): the UNet's convolutions stay dense in every scheme.
+        factors={"int8": 0.57, "fp8": 0.57, "mxfp8": 0.58, "nvfp4": 0.38, "nf4": 0.38},
+        # int8 keeps the time and added-condition embeddings and each resnet's
+        # timestep projection dense (M = batch: under CUDA int8's 16 rows).
+        int8_dense_modules=("time_embedding", "add_embedding", "time_emb_proj"),
+        # CLIP-L + OpenCLIP-bigG are 1.6 GB together: quantising them saves
+        # under 1 GB, and the UNet reads their penultimate hidden states and
+        # pooled projection directly, which no A/B here has checked quantised.
+        text_encoder_deny=tuple(
+            QuantDeny(scheme, "SDXL's CLIP encoders are 1.6 GB: quantising saves under 1 GB, "
+                      "and their penultimate states feed the UNet unchecked by any A/B")
+            for scheme in ("int8", "fp8", "nvfp4", "nf4")
         ),
-        lora_targets=(
-            LoraTargetShape("to_k", 640, 640, 10),
-            LoraTargetShape("to_k", 1280, 1280, 60),
-            LoraTargetShape("to_k", 2048, 640, 10),
-            LoraTargetShape("to_k", 2048, 1280, 60),
-            LoraTargetShape("to_out.0", 640, 640, 20),
-            LoraTargetShape("to_out.0", 1280, 1280, 120),
-            LoraTargetShape("to_q", 640, 640, 20),
-            LoraTargetShape("to_q", 1280, 1280, 120),
-            LoraTargetShape("to_v", 640, 640, 10),
-            LoraTargetShape("to_v", 1280, 1280, 60),
-            LoraTargetShape("to_v", 2048, 640, 10),
-            LoraTargetShape("to_v", 2048, 1280, 60),
+    ),
+    single_file=SingleFileLayout(
+        # The checkpoints people download (base, fine-tunes) are one .safetensors
+        # holding UNet, both text encoders and the VAE in the original layout.
+        whole_pipeline=True,
+        parts=(
+            ("model.diffusion_model.", "denoiser"),
+            ("conditioner.embedders.", "text_encoders"),
+            ("first_stage_model.", "vae"),
+        ),
+        gguf_refused_reason=(
+            "diffusers loads GGUF weights only for transformer models; an SDXL UNet in GGUF "
+            "cannot be loaded (use the .safetensors checkpoint, or --quant int8 on it)"
+        ),
+        markers=("add_embedding.linear_1.", "conditioner.embedders.1."),
+    ),
+    lora=LoraLayout(
+        targets=("to_q", "to_k", "to_v", "to_out.0"),
+        # LoRA keys: UNet blocks (diffusers and SGM spellings) and the second
+        # text encoder.
+        key_markers=(
+            "down_blocks", "up_blocks", "mid_block", "input_blocks", "output_blocks",
+            "middle_block", "lora_te1_", "lora_te2_", "text_encoder_2",
+        ),
+    ),
+    training=TrainingSpec(
+        dense_gb=5.1,
+        base_precision_applies=False,
+        requires_bf16=False,
+        # Epsilon prediction: no flow shift; the common SDXL LoRA recipe.
+        defaults=TrainingDefaults(
+            learning_rate=1e-4, warmup_steps=0, source="SDXL LoRA recipes: LR 1e-4, no warmup",
+        ),
+        objective=TrainingObjective(
+            prediction="epsilon",
+            timestep_sampling="uniform",
+        ),
+        # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
+        # real channels, transformer_layers_per_block (1, 1, 5): 35 of the 70
+        # BasicTransformerBlocks in the real 640:1280-channel mix). An image token
+        # is a 16x16-pixel patch; the resnets, convolutions and the backward's
+        # transient at the peak are outside. Under checkpointing diffusers also
+        # recomputes the resnets, so the outside then has its own figure. Text: 77 (CLIP).
+        memory=TrainingMemoryFigures(
+            activations=ActivationFigures(
+                block_per_image_token=12162.1,
+                block_per_text_token=10633.1,
+                checkpointed_block_per_image_token=365.7,
+                checkpointed_block_per_text_token=0.0,
+                outside_per_image_token=95728.0,
+                outside_per_text_token=0.0,
+                blocks=70,
+                text_tokens=77,
+                checkpointed_outside_per_image_token=33259.9,
+                checkpointed_outside_per_text_token=0.0,
+            ),
+            lora_targets=(
+                LoraTargetShape("to_k", 640, 640, 10),
+                LoraTargetShape("to_k", 1280, 1280, 60),
+                LoraTargetShape("to_k", 2048, 640, 10),
+                LoraTargetShape("to_k", 2048, 1280, 60),
+                LoraTargetShape("to_out.0", 640, 640, 20),
+                LoraTargetShape("to_out.0", 1280, 1280, 120),
+                LoraTargetShape("to_q", 640, 640, 20),
+                LoraTargetShape("to_q", 1280, 1280, 120),
+                LoraTargetShape("to_v", 640, 640, 10),
+                LoraTargetShape("to_v", 1280, 1280, 60),
+                LoraTargetShape("to_v", 2048, 640, 10),
+                LoraTargetShape("to_v", 2048, 1280, 60),
+            ),
         ),
     ),
 )

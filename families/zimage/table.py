@@ -9,11 +9,16 @@ from engine.types import (
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    LoraLayout,
     LoraTargetShape,
     OptimizationDeny,
+    PrecisionRules,
+    QuantRules,
+    SingleFileLayout,
+    TrainingDefaults,
     TrainingMemoryFigures,
     TrainingObjective,
-    TrainingDefaults,
+    TrainingSpec,
 )
 
 ZIMAGE = FamilySpec(
@@ -43,22 +48,8 @@ ZIMAGE = FamilySpec(
     ),
     workflows=(("img2img", "ZImageImg2ImgPipeline"), ("inpaint", "ZImageInpaintPipeline")),
     sizes=ComponentSizes(transformer_gb=12.3, text_encoders_gb=8.0, vae_gb=0.2),
-    training_dense_gb=12.3,
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
     compile_regions=("ZImageTransformerBlock",),
-    fp16_compute_safe=False,
-    fp16_unsafe_reason="Z-Image fails in attention under fp16 compute",
-    base_precision_applies=True,
-    training_requires_bf16=True,
-    prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
-    default_dense_base="Tongyi-MAI/Z-Image-Turbo",
-    # Measured with bench/planner_accuracy.py --factors (full-size config, the
-    # engine's module filter): int8 keeps modulation and embeddings in bf16.
-    quant_factors={"int8": 0.52},
-    # int8 keeps the timestep embedder dense (M = batch).
-    int8_dense_modules=("t_embedder",),
     cache_context_pipelines=(),
-    single_file_markers=("noise_refiner.", "context_refiner."),
     optimization_deny=(
         OptimizationDeny(
             "step_cache",
@@ -67,46 +58,69 @@ ZIMAGE = FamilySpec(
     ),
     runtime_module="families.zimage.runtime",
     tiny_pipeline="families.zimage.tiny:build_tiny_pipeline",
-    # LoRA keys: the refiner stacks and the ``layers.N.attention`` blocks.
-    lora_key_markers=("noise_refiner", "context_refiner", "layers.", "layers_", "_attention_", ".attention."),
     # The VAE decoder's peak per output pixel: its full-resolution up block
     # (128 channels) holds about six tensors of that width at once (input,
     # fp32 group-norm upcast, conv output), 6 x 128 elements. Derived from
     # the architecture, not yet benchmarked (bench/ has no VAE probe yet).
     vae_decode_per_pixel=768.0,
-    # Z-Image's scheduler uses a static shift of 3.0 (no dynamic shifting):
-    # training samples the same shifted sigmas.
-    training_defaults=TrainingDefaults(
-        learning_rate=1e-4, warmup_steps=10, flow_shift=3.0,
-        source="Z-Image scheduler config: shift 3.0, use_dynamic_shifting false",
+    quantisation=QuantRules(
+        prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
+        default_dense_base="Tongyi-MAI/Z-Image-Turbo",
+        # Measured with bench/planner_accuracy.py --factors (full-size config, the
+        # engine's module filter): int8 keeps modulation and embeddings in bf16.
+        factors={"int8": 0.52},
+        # int8 keeps the timestep embedder dense (M = batch).
+        int8_dense_modules=("t_embedder",),
     ),
-    training_objective=TrainingObjective(
-        prediction="flow_matching",
-        timestep_sampling="logit_normal",
+    single_file=SingleFileLayout(
+        markers=("noise_refiner.", "context_refiner."),
     ),
-    # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
-    # real widths, 2 and 3 layers and the real 2 + 2 refiners). A noise
-    # (image) and a context (text) refiner together count as one block:
-    # 30 layers + 2 = 32.
-    # Elements per token; outside includes the backward's transient at the
-    # step's peak. Text: at most 512 positions (max_sequence_length, padded
-    # to a multiple of 32 by the model), an upper bound for real captions.
-    training_memory=TrainingMemoryFigures(
-        activations=ActivationFigures(
-            block_per_image_token=100156.0,
-            block_per_text_token=100156.0,
-            checkpointed_block_per_image_token=3840.0,
-            checkpointed_block_per_text_token=3840.0,
-            outside_per_image_token=35394.0,
-            outside_per_text_token=35074.0,
-            blocks=32,
-            text_tokens=512,
+    lora=LoraLayout(
+        targets=("to_q", "to_k", "to_v", "to_out.0"),
+        # LoRA keys: the refiner stacks and the ``layers.N.attention`` blocks.
+        key_markers=("noise_refiner", "context_refiner", "layers.", "layers_", "_attention_", ".attention."),
+    ),
+    training=TrainingSpec(
+        dense_gb=12.3,
+        base_precision_applies=True,
+        requires_bf16=True,
+        # Z-Image's scheduler uses a static shift of 3.0 (no dynamic shifting):
+        # training samples the same shifted sigmas.
+        defaults=TrainingDefaults(
+            learning_rate=1e-4, warmup_steps=10, flow_shift=3.0,
+            source="Z-Image scheduler config: shift 3.0, use_dynamic_shifting false",
         ),
-        lora_targets=(
-            LoraTargetShape("to_k", 3840, 3840, 34),
-            LoraTargetShape("to_out.0", 3840, 3840, 34),
-            LoraTargetShape("to_q", 3840, 3840, 34),
-            LoraTargetShape("to_v", 3840, 3840, 34),
+        objective=TrainingObjective(
+            prediction="flow_matching",
+            timestep_sampling="logit_normal",
         ),
+        # Measured by `bench/memory_accuracy.py --derive` (bf16 LoRA step, rank 16,
+        # real widths, 2 and 3 layers and the real 2 + 2 refiners). A noise
+        # (image) and a context (text) refiner together count as one block:
+        # 30 layers + 2 = 32.
+        # Elements per token; outside includes the backward's transient at the
+        # step's peak. Text: at most 512 positions (max_sequence_length, padded
+        # to a multiple of 32 by the model), an upper bound for real captions.
+        memory=TrainingMemoryFigures(
+            activations=ActivationFigures(
+                block_per_image_token=100156.0,
+                block_per_text_token=100156.0,
+                checkpointed_block_per_image_token=3840.0,
+                checkpointed_block_per_text_token=3840.0,
+                outside_per_image_token=35394.0,
+                outside_per_text_token=35074.0,
+                blocks=32,
+                text_tokens=512,
+            ),
+            lora_targets=(
+                LoraTargetShape("to_k", 3840, 3840, 34),
+                LoraTargetShape("to_out.0", 3840, 3840, 34),
+                LoraTargetShape("to_q", 3840, 3840, 34),
+                LoraTargetShape("to_v", 3840, 3840, 34),
+            ),
+        ),
+    ),
+    precision=PrecisionRules(
+        fp16_unsafe=(("denoiser", "Z-Image fails in attention under fp16 compute"),),
     ),
 )

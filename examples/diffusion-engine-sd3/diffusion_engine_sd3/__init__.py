@@ -20,9 +20,12 @@ from engine.types import (
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    LoraLayout,
     Purpose,
     QuantDeny,
+    QuantRules,
     TrainingObjective,
+    TrainingSpec,
 )
 
 SD3 = FamilySpec(
@@ -43,27 +46,36 @@ SD3 = FamilySpec(
         ),
     ),
     sizes=ComponentSizes(transformer_gb=4.9, text_encoders_gb=11.1, vae_gb=0.2),
-    training_dense_gb=4.9,
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
     compile_regions=("JointTransformerBlock",),
-    fp16_compute_safe=True,
-    base_precision_applies=True,
-    training_requires_bf16=True,
-    prequantised_patterns=("*nf4*",),
     runtime_module="diffusion_engine_sd3.runtime",
     tiny_pipeline="diffusion_engine_sd3.tiny:build_tiny_pipeline",
-    training_objective=TrainingObjective(prediction="flow_matching", timestep_sampling="logit_normal"),
     # StableDiffusion3Pipeline's call opens no cache context (First-Block-Cache needs one).
     cache_context_pipelines=(),
-    # Spellings only SD3 LoRAs use (its original joint_blocks / x_block / context_block names).
-    lora_key_markers=("joint_blocks", "x_block", "context_block"),
     # SD3Transformer2DModel (diffusers 0.3x-0.4x) has no cache hooks and its
     # JointAttnProcessor2_0 calls SDPA directly, not the attention dispatcher.
     capabilities=Capabilities(
         step_cache=False, attention_dispatcher=False, peft_adapters=True,
         regional_compile=True, pipeline_lora=True,
     ),
+    quantisation=QuantRules(
+        prequantised_patterns=("*nf4*",),
+    ),
+    lora=LoraLayout(
+        targets=("to_q", "to_k", "to_v", "to_out.0"),
+        # Spellings only SD3 LoRAs use (its original joint_blocks / x_block / context_block names).
+        key_markers=("joint_blocks", "x_block", "context_block"),
+    ),
+    training=TrainingSpec(
+        dense_gb=4.9,
+        base_precision_applies=True,
+        requires_bf16=True,
+        objective=TrainingObjective(prediction="flow_matching", timestep_sampling="logit_normal"),
+    ),
 )
+
+
+#: The plugin API this plugin is written for (engine.plugin_api).
+ENGINE_PLUGIN_API = 1
 
 
 @hookimpl

@@ -38,7 +38,7 @@ def test_qwen_image_never_advertises_fp8_training(engine_registry: Registry) -> 
 
 def test_qwen_image_is_not_fp16_safe(engine_registry: Registry) -> None:
     qwen = engine_registry.family("qwen_image")
-    assert not qwen.fp16_compute_safe and "black" in qwen.fp16_unsafe_reason
+    assert not qwen.precision.fp16_safe() and "black" in qwen.precision.fp16_reason()
 
 
 def test_qwen_image_bnb_repo_names_its_dense_base(engine_registry: Registry) -> None:

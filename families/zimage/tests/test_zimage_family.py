@@ -27,4 +27,4 @@ def test_zimage_bnb_repo_names_the_turbo_base(engine_registry: Registry) -> None
 
 
 def test_zimage_is_not_fp16_safe(engine_registry: Registry) -> None:
-    assert not engine_registry.family("zimage").fp16_compute_safe
+    assert not engine_registry.family("zimage").precision.fp16_safe()
