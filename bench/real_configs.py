@@ -8,13 +8,7 @@ by ``planner_accuracy.py``, ``memory_accuracy.py`` and ``gpu_check.py``.
 
 from __future__ import annotations
 
-#: SDXL base 1.0's UNet (2.6B parameters).
-SDXL_UNET: dict[str, object] = dict(
-    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
-    block_out_channels=(320, 640, 1280),
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20),
-    cross_attention_dim=2048, use_linear_projection=True, addition_embed_type="text_time",
-    addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
-)
+#: SDXL base 1.0's UNet (2.6B parameters): kept in the family's table, beside its memory probe.
+from families.sdxl.table import SDXL_UNET  # noqa: E402
+
+__all__ = ["SDXL_UNET"]

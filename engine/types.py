@@ -350,6 +350,48 @@ class LoraLayout:
 
 
 @dataclass(frozen=True)
+class MemoryProbe:
+    """How the training-memory tool builds and feeds the family's denoiser.
+
+    :mod:`engine.testing.memory_figures` builds the denoiser with its
+    diffusers class at the real widths and reduced depths, runs LoRA
+    training steps under fake tensors and derives the family's
+    :class:`ActivationFigures` (``--derive``), or checks the estimate against
+    what it measures. Config values are ``(key, value)`` pairs (a mapping is
+    accepted), over the class's own defaults.
+    """
+
+    #: The diffusers model class of the denoiser (``SD3Transformer2DModel``).
+    model_class: str
+    #: Classes of the repeated blocks ``ActivationFigures.blocks`` counts.
+    blocks: tuple[str, ...]
+    #: Prompt positions the trainer feeds the denoiser (the runtime's max sequence length).
+    text_tokens: int
+    #: The config key holding the prompt embedding width (``joint_attention_dim``).
+    text_dim: str
+    #: Two reduced depths: ``--derive`` differences them (what one more block adds).
+    derive: tuple[tuple[str, object], ...]
+    deeper: tuple[tuple[str, object], ...] | None
+    #: A third depth the accuracy check runs (empty: the check runs the full size only).
+    check: tuple[tuple[str, object], ...] = ()
+    #: Narrow widths for the real-tensor validation of the byte counter.
+    narrow: tuple[tuple[str, object], ...] = ()
+    #: The real checkpoint's config where the class's defaults are not it.
+    full: tuple[tuple[str, object], ...] = ()
+    latent_channels: int = 16
+    #: Width of the pooled prompt embedding the denoiser takes (0: none).
+    pooled_dim: int = 0
+    #: Blocks that see one stream only, each counted as half a block (a pair is one block's work).
+    half_blocks: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("derive", "check", "narrow", "full"):
+            object.__setattr__(self, name, _pairs(getattr(self, name)))
+        if self.deeper is not None:
+            object.__setattr__(self, "deeper", _pairs(self.deeper))
+
+
+@dataclass(frozen=True)
 class TrainingSpec:
     """How the family trains: its objective, what it holds, its defaults and precision rules."""
 
@@ -366,6 +408,8 @@ class TrainingSpec:
     base_precision_applies: bool = True
     #: Whether the trainer computes in bf16 whatever the base precision.
     requires_bf16: bool = False
+    #: How the training-memory tool builds the denoiser to derive ``memory`` (None: it cannot).
+    probe: MemoryProbe | None = None
 
 
 #: The pipeline components fp16 safety is stated for.

@@ -179,3 +179,29 @@ def predict(
         width=width * vae_scale_factor,
         vae_scale_factor=vae_scale_factor,
     )
+
+
+# -- the training-memory tool (engine.testing.memory_figures) ---------------------------------
+
+
+def probe_pipeline(model):  # type: ignore[no-untyped-def]
+    """What ``predict`` reads from a FluxPipeline: its static packing helpers and the scale."""
+    from types import SimpleNamespace
+
+    from diffusers import FluxPipeline
+
+    return SimpleNamespace(
+        vae_scale_factor=8, transformer=model, _pack_latents=FluxPipeline._pack_latents,
+        _unpack_latents=FluxPipeline._unpack_latents,
+        _prepare_latent_image_ids=FluxPipeline._prepare_latent_image_ids,
+    )
+
+
+def probe_conditioning(config: dict, text_tokens: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What ``encode_prompts`` returns for one prompt of ``text_tokens`` positions: T5 states,
+    the pooled CLIP embedding and the text position ids."""
+    return {
+        "prompt_embeds": torch.randn(1, text_tokens, config["joint_attention_dim"], dtype=dtype),
+        "pooled_prompt_embeds": torch.randn(1, config["pooled_projection_dim"], dtype=dtype),
+        "text_ids": torch.zeros(1, text_tokens, 3, dtype=dtype),
+    }

@@ -11,6 +11,7 @@ from engine.types import (
     FamilySpec,
     LoraLayout,
     LoraTargetShape,
+    MemoryProbe,
     QuantRules,
     SingleFileLayout,
     TrainingDefaults,
@@ -140,6 +141,20 @@ FLUX = FamilySpec(
         ),
     ),
     training=TrainingSpec(
+        # How engine.testing.memory_figures builds the denoiser (real widths, reduced depths).
+        probe=MemoryProbe(
+            model_class="FluxTransformer2DModel",
+            blocks=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+            # FluxPipeline pads T5 to max_sequence_length; the engine trains at its default.
+            text_tokens=512,
+            text_dim="joint_attention_dim",
+            pooled_dim=768,
+            full={"guidance_embeds": True},
+            derive={"num_layers": 1, "num_single_layers": 2},
+            deeper={"num_layers": 2, "num_single_layers": 4},
+            check={"num_layers": 3, "num_single_layers": 6},
+            narrow={"num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2},
+        ),
         dense_gb=23.8,
         base_precision_applies=True,
         requires_bf16=True,

@@ -165,3 +165,12 @@ def predict(
         return_dict=False,
     )[0]
     return _unpack(out, h, w).to(noisy_latents.dtype)
+
+
+# -- the training-memory tool (engine.testing.memory_figures) ---------------------------------
+
+
+def probe_conditioning(config: dict, text_tokens: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One prompt of ``text_tokens`` positions, unpadded: ``predict`` drops an all-ones mask,
+    so none is given (a mask is host data, which fake tensors cannot hold)."""
+    return {"prompt_embeds": torch.randn(1, text_tokens, config["joint_attention_dim"], dtype=dtype)}

@@ -12,6 +12,7 @@ from engine.types import (
     FamilySpec,
     LoraLayout,
     LoraTargetShape,
+    MemoryProbe,
     PrecisionRules,
     QuantDeny,
     QuantRules,
@@ -141,6 +142,18 @@ QWEN_IMAGE = FamilySpec(
         key_markers=("img_mlp", "txt_mlp", "img_mod", "txt_mod"),
     ),
     training=TrainingSpec(
+        # How engine.testing.memory_figures builds the denoiser (real widths, reduced depths).
+        probe=MemoryProbe(
+            model_class="QwenImageTransformer2DModel",
+            blocks=("QwenImageTransformerBlock",),
+            # encode_prompt truncates to max_sequence_length (512): the upper bound.
+            text_tokens=512,
+            text_dim="joint_attention_dim",
+            derive={"num_layers": 2},  # a single block is also the last: its text stream is dropped
+            deeper={"num_layers": 3},
+            check={"num_layers": 4},
+            narrow={"num_layers": 1, "num_attention_heads": 2},
+        ),
         dense_gb=41.0,
         base_precision_applies=True,
         requires_bf16=True,

@@ -12,6 +12,7 @@ from engine.types import (
     FamilySpec,
     LoraLayout,
     LoraTargetShape,
+    MemoryProbe,
     OptimizationDeny,
     QuantDeny,
     QuantRules,
@@ -20,6 +21,18 @@ from engine.types import (
     TrainingMemoryFigures,
     TrainingObjective,
     TrainingSpec,
+)
+
+#: SDXL base 1.0's UNet (2.6B parameters), where diffusers' class defaults are not it:
+#: what the memory tool and the benchmarks build random-weight full-size UNets from.
+SDXL_UNET: dict[str, object] = dict(
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
+    block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20),
+    cross_attention_dim=2048, use_linear_projection=True, addition_embed_type="text_time",
+    addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
 )
 
 SDXL = FamilySpec(
@@ -119,6 +132,23 @@ SDXL = FamilySpec(
         ),
     ),
     training=TrainingSpec(
+        # How engine.testing.memory_figures builds the UNet: the reduced one keeps the
+        # real mix of 640- and 1280-channel transformer layers (1:6), (1, 1, 5) holding
+        # 35 of the real 70 BasicTransformerBlocks; no smaller second depth keeps the
+        # mix, so blocks are read by hooks (no ``deeper``) and the check runs full size.
+        probe=MemoryProbe(
+            model_class="UNet2DConditionModel",
+            blocks=("BasicTransformerBlock",),
+            text_tokens=77,  # CLIP-L + bigG, 77 positions
+            text_dim="cross_attention_dim",
+            pooled_dim=1280,
+            latent_channels=4,
+            full=SDXL_UNET,
+            derive={"transformer_layers_per_block": (1, 1, 5)},
+            deeper=None,
+            narrow={"transformer_layers_per_block": (1, 1, 2), "block_out_channels": (64, 128, 256),
+                    "attention_head_dim": (1, 2, 4)},
+        ),
         dense_gb=5.1,
         base_precision_applies=False,
         requires_bf16=False,

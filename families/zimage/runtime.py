@@ -136,3 +136,17 @@ def predict(
     out = denoiser(x=x, t=t, cap_feats=caps, return_dict=False)[0]
     velocity = -torch.stack(out, dim=0).squeeze(2)
     return velocity.to(noisy_latents.dtype)
+
+
+# -- the training-memory tool (engine.testing.memory_figures) ---------------------------------
+
+
+def probe_conditioning(config: dict, text_tokens: int, dtype: torch.dtype) -> dict[str, object]:
+    """One caption of ``text_tokens`` positions; its length is host data (``predict`` reads it
+    with ``tolist``), given as a plain value so fake tensors can run the step."""
+    from types import SimpleNamespace
+
+    return {
+        "cap_feats": torch.randn(1, text_tokens, config["cap_feat_dim"], dtype=dtype),
+        "cap_lens": SimpleNamespace(tolist=lambda: [text_tokens]),
+    }

@@ -11,6 +11,7 @@ from engine.types import (
     FamilySpec,
     LoraLayout,
     LoraTargetShape,
+    MemoryProbe,
     OptimizationDeny,
     PrecisionRules,
     QuantRules,
@@ -81,6 +82,20 @@ ZIMAGE = FamilySpec(
         key_markers=("noise_refiner", "context_refiner", "layers.", "layers_", "_attention_", ".attention."),
     ),
     training=TrainingSpec(
+        # How engine.testing.memory_figures builds the denoiser (real widths, reduced depths).
+        # Its two noise (image) and two context (text) refiners are the same block class
+        # on one stream each: a pair counts as one block.
+        probe=MemoryProbe(
+            model_class="ZImageTransformer2DModel",
+            blocks=("ZImageTransformerBlock",),
+            text_tokens=512,
+            text_dim="cap_feat_dim",
+            half_blocks=("noise_refiner.", "context_refiner."),
+            derive={"n_layers": 2},
+            deeper={"n_layers": 3},
+            check={"n_layers": 4},
+            narrow={"n_layers": 1, "dim": 256, "n_heads": 2, "n_kv_heads": 2},
+        ),
         dense_gb=12.3,
         base_precision_applies=True,
         requires_bf16=True,

@@ -19,11 +19,15 @@ from engine.types import (
     Capabilities,
     Checkpoint,
     ComponentSizes,
+    ActivationFigures,
     FamilySpec,
+    LoraTargetShape,
+    MemoryProbe,
     LoraLayout,
     Purpose,
     QuantDeny,
     QuantRules,
+    TrainingMemoryFigures,
     TrainingObjective,
     TrainingSpec,
 )
@@ -66,6 +70,49 @@ SD3 = FamilySpec(
         key_markers=("joint_blocks", "x_block", "context_block"),
     ),
     training=TrainingSpec(
+        # Measured by `python -m engine.testing.memory_figures --derive --families sd3`
+        # (bf16 LoRA step, rank 16, real widths, 2 and 3 layers). Elements per token; the
+        # text figures outside the blocks come out negative in the fit (a fitted
+        # offset against the image figures, not a count): the check below is what says
+        # the estimate holds.
+        memory=TrainingMemoryFigures(
+            activations=ActivationFigures(
+                block_per_image_token=52772.0,
+                block_per_text_token=18580.0,
+                checkpointed_block_per_image_token=1268.8,
+                checkpointed_block_per_text_token=4201.1,
+                outside_per_image_token=14078.0,
+                outside_per_text_token=-9316.0,
+                blocks=24,
+                text_tokens=154,
+                checkpointed_outside_per_image_token=16214.4,
+                checkpointed_outside_per_text_token=-11476.1,
+            ),
+            lora_targets=(
+                LoraTargetShape("to_k", 1536, 1536, 37),
+                LoraTargetShape("to_out.0", 1536, 1536, 37),
+                LoraTargetShape("to_q", 1536, 1536, 37),
+                LoraTargetShape("to_v", 1536, 1536, 37),
+            ),
+        ),
+        # How the engine's training-memory tool builds the transformer (python -m
+        # engine.testing.memory_figures --derive --families sd3): SD3.5 Medium's real
+        # widths (diffusers' class defaults are SD3 Medium's), reduced depths that keep
+        # its dual-attention blocks; 77 CLIP + 77 T5 positions (runtime.MAX_SEQUENCE_LENGTH).
+        probe=MemoryProbe(
+            model_class="SD3Transformer2DModel",
+            blocks=("JointTransformerBlock",),
+            text_tokens=154,
+            text_dim="joint_attention_dim",
+            pooled_dim=2048,
+            full={"num_layers": 24, "num_attention_heads": 24, "caption_projection_dim": 1536,
+                  "pos_embed_max_size": 384, "qk_norm": "rms_norm", "dual_attention_layers": tuple(range(13))},
+            derive={"num_layers": 2, "dual_attention_layers": (0, 1)},
+            deeper={"num_layers": 3, "dual_attention_layers": (0, 1, 2)},
+            check={"num_layers": 4, "dual_attention_layers": (0, 1, 2, 3)},
+            narrow={"num_layers": 1, "num_attention_heads": 2, "caption_projection_dim": 128,
+                    "dual_attention_layers": (0,)},
+        ),
         dense_gb=4.9,
         base_precision_applies=True,
         requires_bf16=True,
