@@ -70,3 +70,24 @@ def _third_party_families() -> list[str]:
 for _name in _third_party_families():
     _kit = f"TestInstalledKit_{_name}"
     globals()[_kit] = type(_kit, (FamilyContract,), {"family_name": _name})
+
+
+def test_kit_catches_lora_markers_that_claim_another_familys_lora(tmp_path: Path) -> None:
+    """The reported case: a family whose markers are too wide (a generic ``transformer_blocks.``)
+    would have another family's LoRA named as its own; the kit fails the family that is misnamed."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from engine.types import LoraLayout
+
+    registry = load_registry()
+    flux = registry.family("flux")
+    greedy = dataclasses.replace(registry.family("zimage"), lora=LoraLayout(key_markers=("transformer_blocks",)))
+    lora = tmp_path / "flux-lora.safetensors"
+    weights = {f"transformer.transformer_blocks.{i}.attn.to_q.lora_A.weight": np.zeros((2, 4), np.float32)
+               for i in range(3)}
+    save_file(weights, str(lora))
+    collided = dataclasses.replace(registry, families={**registry.families, "zimage": greedy})
+    with pytest.raises(AssertionError, match="looks like a Z-Image LoRA"):
+        FamilyContract().check_lora_markers_tell_it_apart(collided, flux, lora)
+    FamilyContract().check_lora_markers_tell_it_apart(registry, flux, lora)  # no collision: passes

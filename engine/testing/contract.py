@@ -220,6 +220,23 @@ class FamilyContract:
 
         report = run_model(registry, family, tmp_path, folder=tiny_folder)
         assert report.failure is None, report.failure
+        if report.lora is not None:
+            self.check_lora_markers_tell_it_apart(registry, family, report.lora)
+
+    def check_lora_markers_tell_it_apart(self, registry: Registry, family: FamilySpec, lora: Path) -> None:
+        """A LoRA the engine trained for this family is never taken for another installed
+        family's (their ``lora.key_markers`` collide): a LoRA that fails to load is then never
+        named as something it is not. Matching no family's markers is allowed: the refusal
+        then says its keys do not match the model."""
+        from engine.preflight.lora import LoraChoice, looks_like, read_lora
+
+        keys = read_lora(LoraChoice(str(lora))).keys
+        guess = looks_like(registry, keys)
+        assert guess is None or guess.name == family.name, (
+            f"a {family.label} LoRA (keys like {', '.join(sorted(keys)[:2])}) looks like a {guess.label} "
+            f"LoRA: {guess.name}'s lora.key_markers match its keys. Give this family markers its keys hold "
+            f"more of (lora=LoraLayout(key_markers=...)), or tell {guess.name}'s author its markers are too wide"
+        )
 
     # -- the policy path stays light -----------------------------------------
 
