@@ -337,6 +337,7 @@ def _collect_families(loading: _Loading) -> tuple[dict[str, FamilySpec], dict[st
                         f"(plugin {claimed[key]!r}) and {_pkg} (plugin {_owner!r}); "
                         f"uninstall one or block it with {BLOCK_ENV}"
                     )
+            _check_runtime_module(spec, _pkg)
             for key in (spec.name, *spec.aliases):
                 claimed[key.lower().replace("-", "_")] = _owner
             owners[spec.name] = _owner
@@ -352,6 +353,21 @@ def _collect_families(loading: _Loading) -> tuple[dict[str, FamilySpec], dict[st
         except Exception as exc:  # a plugin's own bug is its error, not the host's
             loading.fail(plugin_name, package, exc)
     return families, owners
+
+
+def _check_runtime_module(spec: FamilySpec, package: str) -> None:
+    """A named runtime module must exist (found, not imported: it holds the family's torch code)."""
+    import importlib.util
+
+    if not spec.runtime_module:
+        return
+    try:
+        found = importlib.util.find_spec(spec.runtime_module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise PluginError(f"{package} registered {spec.name!r} with runtime_module {spec.runtime_module!r}, "
+                          "which is not an importable module (engine.family_runtime)")
 
 
 def _trace_answers(loading: _Loading, write: Callable[[str], object] | None = None) -> None:

@@ -5,6 +5,7 @@ needs and which it got."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import sys
 import warnings
@@ -148,3 +149,39 @@ def test_the_migration_section_lists_every_move() -> None:
     for old in SPLIT:
         assert old in section, old
     assert "runtime_module=M" in section
+
+
+def test_a_runtime_module_that_breaks_the_contract_is_named_before_a_run() -> None:
+    """The runtime module's functions are a declared contract: a missing one, or one that does
+    not take what the trainer passes, is one clear error; a missing module fails at load."""
+    import types as pytypes
+
+    from engine.errors import PluginError
+    from engine.family_runtime import FamilyRuntime, load_runtime, runtime_problems
+
+    broken = pytypes.ModuleType("broken_runtime")
+    broken.encode_prompts = lambda pipe, prompts: {}  # type: ignore[attr-defined]  # no device, dtype
+    broken.predict = lambda pipe, denoiser, noisy_latents, timesteps, conditioning: None  # type: ignore[attr-defined]
+    broken.prompt_inputs = lambda pipe, kwargs: None  # type: ignore[attr-defined]
+    problems = runtime_problems(broken)
+    assert any("encode_prompts does not take (pipe, prompts, device, dtype)" in p for p in problems)
+    assert any("no encode_images(pipe, pixels)" in p for p in problems)
+    assert any("prompt_inputs but not encode_prompt_inputs" in p for p in problems)
+    assert any("no training_scheduler(pipe)" in p for p in runtime_problems(broken, flow_matching=False))
+    sys.modules["broken_runtime"] = broken
+    try:
+        spec = dataclasses.replace(FLUX, runtime_module="broken_runtime")
+        with pytest.raises(PluginError, match="breaks the FamilyRuntime contract"):
+            load_runtime(spec)
+    finally:
+        del sys.modules["broken_runtime"]
+    assert isinstance(importlib.import_module("families.flux.runtime"), FamilyRuntime)
+
+    class Missing:
+        @hookimpl
+        def engine_register_families(self, register: object) -> None:
+            register(dataclasses.replace(FLUX, name="ghost", aliases=(), runtime_module="no_such_pkg.runtime"))  # type: ignore[operator]
+
+    registry = load_registry(plugins=[("ghost", Missing())])
+    assert "ghost" not in registry.families
+    assert any("not an importable module" in e.error for e in registry.errors if e.plugin == "ghost")

@@ -223,6 +223,21 @@ class FamilyContract:
         if report.lora is not None:
             self.check_lora_markers_tell_it_apart(registry, family, report.lora)
 
+    def test_runtime_module_keeps_the_contract(self, family: FamilySpec) -> None:
+        """The runtime module has the functions the trainer calls, taking what it passes
+        (``engine.family_runtime.FamilyRuntime``), and optional ones take theirs too."""
+        import importlib
+
+        from engine.family_runtime import runtime_problems
+
+        if not family.runtime_module:
+            assert family.training.objective is None, "a trainable family names its runtime_module"
+            return
+        objective = family.training.objective
+        problems = runtime_problems(importlib.import_module(family.runtime_module),
+                                    flow_matching=objective is None or objective.prediction == "flow_matching")
+        assert problems == [], f"{family.runtime_module}: " + "; ".join(problems)
+
     def check_lora_markers_tell_it_apart(self, registry: Registry, family: FamilySpec, lora: Path) -> None:
         """A LoRA the engine trained for this family is never taken for another installed
         family's (their ``lora.key_markers`` collide): a LoRA that fails to load is then never

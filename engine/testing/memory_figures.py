@@ -189,7 +189,9 @@ class Denoiser:
 
     @property
     def runtime(self) -> Any:
-        return importlib.import_module(self.spec.runtime_module)
+        from engine.family_runtime import load_runtime
+
+        return load_runtime(self.spec)
 
 
 def _config(d: Denoiser, overrides: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import torch
 from PIL import Image, ImageOps
 
 from engine.errors import EngineError
+from engine.family_runtime import load_runtime
 from engine.runtime import flags
 from engine.training.precision import check_this_machine, pinned_sdpa, place_base, rms_norm_patch
 from engine.training.buckets import Fit, epoch_batches, fit
@@ -92,7 +93,7 @@ def _train(
     config = plan.config
     device = torch.device(plan.device)
     dtype = TORCH_DTYPES[plan.weight_dtype.value]
-    runtime = importlib.import_module(plan.family.runtime_module)
+    runtime = load_runtime(plan.family, flow_matching=plan.objective.prediction == "flow_matching")
     torch.manual_seed(config.seed)
     if plan.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
