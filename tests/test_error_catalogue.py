@@ -24,7 +24,7 @@ PATTERNS = (
     re.compile(r"\bcode(?::\s*str)?\s*=\s*\"([a-z0-9_]+)\""),      # code="x", class code = "x"
     re.compile(r"\"code\":\s*\"([a-z0-9_]+)\""),                  # {"code": "x"}
     re.compile(r"\"code\":[^\n]*\belse\s+\"([a-z0-9_]+)\""),        # {"code": a if b else "x"}
-    re.compile(r"\b\d{3},\s*\"([a-z0-9_]+)\""),                      # the guard's (403, "x", ...)
+    re.compile(r"(?:\(|return )\s*\d{3},\s*\"([a-z0-9_]+)\""),        # the guard's (403, "x", ...)
     re.compile(r"HTTP_CODES\.get\([^)]*\"([a-z0-9_]+)\"\)"),          # the server's fallback
     re.compile(r"\.(?:fail|abort)\(\s*\"([a-z0-9_]+)\""),         # a run record's failure
     re.compile(r"error_(?:bytes|response)\([^\"\n]*\"([a-z0-9_]+)\""),  # the server's own answers
