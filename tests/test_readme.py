@@ -1,4 +1,4 @@
-"""Every command block in README.md, run as written (in README order, in one
+"""Every command block in README.md (and every ``$ command`` in docs/*.md), run as written (in README order, in one
 fresh folder, through the installed CLI in-process), or skipped for a reason
 listed here: a command neither run nor matched by a reason fails the test,
 and so does a reason that matches nothing (a stale skip hides nothing)."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,48 @@ def test_every_readme_command_runs_or_says_why_not(
     with Image.open(tmp_path / "fox-flux.png") as tiny:
         assert tiny.size == (64, 64), "--tiny defaults to 64 px for every family"
     print("\n".join(f"skipped: {c}  ({why})" for c, why in skipped))
+
+
+DOCS = sorted((README.parent / "docs").glob("*.md"))
+#: docs/*.md commands not run here: (pattern over the command, why).
+DOCS_SKIPPED: list[tuple[str, str]] = [
+    (r"^python -m engine\.testing\.memory_figures\b", "derives for minutes at real widths; "
+     "tests/test_memory_figures.py runs the tool's step on the worked example's family"),
+]
+
+
+def docs_commands(body: str) -> list[str]:
+    """A console block's commands: its ``$ `` lines (the rest is output)."""
+    return [line[2:].strip() for line in body.splitlines() if line.startswith("$ ")]
+
+
+@pytest.mark.slow
+def test_every_docs_command_runs_or_says_why_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    install_example: Callable[[], Path],
+) -> None:
+    """Every ``$ command`` in docs/*.md, as written, in one fresh folder, with the worked
+    example installed (the docs' tour uses it); ``VAR=value`` before a command is its environment."""
+    install_example()
+    monkeypatch.chdir(tmp_path)
+    ran: list[str] = []
+    used: set[str] = set()
+    for doc in DOCS:
+        for _, body in blocks(doc.read_text(encoding="utf-8")):
+            for command in docs_commands(body):
+                why = next((w for pattern, w in DOCS_SKIPPED if re.search(pattern, command)), None)
+                if why is not None:
+                    used.add(why)
+                    continue
+                argv = shlex.split(command, comments=True)
+                with monkeypatch.context() as env:
+                    while argv and re.match(r"^[A-Z_]+=", argv[0]):
+                        name, _, value = argv.pop(0).partition("=")
+                        env.setenv(name, value)
+                    assert argv[0] == "diffusion-engine", f"{doc.name}: not runnable here and not skipped: {command}"
+                    status = main(argv[1:])
+                err = capsys.readouterr().err
+                assert status == 0 and "Traceback" not in err, f"{doc.name}: {command}\n{err}"
+                ran.append(command)
+    assert not [why for _, why in DOCS_SKIPPED if why not in used], "a docs skip reason matches no command"
+    assert any(c.startswith("diffusion-engine train") for c in ran) and (tmp_path / "sd3.png").is_file()
