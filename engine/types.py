@@ -19,11 +19,9 @@ from typing import Literal
 Purpose = Literal["inference", "training"]
 PURPOSES: tuple[Purpose, ...] = ("inference", "training")
 
-#: Transformer weight schemes the engine knows how to plan for.
-QUANT_SCHEMES: tuple[str, ...] = ("bf16", "int8", "fp8", "mxfp8", "nvfp4", "nf4")
-
-#: Base precisions a DiT LoRA trainer can hold its frozen base in.
-TRAINING_PRECISIONS: tuple[str, ...] = ("nf4", "bf16", "int8", "fp8", "mxfp8", "auto")
+#: Transformer weight schemes the engine knows how to plan for, and the base precisions a
+#: DiT LoRA trainer can hold its frozen base in: from the scheme table (engine.schemes).
+from engine.schemes import QUANT_SCHEMES, TRAINING_PRECISIONS  # noqa: E402  (re-exported)
 
 Architecture = Literal["dit", "unet"]
 

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import TYPE_CHECKING
 
+from engine.schemes import TORCHAO_SCHEMES
+
 if TYPE_CHECKING:  # the plan imports this module; only its type is needed here
     from engine.policy.plan import Plan
 
 #: Transformer weights, as loaded (``none``: dense in the compute dtype).
-TORCHAO_SCHEMES: tuple[str, ...] = ("int8", "fp8", "mxfp8", "nvfp4")
 QUANTS: tuple[str, ...] = ("none", "gguf", "nf4", *TORCHAO_SCHEMES)
 OFFLOADS: tuple[str, ...] = ("model_offload", "group_offload", "sequential_offload")
 

@@ -38,10 +38,10 @@ from engine.policy.memory import Components, MemoryEstimate, MemoryThresholds, p
 from engine.policy.quant import scheme_unsupported_reason
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.policy.schemes import SCHEME_SIZES
+from engine.schemes import ENCODER_SCHEMES
 from engine.types import FamilySpec
 
-#: Text-encoder schemes; ``none`` keeps the compute dtype.
-ENCODER_SCHEMES: tuple[str, ...] = ("none", "int8", "fp8", "nvfp4", "nf4")
+#: Text-encoder schemes (``none`` keeps the compute dtype), from the scheme table.
 TEXT_ENCODER_QUANT_REQUESTS: tuple[str, ...] = ("auto", *ENCODER_SCHEMES)
 TEXT_ENCODER_MEMORY_REQUESTS: tuple[str, ...] = ("auto", "resident", "streamed")
 

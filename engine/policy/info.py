@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry
-from engine.policy.encoders import ENCODER_SCHEMES, encoder_denials, encoder_gb
+from engine.policy.encoders import encoder_denials, encoder_gb
+from engine.schemes import ENCODER_SCHEMES
 from engine.policy.schemes import SCHEME_SIZES, transformer_gb
 from engine.policy.training import (
     MemoryRequest,

@@ -14,11 +14,9 @@ from collections.abc import Mapping
 
 from engine.hardware.profile import NATIVE_BF16_MIN_CAPABILITY, HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
+from engine.schemes import QUANT_REQUESTS, SCHEMES, TORCHAO_SCHEMES  # noqa: F401  (re-exported)
 from engine.types import FamilySpec
 
-QUANT_REQUESTS: tuple[str, ...] = ("auto", "none", "int8", "fp8", "mxfp8", "nvfp4", "nf4")
-#: Schemes torchao builds (nf4 is bitsandbytes).
-TORCHAO_SCHEMES: tuple[str, ...] = ("int8", "fp8", "mxfp8", "nvfp4")
 
 
 def quant_ladder(hardware: HardwareProfile, dtype: str | None = None) -> tuple[str, ...]:
@@ -87,10 +85,10 @@ def scheme_unsupported_reason(scheme: str, hardware: HardwareProfile, dtype: str
         )
     if dtype == "fp16":
         return f"torchao {scheme} is built for bf16 compute; this plan computes in fp16"
-    if scheme == "fp8" and not hardware.fp8:
-        return f"fp8 needs an NVIDIA GPU of capability 8.9+; this is {hardware.device_name} ({hardware.capability_label})"
-    if scheme in ("mxfp8", "nvfp4") and not hardware.mxfp8:
-        return f"{scheme} needs a Blackwell GPU (sm100+); this is {hardware.device_name} ({hardware.capability_label})"
+    needs = SCHEMES[scheme].needs
+    if needs is not None and not getattr(hardware, needs):
+        return (f"{scheme} needs {SCHEMES[scheme].needs_text}; this is {hardware.device_name} "
+                f"({hardware.capability_label})")
     if scheme == "int8" and hardware.vendor == "mps":
         return "int8 (torchao) is not supported on Apple MPS"
     return None

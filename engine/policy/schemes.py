@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+from engine.schemes import HOST_QUANTISED, SCHEMES
+
 
 @dataclass(frozen=True)
 class SchemeSize:
@@ -20,22 +22,14 @@ class SchemeSize:
     transient: float
 
 
+#: Each scheme's generic factors, from the scheme table (:data:`engine.schemes.SCHEMES`).
 SCHEME_SIZES: Mapping[str, SchemeSize] = MappingProxyType(
-    {
-        "bf16": SchemeSize(steady=1.00, transient=1.00),
-        "int8": SchemeSize(steady=0.55, transient=1.00),
-        "fp8": SchemeSize(steady=0.55, transient=1.00),
-        "mxfp8": SchemeSize(steady=0.58, transient=1.00),
-        "nvfp4": SchemeSize(steady=0.33, transient=1.00),
-        "nf4": SchemeSize(steady=0.30, transient=1.00),
-    }
+    {name: SchemeSize(steady=s.steady, transient=s.transient) for name, s in SCHEMES.items()}
 )
-
-
-#: Schemes the runtime quantises on the host (block by block) and moves to
-#: the device already quantised: their device peak is the steady size.
-#: bitsandbytes nf4 quantises while loading onto the device instead.
-HOST_QUANTISED: frozenset[str] = frozenset({"int8", "fp8", "mxfp8", "nvfp4"})
+#: Schemes the runtime quantises on the host (block by block) and moves to the device
+#: already quantised: their device peak is the steady size (bitsandbytes nf4 quantises
+#: while loading onto the device instead).
+__all__ = ["HOST_QUANTISED", "SCHEME_SIZES", "SchemeSize", "transformer_gb"]
 
 
 def transformer_gb(

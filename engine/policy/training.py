@@ -24,6 +24,7 @@ from engine.policy.training_memory import (
     estimate_training_memory,
     usable_gb,
 )
+from engine.schemes import SCHEMES
 from engine.types import TRAINING_PRECISIONS, ComponentSizes, FamilySpec
 
 Device = Literal["auto", "cuda", "cpu"]
@@ -434,16 +435,11 @@ def _mode_requirement_error(mode: str, hardware: HardwareProfile, on_cpu: bool) 
             "quantize_ does nothing); install torchao or choose bf16/nf4",
             code="torchao_unavailable",
         )
-    if mode == "fp8" and (on_cpu or not hardware.fp8):
+    scheme = SCHEMES.get(mode)
+    if scheme is not None and scheme.needs is not None and (on_cpu or not getattr(hardware, scheme.needs)):
         return PreflightError(
-            f"fp8 training needs an NVIDIA GPU of compute capability 8.9+ (Ada, Hopper, "
-            f"Blackwell); this is {hardware.device_name} ({hardware.capability_label})",
-            code="fp8_unsupported",
-        )
-    if mode == "mxfp8" and (on_cpu or not hardware.mxfp8):
-        return PreflightError(
-            f"mxfp8 training needs CUDA and a Blackwell GPU (sm100+); this is "
+            f"{mode} training needs CUDA and {scheme.needs_text}; this is "
             f"{hardware.device_name} ({hardware.capability_label})",
-            code="mxfp8_unsupported",
+            code={"fp8": "fp8_unsupported", "mxfp8": "mxfp8_unsupported"}.get(mode, "preflight_failed"),
         )
     return None

@@ -34,10 +34,12 @@ import torch
 from engine.errors import EngineError
 from engine.hardware.profile import NATIVE_BF16_MIN_CAPABILITY, Vendor, native_bf16
 from engine.policy.quant_filter import quantises
+from engine.schemes import SCHEMES, TORCHAO_SCHEMES
 from engine.runtime.quantize import ModuleFilter, Placement, Transform, move_to, quantize_on_host_then_place
 
-#: Base precisions that change the frozen Linears after the adapter is added.
-CONVERTED_MODES = ("int8", "fp8", "mxfp8")
+#: Base precisions that change the frozen Linears after the adapter is added: the
+#: trainable schemes torchao builds (engine.schemes).
+CONVERTED_MODES = tuple(name for name in TORCHAO_SCHEMES if SCHEMES[name].trainable)
 
 
 def _frozen_linear(name: str, module: torch.nn.Module) -> bool:
