@@ -416,7 +416,12 @@ COMPONENTS: tuple[str, ...] = ("denoiser", "text_encoders", "vae")
 
 @dataclass(frozen=True)
 class PrecisionRules:
-    """Where fp16 compute is unsafe, component by component."""
+    """Where fp16 compute is unsafe, component by component.
+
+    The engine computes a pipeline in one dtype, so any unsafe component keeps
+    the whole pipeline off fp16 (bf16 where native, else fp32), and the
+    refusal names the component (``its text encoders: ...``).
+    """
 
     #: ``(component, reason)`` for each component whose fp16 compute renders
     #: black or fails (``denoiser``, ``text_encoders``, ``vae``).
@@ -432,6 +437,15 @@ class PrecisionRules:
 
     def fp16_reason(self, component: str = "denoiser") -> str:
         return next((reason for c, reason in self.fp16_unsafe if c == component), "")
+
+    def pipeline_fp16_safe(self) -> bool:
+        """Whether the whole pipeline may compute in fp16 (the engine runs one compute dtype)."""
+        return not self.fp16_unsafe
+
+    def pipeline_fp16_reason(self) -> str:
+        """Why it may not: the denoiser's reason as written, another component's named."""
+        return "; ".join(reason if component == "denoiser" else f"its {component.replace('_', ' ')}: {reason}"
+                         for component, reason in self.fp16_unsafe)
 
 
 @dataclass(frozen=True, init=False)

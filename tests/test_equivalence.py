@@ -27,7 +27,7 @@ from engine.server.settings import ServerSettings
 from engine.testing.datasets import write_dataset
 from tests.support import LiveServer
 
-PRESETS = ("cpu", "t4", "rtx3090", "a100-80g")
+PRESETS = ("t4", "rtx3090", "a100-80g")
 #: Model references by how they are written; "TINY:F" is F's tiny pipeline folder (built here).
 MODELS: tuple[dict[str, str], ...] = (
     {"family": "flux"},
@@ -151,7 +151,7 @@ def test_plans_and_refusals_are_the_same_through_every_door(
                 compared += 1
                 if "error" in python:
                     refusals.add(python["error"])
-    assert compared >= 100
+    assert compared >= 100  # 3 presets x 12 references x 4 control sets
     # The refusals a plan can give without a GPU were all reached, and agreed on.
     assert {"invalid_request", "family_mismatch", "family_unknown", "model_not_found",
             "fp16_unsafe"} <= refusals, refusals

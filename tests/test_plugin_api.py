@@ -185,3 +185,24 @@ def test_a_runtime_module_that_breaks_the_contract_is_named_before_a_run() -> No
     registry = load_registry(plugins=[("ghost", Missing())])
     assert "ghost" not in registry.families
     assert any("not an importable module" in e.error for e in registry.errors if e.plugin == "ghost")
+
+
+def test_fp16_safety_is_stated_per_component() -> None:
+    """A family whose text encoder alone is fp16-unsafe: fp16 compute (one dtype for the whole
+    pipeline) is refused naming the component; on a card without bf16 the plan takes fp32."""
+    from engine.errors import PreflightError
+    from engine.hardware.presets import preset
+    from engine.policy.dtype import resolve_dtype
+    from engine.types import PrecisionRules
+
+    encoder_only = dataclasses.replace(FLUX, precision=PrecisionRules(
+        fp16_unsafe=(("text_encoders", "its T5 overflows to inf in fp16"),)))
+    assert encoder_only.precision.fp16_safe("denoiser") and not encoder_only.precision.fp16_safe("text_encoders")
+    with pytest.raises(PreflightError, match="its text encoders: its T5 overflows") as refused:
+        resolve_dtype(encoder_only, preset("t4"), "fp16", fp32_fits=True)
+    assert refused.value.code == "fp16_unsafe"
+    chosen = resolve_dtype(encoder_only, preset("t4"), "auto", fp32_fits=True)
+    assert chosen.value == "fp32" and "text encoders" in chosen.reason
+    assert resolve_dtype(FLUX, preset("t4"), "auto", fp32_fits=True).value == "fp16"
+    with pytest.raises(ValueError, match="components are"):
+        PrecisionRules(fp16_unsafe=(("unet", "x"),))

@@ -314,7 +314,7 @@ def test_one_runs_folder_a_run_resumes_from_another_folder_and_every_face_sees_i
         return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
                               timeout=300, cwd=cwd, env=env)
 
-    done = cli("train", "--base", "./tiny", "--data", "./data", *TINY, "--steps", "2", "--save-every", "2",
+    done = cli("train", "--base", "./tiny", "--data", "./data", *TINY, "--steps", "1", "--save-every", "1",
                "--json", cwd=first_folder)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(done.stdout)
@@ -322,9 +322,9 @@ def test_one_runs_folder_a_run_resumes_from_another_folder_and_every_face_sees_i
     assert record["config"]["base_model"] == str(first_folder / "tiny")
     assert record["config"]["dataset_dir"] == str(first_folder / "data")
 
-    resumed = cli("train", "--resume", record["run_id"], "--steps", "3", "--json", cwd=other_folder)
+    resumed = cli("train", "--resume", record["run_id"], "--steps", "2", "--json", cwd=other_folder)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert json.loads(resumed.stdout)["status"] == "completed" and json.loads(resumed.stdout)["step"] == 3
+    assert json.loads(resumed.stdout)["status"] == "completed" and json.loads(resumed.stdout)["step"] == 2
     listed = json.loads(cli("runs", "--json", cwd=other_folder).stdout)
     assert [r["run_id"] for r in listed] == [record["run_id"]]
 
@@ -342,6 +342,6 @@ def test_one_runs_folder_a_run_resumes_from_another_folder_and_every_face_sees_i
         if saved is not None:
             os.environ["DIFFUSION_ENGINE_HOME"] = saved
     assert [r["run_id"] for r in runs] == [record["run_id"]]
-    assert one["step"] == 3 and "pytorch_lora_weights.safetensors" in one["files"]
+    assert one["step"] == 2 and "pytorch_lora_weights.safetensors" in one["files"]
     assert [lo["run"] for lo in loras] == [record["run_id"]]
     assert loras[0]["path"].endswith("pytorch_lora_weights.safetensors")

@@ -41,9 +41,9 @@ def resolve_dtype(
             "Use dtype=auto.",
             code="bf16_unsupported",
         )
-    if requested == "fp16" and not family.precision.fp16_safe():
+    if requested == "fp16" and not family.precision.pipeline_fp16_safe():
         raise PreflightError(
-            f"fp16 was asked for, but {family.precision.fp16_reason()}. Use dtype=auto "
+            f"fp16 was asked for, but {family.precision.pipeline_fp16_reason()}. Use dtype=auto "
             "(bf16 where native, else fp32).",
             code="fp16_unsafe",
         )
@@ -55,15 +55,15 @@ def resolve_dtype(
         return auto("bf16", "CPU: fp32 does not fit host memory, bf16 halves it")
     if hardware.native_bf16:
         return auto("bf16", f"native bf16 on {hardware.device_name}")
-    if family.precision.fp16_safe():
+    if family.precision.pipeline_fp16_safe():
         return auto("fp16", f"no native bf16 on {hardware.device_name}; {family.label} runs in fp16")
     if fp32_fits:
         return auto(
             "fp32",
-            f"no native bf16 on {hardware.device_name} and {family.precision.fp16_reason()}: fp32",
+            f"no native bf16 on {hardware.device_name} and {family.precision.pipeline_fp16_reason()}: fp32",
         )
     raise PreflightError(
-        f"{family.label} needs bf16 or fp32 compute ({family.precision.fp16_reason()}); "
+        f"{family.label} needs bf16 or fp32 compute ({family.precision.pipeline_fp16_reason()}); "
         f"{hardware.device_name} has no native bf16 and the fp32 model does not fit its "
         "memory. Use a GPU with native bf16 (Ampere or newer).",
         code="no_safe_dtype",

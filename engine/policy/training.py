@@ -203,7 +203,7 @@ def training_precision_preflight_error(
     if mixed_precision == "fp16" and family.training.requires_bf16:
         return PreflightError(
             f"{family.label} trains in bf16; fp16 mixed precision is refused"
-            + (f" ({family.precision.fp16_reason()})" if family.precision.fp16_reason() else "")
+            + (f" ({family.precision.pipeline_fp16_reason()})" if family.precision.pipeline_fp16_reason() else "")
             + ". Use mixed_precision=bf16 on a GPU with native bf16.",
             code="fp16_on_bf16_family",
         )

@@ -223,6 +223,16 @@ class FamilyContract:
         if report.lora is not None:
             self.check_lora_markers_tell_it_apart(registry, family, report.lora)
 
+    def test_memory_figures_size_the_lora_targets(self, family: FamilySpec) -> None:
+        """Each fact once: the memory figures' LoRA shapes are of the family's own targets."""
+        memory = family.training.memory
+        if memory is not None:
+            shapes = {shape.target for shape in memory.lora_targets}
+            assert shapes <= set(family.lora.targets), (
+                f"training.memory sizes LoRA targets {sorted(shapes - set(family.lora.targets))} that "
+                "lora.targets does not adapt; derive the figures again for the current targets"
+            )
+
     def test_runtime_module_keeps_the_contract(self, family: FamilySpec) -> None:
         """The runtime module has the functions the trainer calls, taking what it passes
         (``engine.family_runtime.FamilyRuntime``), and optional ones take theirs too."""
