@@ -58,8 +58,6 @@ _ROWS: tuple[ErrorCode, ...] = (
               "pass `--overwrite`."),
     ErrorCode("base_required", 400, "A single denoiser file or GGUF needs a base pipeline for its text encoders "
               "and VAE (`--base`, `base`)."),
-    ErrorCode("base_precision_not_applicable", 400, "The family's trainer holds its base in the training dtype; "
-              "an explicit base precision does not apply."),
     ErrorCode("unsupported_workflow", 400, "The loaded checkpoint does not serve this workflow (img2img, "
               "inpaint, edit, ControlNet)."),
     ErrorCode("not_applicable", 400, "The request does not apply to what is loaded."),

@@ -422,14 +422,17 @@ def test_a_truncated_component_refuses_load_and_training_before_eviction(
     assert host.evicted == 0 and engine.residency.owner is None
 
 
-def test_sdxl_refuses_an_explicit_base_precision_and_accepts_auto(tmp_path: Path, tiny_pipeline: Callable[[str], Path]) -> None:
+def test_sdxl_ignores_a_leftover_base_precision_with_a_note(tmp_path: Path, tiny_pipeline: Callable[[str], Path]) -> None:
+    """The earlier system's rule: a leftover base_precision (a config reused from a DiT run)
+    must never fail an SDXL run; its trainer holds the UNet in the training dtype, so the value
+    is ignored, and the plan says so beside what was asked."""
     data = write_dataset(tmp_path / "data", count=1)
     good = {"base_model": str(tiny_pipeline("sdxl")), "dataset_dir": str(data), "resolution": 64}
-    with pytest.raises(EngineError) as raised:
-        preflight_training(REGISTRY, TrainingConfig.from_data({**good, "base_precision": "nf4"}), PRESETS["h100"])
-    assert raised.value.code == "base_precision_not_applicable"
+    plan = preflight_training(REGISTRY, TrainingConfig.from_data({**good, "base_precision": "nf4"}), PRESETS["h100"])
+    assert plan.base_precision.value == "none" and plan.base_precision.requested == "nf4"
+    assert "base_precision=nf4 is ignored" in plan.base_precision.reason
     plan = preflight_training(REGISTRY, TrainingConfig.from_data(good), PRESETS["h100"])
-    assert plan.base_precision.value == "none"
+    assert plan.base_precision.value == "none" and "ignored" not in plan.base_precision.reason
 
 
 # -- 5. residency: a failing evict callback never wedges the engine -----------------------

@@ -108,7 +108,7 @@ def doomed_cases(fx: dict[str, Path], tiny: Callable[[str], Path]) -> list[tuple
                 {"seed": 2**70}, {"lora_rank": 10**10}, {"batch_size": 10**6}, {"steps": 10**12},
                 {"learning_rate": float("inf")}, {"base_model": ""}, {"base_model": "./nope"},
                 {"base_model": "/data/x/no-such-model"}, {"base_model": "nope"},
-                {"base_model": "someone-offline/FLUX.1-dev-not-downloaded"}, {"base_precision": "bf16"},
+                {"base_model": "someone-offline/FLUX.1-dev-not-downloaded"},
                 {"lora_targets": ["no_such_proj"]}, {"lora_targets": ["norm"]},
                 {"base_model": str(tiny("flux")), "family": "sdxl"},
                 {"base_model": str(fx["truncated_sdxl"])}, {"resume_from": str(fx["planted_checkpoint"])},
@@ -144,7 +144,7 @@ def test_five_hundred_doomed_training_starts_evict_nothing(
                      "model_not_found", "bad_dataset", "empty_dataset", "dataset_not_found", "invalid_config",
                      "fp8_unsupported", "mxfp8_unsupported", "unknown_family", "path_outside_root",
                      "corrupt_checkpoint", "family_mismatch", "unknown_lora_target", "hub_offline",
-                     "base_precision_not_applicable", "checkpoint_unreadable", "resume_mismatch"):
+                     "checkpoint_unreadable", "resume_mismatch"):
         assert codes.get(expected), (expected, codes)
 
 

@@ -46,9 +46,11 @@ def test_dit_without_native_bf16_is_refused_even_in_nf4(
     assert refused(*outcome) == "no_native_bf16"
 
 
-def test_sdxl_refuses_an_explicit_base_precision_and_trains_with_auto(tiny_pipeline: Callable[[str], Path], good_data: Path) -> None:
-    outcome = dry_run(tiny_pipeline("sdxl"), good_data, "--hardware", "t4", "--base-precision", "fp8")
-    assert refused(*outcome) == "base_precision_not_applicable"
+def test_sdxl_ignores_an_explicit_base_precision_and_trains_with_auto(tiny_pipeline: Callable[[str], Path], good_data: Path) -> None:
+    code, payload, _ = dry_run(tiny_pipeline("sdxl"), good_data, "--hardware", "t4", "--base-precision", "fp8")
+    assert code == 0, payload
+    resolved = payload["plan"]["resolved"]["base_precision"]
+    assert resolved["value"] == "none" and "base_precision=fp8 is ignored" in resolved["reason"]
     code, payload, _ = dry_run(tiny_pipeline("sdxl"), good_data, "--hardware", "t4")
     assert code == 0
     plan = payload["plan"]

@@ -213,17 +213,12 @@ def training_precision_preflight_error(
             code="needs_cuda",
         )
     if not family.training.base_precision_applies:
-        if base_precision == "auto":
-            # The trainer holds its base in the training dtype: sized as "none".
-            if memory is None:
-                return None
-            return training_memory_error(registry, family, hardware, "none", memory, device=device)
-        return PreflightError(
-            f"{family.label}'s trainer holds its base in the training dtype and ignores "
-            f"base_precision; base_precision={base_precision} would be silently dropped. "
-            "Leave it at auto for this family.",
-            code="base_precision_not_applicable",
-        )
+        # The trainer holds its base in the training dtype: sized as "none" whatever was
+        # asked. A leftover explicit value (a reused config) never fails the run: the plan
+        # says it is ignored (see engine.training.preflight).
+        if memory is None:
+            return None
+        return training_memory_error(registry, family, hardware, "none", memory, device=device)
     on_cpu = device == "cpu"
     if not on_cpu and hardware.cuda and family.training.requires_bf16 and not hardware.native_bf16:
         fp16_families = [f.name for f in registry.families.values() if not f.training.requires_bf16]

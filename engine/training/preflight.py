@@ -137,7 +137,7 @@ def preflight_training(
             base_repo=config.base_model, device=config.device, memory=memory,
         )
         if family.training.base_precision_applies
-        else auto("none", f"{family.label}'s trainer ignores base_precision")
+        else _ignored_precision(family, config.base_precision)
     )
     _precision_check(registry, family, config, hardware, memory)
     check_each_device(devices, lambda device: _precision_check(registry, family, config, device, memory))
@@ -170,6 +170,15 @@ def preflight_training(
             config.resolution, family.side_multiple, warned={name for name, _ in dataset.small},
         ),
     )
+
+
+def _ignored_precision(family: FamilySpec, asked: str) -> Resolved[str]:
+    """A family whose trainer holds its base in the training dtype: ``none``, and an explicit
+    request is kept beside it, ignored with a note (a leftover value never fails the run)."""
+    if asked == "auto":
+        return auto("none", f"{family.label}'s trainer holds its base in the training dtype")
+    return auto("none", f"{family.label}'s trainer holds its base in the training dtype: base_precision="
+                        f"{asked} is ignored (leave it at auto for this family)").with_request(asked)
 
 
 def _base_check(base: ModelSource, targets: tuple[str, ...], *, allow_download: bool, fetch: bool) -> None:
