@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -65,3 +66,19 @@ def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], P
         return built[family]
 
     return get
+
+
+@pytest.fixture
+def cli_json(capsys: pytest.CaptureFixture[str]) -> Callable[..., object]:
+    """``diffusion-engine ARGS --json`` run in this process (no cold start; a trainer it
+    starts is still a real child); what it printed, parsed. A non-zero exit fails the test."""
+    from engine.cli import main
+
+    def run(*args: str) -> object:
+        capsys.readouterr()
+        status = main([*args, "--json"])
+        out, err = capsys.readouterr()
+        assert status == 0, err[-3000:]
+        return json.loads(out)
+
+    return run

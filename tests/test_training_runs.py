@@ -33,14 +33,6 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_dataset(tmp_path_factory.mktemp("data"), count=2)
 
 
-def train(*args: str) -> dict[str, object]:
-    """``diffusion-engine train ... --json``; the run record it printed."""
-    done = subprocess.run([sys.executable, "-m", "engine", "train", *args, "--json"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
-
-
 def losses(record: dict[str, object]) -> list[list[float]]:
     return record["metrics"]["loss"]  # type: ignore[index, return-value]
 
@@ -163,13 +155,20 @@ def test_readme_embedding_snippet_runs_as_a_plain_script_without_a_main_guard(
 
 @pytest.mark.slow
 def test_config_file_and_resume_reproduce_ten_steps_in_one_go_bit_for_bit(
-    tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path
+    tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path, cli_json: Callable[..., object]
 ) -> None:
     """Ten steps in one go; then its written config.toml (steps overridden to 5, with a
-    checkpoint) and a resume to 10: the same loss at every step and the same LoRA bytes."""
+    checkpoint) and a resume to 10: the same loss at every step and the same LoRA bytes.
+    The CLI runs in-process here (each trainer is still a real child process)."""
+
+    def train(*args: str) -> dict[str, object]:
+        record = cli_json("train", *args)
+        assert isinstance(record, dict)
+        return record
+
     straight = train("--base", str(tiny_pipeline("sdxl")), "--data", str(dataset), *TINY, "--steps", "10",
                      "--output", str(tmp_path / "straight"), "--runs-dir", str(tmp_path), "--export-kohya")
-    assert_kohya_export(straight)
+    assert_kohya_export(straight, cli_json)
     config = Path(straight["outputs"]["config"])  # type: ignore[index]
     assert "steps = 10" in config.read_text(encoding="utf-8")
     first = train("--config", str(config), "--steps", "5", "--save-every", "5", "--keep-checkpoints", "1",
@@ -190,7 +189,7 @@ def test_config_file_and_resume_reproduce_ten_steps_in_one_go_bit_for_bit(
     assert lora_contents(resumed["outputs"]["lora"]) == lora_contents(straight["outputs"]["lora"])  # type: ignore[index]
 
 
-def assert_kohya_export(record: dict[str, object]) -> None:
+def assert_kohya_export(record: dict[str, object], cli_json: Callable[..., object]) -> None:
     """``--export-kohya`` writes the kohya file beside the diffusers one, and ``runs`` lists the run."""
     from safetensors.torch import load_file
 
@@ -200,7 +199,8 @@ def assert_kohya_export(record: dict[str, object]) -> None:
     assert all(k.startswith("lora_unet_") for k in kohya)
     assert any(k.endswith(".lora_down.weight") for k in kohya) and any(k.endswith(".alpha") for k in kohya)
     runs = Path(str(record["folder"])).parent
-    listed = json.loads(run_cli("runs", "--runs-dir", str(runs), "--json").stdout)
+    listed = cli_json("runs", "--runs-dir", str(runs))
+    assert isinstance(listed, list)
     assert record["run_id"] in [r["run_id"] for r in listed]
 
 
