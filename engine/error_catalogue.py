@@ -119,7 +119,6 @@ _ROWS: tuple[ErrorCode, ...] = (
               "bitsandbytes)."),
     ErrorCode("insufficient_memory", 400, "The job would not fit in the memory this device has, even after "
               "evicting the residents; the message lists what would fit."),
-    ErrorCode("does_not_fit", 400, "No plan fits the device's memory."),
     ErrorCode("not_trainable", 400, "The family's plugin provides no trainer."),
     # -- datasets and LoRAs ---------------------------------------------------------------
     ErrorCode("bad_dataset", 400, "A dataset image cannot be decoded, or a caption cannot be read."),

@@ -16,6 +16,7 @@ from engine.errors import PluginError
 from engine.hardware.profile import HardwareProfile
 from engine.hookspecs import hookimpl
 from engine.types import (
+    ATTENTION_KERNELS,
     TRAINING_PRECISIONS,
     Checkpoint,
     ComponentSizes,
@@ -50,7 +51,7 @@ def engine_optimization_deny(family: FamilySpec) -> Iterable[OptimizationDeny] |
 _MISSING: dict[str, tuple[tuple[str, ...], str]] = {
     "step_cache": (("step_cache",), "the denoiser has no cache hooks (declared by the family's table)"),
     "attention_dispatcher": (
-        ("sage", "flash", "flash3", "xformers", "cudnn"),
+        ATTENTION_KERNELS,
         "the denoiser does not use diffusers' attention dispatcher (declared by the family's table)",
     ),
     "regional_compile": (("compile",), "the denoiser has no compile regions (declared by the family's table)"),

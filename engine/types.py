@@ -53,13 +53,19 @@ class QuantDeny:
     reason: str
 
 
+#: The attention kernels beyond torch's SDPA, by the names requests and deny
+#: lists use (``--attention``, ``OptimizationDeny``).
+ATTENTION_KERNELS: tuple[str, ...] = ("cudnn", "flash", "flash3", "flash4", "sage", "xformers")
+#: What an ``OptimizationDeny`` may name.
+OPTIMIZATIONS: tuple[str, ...] = ("fp16_accumulation", "step_cache", "compile", *ATTENTION_KERNELS)
+
+
 @dataclass(frozen=True)
 class OptimizationDeny:
     """A speed optimisation a family must not get, and the measured reason.
 
-    ``optimization`` is one of ``fp16_accumulation``, ``step_cache``,
-    ``compile``, or an attention backend (``sage``, ``flash``, ``flash3``,
-    ``xformers``).
+    ``optimization`` is one of :data:`OPTIMIZATIONS`: ``fp16_accumulation``,
+    ``step_cache``, ``compile``, or an attention kernel (:data:`ATTENTION_KERNELS`).
     """
 
     optimization: str

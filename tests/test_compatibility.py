@@ -15,6 +15,7 @@ from engine.plugins import load_registry
 from engine.policy import compatibility
 from engine.policy.compatibility import AXES, pair_refusal, plan_combination, plan_refusals
 from engine.policy.inference import InferenceRequest, LoraPlanInput, ModelFacts, Plan, plan_inference
+from engine.policy.speed import ATTENTION_BACKENDS
 from engine.runtime.session import InferenceSession
 
 REGISTRY = load_registry()
@@ -29,7 +30,7 @@ LORAS = {
     "one": LoraPlanInput(count=1, max_rank=16, params=1_000_000),
     "switching": LoraPlanInput(count=2, max_rank=32, params=2_000_000, switching=True),
 }
-ATTENTION = ("auto", "native", "cudnn", "flash", "flash3", "sage", "xformers")
+ATTENTION = ATTENTION_BACKENDS
 
 
 def test_the_doc_is_generated_from_the_table() -> None:
@@ -96,7 +97,8 @@ def test_no_attention_request_plans_what_the_table_refuses(hardware: str) -> Non
 
 
 def test_the_loader_refuses_a_plan_the_table_refuses_before_loading() -> None:
-    good = plan_inference(REGISTRY, facts("flux"), PRESETS["rtx4090"], InferenceRequest(memory="group_offload"), env={})
+    good = plan_inference(REGISTRY, facts("flux"), PRESETS["rtx4090"], InferenceRequest(memory="group_offload", speed="default"),
+                          env={})
     assert plan_refusals(good) == ()
     bad = dataclasses.replace(good, compile_fullgraph=True, step_cache_may_engage=False)
     assert bad.value("compile") == "regional"

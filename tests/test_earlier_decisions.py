@@ -61,14 +61,15 @@ def cli_plan(*args: str) -> dict[str, object]:
 
 
 def test_1_kontext_plans_no_step_cache_and_says_why() -> None:
-    kontext = cli_plan("--family", "flux", "--checkpoint", "flux.1-kontext-dev", "--hardware", "h100")
+    kontext = cli_plan("--family", "flux", "--checkpoint", "flux.1-kontext-dev", "--hardware", "h100",
+                       "--speed", "default")
     cache = kontext["resolved"]["step_cache"]  # type: ignore[index]
     assert cache["value"] == "off" and "no cache context" in cache["reason"]
     assert "FluxKontextPipeline" in cache["reason"]
     # The fullgraph compile stays on: no cache can engage later.
     assert kontext["compile_fullgraph"] is True
     # The text-to-image pipeline of the same family keeps it.
-    assert plan("flux", "h100", "flux.1-dev").value("step_cache") == "fbcache"
+    assert plan("flux", "h100", "flux.1-dev", speed="default").value("step_cache") == "fbcache"
     pinned = plan("flux", "h100", "flux.1-kontext-dev", step_cache="fbcache")["step_cache"]
     assert pinned.value == "off" and pinned.to_dict()["status"] == "refused"
 
@@ -134,7 +135,7 @@ def test_1_tiny_flux_without_a_cache_context_generates_20_steps_with_the_cache_o
 
     flux = REGISTRY.family("flux")
     no_context = dataclasses.replace(flux, cache_context_pipelines=())
-    session = _session(tiny_pipeline("flux"), InferenceRequest(steps=20), family_override=no_context)
+    session = _session(tiny_pipeline("flux"), InferenceRequest(steps=20, speed="default"), family_override=no_context)
     session.load()
     try:
         [image] = session.generate(GenerateRequest("a lighthouse", steps=20, width=64, height=48))
@@ -151,12 +152,13 @@ def test_1_tiny_flux_without_a_cache_context_generates_20_steps_with_the_cache_o
 
 
 def test_2_offload_hooks_turn_fullgraph_off() -> None:
-    offloaded = cli_plan("--family", "flux", "--hardware", "rtx4090", "--quant", "none", "--step-cache", "off")
+    offloaded = cli_plan("--family", "flux", "--hardware", "rtx4090", "--quant", "none", "--step-cache", "off",
+                         "--speed", "default")
     assert offloaded["resolved"]["memory_mode"]["value"] == "group_offload"  # type: ignore[index]
     assert offloaded["resolved"]["compile"]["value"] == "regional"  # type: ignore[index]
     assert offloaded["compile_fullgraph"] is False
     assert "offload hooks" in offloaded["resolved"]["compile"]["reason"]  # type: ignore[index]
-    resident = plan("flux", "h100", step_cache="off")
+    resident = plan("flux", "h100", step_cache="off", speed="default")
     assert resident.value("memory_mode") == "resident" and resident.compile_fullgraph is True
 
 
@@ -313,15 +315,15 @@ def test_8_the_class_moves_int8_first_and_fp16_accumulation() -> None:
     assert a4000.consumer and not ada.consumer
     assert quant_ladder(ada) == ("fp8", "int8")
     assert quant_ladder(ada.replace(consumer=True)) == ("int8", "fp8")
-    assert plan("flux", a4000).value("fp16_accumulation") is True
-    assert plan("flux", ada).value("fp16_accumulation") is False
+    assert plan("flux", a4000, speed="default").value("fp16_accumulation") is True
+    assert plan("flux", ada, speed="default").value("fp16_accumulation") is False
 
 
 # -- 9. speed details ---------------------------------------------------------------------
 
 
 def test_9_dense_models_compile_from_the_third_image() -> None:
-    dense = plan("flux", "h100")
+    dense = plan("flux", "h100", speed="default")
     assert dense.value("compile") == "regional" and dense.compile_from_image == COMPILE_FROM_IMAGE == 3
     assert "image 3" in dense["compile"].reason
     assert plan("flux", "h100", compile="on").compile_from_image == 1
@@ -371,7 +373,7 @@ def test_9_the_session_compiles_before_the_third_image(tiny_pipeline: Callable[[
 
 
 def test_10_cudnn_attention_auto_on_sm80_and_explicit() -> None:
-    assert plan("flux", "a100-80g").value("attention_backend") == "cudnn"
+    assert plan("flux", "a100-80g", speed="default").value("attention_backend") == "cudnn"
     assert plan("flux", "t4").value("attention_backend") == "native"
     assert plan("flux", "apple-m3-max").value("attention_backend") == "native"
     # cuDNN's kernel takes half-precision inputs only: an fp32 plan keeps native SDPA.
@@ -390,7 +392,10 @@ def test_10_unknown_capability_does_not_block_and_installs_are_pinned() -> None:
     assert sage.value("attention_backend") == "sage" and "capability unknown" in sage["attention_backend"].reason
     assert sage.attention_install == "sageattention>=1.0.6 --no-deps"
     matched = plan("flux", preset("rtx4090").replace(torch_version="2.8.0+cu128"), attention="xformers")
-    assert matched.attention_install == "xformers==0.0.32.post2 --no-deps"
+    # The wheel built for this torch and its CUDA, from PyTorch's index for that CUDA.
+    assert matched.attention_install == (
+        "xformers==0.0.32.post2 --index-url https://download.pytorch.org/whl/cu128 --no-deps"
+    )
     unmatched = plan("flux", preset("rtx4090").replace(torch_version="2.99.0"), attention="xformers")
     assert unmatched.value("attention_backend") == "native" and unmatched.attention_install is None
     assert "no xformers wheel" in unmatched["attention_backend"].reason

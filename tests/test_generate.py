@@ -123,7 +123,7 @@ def test_single_file_folder_loads_and_matches_the_pipeline(
 def test_first_block_cache_toggles_across_calls_and_provenance_follows(
     tiny_pipeline: Callable[[str], Path],
 ) -> None:
-    session = session_for(tiny_pipeline("flux"))
+    session = session_for(tiny_pipeline("flux"), InferenceRequest(speed="default"))
     session.load()
     try:
         seen = []

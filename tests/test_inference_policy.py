@@ -203,16 +203,20 @@ def test_memory_budget_reserve_and_resident_fraction() -> None:
     assert unified.budget_gb == pytest.approx(96.0 - 128.0 * 0.2)
 
 
-def test_explicit_memory_mode_that_cannot_fit_is_refused() -> None:
-    with pytest.raises(PreflightError) as raised:
-        plan("qwen_image", "rtx4090", memory="resident")
-    assert raised.value.code == "does_not_fit"
+def test_explicit_memory_mode_that_cannot_fit_falls_to_the_next_that_does() -> None:
+    """The earlier system's later rule (FACTS.md, Memory): an explicit fast/resident
+    request that does not fit falls to the next tier rather than failing; the
+    record keeps what was asked (status ``fell back``, so ``--strict`` refuses it)."""
+    fell = plan("qwen_image", "rtx4090", memory="resident")["memory_mode"].to_dict()
+    assert fell["requested"] == "resident" and fell["status"] == "fell back" and fell["overridden"] is True
+    assert fell["value"] in ("model_offload", "group_offload", "sequential_offload")
+    assert "memory=resident does not fit" in str(fell["reason"])
     assert plan("qwen_image", "rtx4090", memory="sequential_offload").value("memory_mode") == "sequential_offload"
 
 
 @pytest.mark.parametrize(("steps", "engaged"), [(28, True), (20, True), (19, False), (4, False)])
 def test_step_cache_engages_from_20_steps(steps: int, engaged: bool) -> None:
-    result = plan("flux", "h100", steps=steps)
+    result = plan("flux", "h100", steps=steps, speed="default")
     assert (result.value("step_cache") == "fbcache") is engaged
     assert result.step_cache_threshold == 0.08
 
@@ -223,10 +227,11 @@ def test_step_cache_threshold_is_higher_on_a_quantised_transformer() -> None:
 
 
 def test_step_cache_follows_the_checkpoints_schedule_and_pins() -> None:
-    assert plan("flux", "h100").value("step_cache") == "fbcache"  # FLUX.1-dev: 28 steps
+    assert plan("flux", "h100", speed="default").value("step_cache") == "fbcache"  # FLUX.1-dev: 28 steps
     schnell = REGISTRY.family("flux").checkpoint("flux.1-schnell")
     facts = ModelFacts(REGISTRY.family("flux"), schnell, REGISTRY.component_sizes(REGISTRY.family("flux")))
-    assert plan_inference(REGISTRY, facts, preset("h100"), env=NO_ENV).value("step_cache") == "off"
+    default = InferenceRequest(speed="default")
+    assert plan_inference(REGISTRY, facts, preset("h100"), default, env=NO_ENV).value("step_cache") == "off"
     pinned = plan("flux", "h100", steps=4, step_cache="fbcache")["step_cache"]
     assert (pinned.value, pinned.source) == ("fbcache", "explicit")
 
@@ -237,9 +242,9 @@ def test_step_cache_is_off_where_the_family_denies_it() -> None:
 
 
 def test_compile_drops_fullgraph_when_an_auto_cache_could_engage() -> None:
-    assert plan("flux", "h100").compile_fullgraph is False
-    assert plan("flux", "h100", step_cache="off").compile_fullgraph is True
-    assert plan("zimage", "h100").compile_fullgraph is True  # no cache can engage
+    assert plan("flux", "h100", speed="default").compile_fullgraph is False
+    assert plan("flux", "h100", speed="default", step_cache="off").compile_fullgraph is True
+    assert plan("zimage", "h100", speed="default").compile_fullgraph is True  # no cache can engage
     assert plan("sdxl", "cpu").value("compile") == "off"
     assert plan("flux", "h100", speed="eager").value("compile") == "off"
 
@@ -288,9 +293,9 @@ def test_attention_install_only_for_explicit_requests_after_the_arch_gate() -> N
 
 def test_attention_auto_uses_flash3_on_hopper_when_installed() -> None:
     hopper = preset("h100").replace(attention_packages=("kernels",))
-    assert plan("flux", hopper).value("attention_backend") == "flash3"
+    assert plan("flux", hopper, speed="default").value("attention_backend") == "flash3"
     # Without FA3, auto takes cuDNN's fused SDPA on sm80+.
-    assert plan("flux", "h100").value("attention_backend") == "cudnn"
+    assert plan("flux", "h100", speed="default").value("attention_backend") == "cudnn"
 
 
 @pytest.mark.parametrize(("cpus", "threads"), [(16, 8), (2, 1), (1, 1), (None, 8)])

@@ -77,12 +77,12 @@ def training_plan(base: Path, data: Path, hardware: Any, **overrides: object) ->
 
 
 def test_pinned_fbcache_compiles_without_fullgraph() -> None:
-    pinned = plan("flux", "h100", step_cache="fbcache")
+    pinned = plan("flux", "h100", step_cache="fbcache", speed="default")
     assert pinned.value("step_cache") == "fbcache" and pinned.value("compile") == "regional"
     assert pinned.compile_fullgraph is False
     assert "First-Block-Cache" in pinned["compile"].reason
     # The control: with the cache pinned off, nothing hooks the blocks.
-    assert plan("flux", "h100", step_cache="off").compile_fullgraph is True
+    assert plan("flux", "h100", step_cache="off", speed="default").compile_fullgraph is True
 
 
 def test_session_hands_the_plans_fullgraph_and_dynamic_shapes_to_compile(
@@ -110,9 +110,9 @@ def test_flash3_is_diffusers_hub_backend_loaded_by_kernels() -> None:
     assert DIFFUSERS_BACKENDS["flash3"] == "_flash_3_hub"
     assert AttentionBackendName("_flash_3_hub") in _HUB_KERNELS_REGISTRY  # fetched by `kernels`
     hopper = preset("h100").replace(attention_packages=("kernels",))
-    assert plan("flux", "h100").value("attention_backend") == "cudnn"  # kernels not installed
+    assert plan("flux", "h100", speed="default").value("attention_backend") == "cudnn"  # kernels not installed
     engine = Engine(registry=REGISTRY, hardware=hopper)
-    assert engine.plan(family="flux").value("attention_backend") == "flash3"
+    assert engine.plan(family="flux", request=InferenceRequest(speed="default")).value("attention_backend") == "flash3"
     missing = plan("flux", "h100", attention="flash3")
     assert missing.value("attention_backend") == "flash3" and missing.attention_install == "kernels>=0.12"
     assert plan("flux", "rtx4090", attention="flash3").value("attention_backend") == "native"  # sm89
@@ -273,7 +273,7 @@ def test_trainer_compiles_regions_with_dynamic_shapes(
 def test_sdxl_compiles_its_blocks_regionally_from_its_table() -> None:
     sdxl = REGISTRY.family("sdxl")
     assert REGISTRY.compile_regions(sdxl) == sdxl.compile_regions != ()
-    result = plan("sdxl", "h100")
+    result = plan("sdxl", "h100", speed="default")
     assert result.value("compile") == "regional"
     assert all(region in result["compile"].reason for region in sdxl.compile_regions)
     assert training_info(REGISTRY, sdxl, preset("h100")).supports_compile

@@ -44,7 +44,8 @@ def _gpu(
         gpu_class=klass,
         native_bf16=native_bf16(vendor, capability, torch_reports_bf16),
         torchao_functional=True,
-        bitsandbytes_usable=cuda,
+        # bitsandbytes' 4-bit load: CUDA, and the multi-backend build on Apple / Intel GPUs.
+        bitsandbytes_usable=cuda or vendor in ("mps", "xpu"),
         cpu_count=cpu_count,
         source="preset",
     )

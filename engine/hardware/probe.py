@@ -42,9 +42,11 @@ class _Gpu:
 
 #: Datacenter parts, and pro cards built like them (full-rate fp32
 #: accumulation): int8 is not moved first and fp16 accumulation gains nothing.
+#: Professional Blackwell (RTX PRO 6000, Workstation, Max-Q and Server
+#: Editions) is datacenter-class and prefers fp8, as the earlier system found.
 _DATACENTER = re.compile(
     r"\b(A100|A800|H100|H800|H200|GH200|B100|B200|GB200|B300|GB300|L40S?|L20|L4|A40|A30|A16|A10G?|A2|"
-    r"T4|V100|P100|P40|Tesla|RTX 6000 Ada)\b",
+    r"T4|V100|P100|P40|Tesla|RTX 6000 Ada|RTX PRO 6000)\b",
     re.IGNORECASE,
 )
 #: Workstation cards: consumer-class tensor cores under a pro name.
@@ -181,6 +183,7 @@ def _light_probe_device() -> HardwareProfile:
             unified_memory=True,
             native_bf16=True,
             torchao_functional=torchao_installed,
+            bitsandbytes_usable=bnb_installed,
             cpu_count=cpu_count,
             source="probe",
         )

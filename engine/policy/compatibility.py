@@ -19,6 +19,7 @@ from itertools import combinations
 from typing import TYPE_CHECKING
 
 from engine.schemes import TORCHAO_SCHEMES
+from engine.types import ATTENTION_KERNELS
 
 if TYPE_CHECKING:  # the plan imports this module; only its type is needed here
     from engine.policy.plan import Plan
@@ -35,7 +36,7 @@ AXES: Mapping[str, tuple[str, ...]] = {
     "memory": ("resident", *OFFLOADS),
     "compile": ("off", "regional", "fullgraph"),
     "lora": ("none", "fused", "unfused", "hotswap"),
-    "attention": ("native", "cudnn", "flash", "flash3", "sage", "xformers"),
+    "attention": ("native", *ATTENTION_KERNELS),
     "step_cache": ("off", "fbcache"),
 }
 

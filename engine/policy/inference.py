@@ -48,7 +48,7 @@ from engine.policy.memory import (
     plan_memory,
 )
 from engine.policy.plan import CONTROLS, InferenceRequest, ModelFacts, Plan, requested_by_control
-from engine.policy.quant import lift_denials, resolve_quant_request
+from engine.policy.quant import lift_denials, lifted_denials, resolve_quant_request
 from engine.policy.resolved import Resolved, auto, explicit, with_requests
 from engine.policy.scheme_choice import choose_transformer_scheme
 from engine.policy.schemes import HOST_QUANTISED, transformer_gb
@@ -102,8 +102,9 @@ def plan_inference(
     available = available or available_memory(hardware)
     hardware = available.apply(hardware)
     family = model.family
-    tier = _checked(resolve_speed_tier, request.speed)
-    quant_denied = lift_denials(registry.quant_deny(family, "inference"), family, hardware)
+    _checked(resolve_speed_tier, request.speed, quantised=False)  # an unknown tier is refused first
+    family_denied = registry.quant_deny(family, "inference")
+    quant_denied = lift_denials(family_denied, family, hardware)
     denied = registry.optimization_deny(family)
     encoder_quant = _checked(
         resolve_text_encoder_quant, family, hardware, request.text_encoder_quant,
@@ -160,14 +161,14 @@ def plan_inference(
     dtype = resolve_dtype(family, hardware, request.dtype, fp32_fits=fp32_fits)
     quant = _checked(
         resolve_quant_request, request.quant, hardware, quant_denied, family_label=family.label,
-        dtype=dtype.value,
+        dtype=dtype.value, lifted=lifted_denials(family_denied, family, hardware),
     )
     base_quant = model.prequantised_scheme
     base_name = "GGUF" if model.gguf_transformer_gb is not None else "dense"
     base = memory(dtype.value, base_quant)
     choice = choose_transformer_scheme(
         quant, prequantised=model.prequantised_scheme, base=base, base_name=base_name,
-        tier=tier.value, memory_for=lambda scheme: memory(dtype.value, scheme),
+        tier=request.speed, memory_for=lambda scheme: memory(dtype.value, scheme),
     )
     chosen_quant, chosen, fallback_memory = choice.quant, choice.memory, choice.fallback_memory
     if chosen is None:
@@ -208,6 +209,7 @@ def plan_inference(
             headroom = estimate.budget_gb + (hardware.swap_free_gb or 0.0) - weights_at_decode
         vae_tiling = _checked(resolve_vae_tiling, family, headroom, bytes_, request.vae_tiling)
         quantised = scheme.value is not None or model.gguf_transformer_gb is not None
+        tier = resolve_speed_tier(request.speed, quantised=quantised)
         steps = request.steps or (model.checkpoint.default_steps if model.checkpoint else FALLBACK_STEPS)
         cache, threshold = _checked(
             resolve_step_cache, request.step_cache, steps,
@@ -229,7 +231,7 @@ def plan_inference(
             compiled, quantised=scheme.value is not None and scheme.value != "nf4"
         )
         attention, install = _checked(
-            resolve_attention, request.attention, hardware, denied, env, dtype=dtype.value
+            resolve_attention, request.attention, hardware, denied, env, dtype=dtype.value, tier=tier.value
         )
         controls: dict[str, Resolved] = {
             "dtype": dtype,

@@ -19,6 +19,7 @@ from engine.policy.training import (
     MemoryRequest,
     TrainingThresholds,
     resolve_training_precision,
+    training_device,
     training_precision_preflight_error,
 )
 from engine.policy.training_memory import TrainingShape
@@ -176,7 +177,7 @@ def _offered(
         f"{free} free; dense bf16 base {family.training.dense_gb} GB; "
         + (recommended.reason if "auto" in modes else f"auto is unavailable, {best} is")
     )
-    device = "cuda" if hardware.cuda else "cpu"
+    device = training_device(hardware)
     peaks = {
         mode: round(memory.estimate(family, mode, device).peak_gb, 1)
         for mode in modes if mode != "auto" and family.training.memory is not None
@@ -187,10 +188,11 @@ def _offered(
 
 
 def _training_device(hardware: HardwareProfile) -> str:
-    """Where the trainer runs: the CUDA GPU, else the CPU (it never uses mps or
-    another accelerator, and the config accepts only auto, cuda and cpu)."""
+    """Where a dense-base trainer runs: the CUDA GPU, else the CPU (a
+    non-CUDA accelerator takes only 4-bit bases: see ``training_device``)."""
     if hardware.cuda:
         return "on the GPU"
     if hardware.vendor == "cpu":
         return "on the CPU (slowly)"
-    return f"on the CPU (slowly): the trainer runs on CUDA or the CPU, not on {hardware.device_name} ({hardware.vendor})"
+    return (f"on the CPU (slowly): a dense-base trainer runs on CUDA or the CPU, not on {hardware.device_name} "
+            f"({hardware.vendor})")

@@ -13,7 +13,9 @@ group-offload streams are known to clash on device placement.
 
 Unified memory (Apple silicon, integrated NVIDIA GPUs) has one pool: moving
 a component "off" the device frees nothing, so it is planned resident or
-refused. A CPU run may spill into free swap, slowly; beyond RAM and swap it
+refused; the refusal compares weights + overhead with the budget itself (no
+0.85 headroom: the pool pages rather than fragments) and is never made
+when free memory is unknown. A CPU run may spill into free swap, slowly; beyond RAM and swap it
 is refused.
 """
 
@@ -126,13 +128,25 @@ def plan_memory(
     if hardware.vendor == "cpu":
         return _cpu_plan(resident, budget, hardware, requested, sizing), estimate("resident")
     if hardware.unified_memory:
-        return _unified_plan(fits["resident"], requested, sizing, hardware), estimate("resident")
+        # The oversize check on one pool: weights + base overhead against the
+        # budget itself (the 0.85 activation headroom is a discrete card's
+        # guard against fragmentation; a shared pool pages instead), and open
+        # when free memory is unknown.
+        needed = f"{resident:.1f} GB resident (weights {weights:.1f} + overhead {overhead:.1f})"
+        if hardware.free_memory_gb is None:
+            return _unified_plan(None, requested, f"{needed}; free memory unknown, not checked", hardware), \
+                estimate("resident")
+        return _unified_plan(resident <= budget, requested, f"{needed} vs {budget:.1f} GB budget", hardware), \
+            estimate("resident")
     if requested != "auto":
         if requested in fits and not fits[requested]:
-            raise PreflightError(
-                f"memory={requested} cannot fit: {sizing}. Use memory=auto.",
-                code="does_not_fit",
-            )
+            # A faster mode that does not fit falls to the next one that does
+            # (the earlier system's rule); ``--strict`` refuses the fallback.
+            chosen, chosen_estimate = plan_memory(parts, hardware, "auto", thresholds)
+            return Resolved(
+                chosen.value, "explicit", f"memory={requested} does not fit ({sizing}); next that does: "
+                f"{chosen.value}: {chosen.reason}", requested,
+            ), chosen_estimate
         return explicit(requested), estimate(requested)
     if fits["resident"]:
         return auto("resident", f"fits: {sizing}"), estimate("resident")
@@ -174,10 +188,11 @@ def _cpu_plan(resident: float, budget: float, hardware: HardwareProfile, request
     )
 
 
-def _unified_plan(fits: bool, requested: str, sizing: str, hardware: HardwareProfile) -> Resolved[str]:
-    """One memory pool: offload frees nothing, so resident or refused."""
+def _unified_plan(fits: bool | None, requested: str, sizing: str, hardware: HardwareProfile) -> Resolved[str]:
+    """One memory pool: offload frees nothing, so resident or refused (``fits``
+    None: free memory unknown, so nothing is refused)."""
     shared = f"{hardware.device_name} shares one memory pool with the host"
-    if not fits:
+    if fits is False:
         raise PreflightError(
             f"the model needs {sizing}; {shared}, so offloading frees nothing. "
             "Free memory (close other apps), choose a quantised transformer, or a smaller model.",

@@ -54,7 +54,7 @@ class InferenceRequest:
     attention: str = "auto"
     step_cache: str = "auto"
     compile: str = "auto"
-    speed: str = "default"
+    speed: str = "auto"
     steps: int | None = None
     threads: int | None = None
     loras: LoraPlanInput = LoraPlanInput()

@@ -64,6 +64,19 @@ def lift_denials(
     return {scheme: why for scheme, why in denied.items() if scheme not in lifted}
 
 
+def lifted_denials(
+    denied: Mapping[str, str], family: FamilySpec, hardware: HardwareProfile
+) -> dict[str, str]:
+    """Per scheme whose deny :func:`lift_denials` lifts here, why it is safe now."""
+    remaining = lift_denials(denied, family, hardware)
+    lifted_by = dict(family.quantisation.deny_lifted_by)
+    return {
+        scheme: (f"{family.label}'s {scheme} deny is lifted: this machine has {lifted_by[scheme]}, the fix its "
+                 f"table names, which is what makes {scheme} safe here")
+        for scheme in denied if scheme not in remaining
+    }
+
+
 def scheme_unsupported_reason(scheme: str, hardware: HardwareProfile, dtype: str | None = None) -> str | None:
     """Why ``scheme`` cannot run here, or None when it can.
 
@@ -101,12 +114,16 @@ def resolve_quant_request(
     *,
     family_label: str,
     dtype: str | None = None,
+    lifted: Mapping[str, str] | None = None,
 ) -> Resolved[str | None]:
     """The scheme to build (explicit), or the auto candidate, with the reason.
 
     For ``auto`` the value is the *candidate*: the memory planner adopts it
     only when it beats the dense plan (see :mod:`engine.policy.inference`).
+    ``lifted``: schemes the family denies but this machine's libraries make
+    safe (:func:`lifted_denials`); a reason choosing one says so.
     """
+    lifted = lifted or {}
     if requested not in QUANT_REQUESTS:
         raise ValueError(f"quant {requested!r} is not one of {', '.join(QUANT_REQUESTS)}")
     if requested == "none":
@@ -122,7 +139,7 @@ def resolve_quant_request(
         unsupported = scheme_unsupported_reason(requested, hardware, dtype)
         if unsupported:
             return explicit(None, f"{unsupported}; falling back to GGUF/dense", requested=requested)
-        return explicit(requested)
+        return explicit(requested, lifted.get(requested, "requested"))
     if not quant_ladder(hardware, dtype):
         return auto(None, f"no dense quantisation is planned here: {_no_ladder_reason(hardware, dtype)}")
     skipped = []
@@ -130,7 +147,8 @@ def resolve_quant_request(
         why_not = denied.get(scheme) or scheme_unsupported_reason(scheme, hardware, dtype)
         if why_not is None:
             note = f" (skipped: {'; '.join(skipped)})" if skipped else ""
-            return auto(scheme, f"{scheme} is the first usable scheme on {hardware.device_name}{note}")
+            safe = f"; {lifted[scheme]}" if scheme in lifted else ""
+            return auto(scheme, f"{scheme} is the first usable scheme on {hardware.device_name}{safe}{note}")
         skipped.append(f"{scheme}: {why_not}")
     return auto(None, "no quantisation scheme is usable here" + (f" ({'; '.join(skipped)})" if skipped else ""))
 

@@ -13,13 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.hardware.profile import HardwareProfile
+from engine.types import ATTENTION_KERNELS
 from engine.policy.compatibility import pair_refusal
 from engine.policy.resolved import Resolved, Source, auto, explicit
 
 SPEED_TIERS: tuple[str, ...] = ("off", "eager", "default", "max")
+#: What ``speed`` takes: a tier, or ``auto`` (off for a dense transformer, default for a quantised one).
+SPEED_REQUESTS: tuple[str, ...] = ("auto", *SPEED_TIERS)
 STEP_CACHES: tuple[str, ...] = ("auto", "off", "fbcache")
 COMPILE_REQUESTS: tuple[str, ...] = ("auto", "on", "off")
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", "cudnn", "flash", "flash3", "sage", "xformers")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", *ATTENTION_KERNELS)
 
 FP16_ACCUM_KILL_SWITCH = "DIFFUSION_ENGINE_DISABLE_FP16_ACCUM"
 ATTENTION_INSTALL_ENV = "DIFFUSION_ENGINE_ATTENTION_INSTALL"
@@ -64,11 +67,16 @@ OPTIONAL_BACKENDS: Mapping[str, AttentionBackend] = {
     # ``kernels`` package (its ``_flash_3_hub`` backend): FA3 itself has no
     # wheels, and a source build needs a CUDA toolchain.
     "flash3": AttentionBackend("kernels", "kernels>=0.12", (9, 0), (9, 0)),
+    # FlashAttention-4 likewise (diffusers' ``flash_4_hub``; kernels 0.12.3+ loads it),
+    # written for Blackwell datacenter parts (sm100 / sm103).
+    "flash4": AttentionBackend("kernels", "kernels>=0.12.3", (10, 0), (10, 3)),
     "sage": AttentionBackend("sageattention", "sageattention>=1.0.6", (8, 0), no_deps=True),
     # The requirement is pinned per torch release (XFORMERS_FOR_TORCH).
     "xformers": AttentionBackend("xformers", "xformers", (7, 0), no_deps=True),
 }
 
+#: PyTorch's wheel index; ``/cu128`` and the like hold the wheels built for one CUDA.
+PYTORCH_WHEEL_INDEX = "https://download.pytorch.org/whl"
 #: The xformers release whose wheels are built against each torch release:
 #: any other pairing either pulls a different torch or fails to import.
 XFORMERS_FOR_TORCH: Mapping[tuple[int, int, int], str] = {
@@ -82,12 +90,24 @@ XFORMERS_FOR_TORCH: Mapping[tuple[int, int, int], str] = {
 }
 
 
-def resolve_speed_tier(requested: str) -> Resolved[str]:
-    if requested not in SPEED_TIERS:
-        raise ValueError(f"speed tier {requested!r} is not one of {', '.join(SPEED_TIERS)}")
-    if requested == "default":
-        return auto("default", "default tier: compile on CUDA, auto step cache, safe fp16 accumulation")
-    return explicit(requested)
+def resolve_speed_tier(requested: str, *, quantised: bool) -> Resolved[str]:
+    """The speed tier; ``auto`` decides from the transformer the plan holds.
+
+    A dense, unquantised transformer with no speed request runs on ``off``:
+    nothing is engaged (no compile, no step cache, no fp16 accumulation, native
+    attention), so its images are bit-identical to stock diffusers, the
+    earlier system's later default. A quantised (or GGUF) transformer runs on
+    ``default``: its kernels gain from compile and it already differs from
+    the dense reference.
+    """
+    if requested not in SPEED_REQUESTS:
+        raise ValueError(f"speed tier {requested!r} is not one of {', '.join(SPEED_REQUESTS)}")
+    if requested != "auto":
+        return explicit(requested)
+    if quantised:
+        return auto("default", "a quantised transformer: compile on CUDA, auto step cache, safe fp16 accumulation")
+    return auto("off", "a dense transformer with no speed request: nothing engaged, images bit-identical to "
+                "stock diffusers (speed=default: compile and step cache)")
 
 
 def attention_arch_error(name: str, hardware: HardwareProfile) -> str | None:
@@ -109,7 +129,8 @@ def attention_arch_error(name: str, hardware: HardwareProfile) -> str | None:
     if hardware.capability < minimum:
         return f"{name} attention needs sm{minimum[0]}{minimum[1]}+; this is {hardware.capability_label}"
     if maximum and hardware.capability > maximum:
-        return f"{name} attention runs on Hopper (sm90) only; this is {hardware.capability_label}"
+        span = f"sm{minimum[0]}{minimum[1]}" + ("" if maximum == minimum else f"-sm{maximum[0]}{maximum[1]}")
+        return f"{name} attention runs on {span} only; this is {hardware.capability_label}"
     return None
 
 
@@ -137,8 +158,17 @@ def install_requirement(name: str, hardware: HardwareProfile) -> tuple[str | Non
                 f"no xformers wheel is known to match torch {hardware.torch_version or '(version unknown)'}"
             )
         requirement = f"xformers=={pinned}"
+        cuda_tag = _cuda_tag(hardware.torch_version)
+        if cuda_tag:  # the wheel built for this torch's CUDA, from PyTorch's index for it
+            requirement += f" --index-url {PYTORCH_WHEEL_INDEX}/{cuda_tag}"
     args = f"{requirement} --no-deps" if backend.no_deps else requirement
     return args, f"a wheel-only install of {args} is tried at load"
+
+
+def _cuda_tag(version: str | None) -> str | None:
+    """``2.8.0+cu128`` -> ``cu128``; None for a CPU or ROCm build, or an unknown version."""
+    local = (version or "").partition("+")[2]
+    return local if re.fullmatch(r"cu\d+", local) else None
 
 
 def _torch_release(version: str | None) -> tuple[int, int, int] | None:
@@ -157,8 +187,12 @@ def resolve_attention(
     denied: Mapping[str, str],
     env: Mapping[str, str],
     dtype: str | None = None,
+    tier: str = "default",
 ) -> tuple[Resolved[str], str | None]:
     """(backend, pip arguments to try installing at load or None).
+
+    On the ``off`` tier ``auto`` stays native SDPA: that tier engages nothing
+    (an explicit kernel is still honoured).
 
     ``auto`` takes FlashAttention-3 where its loader (``kernels``) is installed on Hopper, else
     cuDNN's fused SDPA on sm80+ NVIDIA cards (faster than the kernel SDPA
@@ -173,6 +207,8 @@ def resolve_attention(
     if requested == "native":
         return explicit("native"), None
     if requested == "auto":
+        if tier == "off":
+            return auto("native", "speed tier off: torch SDPA, as stock diffusers runs it"), None
         return _auto_attention(hardware, denied, dtype), None
     if requested in denied:
         why = f"{requested} is denied for this family: {denied[requested]}; native SDPA"
@@ -203,18 +239,22 @@ def resolve_attention(
     ), args
 
 
+#: Hub kernels ``auto`` takes where ``kernels`` is installed, each on its own generation.
+HUB_KERNELS: Mapping[str, str] = {
+    "flash4": "FlashAttention-4 (hub kernel via the installed kernels package) on a Blackwell datacenter GPU",
+    "flash3": "FlashAttention-3 (hub kernel via the installed kernels package) on a Hopper GPU",
+}
+
+
 def _auto_attention(hardware: HardwareProfile, denied: Mapping[str, str], dtype: str | None) -> Resolved[str]:
-    if (
-        OPTIONAL_BACKENDS["flash3"].package in hardware.attention_packages
-        and "flash3" not in denied
-        and hardware.capability is not None
-        and attention_arch_error("flash3", hardware) is None
-    ):
-        return auto(
-            "flash3",
-            "FlashAttention-3 (hub kernel via the installed kernels package) on a Hopper GPU; "
-            "native SDPA if the kernel cannot be loaded",
-        )
+    for name, what in HUB_KERNELS.items():
+        if (
+            OPTIONAL_BACKENDS[name].package in hardware.attention_packages
+            and name not in denied
+            and hardware.capability is not None
+            and attention_arch_error(name, hardware) is None
+        ):
+            return auto(name, f"{what}; native SDPA if the kernel cannot be loaded")
     if (
         "cudnn" not in denied
         and dtype in CUDNN_ATTENTION_DTYPES

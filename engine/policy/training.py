@@ -29,6 +29,22 @@ from engine.types import TRAINING_PRECISIONS, ComponentSizes, FamilySpec
 
 Device = Literal["auto", "cuda", "cpu"]
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
+#: Accelerators other than CUDA / ROCm that a LoRA run may use: they clear the
+#: "no accelerator" gate and load a 4-bit base (bitsandbytes' multi-backend),
+#: while the dense modes (bf16 / int8 / fp8 / mxfp8 kernels) stay CUDA-only.
+NON_CUDA_ACCELERATORS: tuple[str, ...] = ("mps", "xpu")
+
+
+def training_device(hardware: HardwareProfile, requested: str = "auto", *, four_bit_base: bool = True) -> str:
+    """Where a run trains: ``cpu`` when asked (or nothing else is here), else
+    CUDA, else a non-CUDA accelerator (``mps``, ``xpu``) for a family whose
+    base can be held in 4-bit (``four_bit_base``; a trainer that holds its
+    base dense trains on the CPU there)."""
+    if requested == "cpu":
+        return "cpu"
+    if hardware.cuda:
+        return "cuda"
+    return hardware.vendor if four_bit_base and hardware.vendor in NON_CUDA_ACCELERATORS else "cpu"
 
 
 @dataclass(frozen=True)
@@ -141,7 +157,8 @@ def resolve_training_precision(
     if device == "cpu":
         return auto("bf16", "device=cpu: the base is held dense in bf16 (no 4-bit kernels on CPU)")
     if not hardware.cuda:
-        return auto("nf4", f"no CUDA device ({hardware.vendor}): nf4 is the only choice left")
+        return auto("nf4", f"no CUDA device ({hardware.vendor}): nf4, the 4-bit load a non-CUDA accelerator "
+                    "runs, is the only choice left")
     free = hardware.free_memory_gb
     dense = family.training.dense_gb
     if free is None or dense <= 0:
@@ -229,9 +246,11 @@ def training_precision_preflight_error(
             + (f", or a family that trains in fp16 ({', '.join(fp16_families)})." if fp16_families else "."),
             code="no_native_bf16",
         )
-    if not on_cpu and not hardware.cuda:
+    accelerator = training_device(hardware, device)
+    if not on_cpu and accelerator == "cpu":
         return PreflightError(
-            f"{family.label} LoRA training needs a CUDA GPU; this machine has "
+            f"{family.label} LoRA training needs a CUDA GPU (or, with an nf4 base, an Apple or Intel GPU); "
+            f"this machine has "
             f"{hardware.device_name} ({hardware.vendor}). Pass device=cpu to train "
             "slowly on the CPU (small models and tests).",
             code="needs_cuda",
@@ -240,6 +259,12 @@ def training_precision_preflight_error(
         registry, family, hardware, base_precision,
         base_repo=base_repo, device=device, thresholds=thresholds, memory=memory,
     ).value
+    if accelerator in NON_CUDA_ACCELERATORS and mode != "nf4":
+        return PreflightError(
+            f"base_precision={mode} needs CUDA (its kernels are CUDA-only); on {hardware.device_name} "
+            f"({accelerator}) a LoRA run holds its base in nf4: use base_precision=nf4 or auto",
+            code="needs_cuda",
+        )
     denied = registry.quant_deny(family, "training")
     if mode in denied:
         return PreflightError(

@@ -24,7 +24,7 @@ from engine.policy.dtype import DTYPES
 from engine.policy.encoders import TEXT_ENCODER_MEMORY_REQUESTS, TEXT_ENCODER_QUANT_REQUESTS
 from engine.policy.memory import MEMORY_MODES
 from engine.policy.quant import QUANT_REQUESTS
-from engine.policy.speed import ATTENTION_BACKENDS, COMPILE_REQUESTS, SPEED_TIERS, STEP_CACHES
+from engine.policy.speed import ATTENTION_BACKENDS, COMPILE_REQUESTS, SPEED_REQUESTS, STEP_CACHES
 from engine.policy.training import DEVICES, TRAINING_PRECISIONS
 
 #: Which request a control belongs to.
@@ -92,7 +92,7 @@ PLAN_CONTROLS: tuple[Control, ...] = (
             plan_key="step_cache"),
     Control("compile", "--compile", "torch.compile of the repeated blocks", PLAN, "auto", COMPILE_REQUESTS,
             plan_key="compile"),
-    Control("speed", "--speed", "speed tier", PLAN, "default", SPEED_TIERS, plan_key="speed_tier"),
+    Control("speed", "--speed", "speed tier", PLAN, "auto", SPEED_REQUESTS, plan_key="speed_tier"),
     Control("text_encoder_quant", "--text-encoder-quant", "text-encoder weights", PLAN, "auto",
             TEXT_ENCODER_QUANT_REQUESTS, plan_key="text_encoder_quant"),
     Control("text_encoder_memory", "--text-encoder-memory", "text encoders kept resident, or streamed "

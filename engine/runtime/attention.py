@@ -23,6 +23,7 @@ DIFFUSERS_BACKENDS = {
     "flash": "flash",
     # FA3 as the hub kernel the ``kernels`` package loads (FA3 ships no wheels).
     "flash3": "_flash_3_hub",
+    "flash4": "flash_4_hub",
     "sage": "sage",
     "xformers": "xformers",
 }

@@ -21,6 +21,7 @@ from engine.policy.training import (
     MemoryRequest,
     resolve_checkpointing,
     resolve_training_precision,
+    training_device,
     training_precision_preflight_error,
 )
 from engine.policy.training_memory import BaseFacts, TrainingMemoryEstimate, TrainingShape
@@ -129,7 +130,7 @@ def preflight_training(
     objective = registry.training_objective(family)
     if objective is None:
         raise PreflightError(f"the {family.name} plugin provides no trainer", code="not_trainable")
-    device = "cpu" if config.device == "cpu" or not hardware.cuda else "cuda"
+    device = training_device(hardware, config.device, four_bit_base=family.training.base_precision_applies)
     memory = memory_request(registry, family, base, config)
     precision = (
         resolve_training_precision(

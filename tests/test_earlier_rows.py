@@ -1,0 +1,251 @@
+"""The earlier system's later decisions, row by row (FACTS.md, "The earlier system's
+later behaviour"): each test is named after the behaviour and quotes its rule.
+
+Machines other than this one are hardware presets; the models are the families'
+tables. Where this engine keeps a difference on purpose, the test pins the kept
+behaviour and README.md's list of kept differences says why.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.errors import PreflightError
+from engine.hardware import probe as probe_module
+from engine.hardware.presets import PRESETS, preset
+from engine.plugins import load_registry
+from engine.policy.inference import CONTROLS, Plan
+from engine.policy.quant import quant_ladder
+from engine.policy.speed import install_requirement
+from engine.policy.training import training_precision_preflight_error
+from tests.test_earlier_decisions import plan
+
+REGISTRY = load_registry()
+FAMILIES = sorted(REGISTRY.families)
+
+
+# -- speed ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_dense_model_with_no_speed_request_runs_on_the_off_tier_and_engages_nothing(family: str) -> None:
+    """"A dense, unquantised model with no speed request loads on the `off` tier
+    (bit-identical first images) ... `off` engages nothing: no compile, no fp16
+    accumulation, no step cache, native attention." (RTX 4090: a consumer card, where
+    every one of those would otherwise engage.)"""
+    dense = plan(family, "rtx4090", quant="none", steps=28)
+    assert (dense["speed_tier"].value, dense["speed_tier"].source) == ("off", "auto")
+    assert "bit-identical" in dense["speed_tier"].reason
+    assert dense.value("compile") == "off" and dense.value("step_cache") == "off"
+    assert dense.value("fp16_accumulation") is False and dense.value("attention_backend") == "native"
+    # The same request with speed=default engages what the card and family allow.
+    fast = plan(family, "rtx4090", quant="none", steps=28, speed="default")
+    assert fast["speed_tier"].source == "explicit"
+    denied = REGISTRY.optimization_deny(REGISTRY.family(family))
+    assert fast.value("attention_backend") == ("native" if "cudnn" in denied else "cudnn")
+
+
+def test_a_quantised_transformer_with_no_speed_request_runs_on_the_default_tier() -> None:
+    """A quantised transformer already differs from the dense reference and its kernels
+    gain from compile: ``auto`` takes the default tier there (FLUX.1 int8 on a 4090)."""
+    quantised = plan("flux", "rtx4090")
+    assert quantised.value("transformer_quant") == "int8"
+    assert quantised["speed_tier"].value == "default" and quantised.value("compile") == "regional"
+
+
+def test_attention_auto_stays_native_on_the_off_tier_and_on_mps() -> None:
+    """"Attention `auto` stays native on `off` and on non-NVIDIA devices (MPS)"; an
+    explicit kernel is still honoured on `off`."""
+    assert plan("flux", "h100", speed="off").value("attention_backend") == "native"
+    assert plan("flux", "apple-m3-max", speed="default").value("attention_backend") == "native"
+    assert plan("flux", "h100", speed="off", attention="cudnn").value("attention_backend") == "cudnn"
+
+
+def test_flash4_is_auto_on_blackwell_datacenter_cards_where_the_hub_kernels_are_installed() -> None:
+    """flash4 beside flash3: diffusers' ``flash_4_hub`` backend, fetched by ``kernels``
+    (0.12.3+), for sm100 parts; flash3 stays Hopper's."""
+    from diffusers.models.attention_dispatch import _HUB_KERNELS_REGISTRY, AttentionBackendName
+
+    from engine.runtime.attention import DIFFUSERS_BACKENDS
+
+    assert AttentionBackendName(DIFFUSERS_BACKENDS["flash4"]) in _HUB_KERNELS_REGISTRY
+    b200 = preset("b200").replace(attention_packages=("kernels",))
+    assert plan("flux", b200, speed="default").value("attention_backend") == "flash4"
+    assert plan("flux", preset("h100").replace(attention_packages=("kernels",)), speed="default").value(
+        "attention_backend"
+    ) == "flash3"
+    missing = plan("flux", "b200", attention="flash4")
+    assert missing.value("attention_backend") == "flash4" and missing.attention_install == "kernels>=0.12.3"
+    hopper = plan("flux", "h100", attention="flash4")["attention_backend"]
+    assert hopper.value == "native" and "needs sm100+" in hopper.reason
+
+
+# -- memory --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("memory", ["auto", "model_offload", "group_offload", "sequential_offload"])
+def test_a_cpu_target_never_offloads(memory: str) -> None:
+    """"A CPU target never offloads (host RAM is where it runs)": every memory request
+    plans resident in RAM."""
+    for family in FAMILIES:
+        assert plan(family, preset("cpu").replace(free_memory_gb=64.0), memory=memory).value("memory_mode") == "resident"
+
+
+def test_unified_memory_compares_weights_and_base_overhead_with_the_budget_not_the_soft_headroom() -> None:
+    """"Its oversize check compares weights + the 2 GiB base overhead with the safe budget
+    and ignores the soft activation headroom": Z-Image (22.8 GB resident) on an M3 Max with
+    50 GB free (budget 50 - 25.6 = 24.4 GB) is resident, though it exceeds 0.85 x 24.4."""
+    mac = preset("apple-m3-max").replace(free_memory_gb=50.0)
+    result = plan("zimage", mac, quant="none")
+    assert result.value("memory_mode") == "resident"
+    assert result.estimate.resident_gb > 0.85 * result.estimate.budget_gb
+    with pytest.raises(PreflightError) as refused:  # beyond the budget itself it is refused
+        plan("zimage", mac.replace(free_memory_gb=45.0), quant="none")
+    assert refused.value.code == "insufficient_memory" and "frees nothing" in refused.value.message
+
+
+def test_unified_memory_fails_open_when_free_memory_is_unknown() -> None:
+    """"... and fails open (no refusal) when free memory is unknown."""
+    unknown = preset("apple-m3-max").replace(free_memory_gb=None, total_memory_gb=16.0)
+    result = plan("qwen_image", unknown, quant="none")
+    assert result.value("memory_mode") == "resident" and "free memory unknown" in result["memory_mode"].reason
+
+
+def test_the_unified_oversize_check_never_refuses_a_discrete_card_or_a_plain_cpu_that_fits_ram_and_swap() -> None:
+    """"It never refuses a discrete-VRAM or plain-CPU machine": Qwen-Image on a 4090 plans
+    offload; on a CPU it is resident while RAM + free swap hold it (kept difference:
+    beyond both it is refused, README)."""
+    assert plan("qwen_image", "rtx4090", quant="none").value("memory_mode") == "group_offload"
+    cpu = preset("cpu").replace(free_memory_gb=40.0, total_memory_gb=48.0, swap_free_gb=32.0)
+    assert plan("qwen_image", cpu).value("memory_mode") == "resident"
+
+
+def test_an_explicit_resident_that_does_not_fit_falls_to_the_next_tier_and_strict_refuses_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """"An explicit fast/resident request that does not fit falls to the next tier rather
+    than failing"; the record keeps ``requested`` and says ``fell back``, so the
+    terminal's ``--strict`` refuses it before anything loads."""
+    from engine.cli import main
+
+    fell = plan("flux", "rtx4090", quant="none", memory="resident")["memory_mode"].to_dict()
+    assert (fell["requested"], fell["value"], fell["status"]) == ("resident", "group_offload", "fell back")
+    assert main(["plan", "--family", "flux", "--hardware", "rtx4090", "--quant", "none", "--memory", "resident",
+                 "--strict"]) == 2
+    assert "overridden" in capsys.readouterr().err
+
+
+# -- quantisation --------------------------------------------------------------------------
+
+
+def test_qwen_image_auto_takes_fp8_first_where_torchao_floors_activation_scales() -> None:
+    """"With the fp8 activation floor, `auto` takes fp8 first on a card where every scheme
+    is usable (B200), skipping mxfp8 and nvfp4; with fp8 unusable the deny still skips
+    mxfp8/nvfp4 and int8 is picked. Training keeps fp8 denied." The reason names the floor."""
+    b200 = preset("b200").replace(free_memory_gb=60.0)  # the dense 40.9 GB transformer does not fit resident
+    chosen = plan("qwen_image", b200)["transformer_quant"]
+    assert chosen.value == "fp8" and "fp8_activation_floor" in chosen.reason and "safe" in chosen.reason
+    without = plan("qwen_image", b200.replace(fp8_activation_floor=False, free_memory_gb=65.0))["transformer_quant"]
+    assert without.value == "int8"
+    assert "mxfp8" in without.reason and "nvfp4" not in quant_ladder(b200)
+    spec = REGISTRY.family("qwen_image")
+    refused = training_precision_preflight_error(REGISTRY, spec, preset("b200"), "fp8")
+    assert refused is not None and refused.code == "quant_denied"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["NVIDIA RTX PRO 6000 Blackwell Server Edition", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
+     "NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition"],
+)
+def test_professional_blackwell_is_datacenter_class_and_prefers_fp8(name: str) -> None:
+    """"Professional Blackwell (RTX PRO 6000 ... incl. Server Edition) is datacenter-class
+    and prefers fp8."""
+    assert probe_module.gpu_class(name) == "datacenter" and not probe_module.consumer_class(name)
+    card = preset("rtx5090").replace(device_name=name, gpu_class="datacenter", consumer=False)
+    assert quant_ladder(card)[0] == "fp8"
+
+
+def test_no_datacenter_card_is_classified_consumer() -> None:
+    """"No datacenter card is classified consumer": every datacenter preset, and every
+    name the class table knows as datacenter, keeps fp32 accumulation and fp8 first."""
+    for hardware in PRESETS.values():
+        if hardware.gpu_class == "datacenter":
+            assert not hardware.consumer, hardware.name
+            assert probe_module.gpu_class(hardware.device_name) == "datacenter"
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA B200", "NVIDIA GH200 480GB", "NVIDIA L40S", "Tesla T4"):
+        assert not probe_module.consumer_class(name)
+
+
+def test_optional_kernel_installs_are_wheel_only_no_deps_with_the_floor_and_the_cuda_matched_xformers() -> None:
+    """"Optional attention kernels are installed wheel-only with `--no-deps`; sage carries
+    the dispatcher's version floor; xformers comes as the wheel matched to the installed
+    torch and CUDA."""
+    from engine.runtime.attention import pip_command
+
+    card = preset("rtx4090").replace(torch_version="2.8.0+cu128")
+    assert install_requirement("sage", card)[0] == "sageattention>=1.0.6 --no-deps"
+    xformers = install_requirement("xformers", card)[0]
+    assert xformers == "xformers==0.0.32.post2 --index-url https://download.pytorch.org/whl/cu128 --no-deps"
+    assert "--only-binary=:all:" in pip_command(str(xformers))
+    cpu_torch = install_requirement("xformers", card.replace(torch_version="2.8.0+cpu"))[0]
+    assert cpu_torch == "xformers==0.0.32.post2 --no-deps"  # no CUDA index for a CPU build
+
+
+# -- training gates ------------------------------------------------------------------------
+
+
+def test_a_broken_torchao_gates_only_int8_training() -> None:
+    """"A broken torchao gates only int8 (nf4 and auto pass, and SDXL ignores the setting)."""
+    broken = preset("h100").replace(torchao_functional=False)
+    flux = REGISTRY.family("flux")
+    codes = {mode: training_precision_preflight_error(REGISTRY, flux, broken, mode) for mode in ("int8", "nf4", "auto", "bf16")}
+    assert codes["int8"] is not None and codes["int8"].code == "torchao_unavailable"
+    assert codes["nf4"] is None and codes["auto"] is None and codes["bf16"] is None
+    assert training_precision_preflight_error(REGISTRY, REGISTRY.family("sdxl"), broken, "int8") is None
+
+
+def test_a_non_cuda_accelerator_trains_on_itself_and_its_runs_plan_there() -> None:
+    """Any accelerator clears the gate: on MPS a DiT run with ``auto`` holds its base in
+    nf4 and the plan's device is ``mps``; a dense mode is refused naming nf4."""
+    from engine.policy.training import training_device
+
+    mac = preset("apple-m3-max")
+    assert training_device(mac) == "mps" and training_device(mac, four_bit_base=False) == "cpu"
+    refused = training_precision_preflight_error(REGISTRY, REGISTRY.family("flux"), mac, "bf16")
+    assert refused is not None and refused.code == "needs_cuda" and "nf4" in refused.message
+
+
+# -- the resolved record -------------------------------------------------------------------
+
+
+def _records(result: Plan) -> dict[str, dict[str, object]]:
+    return {name: result[name].to_dict() for name in CONTROLS}
+
+
+def test_the_record_keeps_requested_reports_an_honoured_off_as_engaged_and_auto_never_as_a_fallback() -> None:
+    """The resolved record: ``requested`` kept beside the engaged value, an honoured
+    ``off`` request reported as applied (``engaged``), ``auto`` never reported as a
+    fallback, across every family and several machines and requests."""
+    requests = [{}, {"speed": "default"}, {"step_cache": "off", "compile": "off", "speed": "default"},
+                {"quant": "fp8", "attention": "sage"}, {"memory": "resident", "quant": "none"}]
+    for family in FAMILIES:
+        for hw in ("rtx4090", "h100", "a100-80g", "t4", "cpu", "apple-m3-max"):
+            for request in requests:
+                try:
+                    result = plan(family, hw, **request)
+                except PreflightError:
+                    continue
+                for name, record in _records(result).items():
+                    asked = record["requested"]
+                    if asked == "auto":
+                        assert record["status"] in ("engaged", "not applicable"), (family, hw, name, record)
+                    if asked == "off" and record["value"] in ("off", False):
+                        assert record["status"] == "engaged", (family, hw, name, record)
+                    if name in request:
+                        assert asked == request[name], (family, hw, name, record)
+    off = plan("flux", "h100", step_cache="off", speed="default")["step_cache"].to_dict()
+    assert (off["requested"], off["value"], off["status"], off["overridden"]) == ("off", "off", "engaged", False)
+    assert json.dumps(_records(plan("flux", "rtx4090")))  # the record serialises as the API returns it
