@@ -72,6 +72,9 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("unknown_checkpoint", 404, "The family has no checkpoint of this name."),
     ErrorCode("unknown_hook", 404, "No hook of the plugin contract has this name (`families --hook`)."),
     ErrorCode("unknown_preset", 404, "No hardware preset has this name (the message lists them)."),
+    ErrorCode("gated_repo", 403, "The hub repo is gated: request access on its page (accept the licence), then "
+              "add a token this machine uses."),
+    ErrorCode("repo_not_found", 404, "The hub has no such repo, or it is private and no token with access is set."),
     ErrorCode("model_not_found", 404, "The model path does not exist, and it is neither a hub repo id nor a "
               "checkpoint name."),
     ErrorCode("dataset_not_found", 404, "The dataset folder does not exist."),
@@ -123,6 +126,11 @@ _ROWS: tuple[ErrorCode, ...] = (
     # -- datasets and LoRAs ---------------------------------------------------------------
     ErrorCode("bad_dataset", 400, "A dataset image cannot be decoded, or a caption cannot be read."),
     ErrorCode("empty_dataset", 400, "The dataset folder holds no images."),
+    ErrorCode("dataset_in_use", 409, "A training run (here, or in another process sharing the runs folder) is "
+              "using this dataset; change it when the run has finished."),
+    ErrorCode("image_exists", 409, "A dataset already has an image of this name (or the upload names one twice); "
+              "delete it first or rename the upload."),
+    ErrorCode("image_not_found", 404, "No image of this name in the dataset."),
     ErrorCode("small_images", 400, "`--strict`: images under half the training resolution."),
     ErrorCode("lora_unreadable", 400, "A LoRA file's header cannot be read (truncated, not safetensors)."),
     ErrorCode("lora_not_finite", 400, "A LoRA file holds NaN or infinite weights."),

@@ -33,16 +33,18 @@ from engine.preflight.lora import plan_input as lora_plan_input
 from engine.preflight.model import hub_access_error, resolve_model
 from engine.requests.bodies import GenerateBody
 from engine.training.records import default_runs_dir
+from engine.requests import default_datasets_dir
 from engine.requests.machine import MachineRequest
 from engine.residency import Residency, Resident
 from engine.service_catalog import CatalogQuestions
+from engine.service_datasets import DatasetJobs
 from engine.service_training import TRAINER, TrainingJobs
 
 PIPELINE = "engine.pipeline"
 __all__ = ["Busy", "Cancelled", "Engine", "PIPELINE", "TRAINER"]
 
 
-class Engine(CatalogQuestions, TrainingJobs):
+class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
     """One engine per process. Thread-safe: jobs are reserved under a lock."""
 
     def __init__(
@@ -53,18 +55,24 @@ class Engine(CatalogQuestions, TrainingJobs):
         runs_dir: Path | str | None = None,
         residency: Residency | None = None,
         allow_download: bool = True,
+        dataset_roots: Sequence[Path | str] | None = None,
     ) -> None:
         """``allow_download``: whether a hub model missing from the local cache may
         be downloaded (many GB); False refuses it with ``download_not_allowed``
         before anything is evicted. The CLI passes the user's ``--allow-download``,
         the server its ``--allow-hub``. ``runs_dir``: where training runs are kept
-        (default: $DIFFUSION_ENGINE_HOME/runs, else the per-user data folder)."""
+        (default: $DIFFUSION_ENGINE_HOME/runs, else the per-user data folder).
+        ``dataset_roots``: where the dataset methods look (default: the
+        ``datasets`` folder beside the runs folder)."""
         self.allow_download = allow_download
         self.registry = registry or load_registry()
         # Engines of one process share the GPU: their arbiters hand it over (engine.residency).
         self.residency = residency or Residency(busy=lambda: self._job)
         #: One runs folder for every face: the CLI's ``--runs-dir`` and the server's ``--outputs`` default here.
         self.runs_dir = Path(runs_dir) if runs_dir is not None else default_runs_dir()
+        self.dataset_roots = tuple(Path(r) for r in dataset_roots) if dataset_roots is not None else (
+            default_datasets_dir(),
+        )
         self._hardware = hardware
         self._machines: dict[bool | None, HardwareProfile] = {}
         self._lock = threading.Lock()

@@ -59,10 +59,15 @@ def test_one_runs_folder_a_run_resumes_from_another_folder_and_every_face_sees_i
 
     # Resumed from another folder: the recorded base, dataset and checkpoint are found again
     # and the run continues to its new step count.
-    resumed = cli("train", "--resume", record["run_id"], "--steps", "2", cwd=other_folder)
-    assert resumed["run_id"] == record["run_id"] and resumed["status"] == "completed"  # type: ignore[index]
-    assert resumed["step"] == 2  # type: ignore[index]
+    # (In words this time: a run that reached its last step says so on its last line.)
+    monkeypatch.chdir(other_folder)
+    capsys.readouterr()
+    assert main(["train", "--resume", record["run_id"], "--steps", "2"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("Training complete: 2 steps; the LoRA is ") and last.endswith(".safetensors"), last
     listed = cli("runs", cwd=other_folder)
+    resumed = next(r for r in listed if r["run_id"] == record["run_id"])  # type: ignore[union-attr]
+    assert resumed["status"] == "completed" and resumed["step"] == 2
     assert [r["run_id"] for r in listed] == [record["run_id"]]  # type: ignore[attr-defined]
 
     # `serve` with no --outputs: the same folder, listed as runs and as LoRAs.

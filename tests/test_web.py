@@ -120,7 +120,7 @@ def only_refusals(errors: list[str], *statuses: int) -> bool:
 def test_the_page_is_public_and_every_api_call_needs_the_token(site: Site) -> None:
     page = httpx.get(f"{site.url}/")
     assert page.status_code == 200 and 'content="yes"' in page.text  # the page knows to ask for the token
-    for asset in ("core.js", "generate.js", "train.js", "app.js", "app.css"):
+    for asset in ("core.js", "generate.js", "datasets.js", "train.js", "app.js", "app.css"):
         assert httpx.get(f"{site.url}/static/{asset}").status_code == 200
     for path in ("/v1/families", "/v1/roots", "/v1/training/runs", "/static/../v1/families", "/static%2F..%2Fv1/families",
                  "/staticx", "/index.html"):
@@ -207,6 +207,49 @@ def test_generate_an_image_from_the_page(site: Site, open_page: Callable[..., Wa
     site.engine.unload()
 
 
+def test_the_dataset_manager_uploads_captions_and_deletes_from_the_page(
+    site: Site, open_page: Callable[..., Watched], tmp_path: Path
+) -> None:
+    """The Datasets page over /v1/datasets: a new dataset made by its first upload, thumbnails,
+    a caption saved where the trainer reads it, a delete, and a second upload of a name that
+    is there refused (409 image_exists) with its code shown."""
+    from PIL import Image
+
+    from engine.preflight.dataset import discover_dataset
+
+    for name, colour in (("a.png", "red"), ("b.png", "blue")):
+        Image.new("RGB", (48, 40), colour).save(tmp_path / name)
+    watched = open_page()
+    page = signed_in(site, watched)
+    tab(page, "datasets")
+    page.wait_for_selector("#ds-list button[data-dataset=shapes]")  # type: ignore[attr-defined]
+    assert "2 images, 2 captioned" in page.inner_text("#ds-list")  # type: ignore[attr-defined]
+    page.fill("#ds-new-name", "mine")  # type: ignore[attr-defined]
+    page.click("#ds-new button[type=submit]")  # type: ignore[attr-defined]
+    page.set_input_files("#ds-files", [str(tmp_path / "a.png"), str(tmp_path / "b.png")])  # type: ignore[attr-defined]
+    page.click("#ds-upload button[type=submit]")  # type: ignore[attr-defined]
+    page.wait_for_selector('#ds-images figure[data-image="b.png"]')  # type: ignore[attr-defined]
+    page.wait_for_function("[...document.querySelectorAll('#ds-images img')].every(i => i.naturalWidth > 0)")  # type: ignore[attr-defined]
+    assert page.eval_on_selector('#ds-images figure[data-image="a.png"] img', "i => i.naturalWidth") == 48  # type: ignore[attr-defined]
+    card = '#ds-images figure[data-image="a.png"]'
+    page.fill(f"{card} textarea", "a red square, pixel art")  # type: ignore[attr-defined]
+    page.click(f"{card} button:has-text('Save caption')")  # type: ignore[attr-defined]
+    page.wait_for_selector(f"{card} div:has-text('saved to a.txt')")  # type: ignore[attr-defined]
+    folder = site.roots / "datasets" / "mine"
+    assert {i.relative: i.caption for i in discover_dataset(folder).items} == {
+        "a.png": "a red square, pixel art", "b.png": ""}
+    page.once("dialog", lambda dialog: dialog.accept())  # type: ignore[attr-defined]
+    page.click('#ds-images figure[data-image="b.png"] button:has-text("Delete")')  # type: ignore[attr-defined]
+    page.wait_for_selector('#ds-images figure[data-image="b.png"]', state="detached")  # type: ignore[attr-defined]
+    assert sorted(p.name for p in folder.iterdir()) == ["a.png", "a.txt"]
+    page.set_input_files("#ds-files", [str(tmp_path / "a.png")])  # type: ignore[attr-defined]
+    page.click("#ds-upload button[type=submit]")  # type: ignore[attr-defined]
+    page.wait_for_selector("#datasets .error:not([hidden])")  # type: ignore[attr-defined]
+    assert "image_exists" in page.inner_text("#datasets .error")  # type: ignore[attr-defined]
+    page.screenshot(path=str(site.shots / "datasets.png"), full_page=True)  # type: ignore[attr-defined]
+    assert only_refusals(watched.errors, 409) and len(watched.errors) == 1
+
+
 def choose_dataset(page: object, name: str, *, images: int) -> None:
     """The Train tab, with the dataset root's ``name`` picked once the listing has it."""
     tab(page, "train")
@@ -254,6 +297,13 @@ def test_train_watch_the_charts_stop_and_get_the_lora(site: Site, open_page: Cal
     page.wait_for_selector("#generate .error:not([hidden]) div")  # type: ignore[attr-defined]
     busy = page.inner_text("#generate .error")  # type: ignore[attr-defined]
     assert "busy" in busy and "held by: training" in busy
+    # The dataset it trains on refuses changes while it runs (409 dataset_in_use), on the page too.
+    tab(page, "datasets")
+    page.click("#ds-list button[data-dataset=shapes]")  # type: ignore[attr-defined]
+    page.wait_for_selector("#ds-state:has-text('is training on it')")  # type: ignore[attr-defined]
+    page.click('#ds-images figure[data-image="image_000.png"] button:has-text("Save caption")')  # type: ignore[attr-defined]
+    page.wait_for_selector("#datasets .error:not([hidden])")  # type: ignore[attr-defined]
+    assert "dataset_in_use" in page.inner_text("#datasets .error")  # type: ignore[attr-defined]
     tab(page, "run")
     # The chart gains points as the run goes on.
     page.wait_for_function(f"document.querySelector('.chart[data-metric=loss]')?.dataset.points > {seen}")  # type: ignore[attr-defined]
@@ -281,15 +331,33 @@ def test_train_watch_the_charts_stop_and_get_the_lora(site: Site, open_page: Cal
         assert response.status_code == 404 and response.json()["error"]["code"] == "unknown_run_file", escape
     assert httpx.get(f"{site.url}/v1/training/runs/nope/files", headers=auth).json()["error"]["code"] == "unknown_run"
     assert httpx.get(f"{files}/run.json").status_code == 401
-    assert only_refusals(watched.errors, 409) and len(watched.errors) == 1  # the busy load, nothing else
+    assert only_refusals(watched.errors, 409) and len(watched.errors) == 2  # the busy load and the dataset in use
     assert "v1/training/events?token=" + TOKEN in watched.requests  # the run was followed over its event stream
+
+
+def test_a_run_that_finishes_says_training_complete(site: Site, open_page: Callable[..., Watched]) -> None:
+    """A run that reached its last step says "Training complete" in the success colour (the
+    earlier system's finished-run marker), not a bare status word."""
+    watched = open_page()
+    page = signed_in(site, watched)
+    choose_dataset(page, "shapes", images=2)
+    for field, value in (("steps", "1"), ("resolution", "64"), ("rank", "2")):
+        page.fill(f"#train-{field}", value)  # type: ignore[attr-defined]
+    page.select_option("#train-device", "cpu")  # type: ignore[attr-defined]
+    page.click("#train-start")  # type: ignore[attr-defined]
+    page.wait_for_selector("#run-facts[data-status=completed]")  # type: ignore[attr-defined]
+    page.wait_for_selector("#run-outcome:not([hidden])")  # type: ignore[attr-defined]
+    assert page.inner_text("#run-outcome") == "\u2714 Training complete"  # type: ignore[attr-defined]
+    colour = page.eval_on_selector("#run-outcome", "e => getComputedStyle(e).color")  # type: ignore[attr-defined]
+    assert colour == "rgb(29, 122, 62)"  # --ok, the success colour
+    assert watched.errors == []
 
 
 def test_every_page_at_desktop_and_phone_width(site: Site, open_page: Callable[..., Watched]) -> None:
     for name, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
         watched = open_page(viewport)
         page = signed_in(site, watched)
-        for page_name in ("machine", "generate", "train", "run"):
+        for page_name in ("machine", "generate", "datasets", "train", "run"):
             tab(page, page_name)
             page.wait_for_load_state("networkidle")  # type: ignore[attr-defined]
             assert page.is_visible(f"#{page_name}")  # type: ignore[attr-defined]
@@ -298,4 +366,4 @@ def test_every_page_at_desktop_and_phone_width(site: Site, open_page: Callable[.
             assert overflow <= 0, (name, page_name, overflow)
             page.screenshot(path=str(site.shots / f"{name}-{page_name}.png"), full_page=True)  # type: ignore[attr-defined]
         assert watched.errors == [], name
-    assert len(list(site.shots.glob("phone-*.png"))) == 4
+    assert len(list(site.shots.glob("phone-*.png"))) == 5

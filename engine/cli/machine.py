@@ -106,14 +106,15 @@ def serve_settings(args: argparse.Namespace) -> Any:
     and before any port opens: an empty token, an unset "$TOKEN", is refused here)."""
     import os
 
-    from engine.requests import default_runs_dir
+    from engine.requests import default_datasets_dir, default_runs_dir
     from engine.server.settings import ServerSettings
 
     # One runs folder: `train` and `runs` use it too, unless --outputs says otherwise.
     outputs = Path(args.outputs) if args.outputs is not None else default_runs_dir()
     return ServerSettings(
         model_roots=tuple(Path(p) for p in args.models),
-        dataset_roots=tuple(Path(p) for p in args.datasets),
+        # The per-user datasets folder unless --datasets names others (the page's dataset manager writes there).
+        dataset_roots=tuple(Path(p) for p in args.datasets) or (default_datasets_dir(),),
         # The runs folder is a LoRA root too: a run trained here is listed and usable at once.
         lora_roots=(*(Path(p) for p in args.loras), outputs),
         input_roots=tuple(Path(p) for p in args.inputs),
@@ -122,6 +123,7 @@ def serve_settings(args: argparse.Namespace) -> Any:
         allow_hub=args.allow_hub,
         insecure_no_token=args.insecure_no_token,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
         queue_size=args.queue_size,
         bind_host=args.host,
         extra_hosts=tuple(args.allow_host),

@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-body-mb", type=float, default=1.0, metavar="MB",
                        help="refuse request bodies larger than this with 413")
+    serve.add_argument("--max-upload-mb", type=float, default=64.0, metavar="MB",
+                       help="the cap on one dataset upload (the page's dataset manager); larger is refused with 413")
     serve.add_argument("--queue-size", type=int, default=128, metavar="N",
                        help="generate jobs that may wait behind the running one; one more is refused "
                             "with 429 and Retry-After")

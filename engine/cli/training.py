@@ -204,6 +204,8 @@ def _run_training(engine, config, as_json: bool, resume: str | None = None) -> i
         print(f"  record: {record.path}")
         if record.error:
             print(f"error[{record.error['code']}]: {record.error['message']}", file=sys.stderr)
+        elif record.status == "completed":
+            print(f"Training complete: {record.steps} steps; the LoRA is {record.outputs.get('lora', record.folder)}")
     return 0 if record.status in ("completed", "stopped") else 1
 
 

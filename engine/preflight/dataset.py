@@ -119,7 +119,7 @@ def discover_dataset(
     root = Path(root).expanduser()
     if not root.is_dir():
         raise DatasetError(f"dataset folder {root} does not exist or is not a folder", code="dataset_not_found")
-    files, skipped, outside = _confined_files(root)
+    files, skipped, outside = confined_files(root)
     if outside:
         raise DatasetError(
             f"{len(outside)} file(s) in {root} are symlinks that lead outside the dataset folder; "
@@ -127,7 +127,7 @@ def discover_dataset(
             outside,
             code="path_outside_root",
         )
-    captions = _metadata_captions(root)
+    captions = metadata_captions(root)
     items: list[DatasetItem] = []
     problems: list[tuple[str, str]] = []
     uncaptioned: list[str] = []
@@ -139,14 +139,14 @@ def discover_dataset(
             if suffix not in CAPTION_EXTENSIONS and path.name != METADATA:
                 skipped.append((relative, f"not an image ({suffix or 'no extension'})"))
             continue
-        problem, size = _decode(path, max_pixels)
+        problem, size = decode_image(path, max_pixels)
         if problem:
             problems.append((relative, problem))
             continue
         hashes.setdefault(_content_hash(path), []).append(relative)
         caption = captions.get(relative)
         if caption is None:
-            caption = _sidecar_caption(path)
+            caption = sidecar_caption(path)
         if not caption:
             uncaptioned.append(relative)
             caption = ""
@@ -205,7 +205,7 @@ def _names(names: list[str] | tuple[str, ...], limit: int = 10) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _confined_files(root: Path) -> tuple[list[Path], list[tuple[str, str]], list[tuple[str, str]]]:
+def confined_files(root: Path) -> tuple[list[Path], list[tuple[str, str]], list[tuple[str, str]]]:
     """Regular files under ``root`` whose real path is inside ``root``'s, sorted;
     (relative, why) for entries skipped; (relative, why) for entries leading out.
 
@@ -235,7 +235,7 @@ def _confined_files(root: Path) -> tuple[list[Path], list[tuple[str, str]], list
     return sorted(files), skipped, outside
 
 
-def _decode(path: Path, max_pixels: int) -> tuple[str | None, tuple[int, int]]:
+def decode_image(path: Path, max_pixels: int) -> tuple[str | None, tuple[int, int]]:
     if path.stat().st_size == 0:
         return "empty file (0 bytes)", (0, 0)
     try:
@@ -259,7 +259,7 @@ def _decode(path: Path, max_pixels: int) -> tuple[str | None, tuple[int, int]]:
         return f"cannot be decoded ({exc})", (0, 0)
 
 
-def _metadata_captions(root: Path) -> dict[str, str]:
+def metadata_captions(root: Path) -> dict[str, str]:
     path = root / METADATA
     if not path.is_file():
         return {}
@@ -284,7 +284,7 @@ def _metadata_captions(root: Path) -> dict[str, str]:
     return captions
 
 
-def _sidecar_caption(image: Path) -> str | None:
+def sidecar_caption(image: Path) -> str | None:
     for extension in CAPTION_EXTENSIONS:
         sidecar = image.with_suffix(extension)
         if sidecar.is_file():

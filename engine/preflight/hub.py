@@ -57,8 +57,10 @@ def hub_access_error(source: ModelSource, *, allow_download: bool = True) -> Pre
     offline (``hub_offline``), and when downloading was not allowed
     (``download_not_allowed``: a download is many GB, so an app or a terminal
     user says yes to it once, with ``Engine(allow_download=True)``, the CLI's
-    ``--allow-download`` or the server's ``--allow-hub``). Reads the cache
-    only; never reaches the network.
+    ``--allow-download`` or the server's ``--allow-hub``). Where a download is
+    allowed and about to happen, the hub is asked whether this machine may
+    have the repo (:func:`hub_gate_error`): a gated one is named with its
+    licence page before anything is evicted or downloaded.
     """
     repo = hub_repo(source)
     if repo is None or in_hub_cache(repo):
@@ -78,6 +80,40 @@ def hub_access_error(source: ModelSource, *, allow_download: bool = True) -> Pre
             f"or {fix}",
             code="download_not_allowed",
         )
+    return hub_gate_error(repo)
+
+
+def hub_gate_error(repo: str) -> PreflightError | None:
+    """Whether the hub lets this machine download ``repo`` (its ``auth-check``), as a refusal.
+
+    A gated repo (the hub answers 401/403 with ``X-Error-Code: GatedRepo``) is
+    named with its page, where its licence is accepted: ``gated_repo``. A repo
+    the hub does not know, or hides without a token: ``repo_not_found``. Any
+    other failure (a network error, an old hub mirror) is left to the
+    download itself, which says why it failed.
+    """
+    try:
+        from huggingface_hub import auth_check, constants
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    except ImportError:
+        return None
+    page = f"{constants.ENDPOINT.rstrip('/')}/{repo}"
+    try:
+        auth_check(repo)
+    except GatedRepoError:
+        return PreflightError(
+            f"{repo} is gated on the hub: request access at {page} (accept its licence there), then add a "
+            "token this machine uses (`huggingface-cli login`, or HF_TOKEN=...) and start again",
+            code="gated_repo",
+        )
+    except RepositoryNotFoundError:
+        return PreflightError(
+            f"the hub has no repo {repo} that this machine may see ({page}): check the name, or, if it is "
+            "private, add a token with access (`huggingface-cli login`, or HF_TOKEN=...)",
+            code="repo_not_found",
+        )
+    except Exception:  # noqa: BLE001 - the download reports its own failure
+        return None
     return None
 
 

@@ -79,8 +79,14 @@ def default_runs_dir() -> Path:
     return runs_dir()
 
 
+def default_datasets_dir() -> Path:
+    """Where datasets live by default: ``datasets`` beside the runs folder
+    (``$DIFFUSION_ENGINE_HOME/datasets``, else the per-user data folder)."""
+    return default_runs_dir().parent / "datasets"
+
+
 __all__ = [
-    "ALLOW_DOWNLOAD_ENV", "ALL_CONTROLS", "IMAGE_EXTENSIONS", "RUN_ADAPTER_FILES", "is_hub_id", "looks_like_path", "Body", "Control", "Count", "FIELD_FLAGS", "GENERATE_CONTROLS",
+    "ALLOW_DOWNLOAD_ENV", "default_datasets_dir", "ALL_CONTROLS", "IMAGE_EXTENSIONS", "RUN_ADAPTER_FILES", "is_hub_id", "looks_like_path", "Body", "Control", "Count", "FIELD_FLAGS", "GENERATE_CONTROLS",
     "GenerateBody", "Guidance", "InvalidConfig", "LoadBody", "LoraBody", "Loras", "LossWeighting",
     "MAX_COUNT", "MAX_LORAS", "MAX_PLAN_STEPS", "MAX_SEED", "MAX_SIDE", "MAX_STEPS", "MIN_SIDE",
     "MODEL_CONTROLS", "MachineRequest", "Name", "Optimizer", "PLAN_CONTROLS", "PLAN_FIELDS", "PLAN_KEY_FLAGS",

@@ -45,6 +45,7 @@ from engine.server import responses
 from engine.requests import GenerateBody, LoadBody, LoraBody, PlanBody
 from engine.server.bodies import OpenAIImagesBody, StopBody, TrainingStartBody
 from engine.server.browse import browse_router
+from engine.server.dataset_routes import UPLOAD_PATHS, datasets_router
 from engine.server.edits import read_edit_form
 from engine.server.guard import Guard
 from engine.server.job_routes import EVENT_PATHS, jobs_router, queue_full, run_job
@@ -56,8 +57,8 @@ from engine import Engine
 
 __all__ = ["ServerSettings", "create_app"]
 
-#: The routes whose POST takes a multipart upload (OpenAI's edits).
-FORM_PATHS = re.compile(r"/v1/images/edits")
+#: The routes whose POST takes a multipart upload (OpenAI's edits, dataset images).
+FORM_PATHS = re.compile(rf"/v1/images/edits|{UPLOAD_PATHS.pattern}")
 
 class ErrorBody(BaseModel):
     code: str
@@ -87,6 +88,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         Guard, token=settings.token, max_body_bytes=settings.max_body_bytes, public_paths=public,  # type: ignore[arg-type]
         public_prefixes=PUBLIC_PREFIXES, query_token_paths=EVENT_PATHS,
         allowed_hosts=allowed_hosts(settings), form_paths=FORM_PATHS,
+        upload_paths=UPLOAD_PATHS, max_upload_bytes=settings.max_upload_bytes,
     )
     queue = JobQueue(engine, size=settings.queue_size)
     api = APIRouter(prefix="/v1")
@@ -238,6 +240,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     app.include_router(api)
     app.include_router(jobs_router(queue, engine, prepare))
     app.include_router(browse_router(engine, settings))
+    app.include_router(datasets_router(engine, settings))
     add_pages(app, token_required=settings.token is not None)
     return app
 

@@ -74,6 +74,7 @@ class Guard:
         self, app: ASGIApp, *, token: str | None, max_body_bytes: int, public_paths: Collection[str],
         public_prefixes: tuple[str, ...] = (), query_token_paths: re.Pattern[str] | None = None,
         allowed_hosts: Collection[str] | None = None, form_paths: re.Pattern[str] | None = None,
+        upload_paths: re.Pattern[str] | None = None, max_upload_bytes: int | None = None,
     ) -> None:
         self.app = app
         self.token = token.encode("utf-8") if token is not None else None
@@ -87,6 +88,9 @@ class Guard:
         self.allowed_hosts = frozenset(h.lower() for h in allowed_hosts) if allowed_hosts is not None else None
         #: Paths whose POST takes a multipart upload.
         self.form_paths = form_paths
+        #: Paths whose POST is a file upload, capped at ``max_upload_bytes`` instead (dataset images).
+        self.upload_paths = upload_paths
+        self.max_upload_bytes = max_upload_bytes or max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -96,7 +100,7 @@ class Guard:
         headers = {name.lower(): value for name, value in raw}
         query_token = self._take_query_token(scope)
         refusal = (self._duplicate(raw) or self._foreign(scope, headers) or self._unauthorised(scope, headers, query_token)
-                   or self._too_large(headers))
+                   or self._too_large(headers, self._limit(scope)))
         if refusal is not None:
             await _answer(send, *refusal)
             return
@@ -168,14 +172,20 @@ class Guard:
                 "'Authorization: Bearer <token>' with the token the server was started with",
                 [(b"www-authenticate", b"Bearer")])
 
-    def _too_large(self, headers: dict[bytes, bytes]) -> Refusal | None:
+    def _limit(self, scope: Scope) -> int:
+        """The body cap of this request: the upload cap on an upload route's POST."""
+        upload = (self.upload_paths is not None and scope.get("method") == "POST"
+                  and self.upload_paths.fullmatch(str(scope.get("path", ""))))
+        return self.max_upload_bytes if upload else self.max_body_bytes
+
+    def _too_large(self, headers: dict[bytes, bytes], limit: int) -> Refusal | None:
         declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
                 return 400, "bad_request", "the Content-Length header is not a number", []
-            if int(declared) > self.max_body_bytes:
+            if int(declared) > limit:
                 return (413, "body_too_large", f"the request body ({int(declared)} bytes) is larger than "
-                        f"this server accepts ({self.max_body_bytes} bytes)", [])
+                        f"this server accepts ({limit} bytes)", [])
         return None
 
     def _public(self, path: str) -> bool:
@@ -201,14 +211,15 @@ class Guard:
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         received = 0
         started = False
+        limit = self._limit(scope)
 
         async def counting_receive() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise BodyTooLarge(self.max_body_bytes)
+                if received > limit:
+                    raise BodyTooLarge(limit)
             return message
 
         async def tracking_send(message: Message) -> None:

@@ -18,6 +18,8 @@ from engine.errors import EngineError
 #: under 64 KiB, so 1 MiB leaves ample room and bounds what a client can
 #: make the server hold.
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+#: Default cap on one dataset upload (a few photos from a phone at once).
+DEFAULT_MAX_UPLOAD_BYTES = 64 * 1024 * 1024
 #: Default bound on waiting generate jobs: 128 lets a burst of 32 clients with
 #: 4 requests each queue whole, and bounds what clients can make the server hold.
 DEFAULT_QUEUE_SIZE = 128
@@ -47,6 +49,8 @@ class ServerSettings:
     insecure_no_token: bool = False
     #: Requests whose body is larger are refused with 413 before it is held.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: The cap on a dataset upload's body (``serve --max-upload-mb``).
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     #: Generate jobs that may wait behind the running one (``serve --queue-size``);
     #: one more is refused with 429 and ``Retry-After``.
     queue_size: int = DEFAULT_QUEUE_SIZE

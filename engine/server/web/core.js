@@ -1,11 +1,12 @@
-// diffusion-engine web page, part 1 of 4: the API, the DOM helpers and errors shown with their code.
+// diffusion-engine web page, part 1 of 5: the API, the DOM helpers and errors shown with their code.
 // Plain scripts (no framework, no build step), loaded in order by index.html; they share these globals.
 "use strict";
 
 const TOKEN_KEY = "diffusion-engine-token";
 const POLL_MS = 500;
 const $ = (selector, root = document) => root.querySelector(selector);
-const state = { roots: null, trainInfo: null, run: null, viewing: null, runStream: null, filesFor: null, job: null };
+const state = { roots: null, trainInfo: null, run: null, viewing: null, runStream: null, filesFor: null, job: null,
+  dataset: null };
 
 // -- the API ---------------------------------------------------------------------------------------
 
@@ -17,11 +18,13 @@ async function api(method, path, body) {
   const headers = {};
   const token = sessionStorage.getItem(TOKEN_KEY);
   if (token) headers.Authorization = `Bearer ${token}`;
-  // Every state-changing call is JSON: a tokenless server refuses other content types (cross-site forms).
-  if (body !== undefined || method !== "GET") headers["Content-Type"] = "application/json";
+  // Every state-changing call is JSON, or a multipart upload (FormData: the browser sets its type):
+  // a tokenless server refuses other content types (cross-site forms).
+  const upload = body instanceof FormData;
+  if (!upload && (body !== undefined || method !== "GET")) headers["Content-Type"] = "application/json";
   let response;
   try {
-    response = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+    response = await fetch(path, { method, headers, body: body === undefined || upload ? body : JSON.stringify(body) });
   } catch (error) {
     throw new ApiError(0, "unreachable", `the server did not answer (${error.message}); is it still running?`);
   }
@@ -36,10 +39,17 @@ async function api(method, path, body) {
   return data;
 }
 
+/** A path under a prefix, each part encoded (a run's file, a dataset's image). */
+function encodedPath(prefix, relative) { return `${prefix}/${relative.split("/").map(encodeURIComponent).join("/")}`; }
+
 /** A run's file as an object URL (the route needs the token, so a plain link cannot fetch it). */
 async function fileUrl(runId, relative) {
+  return blobUrl(encodedPath(`/v1/training/runs/${encodeURIComponent(runId)}/files`, relative));
+}
+
+/** What a GET of `path` answers, as an object URL (sent with the token). */
+async function blobUrl(path) {
   const token = sessionStorage.getItem(TOKEN_KEY);
-  const path = `/v1/training/runs/${encodeURIComponent(runId)}/files/${relative.split("/").map(encodeURIComponent).join("/")}`;
   const response = await fetch(path, { headers: token ? { Authorization: `Bearer ${token}` } : {} });
   if (!response.ok) {
     const data = await response.json().catch(() => null);
@@ -90,7 +100,7 @@ async function showError(where, error) {
   const box = $(".error", where) || $("#global-error");
   const code = error instanceof ApiError ? error.code : "page_error";
   box.replaceChildren(el("code", { text: code }), " ", error.message || String(error));
-  if (error instanceof ApiError && error.status === 409) {
+  if (error instanceof ApiError && error.status === 409 && error.code !== "dataset_in_use" && error.code !== "image_exists") {
     try {
       const status = await api("GET", "/v1/images/status");
       const training = await api("GET", "/v1/training/status");
@@ -142,5 +152,5 @@ function showTab(name) {
   document.querySelectorAll("[data-page]").forEach((page) => { page.hidden = page.id !== name; });
   document.querySelectorAll("#tabs button").forEach((b) => b.classList.toggle("active", b.dataset.tab === name));
   history.replaceState(null, "", `#${name}`);
-  ({ machine: loadMachine, generate: loadGenerate, train: loadTrain, run: loadRun })[name]();
+  ({ machine: loadMachine, generate: loadGenerate, datasets: loadDatasets, train: loadTrain, run: loadRun })[name]();
 }

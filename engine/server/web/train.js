@@ -1,4 +1,4 @@
-// diffusion-engine web page, part 3 of 4: the Train and Run pages.
+// diffusion-engine web page, part 3 of 5: the Train and Run pages.
 "use strict";
 
 // -- Train -----------------------------------------------------------------------------------------
@@ -140,11 +140,25 @@ function renderRun(run) {
     ["samples/s", rate], ["ETA", eta], ["peak memory", run.peak_memory_gb === null ? null : `${fmt(run.peak_memory_gb)} GB`],
     ["base", run.base_model], ...(run.error ? [["error", `${run.error.code}: ${run.error.message}`]] : [])]);
   $("#run-facts").dataset.status = run.status;
+  showOutcome(run);
   progress($("#run-progress"), run.step, run.steps || 1, `${run.status}: step ${run.step} of ${run.steps}`);
   $("#run-charts").replaceChildren(...[["loss", "loss"], ["lr", "learning rate"], ["grad_norm", "grad norm (pre-clip)"]]
     .map(([name, title]) => chart(name, title, run.metrics[name] || [])));
   showSamples(run);
   if (finished(run) && state.filesFor !== `${run.run_id}:${run.status}`) showFiles(run);
+}
+
+/** How a finished run ended, in words and colour: "Training complete" in the success colour. */
+function showOutcome(run) {
+  const outcome = $("#run-outcome");
+  const words = {
+    completed: ["\u2714 Training complete", "ok done"],
+    stopped: [`Stopped at step ${run.step} of ${run.steps}; the LoRA is saved`, "muted done"],
+    cancelled: ["Cancelled; no LoRA was kept", "muted done"],
+    failed: ["Training failed", "bad done"],
+  }[run.status];
+  outcome.hidden = !words;
+  if (words) { outcome.textContent = words[0]; outcome.className = words[1]; }
 }
 
 /** A line chart of (step, value) points as inline SVG. */
