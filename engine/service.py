@@ -125,21 +125,6 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
 
     # -- light questions ------------------------------------------------------------
 
-    def check_generate(self, request: GenerateBody) -> None:
-        """Refuse, before anything loads, a generate whose input images are missing,
-        unreadable or beyond the caps (each named by its request field)."""
-        for name in ("image", "mask_image", "control_image"):
-            value = getattr(request, name)
-            if value is not None:
-                self.check_image(value, name)
-
-    def check_image(self, value: str | Path | bytes, field: str) -> tuple[int, int]:
-        """An input image's (width, height) from its header, within the engine's caps;
-        nothing decoded, so a bomb is refused (``invalid_image``, naming ``field``) for nothing."""
-        from engine.preflight.images import image_size
-
-        return image_size(value, field)
-
     def plan(
         self,
         model: str | None = None,
@@ -169,17 +154,6 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
         return plan_inference(
             self.registry, facts, self.hardware(), request, available=self.available_memory()
         )
-
-    def plans(self, request: InferenceRequest = InferenceRequest()) -> dict[str, dict[str, object]]:
-        """Each family's default checkpoint planned for this machine, or the refusal a
-        load would give (``{"error": {"code", "message"}}``): why it cannot run here is an answer too."""
-        answers: dict[str, dict[str, object]] = {}
-        for name in self.registry.families:
-            try:
-                answers[name] = self.plan(family=name, request=request).to_dict()
-            except EngineError as error:
-                answers[name] = {"error": {"code": error.code, "message": error.message}}
-        return answers
 
     # -- images -----------------------------------------------------------------
 

@@ -25,6 +25,35 @@ class CatalogQuestions:
     registry: Any
     hardware: Callable[..., Any]
     available_memory: Callable[..., Any]
+    plan: Callable[..., Any]
+
+    def check_generate(self, request: Any) -> None:
+        """Refuse, before anything loads, a generate whose input images are missing,
+        unreadable or beyond the caps (each named by its request field)."""
+        for name in ("image", "mask_image", "control_image"):
+            value = getattr(request, name)
+            if value is not None:
+                self.check_image(value, name)
+
+    def check_image(self, value: Any, field: str) -> tuple[int, int]:
+        """An input image's (width, height) from its header, within the engine's caps;
+        nothing decoded, so a bomb is refused (``invalid_image``, naming ``field``) for nothing."""
+        from engine.preflight.images import image_size
+
+        return image_size(value, field)
+
+    def plans(self, request: Any = None) -> dict[str, dict[str, object]]:
+        """Each family's default checkpoint planned for this machine, or the refusal a
+        load would give (``{"error": {"code", "message"}}``): why it cannot run here is an answer too."""
+        answers: dict[str, dict[str, object]] = {}
+        for name in self.registry.families:
+            try:
+                answers[name] = (self.plan(family=name, request=request) if request is not None
+                                 else self.plan(family=name)).to_dict()
+            except EngineError as error:
+                answers[name] = {"error": {"code": error.code, "message": error.message}}
+        return answers
+
 
     def families(self) -> list[dict[str, object]]:
         """Every installed family: its names, checkpoints, and the plugin package that brought it."""

@@ -194,7 +194,7 @@ def test_device_site_moves_one_block_quantises_it_then_the_next(
     back = ["move block {} -> cpu"] if not resident else []
     expected: list[str] = []
     for block in ("blocks.0", "blocks.1", "single.0"):
-        expected += [f"move block {block} -> cpu", f"quantise ['0']"]
+        expected += [f"move block {block} -> cpu", "quantise ['0']"]
         expected += [b.format(block) for b in back]
     expected += ["move the layers outside the repeated blocks -> cpu", "quantise ['embed', 'proj_out']"]
     expected += ["move the layers outside the repeated blocks -> cpu"] if not resident else ["move the fp8 model -> cpu"]

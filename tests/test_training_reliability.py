@@ -295,3 +295,32 @@ def test_full_disk_at_start_is_refused_before_eviction(
     assert raised.value.code == "disk_full" and str(tmp_path) in raised.value.message
     assert host.evicted == 0 and engine.residency.owner is None and engine.status()["job"] is None
     assert RunLock(tmp_path).holder() is None
+
+
+def test_a_trainer_that_cannot_read_its_plan_reports_trainer_start_failed() -> None:
+    """The trainer child, started as the runner starts it, handed a plan its interpreter
+    cannot unpickle (a class from a module it does not have, as after a half-done upgrade):
+    it reports ``trainer_start_failed`` with the reason and exits 1, never a NameError."""
+    import pickle
+    import socket
+    from multiprocessing.connection import Connection
+
+    parent_end, child_end = socket.socketpair()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine.training.child", str(child_end.fileno()), str(os.getpid())],
+        pass_fds=(child_end.fileno(),), start_new_session=True, stderr=subprocess.PIPE, text=True,
+    )
+    child_end.close()
+    conn = Connection(os.dup(parent_end.fileno()))
+    parent_end.close()
+    conn.send([p for p in sys.path if p])
+    # A pickle naming a class of a module that does not exist in the child.
+    conn.send_bytes(b"cno_such_module\nPlan\n.")  # pickle's GLOBAL opcode, then STOP
+    event = conn.recv()
+    assert event["type"] == "error" and event["code"] == "trainer_start_failed", event
+    assert "could not read its plan" in event["message"] and "no_such_module" in event["message"]
+    assert process.wait(timeout=60) == 1, process.stderr.read() if process.stderr else ""
+    assert "NameError" not in (process.stderr.read() if process.stderr else "")
+    conn.close()
+    with pytest.raises(ModuleNotFoundError):  # what the bytes mean to any interpreter
+        pickle.loads(b"cno_such_module\nPlan\n.")

@@ -341,8 +341,8 @@ def test_a_run_that_finishes_says_training_complete(site: Site, open_page: Calla
     watched = open_page()
     page = signed_in(site, watched)
     choose_dataset(page, "shapes", images=2)
-    for field, value in (("steps", "1"), ("resolution", "64"), ("rank", "2")):
-        page.fill(f"#train-{field}", value)  # type: ignore[attr-defined]
+    for name, value in (("steps", "1"), ("resolution", "64"), ("rank", "2")):
+        page.fill(f"#train-{name}", value)  # type: ignore[attr-defined]
     page.select_option("#train-device", "cpu")  # type: ignore[attr-defined]
     page.click("#train-start")  # type: ignore[attr-defined]
     page.wait_for_selector("#run-facts[data-status=completed]")  # type: ignore[attr-defined]

@@ -14,7 +14,6 @@ engine shares with other programs.
 
 from __future__ import annotations
 
-import os
 
 from engine.hardware.probe import consumer_class, gpu_class, nvidia_smi_rows
 from engine.hardware.profile import DeviceFacts, HardwareProfile, native_bf16

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry
 from engine.policy.resolved import Resolved, auto, explicit
+from engine.policy.training_device import DEVICES, NON_CUDA_ACCELERATORS, Device, training_device  # noqa: F401
 from engine.policy.training_memory import (
     BaseFacts,
     TrainingMemoryEstimate,
@@ -26,26 +26,6 @@ from engine.policy.training_memory import (
 )
 from engine.schemes import SCHEMES
 from engine.types import TRAINING_PRECISIONS, ComponentSizes, FamilySpec
-
-Device = Literal["auto", "cuda", "cpu"]
-DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
-#: Accelerators other than CUDA / ROCm that a LoRA run may use: they clear the
-#: "no accelerator" gate and load a 4-bit base (bitsandbytes' multi-backend),
-#: while the dense modes (bf16 / int8 / fp8 / mxfp8 kernels) stay CUDA-only.
-NON_CUDA_ACCELERATORS: tuple[str, ...] = ("mps", "xpu")
-
-
-def training_device(hardware: HardwareProfile, requested: str = "auto", *, four_bit_base: bool = True) -> str:
-    """Where a run trains: ``cpu`` when asked (or nothing else is here), else
-    CUDA, else a non-CUDA accelerator (``mps``, ``xpu``) for a family whose
-    base can be held in 4-bit (``four_bit_base``; a trainer that holds its
-    base dense trains on the CPU there)."""
-    if requested == "cpu":
-        return "cpu"
-    if hardware.cuda:
-        return "cuda"
-    return hardware.vendor if four_bit_base and hardware.vendor in NON_CUDA_ACCELERATORS else "cpu"
-
 
 @dataclass(frozen=True)
 class TrainingThresholds:

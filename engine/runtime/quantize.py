@@ -231,7 +231,6 @@ def quantize_on_host_then_place(
     if site is not None and site != chosen_site:
         chosen_site, why = site, "asked for by the caller"
     on_device = chosen_site == "device"
-    home = device if resident else "cpu"
     blocks = list(repeated_blocks(model))
     for prefix, block in blocks:
         if on_device:

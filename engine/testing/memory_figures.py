@@ -72,18 +72,15 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import importlib
 import inspect
 import json
 import os
-import sys
 import tempfile
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 

@@ -73,7 +73,9 @@ def main(argv: list[str]) -> int:
     try:
         plan, folder = conn.recv()
     except Exception as exc:  # a plan that cannot be read here is the run's error, reported
-        channel.emit(_error_event("trainer_start_failed", exc))
+        channel.emit({"type": "error", "code": "trainer_start_failed",
+                      "message": f"the trainer process could not read its plan ({type(exc).__name__}: {exc}); "
+                                 "the engine and the trainer may be different versions: reinstall and start again"})
         return 1
     channel.emit({"type": "phase", "phase": "starting", "message": "the trainer process is up"})
     if getattr(plan.config, "gpus", 1) > 1:

@@ -17,7 +17,6 @@ and syncs gradients, stops and the loss.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import time
 from collections.abc import Callable
