@@ -44,6 +44,10 @@ class QuantRules:
     deny_lifted_by: tuple[tuple[str, str], ...] = ()
     #: Text-encoder schemes the family must not use, with the reason.
     text_encoder_deny: tuple[QuantDeny, ...] = ()
+    #: The family's keep-in-bf16 schedule for int8 text encoders: name fragments of
+    #: the encoder Linears int8 leaves dense. None: no schedule, so an int8 encoder
+    #: request runs as layerwise fp8 instead (the record says so).
+    text_encoder_int8_keep: tuple[str, ...] | None = None
     #: Glob patterns naming a pre-quantised repo (``*bnb-4bit*``).
     prequantised_patterns: tuple[str, ...] = ()
     #: The dense base to use when a pre-quantised repo matches no checkpoint.

@@ -37,7 +37,8 @@ class Scheme:
     needs_text: str
     #: Whether a LoRA trainer may hold its frozen base in it (``base_precision``).
     trainable: bool
-    #: Whether text encoders may be held in it (``text_encoder_quant``, weight-only).
+    #: Whether text encoders may be held in it (see :data:`ENCODER_SCHEME_ROWS`, the
+    #: encoders' own table, which adds ``fp8_dynamic``).
     encoder: bool
 
 
@@ -64,9 +65,43 @@ QUANT_REQUESTS: tuple[str, ...] = ("auto", "none", *(n for n in SCHEMES if n != 
 #: Base precisions a DiT LoRA trainer can hold its frozen base in, ``auto`` last.
 TRAINING_PRECISIONS: tuple[str, ...] = ("nf4", *(n for n, s in SCHEMES.items() if s.trainable and n != "nf4"),
                                         "auto")
+
+EncoderBuild = Literal["dense", "layerwise", "torchao", "bitsandbytes"]
+
+
+@dataclass(frozen=True)
+class EncoderScheme:
+    """How a text encoder may be held: one row per ``text_encoder_quant`` value.
+
+    ``layerwise``: the Linear weights stored in fp8 (e4m3) and upcast to the
+    compute dtype layer by layer at each call; plain tensors, so moving the
+    encoder (offload, streaming) works. ``torchao``: a torchao tensor subclass
+    (weight-only int8 or nvfp4, dynamic fp8 with the activation floor), which
+    rejects ``Module.to``: skipped when the plan moves the encoders.
+    ``bitsandbytes``: 4-bit at load time (CUDA only).
+    """
+
+    name: str
+    #: Steady size as a fraction of the encoders' bf16 bytes.
+    steady: float
+    build: EncoderBuild
+    #: The :class:`~engine.hardware.profile.HardwareProfile` flag it needs beyond a
+    #: CUDA GPU with native bf16 (None: nothing more), and what that means.
+    needs: str | None = None
+    needs_text: str = ""
+
+
+ENCODER_SCHEME_ROWS: Mapping[str, EncoderScheme] = MappingProxyType({e.name: e for e in (
+    EncoderScheme("none", 1.00, "dense"),
+    EncoderScheme("fp8", 0.55, "layerwise"),
+    EncoderScheme("fp8_dynamic", 0.55, "torchao", "fp8", "an NVIDIA GPU of capability 8.9+ (Ada, Hopper, Blackwell)"),
+    EncoderScheme("int8", 0.55, "torchao", "native_bf16", "a GPU of capability 8.0+"),
+    EncoderScheme("nvfp4", 0.33, "torchao", "mxfp8", "a Blackwell GPU (sm100+)"),
+    EncoderScheme("nf4", 0.30, "bitsandbytes"),
+)})
 #: Text-encoder schemes; ``none`` keeps the compute dtype.
-ENCODER_SCHEMES: tuple[str, ...] = ("none", *(n for n, s in SCHEMES.items() if s.encoder))
+ENCODER_SCHEMES: tuple[str, ...] = tuple(ENCODER_SCHEME_ROWS)
 
 
-__all__ = ["ENCODER_SCHEMES", "HOST_QUANTISED", "QUANT_REQUESTS", "QUANT_SCHEMES", "SCHEMES", "Scheme",
+__all__ = ["ENCODER_SCHEMES", "ENCODER_SCHEME_ROWS", "EncoderScheme", "HOST_QUANTISED", "QUANT_REQUESTS", "QUANT_SCHEMES", "SCHEMES", "Scheme",
            "TORCHAO_SCHEMES", "TRAINING_PRECISIONS"]

@@ -35,8 +35,10 @@ def plan(family: str, hw: str, **request: object) -> Plan:
 # -- the plan ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("hw", "scheme"), [("h100", "fp8"), ("rtx3090", "int8"), ("cpu", "none")])
+@pytest.mark.parametrize(("hw", "scheme"), [("h100", "fp8"), ("rtx3090", "fp8"), ("t4", "none"), ("cpu", "none")])
 def test_auto_encoder_scheme_follows_the_machine(hw: str, scheme: str) -> None:
+    """``auto`` takes layerwise fp8 wherever a CUDA GPU computes in native bf16 (sm80+: the
+    earlier system's "fp8 needs CUDA bf16"), none on a T4 or the CPU."""
     result = plan("sdxl" if hw == "cpu" else "flux", hw)
     resolved = result["text_encoder_quant"]
     assert (resolved.value, resolved.source) == (scheme, "auto")
@@ -62,8 +64,36 @@ def test_a_family_deny_list_keeps_its_encoders_dense_with_the_reason() -> None:
 
 
 def test_an_unsupported_explicit_scheme_is_downgraded_with_the_capability() -> None:
-    asked = plan("flux", "rtx3090", text_encoder_quant="fp8")["text_encoder_quant"]
+    asked = plan("flux", "rtx3090", text_encoder_quant="fp8_dynamic")["text_encoder_quant"]
     assert asked.value == "none" and "8.9" in asked.reason
+    assert plan("flux", "h100", text_encoder_quant="fp8_dynamic").value("text_encoder_quant") == "fp8_dynamic"
+    t4 = plan("flux", "t4", text_encoder_quant="fp8")["text_encoder_quant"]
+    assert t4.value == "none" and "native bf16" in t4.reason
+    nvfp4 = plan("flux", "h100", text_encoder_quant="nvfp4")["text_encoder_quant"]
+    assert nvfp4.value == "none" and "Blackwell" in nvfp4.reason
+    assert plan("flux", "b200", text_encoder_quant="nvfp4").value("text_encoder_quant") == "nvfp4"
+
+
+def test_torchao_encoder_modes_run_as_layerwise_fp8_where_the_plan_moves_the_encoders() -> None:
+    """torchao's modes are tensor subclasses that reject ``Module.to``: under offload (or
+    streamed encoders) the plan holds the encoders in layerwise fp8 instead, saying why."""
+    offloaded = plan("flux", "h100", text_encoder_quant="fp8_dynamic", memory="model_offload")["text_encoder_quant"]
+    assert (offloaded.value, offloaded.to_dict()["status"]) == ("fp8", "fell back")
+    assert "torchao tensor subclass" in offloaded.reason and "layerwise fp8" in offloaded.reason
+    resident = plan("flux", "h100", text_encoder_quant="fp8_dynamic")
+    assert resident.value("memory_mode") == "resident" and resident.value("text_encoder_quant") == "fp8_dynamic"
+    layerwise = plan("flux", "h100", text_encoder_quant="fp8", memory="model_offload")["text_encoder_quant"]
+    assert layerwise.value == "fp8" and layerwise.to_dict()["status"] == "engaged"
+
+
+def test_int8_encoders_need_the_familys_keep_in_bf16_schedule_else_fp8_is_the_effective_mode() -> None:
+    """The earlier system ran int8 encoders only for a family with a measured keep-in-bf16
+    schedule (Qwen-Image has one); elsewhere the record says fp8 is the effective mode."""
+    flux = plan("flux", "h100", text_encoder_quant="int8")["text_encoder_quant"]
+    assert (flux.value, flux.to_dict()["requested"], flux.to_dict()["status"]) == ("fp8", "int8", "fell back")
+    assert "schedule" in flux.reason and "fp8 is the effective mode" in flux.reason
+    assert REGISTRY.family("qwen_image").quantisation.text_encoder_int8_keep
+    assert plan("qwen_image", "b200", text_encoder_quant="int8").value("text_encoder_quant") == "int8"
 
 
 def test_encoders_that_do_not_fit_beside_the_denoiser_are_streamed() -> None:
@@ -133,20 +163,51 @@ def reference(wide_t5_flux: Path) -> np.ndarray:
         dense.unload()
 
 
-def test_an_int8_text_encoder_generates_on_cpu(wide_t5_flux: Path, reference: np.ndarray) -> None:
+def test_a_layerwise_fp8_text_encoder_generates_on_cpu(wide_t5_flux: Path, reference: np.ndarray) -> None:
+    """FLUX has no int8 schedule: an int8 request runs as layerwise fp8 (weights stored in
+    e4m3, upcast per layer: plain tensors), which the CPU runs too."""
     session = load(wide_t5_flux, text_encoder_quant="int8")
     try:
         resolved = session.plan["text_encoder_quant"]
-        assert (resolved.value, resolved.source) == ("int8", "explicit")
+        assert (resolved.value, resolved.source, resolved.requested) == ("fp8", "explicit", "int8")
         t5 = session.pipeline.text_encoder_2
-        quantised = [m for m in t5.modules() if isinstance(m, torch.nn.Linear) and type(m.weight) is not torch.nn.Parameter]
+        stored = [m for m in t5.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float8_e4m3fn]
+        assert all(type(m.weight) is torch.nn.Parameter for m in stored)  # no tensor subclass
         [placement] = session.status()["text_encoders"]["placements"]  # type: ignore[index]
-        assert placement["layers"] == len(quantised) > 0  # the 32-wide CLIP has none: it stays dense
+        assert placement["layers"] == len(stored) > 0  # the 32-wide CLIP has none: it stays dense
         result = image(session)
     finally:
         session.unload()
     assert result.shape == reference.shape
-    assert np.abs(result - reference).mean() < 8  # weight-only int8: close to the dense encoder
+    assert np.abs(result - reference).mean() < 8  # e4m3 weights: close to the dense encoder
+
+
+def test_an_int8_text_encoder_with_a_schedule_keeps_its_scheduled_layers_dense_on_cpu(
+    wide_t5_flux: Path, reference: np.ndarray
+) -> None:
+    """A family with a keep-in-bf16 schedule gets torchao weight-only int8 encoders, the
+    scheduled Linears left dense (here FLUX given a schedule keeping T5's attention)."""
+    import dataclasses
+
+    flux = REGISTRY.family("flux")
+    scheduled = dataclasses.replace(flux, quantisation=dataclasses.replace(
+        flux.quantisation, text_encoder_int8_keep=("SelfAttention",)))
+    asked = InferenceRequest(quant="none", text_encoder_quant="int8")
+    source = dataclasses.replace(resolve_model(REGISTRY, wide_t5_flux), family=scheduled)
+    session = InferenceSession(REGISTRY, source, plan_inference(REGISTRY, source.facts(REGISTRY), probe(verify=False),
+                                                                asked), asked)
+    session.load()
+    try:
+        assert session.plan.value("text_encoder_quant") == "int8"
+        t5 = session.pipeline.text_encoder_2
+        linears = {n: m for n, m in t5.named_modules() if isinstance(m, torch.nn.Linear)}
+        quantised = {n for n, m in linears.items() if type(m.weight) is not torch.nn.Parameter}
+        assert quantised and all("SelfAttention" not in n for n in quantised)
+        assert any("SelfAttention" in n for n in linears)  # there were some to keep
+        result = image(session)
+    finally:
+        session.unload()
+    assert np.abs(result - reference).mean() < 8
 
 
 def test_streamed_encoders_are_freed_before_denoising_and_reloaded(wide_t5_flux: Path, reference: np.ndarray) -> None:
@@ -180,4 +241,4 @@ def test_info_lists_the_encoders_size_per_allowed_scheme() -> None:
     flux = images_info(REGISTRY, REGISTRY.family("flux")).to_dict()
     assert flux["text_encoders_gb"]["fp8"] < flux["text_encoders_gb"]["none"] == 9.8  # type: ignore[index]
     sdxl = images_info(REGISTRY, REGISTRY.family("sdxl")).to_dict()
-    assert list(sdxl["text_encoders_gb"]) == ["none"] and "int8" in sdxl["text_encoder_denied"]  # type: ignore[arg-type,operator]
+    assert list(sdxl["text_encoders_gb"]) == ["none"] and "fp8_dynamic" in sdxl["text_encoder_denied"]  # type: ignore[arg-type,operator]

@@ -4,13 +4,19 @@ On the families this engine serves the text encoders are often as large as
 the denoiser (a 7B vision-language model, T5-XXL), and they run once per
 prompt. Two controls keep them from deciding whether a model fits:
 
-``text_encoder_quant`` (none / int8 / fp8 / nvfp4 / nf4): the encoders'
-weights held quantised. The runtime quantises them *weight-only* (weights
-upcast per layer, activations in the compute dtype): an encoder runs once
-per prompt at M = prompt tokens, so there is no GEMM speed to win, and a
-weight-only scheme has no activation range to overflow. ``auto`` picks by
-capability: fp8 on sm89+, int8 on sm80+ and ROCm, none on the CPU, MPS and
-below sm80, none where the family's table denies every scheme or the
+``text_encoder_quant`` (the rows of :data:`engine.schemes.ENCODER_SCHEME_ROWS`):
+``fp8`` stores the Linear weights in fp8 and upcasts them layer by layer
+(plain tensors: it survives offload and streaming); the torchao modes
+``fp8_dynamic`` (sm89+), ``int8`` (sm80+) and ``nvfp4`` (Blackwell) are
+tensor subclasses that reject ``Module.to``, so a plan that moves the
+encoders (offload, streaming) runs layerwise fp8 instead, saying so
+(:func:`movable_encoder_quant`); ``nf4`` is bitsandbytes at load. Every
+quantised mode needs a CUDA GPU with native bf16; an explicit ``fp8`` or
+``int8`` on the CPU is honoured (it halves host RAM). int8 runs only for a
+family with a keep-in-bf16 schedule (``text_encoder_int8_keep``); elsewhere
+it runs as layerwise fp8 and the record says fp8 is the effective mode.
+``auto`` takes layerwise fp8 on a CUDA GPU with native bf16, none on the
+CPU, MPS and older cards, where the family's table denies it, or where the
 encoders are too small to be worth it.
 
 ``text_encoder_memory`` (resident / streamed): whether the encoders stay
@@ -37,8 +43,7 @@ from engine.hardware.profile import HardwareProfile
 from engine.policy.memory import Components, MemoryEstimate, MemoryThresholds, plan_memory
 from engine.policy.quant import scheme_unsupported_reason
 from engine.policy.resolved import Resolved, auto, explicit
-from engine.policy.schemes import SCHEME_SIZES
-from engine.schemes import ENCODER_SCHEMES
+from engine.schemes import ENCODER_SCHEME_ROWS, ENCODER_SCHEMES
 from engine.types import FamilySpec
 
 #: Text-encoder schemes (``none`` keeps the compute dtype), from the scheme table.
@@ -115,15 +120,43 @@ def encoder_denials(family: FamilySpec) -> dict[str, str]:
     return {deny.scheme: deny.reason for deny in family.quantisation.text_encoder_deny}
 
 
-def _ladder(hardware: HardwareProfile) -> tuple[str, ...]:
-    """Encoder schemes to try, best first, by capability."""
-    if not hardware.cuda or not hardware.torchao_functional:
-        return ()
-    if hardware.vendor == "nvidia" and hardware.fp8:
-        return ("fp8", "int8")
-    if hardware.vendor == "rocm" or hardware.native_bf16:
-        return ("int8",)
-    return ()
+def encoder_unsupported_reason(scheme: str, hardware: HardwareProfile, *, explicit_request: bool = False) -> str | None:
+    """Why the encoders cannot be held in ``scheme`` here, or None.
+
+    ``explicit_request``: an explicit ``fp8`` or ``int8`` on the CPU is honoured.
+    """
+    row = ENCODER_SCHEME_ROWS[scheme]
+    if row.build == "dense":
+        return None
+    if row.build == "bitsandbytes":
+        return scheme_unsupported_reason("nf4", hardware)
+    if explicit_request and hardware.vendor == "cpu" and scheme in ("fp8", "int8"):
+        return None if hardware.torchao_functional or scheme == "fp8" else \
+            "int8 needs a functional torchao (missing, or a stub whose quantize_ does nothing)"
+    if not hardware.cuda or not hardware.native_bf16:
+        where = "the CPU" if hardware.vendor == "cpu" else f"{hardware.device_name} ({hardware.capability_label})"
+        return f"{scheme} text encoders need a CUDA GPU with native bf16 (sm80+); this is {where}"
+    if row.build == "torchao" and not hardware.torchao_functional:
+        return f"{scheme} needs a functional torchao (missing, or a stub whose quantize_ does nothing)"
+    if row.needs is not None and not getattr(hardware, row.needs):
+        return f"{scheme} needs {row.needs_text}; this is {hardware.device_name} ({hardware.capability_label})"
+    return None
+
+
+def movable_encoder_quant(chosen: Resolved[str], memory_mode: str, encoder_memory: str,
+                          hardware: HardwareProfile) -> Resolved[str]:
+    """``chosen``, or layerwise fp8 where the plan moves the encoders and ``chosen`` is a
+    torchao mode (its tensor subclasses reject ``Module.to``)."""
+    moved = memory_mode != "resident" or encoder_memory == "streamed"
+    if not moved or ENCODER_SCHEME_ROWS[str(chosen.value)].build != "torchao":
+        return chosen
+    why = (f"{chosen.value} is a torchao tensor subclass, which the {memory_mode if memory_mode != 'resident' else 'streamed'} "
+           "encoders cannot be moved in")
+    if encoder_unsupported_reason("fp8", hardware, explicit_request=chosen.source == "explicit") is None:
+        return Resolved("fp8", chosen.source, f"{why}: layerwise fp8 (weights stored in fp8, upcast per layer) "
+                        "instead", chosen.requested if chosen.source == "explicit" else None)
+    return Resolved("none", chosen.source, f"{why}; they run in the compute dtype",
+                    chosen.requested if chosen.source == "explicit" else None)
 
 
 def resolve_text_encoder_quant(
@@ -146,7 +179,7 @@ def resolve_text_encoder_quant(
     which = ", ".join(precast.encoders) or "the encoders"
     stored = (f"pre-cast checkpoint: {which} stored in {_TORCH_NAMES.get(precast.dtype, precast.dtype)} "
               f"({precast.share:.0%} of the encoders' parameters; {precast.stored_gb:.2f} GB as stored)")
-    why_not = encoder_denials(family).get(precast.scheme) or scheme_unsupported_reason(precast.scheme, hardware)
+    why_not = encoder_denials(family).get(precast.scheme) or encoder_unsupported_reason(precast.scheme, hardware)
     if requested in ("auto", precast.scheme) and why_not is None:
         make = auto if requested == "auto" else explicit
         return make(precast.scheme, f"{stored}; held as stored, not quantised again")
@@ -176,25 +209,26 @@ def _resolve_dense(family: FamilySpec, hardware: HardwareProfile, requested: str
                 "none", f"{requested} is denied for {family.label}'s text encoders: {denied[requested]}; "
                 "they run in the compute dtype", requested=requested,
             )
-        unsupported = scheme_unsupported_reason(requested, hardware)
+        unsupported = encoder_unsupported_reason(requested, hardware, explicit_request=True)
         if unsupported:
             return explicit("none", f"{unsupported}; the encoders run in the compute dtype", requested=requested)
-        return explicit(requested, f"{requested} weight-only encoders, as asked ({_saving(encoders_gb, requested)})")
-    ladder = _ladder(hardware)
-    if not ladder:
+        if requested == "int8" and family.quantisation.text_encoder_int8_keep is None:
+            no_schedule = (f"{family.label} has no keep-in-bf16 schedule for int8 text encoders "
+                           "(text_encoder_int8_keep)")
+            if "fp8" not in denied and encoder_unsupported_reason("fp8", hardware, explicit_request=True) is None:
+                return explicit("fp8", f"{no_schedule}: fp8 is the effective mode (layerwise, "
+                                f"{_saving(encoders_gb, 'fp8')})", requested="int8")
+            return explicit("none", f"{no_schedule}; they run in the compute dtype", requested="int8")
+        return explicit(requested, f"{requested} encoders, as asked ({_saving(encoders_gb, requested)})")
+    if not hardware.cuda or not hardware.native_bf16:
         where = "CPU" if hardware.vendor == "cpu" else f"{hardware.device_name} ({hardware.capability_label})"
-        return auto("none", f"{where}: no encoder quantisation is planned here (text_encoder_quant=int8 to halve their memory)")
+        return auto("none", f"{where}: no encoder quantisation is planned here (text_encoder_quant=fp8 to halve their memory)")
     if encoders_gb < MIN_AUTO_ENCODER_GB:
         return auto("none", f"the encoders are {encoders_gb:.1f} GB: quantising would save too little")
-    skipped = []
-    for scheme in ladder:
-        why_not = denied.get(scheme) or scheme_unsupported_reason(scheme, hardware)
-        if why_not is None:
-            note = f" (skipped: {'; '.join(skipped)})" if skipped else ""
-            return auto(scheme, f"{scheme} weight-only encoders on {hardware.device_name}: {_saving(encoders_gb, scheme)}; "
-                        f"they run once per prompt, so weight-only costs no step time{note}")
-        skipped.append(f"{scheme}: {why_not}")
-    return auto("none", f"{family.label}'s table denies its encoders every usable scheme ({'; '.join(skipped)})")
+    if "fp8" in denied:
+        return auto("none", f"{family.label}'s table denies its encoders fp8: {denied['fp8']}")
+    return auto("fp8", f"fp8 encoders on {hardware.device_name}: {_saving(encoders_gb, 'fp8')}, weights stored in "
+                "fp8 and upcast layer by layer; they run once per prompt, so it costs no step time")
 
 
 def _saving(dense_gb: float, scheme: str) -> str:
@@ -205,7 +239,7 @@ def encoder_gb(dense_bf16_gb: float, scheme: str, dtype_factor: float = 1.0) -> 
     """GB the encoders hold in ``scheme`` (``none``: the compute dtype, by ``dtype_factor``)."""
     if scheme == "none":
         return dense_bf16_gb * dtype_factor
-    return dense_bf16_gb * SCHEME_SIZES[scheme].steady
+    return dense_bf16_gb * ENCODER_SCHEME_ROWS[scheme].steady
 
 
 def resolve_text_encoder_memory(

@@ -39,7 +39,12 @@ from engine.policy.activations import (
     resolve_vae_tiling,
 )
 from engine.policy.dtype import DTYPE_FACTOR, resolve_dtype
-from engine.policy.encoders import encoder_gb_as_planned, resolve_text_encoder_memory, resolve_text_encoder_quant
+from engine.policy.encoders import (
+    encoder_gb_as_planned,
+    movable_encoder_quant,
+    resolve_text_encoder_memory,
+    resolve_text_encoder_quant,
+)
 from engine.policy.lora import LoraPlanInput, resolve_lora
 from engine.policy.memory import (
     Components,
@@ -252,7 +257,10 @@ def plan_inference(
                 compiled=compiled.value == "regional",
             ),
             "tf32": resolve_tf32(hardware, tier=tier.value),
-            "text_encoder_quant": encoder_quant,
+            "text_encoder_quant": movable_encoder_quant(
+                encoder_quant, "resident" if hardware.vendor == "cpu" else mem[0].value, str(encoder_memory.value),
+                hardware,
+            ),
             "text_encoder_memory": encoder_memory,
             "vae_tiling": vae_tiling,
             "vae_slicing": resolve_vae_slicing(family),

@@ -112,6 +112,7 @@ class PipelineLoading:
         self.encoder_stream, self.encoder_placements, failure = text_encoders.prepare_encoders(
             pipe, getattr(pipe, self.source.family.denoiser), plan, self._root(), dtype, resident=resident(plan),
             precast=self.source.precast_encoders,
+            int8_schedule=self.source.family.quantisation.text_encoder_int8_keep,
         )
         if failure is not None:
             self.plan = plan = plan.with_control("text_encoder_quant", explicit("none", failure))

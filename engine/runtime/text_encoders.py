@@ -46,8 +46,12 @@ def encoder_names(pipe: Any) -> list[str]:
     ]
 
 
-def quantize_text_encoders(pipe: Any, scheme: str, device: str, *, resident: bool) -> list[Placement]:
-    """Quantise every text encoder weight-only, in place; place it when ``resident``.
+def quantize_text_encoders(
+    pipe: Any, scheme: str, device: str, *, resident: bool, int8_keep: tuple[str, ...] = ()
+) -> list[Placement]:
+    """Hold every text encoder in ``scheme``, in place; place it when ``resident``.
+
+    ``int8_keep``: the family's keep-in-bf16 schedule (name fragments int8 leaves dense).
 
     :raises QuantisationFailed: an encoder has no layer the scheme takes
         (the caller keeps the encoders dense and records why).
@@ -56,7 +60,8 @@ def quantize_text_encoders(pipe: Any, scheme: str, device: str, *, resident: boo
     placements, skipped = [], []
     for name in encoder_names(pipe):
         try:
-            placements.append(quantize_encoder(getattr(pipe, name), scheme, device, resident=resident))
+            placements.append(quantize_encoder(getattr(pipe, name), scheme, device, resident=resident,
+                                               int8_keep=int8_keep))
         except QuantisationFailed as exc:  # a small encoder (CLIP-L beside T5) may have no layer to take
             skipped.append(f"{name}: {exc.message}")
     if not placements:
@@ -64,13 +69,41 @@ def quantize_text_encoders(pipe: Any, scheme: str, device: str, *, resident: boo
     return placements
 
 
-def quantize_encoder(encoder: torch.nn.Module, scheme: str, device: str, *, resident: bool) -> Placement:
-    """One encoder, through the denoiser's block-by-block path."""
+def quantize_encoder(
+    encoder: torch.nn.Module, scheme: str, device: str, *, resident: bool, int8_keep: tuple[str, ...] = ()
+) -> Placement:
+    """One encoder, through the denoiser's block-by-block path: layerwise ``fp8`` (weights
+    stored in e4m3, upcast per call: plain tensors), torchao's dynamic fp8 with the
+    activation floor (``fp8_dynamic``), or torchao weight-only ``int8`` / ``nvfp4``."""
+    layout = "fp8" if scheme in ("fp8", "fp8_dynamic") else scheme
+    takes = quantize.module_filter(layout, int8_keep if scheme == "int8" else ())
+    # Modules the model class keeps in fp32 (T5's ``wo``: its forward casts the input to that weight's dtype).
+    fp32 = set(getattr(encoder, "_keep_in_fp32_modules", None) or ())
+
+    def keep(module: torch.nn.Module, name: str) -> bool:
+        return takes(module, name) and not fp32.intersection(name.split("."))
+
+    if scheme == "fp8":
+        transform = layerwise_fp8
+    elif scheme == "fp8_dynamic":
+        transform = quantize.torchao_transform("fp8", device)
+    else:
+        transform = quantize.weight_only_transform(scheme)
     return quantize.quantize_on_host_then_place(
-        encoder, scheme, device, resident=resident,
-        transform=quantize.weight_only_transform(scheme), keep=quantize.module_filter(scheme),
-        site="host" if scheme == "int8" or device == "cpu" else None,
+        encoder, scheme, device, resident=resident, transform=transform, keep=keep,
+        site="host" if scheme in ("int8", "fp8") or device == "cpu" else None,
     )
+
+
+def layerwise_fp8(module: torch.nn.Module, keep: Callable[[torch.nn.Module, str], bool]) -> None:
+    """Store the weights of ``module``'s kept Linears in float8 (e4m3), each upcasting its
+    weight to the input's dtype at every call: half the bytes, plain tensors (they move
+    with ``Module.to``, so offload and streaming work), no kernel beyond a cast."""
+    for name, linear in list(module.named_modules()):
+        if isinstance(linear, torch.nn.Linear) and keep(linear, name):
+            stored = linear.weight.detach().to(torch.float8_e4m3fn)
+            linear.weight = torch.nn.Parameter(stored, requires_grad=False)
+            linear.forward = _upcasting_forward(linear)  # type: ignore[method-assign]
 
 
 def nf4_encoder_components(root: str, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -138,7 +171,7 @@ def _encoder_files(root: str, name: str) -> list[Path]:
 
 def prepare_encoders(
     pipe: Any, denoiser: torch.nn.Module, plan: Any, root: str, dtype: torch.dtype, *, resident: bool,
-    precast: PrecastEncoders | None = None,
+    precast: PrecastEncoders | None = None, int8_schedule: tuple[str, ...] | None = None,
 ) -> tuple[EncoderStream | None, list[Placement], str | None]:
     """Quantise the encoders as ``plan`` says and set up streaming.
 
@@ -153,6 +186,7 @@ def prepare_encoders(
     """
     scheme = str(plan.value("text_encoder_quant", "none"))
     streamed = plan.value("text_encoder_memory") == "streamed"
+    int8_keep = tuple(int8_schedule or ())
     placements: list[Placement] = []
     failure = None
     as_stored = tuple(precast.encoders) if precast is not None and scheme == precast.scheme else ()
@@ -161,7 +195,8 @@ def prepare_encoders(
             hold_precast(getattr(pipe, name), _encoder_files(root, name), precast.dtype)
     if scheme not in ("none", "nf4") and not as_stored:
         try:
-            placements = quantize_text_encoders(pipe, scheme, plan.device, resident=resident and not streamed)
+            placements = quantize_text_encoders(pipe, scheme, plan.device, resident=resident and not streamed,
+                                                int8_keep=int8_keep)
         except QuantisationFailed as exc:
             failure = f"{scheme} could not be applied to the text encoders ({exc.message}); they run dense"
     if not streamed:
@@ -171,7 +206,7 @@ def prepare_encoders(
         if name in as_stored:
             hold_precast(encoder, _encoder_files(root, name), precast.dtype)
         elif scheme not in ("none", "nf4") and failure is None and not as_stored:
-            quantize_encoder(encoder, scheme, plan.device, resident=False)
+            quantize_encoder(encoder, scheme, plan.device, resident=False, int8_keep=int8_keep)
         return encoder
 
     stream = EncoderStream(pipe, denoiser, plan.device, reload)

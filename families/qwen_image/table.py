@@ -122,6 +122,10 @@ QWEN_IMAGE = FamilySpec(
         # fp8 is allowed for inference where torchao floors the fp8 activation
         # scales (activation_value_lb), which the runtime then always sets.
         deny_lifted_by={"fp8": "fp8_activation_floor"},
+        # int8 text encoders run with this keep-in-bf16 schedule (as the earlier
+        # system ran Qwen-Image's): Qwen2.5-VL's vision tower (unused for text,
+        # kept as loaded), its token embeddings and its output head stay bf16.
+        text_encoder_int8_keep=("visual", "embed_tokens", "lm_head"),
     ),
     single_file=SingleFileLayout(
         markers=("txt_norm.", "img_mod."),

@@ -5,6 +5,7 @@ OpenCLIP-bigG (1.6 GB) and the VAE (0.2 GB). The UNet trainer runs in fp16
 mixed precision where bf16 is missing, so ``base_precision`` does not apply.
 """
 
+from engine.schemes import ENCODER_SCHEMES
 from engine.types import (
     ActivationFigures,
     Checkpoint,
@@ -104,7 +105,7 @@ SDXL = FamilySpec(
         text_encoder_deny=tuple(
             QuantDeny(scheme, "SDXL's CLIP encoders are 1.6 GB: quantising saves under 1 GB, "
                       "and their penultimate states feed the UNet unchecked by any A/B")
-            for scheme in ("int8", "fp8", "nvfp4", "nf4")
+            for scheme in ENCODER_SCHEMES if scheme != "none"
         ),
     ),
     single_file=SingleFileLayout(
