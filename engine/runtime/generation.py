@@ -89,6 +89,7 @@ class Generation:
     _workflow_pipes: dict[str, Any]
     _active: Any
     _images: int
+    _store_compile_cache: Any
 
     def generate(self, request: GenerateRequest, progress: Progress | None = None) -> list[Image.Image]:
         """The request's images: its workflow's pipeline (built over the loaded
@@ -138,6 +139,8 @@ class Generation:
                 images = self._run_batch(pipe, request, steps, effective, strength, fitted, items, progress)
             finally:
                 self._active = None
+            if images:
+                self._store_compile_cache(images[0].width, images[0].height, len(images))
             if workflow == "inpaint" and fitted.original is not None and fitted.mask is not None:
                 images = [paste_unmasked(image, fitted.original, fitted.mask) for image in images]
             return images

@@ -159,6 +159,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
             "controlnet": self.controlnet_path,
             "batch_events": list(self.batch_events),
             "capabilities": capabilities.to_dict(self.capabilities) if self.capabilities else None,
+            "compile_cache": self.compile_cache_status(),
         }
 
     # -- LoRAs ------------------------------------------------------------------

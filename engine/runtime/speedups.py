@@ -23,6 +23,7 @@ from engine.policy.speed import resolve_step_cache, step_cache_unsupported
 from engine.preflight.source import ModelSource
 from engine.runtime import capabilities, quantize
 from engine.runtime.attention import DIFFUSERS_BACKENDS, Installer
+from engine.runtime.compile_cache import CompileCache
 
 
 class SpeedControls:
@@ -73,12 +74,30 @@ class SpeedControls:
         if self._compiled or self.plan.value("compile") != "regional" or image < self.plan.compile_from_image:
             return
         regions = set(self.registry.compile_regions(self.source.family))
+        self._compile_cache = CompileCache.for_model(self.source.location, {
+            "family": self.source.family.name, "regions": sorted(regions), "dtype": self.plan.value("dtype"),
+            "quant": self.plan.value("transformer_quant"), "fullgraph": self.plan.compile_fullgraph,
+            "backend": self._compile_backend, "lora": self.plan.value("lora"),
+        })
+        if self._compile_cache is not None:
+            self._compile_cache.restore()  # the compile below then hits the saved artifacts
         for module in self.denoiser.modules():
             if type(module).__name__ in regions:
                 module.compile(
                     dynamic=True, fullgraph=self.plan.compile_fullgraph, backend=self._compile_backend
                 )
         self._compiled = True
+
+    _compile_cache: CompileCache | None = None
+
+    def _store_compile_cache(self, width: int, height: int, count: int) -> None:
+        """After a compiled generate: save the artifacts once per new image shape."""
+        if self._compiled and self._compile_cache is not None:
+            self._compile_cache.store(f"{width}x{height}x{count}")
+
+    def compile_cache_status(self) -> dict[str, object] | None:
+        """What the compile cache restored and stored this load (None: no compile or turned off)."""
+        return dict(self._compile_cache.last) if self._compile_cache is not None else None
 
     # -- the step cache, re-decided per call ----------------------------------------
 

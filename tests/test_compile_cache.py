@@ -1,0 +1,142 @@
+"""The compile cache: what one process compiled is a cache hit in the next.
+
+The cross-process test compiles with inductor for real, in two child processes
+whose own inductor caches are empty and apart, so a hit in the second can only
+come from the artifacts the engine saved. The compiled module holds only
+Linears (inductor calls the matmul library, no C++ kernel to build), which keeps
+each compile to a second or two on the CPU; the regions of a real model are the
+same mechanism with more graphs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from engine.runtime.compile_cache import KILL_SWITCH, CompileCache
+
+PROBE = '''
+import json, sys
+from pathlib import Path
+import torch
+from torch._dynamo.utils import counters
+from engine.runtime.compile_cache import CompileCache
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+cache = CompileCache.for_model(sys.argv[2], {"regions": ["Block"]}, folder=Path(sys.argv[1]))
+report = {"enabled": cache is not None}
+if cache is not None:
+    report["restore"] = cache.restore()
+block = Block()
+block.compile(dynamic=True)
+with torch.no_grad():
+    block(torch.randn(4, 16))
+if cache is not None:
+    report["stored"] = cache.store("4")
+    report["last"] = cache.last
+report["inductor"] = dict(counters["inductor"])
+print(json.dumps(report))
+'''
+
+
+def run_probe(tmp_path: Path, run: int, model: Path, **env: str) -> dict[str, object]:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "compile-cache"), str(model)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{run}"), **env},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_artifacts_compiled_in_one_process_are_cache_hits_in_the_next(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}", encoding="utf-8")
+    first = run_probe(tmp_path, 1, model)
+    assert first["restore"]["restored"] is False  # type: ignore[index]
+    assert first["stored"] is True and first["inductor"]["fxgraph_cache_miss"] >= 1  # type: ignore[index]
+    assert first["last"]["artifacts"]["inductor"] >= 1  # type: ignore[index]
+    second = run_probe(tmp_path, 2, model)  # an empty inductor cache of its own
+    assert second["restore"]["restored"] is True  # type: ignore[index]
+    assert second["inductor"].get("fxgraph_cache_hit", 0) >= 1  # type: ignore[union-attr]
+    assert "fxgraph_cache_miss" not in second["inductor"]  # type: ignore[operator]
+    assert second["stored"] is False  # a shape already saved writes nothing
+    off = run_probe(tmp_path, 3, model, **{KILL_SWITCH: "0"})
+    assert off["enabled"] is False and off["inductor"].get("fxgraph_cache_hit", 0) == 0  # type: ignore[union-attr]
+
+
+def test_the_key_follows_the_model_and_how_it_is_compiled(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    (model / "transformer").mkdir(parents=True)
+    (model / "transformer" / "config.json").write_text('{"num_layers": 2}', encoding="utf-8")
+    compiled = {"regions": ["Block"], "dtype": "bf16"}
+
+    def key(location: Path | str = model, **changes: object) -> str:
+        cache = CompileCache.for_model(str(location), {**compiled, **changes}, folder=tmp_path / "cache")
+        assert cache is not None
+        return cache.key
+
+    same = key()
+    assert key() == same
+    assert key(dtype="fp16") != same and key(regions=["Other"]) != same
+    assert key("org/some-model") != same
+    (model / "transformer" / "config.json").write_text('{"num_layers": 3}', encoding="utf-8")
+    assert key() != same  # another denoiser config is another model
+
+
+def test_unreadable_artifacts_are_dropped_and_never_fail(tmp_path: Path) -> None:
+    cache = CompileCache.for_model(str(tmp_path), {}, folder=tmp_path / "cache")
+    assert cache is not None
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / f"{cache.key}.bin").write_bytes(b"torn")
+    (tmp_path / "cache" / f"{cache.key}.json").write_text('{"shapes": ["64x64x1"]}', encoding="utf-8")
+    reread = CompileCache.for_model(str(tmp_path), {}, folder=tmp_path / "cache")
+    assert reread is not None and reread.shapes == {"64x64x1"}
+    restored = reread.restore()
+    assert restored["restored"] is False and "dropped" in str(restored["reason"])
+    assert not (tmp_path / "cache" / f"{cache.key}.bin").exists() and reread.shapes == set()
+
+
+@pytest.mark.slow
+def test_a_compiling_session_restores_before_it_compiles_and_reports_it(
+    tiny_pipeline: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session asks the cache before its regional compile and shows the answer in its
+    status (the eager test backend saves no artifacts, so there is nothing to store)."""
+    from engine.policy.plan import InferenceRequest
+    from tests.test_generate import pixels, session_for
+
+    session = session_for(tiny_pipeline("flux"), InferenceRequest(compile="on"), compile_backend="eager")
+    session.load()
+    try:
+        pixels(session)
+        assert session.status()["compile_cache"] == {
+            "restored": False, "reason": "no saved artifacts for this model and machine yet"}
+    finally:
+        session.unload()
+    monkeypatch.setenv(KILL_SWITCH, "0")
+    off = session_for(tiny_pipeline("flux"), InferenceRequest(compile="on"), compile_backend="eager")
+    off.load()
+    try:
+        assert off.status()["compile_cache"] is None
+    finally:
+        off.unload()
