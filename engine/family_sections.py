@@ -69,6 +69,17 @@ class QuantRules:
 
 
 @dataclass(frozen=True)
+class FusionSite:
+    """A denoiser block class whose elementwise glue the engine fuses (``torch.addcmul``):
+    the methods rewritten and how many fusible expressions they hold today. A different
+    count at load means diffusers changed the block: it is left unpatched, with the reason."""
+
+    block: str
+    rewrites: int
+    methods: tuple[str, ...] = ("forward",)
+
+
+@dataclass(frozen=True)
 class SingleFileLayout:
     """What a single ``.safetensors`` (or ``.gguf``) file of this family holds."""
 

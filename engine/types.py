@@ -274,6 +274,7 @@ class Capabilities:
 # The sections of a FamilySpec live in their own module; named from here as ever.
 from engine.family_sections import (  # noqa: E402
     COMPONENTS,
+    FusionSite,
     LoraLayout,
     MemoryProbe,
     PrecisionRules,
@@ -314,6 +315,8 @@ class FamilySpec:
     aliases: tuple[str, ...] = ()
     #: Class names of the repeated blocks that regional compile targets.
     compile_regions: tuple[str, ...] = ()
+    #: Blocks whose modulation and gated residuals run fused (``torch.addcmul``).
+    eager_fusions: tuple[FusionSite, ...] = ()
     #: ``"module:function"`` writing a tiny random-weight pipeline to a folder.
     tiny_pipeline: str = ""
     #: The pipeline component that denoises (``transformer`` or ``unet``).

@@ -62,6 +62,7 @@ from engine.policy.speed import (
     resolve_attention,
     resolve_compile,
     resolve_fp16_accumulation,
+    resolve_eager_fusions,
     resolve_speed_tier,
     resolve_step_cache,
     resolve_threads,
@@ -264,6 +265,7 @@ def plan_inference(
             "text_encoder_memory": encoder_memory,
             "vae_tiling": vae_tiling,
             "vae_slicing": resolve_vae_slicing(family),
+            "eager_fusions": resolve_eager_fusions(len(family.eager_fusions), tier=tier.value, env=env),
         }
         controls = with_requests(controls, requested_controls)
         sizes = {"table": model.table_sizes}

@@ -41,6 +41,7 @@ CONTROLS: tuple[str, ...] = (
     "tf32",
     "vae_tiling",
     "vae_slicing",
+    "eager_fusions",
 )
 
 

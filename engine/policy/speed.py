@@ -39,6 +39,8 @@ STEP_CACHES: tuple[str, ...] = ("auto", "off", "fbcache")
 COMPILE_REQUESTS: tuple[str, ...] = ("auto", "on", "off")
 
 FP16_ACCUM_KILL_SWITCH = "DIFFUSION_ENGINE_DISABLE_FP16_ACCUM"
+#: Set to 0 to run the denoiser's blocks as diffusers wrote them (no eager fusions).
+EAGER_FUSIONS_KILL_SWITCH = "DIFFUSION_ENGINE_EAGER_FUSIONS"
 #: torch's own switch: with it set, ``torch.compile`` does nothing.
 DYNAMO_DISABLE_ENV = "TORCHDYNAMO_DISABLE"
 
@@ -225,6 +227,19 @@ def schedule_compile(compiled: Resolved[str], *, quantised: bool) -> tuple[Resol
         "(a one-off image does not pay the 30-60 s compile)"
     )
     return dataclasses.replace(compiled, reason=reason), COMPILE_FROM_IMAGE
+
+
+def resolve_eager_fusions(sites: int, *, tier: str, env: Mapping[str, str]) -> Resolved[bool]:
+    """The blocks' modulation and gated residuals as one ``torch.addcmul`` each, on every
+    tier but ``off`` (it rounds once where stock rounds twice: not bit-identical)."""
+    if env.get(EAGER_FUSIONS_KILL_SWITCH, "").strip() == "0":
+        return auto(False, f"{EAGER_FUSIONS_KILL_SWITCH}=0: the blocks run as diffusers wrote them")
+    if not sites:
+        return auto(False, "the family's table names no block to fuse")
+    if tier == "off":
+        return auto(False, "speed tier off: the blocks run as diffusers wrote them (bit-identical images)")
+    return auto(True, f"modulation and gated residuals as one torch.addcmul each, in {sites} block class(es) "
+                "(one kernel and no temporary where there were two; equal up to float rounding)")
 
 
 def resolve_tf32(hardware: HardwareProfile, *, tier: str) -> Resolved[bool]:

@@ -131,6 +131,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
             self.plan = capabilities.adapt_plan(self.plan, self.capabilities)
             self._apply_attention()
             self._apply_loras()
+            self._apply_fusions()
             self._apply_compile()
             self._set_step_cache(self.plan["step_cache"].value == "fbcache")
         except BaseException:
@@ -160,6 +161,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
             "batch_events": list(self.batch_events),
             "capabilities": capabilities.to_dict(self.capabilities) if self.capabilities else None,
             "compile_cache": self.compile_cache_status(),
+            "eager_fusions": self.fusions.to_dict() if self.fusions is not None else None,
         }
 
     # -- LoRAs ------------------------------------------------------------------

@@ -24,6 +24,7 @@ from engine.preflight.source import ModelSource
 from engine.runtime import capabilities, quantize
 from engine.runtime.attention import DIFFUSERS_BACKENDS, Installer
 from engine.runtime.compile_cache import CompileCache
+from engine.runtime.fusions import FusionReport, fuse
 
 
 class SpeedControls:
@@ -59,6 +60,20 @@ class SpeedControls:
             self._record("attention_backend", Resolved(
                 "native", resolved.source, f"{backend} could not be set ({exc}); native SDPA"
             ))
+
+    #: What the eager fusions patched at load (None: the plan engaged none).
+    fusions: FusionReport | None = None
+
+    def _apply_fusions(self) -> None:
+        """Fuse the blocks the family's table names, where the plan engages it; a block
+        whose source changed stays as it is and the status says which and why."""
+        self.fusions = None
+        if not self.plan.value("eager_fusions"):
+            return
+        self.fusions = fuse(self.denoiser, self.source.family.eager_fusions)
+        if not self.fusions.fused:
+            why = "; ".join(f"{name}: {reason}" for name, reason in self.fusions.skipped.items())
+            self._record("eager_fusions", Resolved(False, "auto", f"no block could be fused ({why})"))
 
     #: Generate calls since load, and whether the regional compile has run.
     _images = 0

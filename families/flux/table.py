@@ -5,6 +5,7 @@ the 16-channel VAE (0.2 GB); sampling defaults per published checkpoint.
 """
 
 from engine.types import (
+    FusionSite,
     ActivationFigures,
     Checkpoint,
     ComponentSizes,
@@ -71,6 +72,10 @@ FLUX = FamilySpec(
     controlnet_classes=("FluxControlNetModel",),
     sizes=ComponentSizes(transformer_gb=23.8, text_encoders_gb=9.8, vae_gb=0.2),
     compile_regions=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+    eager_fusions=(
+        FusionSite("FluxTransformerBlock", 6), FusionSite("FluxSingleTransformerBlock", 1),
+        FusionSite("AdaLayerNormZero", 1), FusionSite("AdaLayerNormZeroSingle", 1),
+    ),
     # FluxPipeline opens a cache context around its transformer calls; the
     # Kontext and img2img pipelines do not (First-Block-Cache would fail there).
     cache_context_pipelines=("FluxPipeline",),

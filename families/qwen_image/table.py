@@ -6,6 +6,7 @@ A/B measurements against the dense bf16 reference that justify them.
 """
 
 from engine.types import (
+    FusionSite,
     ActivationFigures,
     Checkpoint,
     ComponentSizes,
@@ -81,6 +82,7 @@ QWEN_IMAGE = FamilySpec(
     workflows=(("img2img", "QwenImageImg2ImgPipeline"), ("inpaint", "QwenImageInpaintPipeline")),
     sizes=ComponentSizes(transformer_gb=40.9, text_encoders_gb=16.6, vae_gb=0.3),
     compile_regions=("QwenImageTransformerBlock",),
+    eager_fusions=(FusionSite("QwenImageTransformerBlock", 5, ("forward", "_modulate")),),
     # Real classifier-free guidance: the pipeline's guidance knob is true_cfg_scale.
     guidance_kwarg="true_cfg_scale",
     # Every Qwen-Image pipeline opens a cache context around its transformer calls.

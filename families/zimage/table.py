@@ -5,6 +5,7 @@ encoder (8.0 GB) and the 16-channel VAE (0.2 GB).
 """
 
 from engine.types import (
+    FusionSite,
     ActivationFigures,
     Checkpoint,
     ComponentSizes,
@@ -50,6 +51,7 @@ ZIMAGE = FamilySpec(
     workflows=(("img2img", "ZImageImg2ImgPipeline"), ("inpaint", "ZImageInpaintPipeline")),
     sizes=ComponentSizes(transformer_gb=12.3, text_encoders_gb=8.0, vae_gb=0.2),
     compile_regions=("ZImageTransformerBlock",),
+    eager_fusions=(FusionSite("ZImageTransformerBlock", 2),),
     cache_context_pipelines=(),
     optimization_deny=(
         OptimizationDeny(
