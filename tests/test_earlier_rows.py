@@ -137,6 +137,19 @@ def test_an_explicit_resident_that_does_not_fit_falls_to_the_next_tier_and_stric
     assert "overridden" in capsys.readouterr().err
 
 
+def test_z_image_int8_on_a_16_gb_card_keeps_its_denoiser_resident_and_streams_the_encoders() -> None:
+    """The earlier system's case: Z-Image int8 on a 16 GB card took 48 minutes for one image
+    under whole-model offload; "group offload with streamed encoders takes minutes". Here the
+    int8 denoiser (6.6 GB) stays resident and the encoders stream per prompt, a tier faster
+    still; the dense 12.3 GB transformer, which cannot fit with the overhead, streams its
+    blocks (group offload), never whole-module offload."""
+    card = preset("rtx4090").replace(total_memory_gb=16.0, free_memory_gb=15.5, device_name="GeForce RTX 4080")
+    int8 = plan("zimage", card, quant="int8")
+    assert (int8.value("memory_mode"), int8.value("text_encoder_memory")) == ("resident", "streamed")
+    dense = plan("zimage", card, quant="none")
+    assert dense.value("memory_mode") == "group_offload" and "does not fit" in dense["memory_mode"].reason
+
+
 # -- quantisation --------------------------------------------------------------------------
 
 
