@@ -15,7 +15,10 @@ compile's graphs cover the shapes it met); the key's manifest lists the
 shapes already saved, so a new shape saves the grown set once and a shape
 seen before writes nothing. ``DIFFUSION_ENGINE_COMPILE_CACHE=0`` turns it off.
 A cache that cannot be read is dropped and rebuilt; nothing here can fail a
-generate.
+generate. torch deserialises these artifacts as it does its own inductor
+cache (``/tmp/torchinductor_$USER``): they are trusted as the user's own
+files, so they live only in the user's data folder, which no route of the
+server writes to.
 """
 
 from __future__ import annotations

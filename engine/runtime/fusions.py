@@ -5,7 +5,8 @@ modulation ``x * (1 + scale) + shift`` and each gated residual
 ``h = h + gate * out`` (or ``out = gate * out; h = h + out``) run as two
 kernels and a temporary each. ``torch.addcmul(a, b, c)`` computes ``a + b * c``
 in one. The rewrite is done on the block's own source (read with ``inspect``,
-rewritten as an AST, compiled in the block module's namespace): nothing of
+rewritten as an AST, compiled into a function over the block module's own
+globals; nothing is executed at module level): nothing of
 diffusers is copied here, and a block whose source changed is never patched
 blindly. The family's table names each block class, the methods to rewrite and
 how many rewrites it expects (:class:`~engine.family_sections.FusionSite`);
@@ -144,10 +145,16 @@ def fused_method(cls: type, method: str) -> tuple[Callable[..., Any] | None, int
         return None, 0, f"the source of {cls.__name__}.{method} cannot be read ({exc})"
     rewrite = _AddcmulRewrite()
     tree = ast.fix_missing_locations(rewrite.visit(tree))
-    namespace = dict(vars(sys.modules[cls.__module__]))
-    namespace.setdefault("torch", torch)
-    exec(compile(tree, f"<{cls.__module__}.{cls.__name__}.{method}, fused>", "exec"), namespace)  # noqa: S102
-    return namespace[function.__name__], rewrite.count, ""
+    # The rewritten ``def`` compiled, and its code object made a function over the block
+    # module's own globals, with the original's defaults (the signature is unchanged).
+    module_code = compile(tree, f"<{cls.__module__}.{cls.__name__}.{method}, fused>", "exec")
+    code = next(c for c in module_code.co_consts if isinstance(c, types.CodeType) and c.co_name == function.__name__)
+    namespace = vars(sys.modules[cls.__module__])
+    if "torch" not in namespace:
+        return None, 0, f"{cls.__module__} does not import torch"
+    fused = types.FunctionType(code, namespace, function.__name__, function.__defaults__)
+    fused.__kwdefaults__ = function.__kwdefaults__
+    return fused, rewrite.count, ""
 
 
 def fuse(denoiser: torch.nn.Module, sites: Iterable[Any]) -> FusionReport:
