@@ -259,3 +259,50 @@ def test_kohya_metadata_fields() -> None:
     assert meta["ss_base_model_version"] == "sdxl" and meta["ss_sd_model_name"] == "sdxl-base"
     assert (meta["ss_network_dim"], meta["ss_network_alpha"], meta["ss_steps"]) == ("16", "8.0", "500")
     assert all(isinstance(v, str) for v in meta.values())
+
+
+@pytest.mark.slow
+def test_the_engines_full_flux_kohya_export_round_trips_through_generate_lora(
+    tiny_pipeline: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every default FLUX target, single blocks' fused ``linear1`` included, exported to the
+    kohya layout and given to ``generate --lora``: the fused modules are split with the
+    tiny model's own widths (diffusers' converter assumes the full-size model's), and the
+    image equals the diffusers-format file's."""
+    from PIL import Image
+
+    from engine.cli import main
+
+    folder = tiny_pipeline("flux")
+    pipe, state = adapted(folder, "flux")  # the family's default targets
+    diffusers_file, kohya_file = write_both(pipe, "flux", state, tmp_path)
+    with safe_open(str(kohya_file), "pt") as handle:
+        assert "lora_unet_single_blocks_0_linear1.lora_down.weight" in handle.keys()
+    images = {}
+    for name, lora in (("diffusers", diffusers_file), ("kohya", kohya_file), ("plain", None)):
+        out = tmp_path / f"{name}.png"
+        args = ["generate", "--model", str(folder), "--prompt", "a lighthouse at dusk", "--steps", "2", "--seed", "3",
+                "--width", "64", "--height", "64", "-o", str(out)] + (["--lora", str(lora)] if lora else [])
+        assert main(args) == 0, capsys.readouterr().err[-2000:]
+        images[name] = np.asarray(Image.open(out)).astype(np.int16)
+    assert "Traceback" not in capsys.readouterr().err
+    assert np.abs(images["diffusers"] - images["plain"]).mean() > 0.5  # the LoRA does something
+    assert np.abs(images["kohya"] - images["diffusers"]).max() <= 1
+
+
+def test_a_lora_diffusers_refuses_with_an_empty_message_is_a_lora_mismatch_naming_the_error(
+    tiny_pipeline: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """diffusers' FLUX kohya converter asserts (with no message) on widths it does not
+    expect; read without the model's widths, that is a ``lora_mismatch`` naming the
+    library's error, never an IndexError."""
+    from diffusers import FluxPipeline
+
+    from engine.preflight.lora import LoraMismatch
+
+    pipe, state = adapted(tiny_pipeline("flux"), "flux")
+    _, kohya_file = write_both(pipe, "flux", state, tmp_path)
+    [lora] = read_loras([LoraChoice(str(kohya_file))])
+    with pytest.raises(LoraMismatch) as refused:
+        converted_state_dict(FluxPipeline, lora)
+    assert refused.value.code == "lora_mismatch" and "AssertionError" in refused.value.message

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from engine.errors import EngineError
+from engine.runtime.quantize import first_line
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
@@ -36,7 +37,7 @@ def add_adapter(denoiser: torch.nn.Module, config: Any, adapter_name: str) -> st
         inject_adapter_in_model(config, denoiser, adapter_name=adapter_name)
     except ValueError as exc:  # peft: no target module found
         raise AdapterFailed(
-            f"peft could not add a LoRA to {type(denoiser).__name__}: {str(exc).splitlines()[0][:300]}; "
+            f"peft could not add a LoRA to {type(denoiser).__name__}: {first_line(exc)[:300]}; "
             "check the family's lora.targets (or the run's lora_targets)"
         ) from exc
     return f"peft's inject_adapter_in_model ({type(denoiser).__name__} has no add_adapter)"

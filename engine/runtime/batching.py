@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine.policy.batch import BatchItem, batch_items
+from engine.runtime.quantize import first_line
 
 __all__ = ["BatchItem", "SplitEvent", "batch_items", "chunk_size", "generators", "run_chunked"]
 
@@ -70,7 +71,7 @@ def run_chunked(
                 raise
             half = (len(chunk) + 1) // 2
             _free_device_memory()
-            on_split(SplitEvent(len(chunk), (half, len(chunk) - half), str(exc).splitlines()[0][:200]))
+            on_split(SplitEvent(len(chunk), (half, len(chunk) - half), first_line(exc)[:200]))
             pending[:0] = [chunk[:half], chunk[half:]]
     return results
 

@@ -32,6 +32,7 @@ from engine.errors import EngineError
 from engine.plugins import Registry
 from engine.preflight.lora import LoraFile, LoraMismatch, mismatch_error
 from engine.preflight.source import ModelSource
+from engine.runtime.quantize import first_line
 from engine.types import FamilySpec
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
@@ -44,12 +45,27 @@ class LoraLoadFailed(EngineError):
 # -- conversion and matching ---------------------------------------------------------
 
 
-def converted_state_dict(pipeline_cls: type, file: LoraFile, unet_config: Any = None) -> dict[str, torch.Tensor]:
+def converted_state_dict(
+    pipeline_cls: type, file: LoraFile, unet_config: Any = None, *,
+    family: FamilySpec | None = None, denoiser: torch.nn.Module | None = None,
+) -> dict[str, torch.Tensor]:
     """``file`` in diffusers' keys (``<component>.<module>...``), converted by
-    ``pipeline_cls.lora_state_dict`` exactly as ``load_lora_weights`` does."""
+    ``pipeline_cls.lora_state_dict`` exactly as ``load_lora_weights`` does; a kohya file
+    of ``family`` with fused modules is split with ``denoiser``'s own widths first
+    (:func:`engine.training.export.diffusers_from_kohya`: diffusers' converter assumes
+    the full-size model's)."""
     from safetensors.torch import load_file
 
     state = load_file(str(file.path))
+    if family is not None and denoiser is not None and family.lora.kohya_map:
+        from engine.training.export import diffusers_from_kohya
+
+        linears = {name: int(getattr(getattr(m, "base_layer", m), "out_features"))
+                   for name, m in denoiser.named_modules()
+                   if hasattr(getattr(m, "base_layer", m), "out_features") and "lora_" not in name}
+        split = diffusers_from_kohya(family, state, linears)
+        if split is not None:
+            return {f"{family.denoiser}.{key}": value for key, value in split.items()}
     if not callable(getattr(pipeline_cls, "lora_state_dict", None)):
         return dict(state)  # no diffusers LoRA loader: the engine's own save format, as it is
     kwargs: dict[str, Any] = {}
@@ -60,7 +76,7 @@ def converted_state_dict(pipeline_cls: type, file: LoraFile, unet_config: Any = 
     except (ValueError, KeyError, AssertionError, RuntimeError) as exc:
         raise LoraMismatch(
             f"LoRA {file.path} could not be read as a {pipeline_cls.__name__} LoRA by diffusers "
-            f"({str(exc).splitlines()[0][:300]}); give a LoRA trained for this model"
+            f"({first_line(exc)[:300]}); give a LoRA trained for this model"
         ) from None
     return dict(result[0] if isinstance(result, tuple) else result)
 
@@ -147,7 +163,8 @@ def check_loras(registry: Registry, source: ModelSource, files: Sequence[LoraFil
     pipeline_cls = _pipeline_class(root)
     skeleton = _Skeleton(root)
     for file in files:
-        state = converted_state_dict(pipeline_cls, file, unet_config=skeleton.unet_config())
+        state = converted_state_dict(pipeline_cls, file, unet_config=skeleton.unet_config(),
+                                     family=source.family, denoiser=skeleton.get(source.family.denoiser))
         components = {name: skeleton.get(name) for name in {k.partition(".")[0] for k in state}}
         present = {name: model for name, model in components.items() if model is not None}
         _refuse_unmatched(registry, source.family, file, state, present)
@@ -158,7 +175,8 @@ def check_on_pipeline(registry: Registry, family: FamilySpec, pipe: Any, files: 
     components = {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
     unet = components.get("unet")
     for file in files:
-        state = converted_state_dict(type(pipe), file, unet_config=getattr(unet, "config", None))
+        state = converted_state_dict(type(pipe), file, unet_config=getattr(unet, "config", None),
+                                     family=family, denoiser=components.get(family.denoiser))
         _refuse_unmatched(registry, family, file, state, components)
 
 
@@ -236,8 +254,11 @@ class _Skeleton:
 class LoraSet:
     """The LoRAs applied to one pipeline, and how (the plan's ``lora`` control)."""
 
-    def __init__(self, pipe: Any, mode: str, max_rank: int, hooks: HookAdapters | None = None) -> None:
+    def __init__(self, pipe: Any, mode: str, max_rank: int, hooks: HookAdapters | None = None,
+                 family: FamilySpec | None = None) -> None:
         self.pipe = pipe
+        #: The family, whose kohya files with fused modules are split with the model's widths.
+        self.family = family
         #: Set where the pipeline has no diffusers LoRA loader: LoRAs load
         #: through the ``engine_lora_load`` hook, unfused.
         self.hooks = hooks
@@ -268,10 +289,10 @@ class LoraSet:
                 self._apply_hotswap(files)
             else:
                 self._apply_adapters(files)
-        except (ValueError, RuntimeError, KeyError) as exc:
+        except (ValueError, RuntimeError, KeyError, AssertionError, IndexError) as exc:
             raise LoraLoadFailed(
                 f"applying LoRA(s) {', '.join(str(f.path) for f in files)} failed: "
-                f"{str(exc).splitlines()[0][:300]}"
+                f"{first_line(exc)[:300]}"
             ) from exc
         self.applied = files
 
@@ -290,7 +311,7 @@ class LoraSet:
                 if self.hooks is not None:
                     self.hooks.load(file, name)
                 else:
-                    self.pipe.load_lora_weights(str(file.path), adapter_name=name)
+                    self.pipe.load_lora_weights(self._loadable(file), adapter_name=name)
                 self._names[file.path] = name
         if not files:
             return
@@ -312,15 +333,26 @@ class LoraSet:
                     "declared at load; load the model again with this LoRA among its LoRAs"
                 )
             if index < len(self._slots):
-                self.pipe.load_lora_weights(str(file.path), adapter_name=self._slots[index], hotswap=True)
+                self.pipe.load_lora_weights(self._loadable(file), adapter_name=self._slots[index], hotswap=True)
             else:
                 name = f"slot{index}"
-                self.pipe.load_lora_weights(str(file.path), adapter_name=name)
+                self.pipe.load_lora_weights(self._loadable(file), adapter_name=name)
                 self._slots.append(name)
         if self._slots:
             # Unused slots stay loaded at weight 0: removing them would recompile.
             weights = [f.scale for f in files] + [0.0] * (len(self._slots) - len(files))
             self.pipe.set_adapters(self._slots, adapter_weights=weights)
+
+    def _loadable(self, file: LoraFile) -> str | dict[str, torch.Tensor]:
+        """What ``load_lora_weights`` takes for ``file``: its path, or, for a kohya file with
+        fused modules, the state split with this model's widths (diffusers assumes the
+        full-size model's)."""
+        if self.family is None or not self.family.lora.kohya_map or not any(
+                key.startswith("lora_unet_") for key in file.keys):
+            return str(file.path)
+        state = converted_state_dict(type(self.pipe), file, family=self.family,
+                                     denoiser=getattr(self.pipe, self.family.denoiser))
+        return state if all(key.startswith(f"{self.family.denoiser}.") for key in state) else str(file.path)
 
     def _unfuse(self) -> None:
         if self._fused:
@@ -357,7 +389,7 @@ class HookAdapters:
         return getattr(self.pipe, self.family.denoiser)
 
     def load(self, file: LoraFile, name: str) -> None:
-        state = converted_state_dict(type(self.pipe), file)
+        state = converted_state_dict(type(self.pipe), file, family=self.family, denoiser=self.denoiser)
         prefix = self.family.denoiser + "."
         others = sorted({k.partition(".")[0] for k in state if not k.startswith(prefix)})
         if others:

@@ -174,7 +174,8 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
         hooks = None
         if self.capabilities is not None and not self.capabilities["pipeline_lora"].verified:
             hooks = HookAdapters(self.registry, self.source.family, self._pipe)
-        self.loras = LoraSet(self._pipe, "unfused" if mode == "none" else mode, ranks, hooks)
+        self.loras = LoraSet(self._pipe, "unfused" if mode == "none" else mode, ranks, hooks,
+                             family=self.source.family)
         self.loras.prepare_hotswap()
         if self._initial_loras:
             check_on_pipeline(self.registry, self.source.family, self._pipe, self._initial_loras)

@@ -106,6 +106,53 @@ def kohya_state_dict(
     return kohya
 
 
+def diffusers_from_kohya(
+    family: FamilySpec, kohya: Mapping[str, torch.Tensor], linears: Mapping[str, int]
+) -> dict[str, torch.Tensor] | None:
+    """A kohya / ComfyUI LoRA of ``family`` in peft keys (``<module>.lora_A.weight``), or None
+    when it names no module of the family's ``kohya_map`` (diffusers' own converters read it).
+
+    The inverse of :func:`kohya_state_dict`, with the widths taken from the model
+    (``linears``: every Linear of the denoiser and its out features), never assumed: a
+    fused module's ``up`` is split by the parts' widths, each part keeping the whole
+    ``down``, so each part's delta is exactly its rows of the fused delta (true for any
+    fused LoRA, block-diagonal or not). ``alpha / rank`` is folded into ``down``. A
+    module the model does not have (or whose widths differ) keeps its kohya name, so the
+    caller's match check names it.
+    """
+    rules = [_Rule(target, sources) for target, sources in family.lora.kohya_map]
+    prefix, down_key = "lora_unet_", ".lora_down.weight"
+    modules = sorted(k[len(prefix):-len(down_key)] for k in kohya if k.startswith(prefix) and k.endswith(down_key))
+    targets = [(re.compile("^" + re.escape(rule.target).replace(r"\{i\}", r"(\d+)") + "$"), rule) for rule in rules]
+    underscored = {name.replace(".", "_"): name for name in linears}
+    converted: dict[str, torch.Tensor] = {}
+    fused_seen = False
+    for module in modules:
+        down, up = kohya[f"{prefix}{module}{down_key}"], kohya.get(f"{prefix}{module}.lora_up.weight")
+        if up is None:
+            continue
+        alpha = kohya.get(f"{prefix}{module}.alpha")
+        scale = (float(alpha) if alpha is not None else down.shape[0]) / down.shape[0]
+        hit = next(((found, rule) for pattern, rule in targets if (found := pattern.match(module))), None)
+        if hit is not None:
+            found, rule = hit
+            block = found.group(1) if found.groups() else ""
+            sources = [source.replace("{i}", block) for source in rule.sources]
+            fused_seen = True
+        else:
+            sources = [underscored.get(module, f"{prefix}{module}")]
+        widths = [linears.get(source) for source in sources]
+        if any(w is None for w in widths) or sum(widths) != up.shape[0]:  # type: ignore[arg-type]
+            converted[f"{prefix}{module}.lora_A.weight"], converted[f"{prefix}{module}.lora_B.weight"] = down, up
+            continue
+        offset = 0
+        for source, width in zip(sources, widths, strict=True):
+            converted[f"{source}{_A}"] = down * scale
+            converted[f"{source}{_B}"] = up[offset:offset + width]  # type: ignore[operator]
+            offset += width  # type: ignore[operator]
+    return converted if fused_seen else None
+
+
 def _put(kohya: dict[str, torch.Tensor], name: str, down: torch.Tensor, up: torch.Tensor, alpha: float) -> None:
     kohya[f"{name}.lora_down.weight"] = down.contiguous()
     kohya[f"{name}.lora_up.weight"] = up.contiguous()
