@@ -202,10 +202,15 @@ def _run_training(engine, config, as_json: bool, resume: str | None = None) -> i
         for name, path in record.outputs.items():
             print(f"  {name}: {path}")
         print(f"  record: {record.path}")
+        if "lora_from_checkpoint" in record.outputs:
+            print(f"the LoRA is the last checkpoint's ({Path(record.outputs['lora_from_checkpoint']).name}): "
+                  "the step in progress when it was stopped was not saved")
         if record.error:
             print(f"error[{record.error['code']}]: {record.error['message']}", file=sys.stderr)
         elif record.status == "completed":
             print(f"Training complete: {record.steps} steps; the LoRA is {record.outputs.get('lora', record.folder)}")
+    if interrupts:
+        return 130  # stopped by Ctrl-C, as a shell reports an interrupted command (and `generate` does)
     return 0 if record.status in ("completed", "stopped") else 1
 
 

@@ -173,11 +173,29 @@ class TrainingRun:
         return self.record
 
     def _latest_outputs(self) -> dict[str, str]:
+        """The last checkpoint, and its LoRA copied to the run's top level (where a finished
+        run's LoRA is, so ``generate --lora RUN`` and the LoRA roots find it), saying so."""
+        import shutil
+
         from engine.training.checkpoints import latest_checkpoint, remove_partial
+        from engine.training.export import LORA_WEIGHTS
 
         remove_partial(self.record.folder)  # the child may have died mid-write
         latest = latest_checkpoint(self.record.folder)
-        return {"checkpoint": str(latest)} if latest is not None else {}
+        if latest is None:
+            return {}
+        outputs = {"checkpoint": str(latest)}
+        lora = latest / LORA_WEIGHTS
+        if lora.is_file():
+            top = self.record.folder / LORA_WEIGHTS
+            temporary = top.with_name(f".{LORA_WEIGHTS}.tmp")
+            try:
+                shutil.copyfile(lora, temporary)
+                os.replace(temporary, top)
+                outputs.update(lora=str(top), lora_from_checkpoint=str(latest))
+            except OSError:
+                temporary.unlink(missing_ok=True)
+        return outputs
 
     def kill(self) -> None:
         """End the child at once (a crash, as far as the record is concerned)."""
