@@ -163,9 +163,16 @@ class CatalogQuestions:
             "families": {f.name: images_info(self.registry, f).to_dict() for f in self.registry.families.values()},
         }
 
-    def train_info(self) -> dict[str, object]:
+    def train_info(self, *, device: str = "auto") -> dict[str, object]:
+        """Per family: the base precisions a run offers here on ``device`` (auto, cuda, cpu),
+        and why each other one is not offered (the Train page reads it for its Device choice)."""
+        from engine.policy.training import DEVICES
+
+        if device not in DEVICES:
+            raise EngineError(f"device must be one of {', '.join(DEVICES)} (got {device!r})", code="invalid_request")
         hardware = self.available_memory().apply(self.hardware())
-        return {f.name: training_info(self.registry, f, hardware).to_dict() for f in self.registry.families.values()}
+        return {f.name: training_info(self.registry, f, hardware, device=device).to_dict()  # type: ignore[arg-type]
+                for f in self.registry.families.values()}
 
 
 def _new_folder(folder: Path) -> Path:

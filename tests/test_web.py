@@ -58,6 +58,7 @@ def site(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str]
     for folder in (models, datasets, outputs):
         folder.mkdir()
     shutil.copytree(tiny_pipeline("sdxl"), models / "tiny-sdxl")
+    shutil.copytree(tiny_pipeline("flux"), models / "tiny-flux")
     write_dataset(datasets / "shapes", count=2, size=64)
     corrupt = write_dataset(datasets / "corrupt", count=2, size=64)
     (corrupt / "zero.png").write_bytes(b"")
@@ -129,7 +130,7 @@ def test_the_page_is_public_and_every_api_call_needs_the_token(site: Site) -> No
         assert response.json()["error"]["code"] == "unauthorized"
     auth = {"Authorization": f"Bearer {TOKEN}"}
     roots = httpx.get(f"{site.url}/v1/roots", headers=auth).json()
-    assert [m["family"] for m in roots["models"]] == ["sdxl"]
+    assert sorted(m["family"] for m in roots["models"]) == ["flux", "sdxl"]
     assert {d["name"]: d["images"] for d in roots["datasets"]} == {"corrupt": 3, "shapes": 2}
     # The dry run over HTTP: the plan a start would run, or its refusal, with nothing loaded or evicted.
     body = {"base_model": "tiny-sdxl", "dataset_dir": "shapes", "resolution": 64, "steps": 2, "device": "cpu"}
@@ -182,6 +183,7 @@ def test_generate_an_image_from_the_page(site: Site, open_page: Callable[..., Wa
     page = signed_in(site, watched)
     tab(page, "generate")
     page.wait_for_selector("#gen-model option[value$='tiny-sdxl']", state="attached")  # type: ignore[attr-defined]
+    page.select_option("#gen-model", value=str(site.roots / "models" / "tiny-sdxl"))  # type: ignore[attr-defined]
     page.click("#gen-plan")  # type: ignore[attr-defined]
     page.wait_for_selector("#gen-plan-out table")  # type: ignore[attr-defined]
     assert "sdxl" in page.inner_text("#gen-plan-out h3")  # type: ignore[attr-defined]
@@ -250,9 +252,30 @@ def test_the_dataset_manager_uploads_captions_and_deletes_from_the_page(
     assert only_refusals(watched.errors, 409) and len(watched.errors) == 1
 
 
-def choose_dataset(page: object, name: str, *, images: int) -> None:
-    """The Train tab, with the dataset root's ``name`` picked once the listing has it."""
+def test_the_train_page_offers_the_precisions_of_the_device_chosen(site: Site, open_page: Callable[..., Watched]) -> None:
+    """On this CPU machine a FLUX run with Device auto offers nothing (it needs a GPU, and
+    says to pick the CPU); with Device cpu the page asks again and offers what trains on
+    the CPU, never telling the user to pass device=cpu while it is chosen."""
+    watched = open_page()
+    page = signed_in(site, watched)
     tab(page, "train")
+    page.wait_for_selector("#train-base option[value$='tiny-flux']", state="attached")  # type: ignore[attr-defined]
+    page.select_option("#train-base", value=str(site.roots / "models" / "tiny-flux"))  # type: ignore[attr-defined]
+    page.wait_for_selector("#train-precision label.mode")  # type: ignore[attr-defined]
+    assert page.locator("#train-precision input:not([disabled])").count() == 0  # type: ignore[attr-defined]
+    assert "device=cpu" in page.inner_text("#train-precision")  # type: ignore[attr-defined]
+    page.select_option("#train-device", "cpu")  # type: ignore[attr-defined]
+    page.wait_for_selector("#train-precision input:not([disabled])")  # type: ignore[attr-defined]
+    assert "Pass device=cpu" not in page.inner_text("#train-precision")  # type: ignore[attr-defined]
+    assert any("v1/training/info?device=cpu" in url for url in watched.requests)
+    assert watched.errors == []
+
+
+def choose_dataset(page: object, name: str, *, images: int) -> None:
+    """The Train tab, with the tiny SDXL base and the dataset root's ``name`` picked once listed."""
+    tab(page, "train")
+    page.wait_for_selector("#train-base option[value$='tiny-sdxl']", state="attached")  # type: ignore[attr-defined]
+    page.select_option("#train-base", label="tiny-sdxl (sdxl)")  # type: ignore[attr-defined]
     page.wait_for_selector(f"#train-dataset option[value$='{name}']", state="attached")  # type: ignore[attr-defined]
     page.select_option("#train-dataset", label=f"{name} ({images} images)")  # type: ignore[attr-defined]
 

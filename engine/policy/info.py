@@ -16,6 +16,7 @@ from engine.policy.encoders import encoder_denials, encoder_gb
 from engine.schemes import ENCODER_SCHEMES
 from engine.policy.schemes import SCHEME_SIZES, transformer_gb
 from engine.policy.training import (
+    Device,
     MemoryRequest,
     TrainingThresholds,
     resolve_training_precision,
@@ -118,9 +119,11 @@ def training_info(
     family: FamilySpec,
     hardware: HardwareProfile,
     thresholds: TrainingThresholds = TrainingThresholds(),
+    device: Device = "auto",
 ) -> TrainingInfo:
-    """What training ``family`` on ``hardware`` offers, and why each other base precision is not offered."""
-    info = _offered(registry, family, hardware, thresholds)
+    """What training ``family`` on ``hardware`` offers, and why each other base precision is not
+    offered; ``device`` as a run would ask (``cpu``: what trains on the CPU here)."""
+    info = _offered(registry, family, hardware, thresholds, device)
     candidates = registry.training_precision_modes(family, hardware) if info.trainable else ()
     memory = MemoryRequest.from_table(family, TrainingShape(gradient_checkpointing=None)) if candidates else None
     denied: dict[str, str] = {}
@@ -131,7 +134,7 @@ def training_info(
             denied[mode] = info.vram_note
         elif mode in candidates:
             error = training_precision_preflight_error(
-                registry, family, hardware, mode, thresholds=thresholds, memory=memory
+                registry, family, hardware, mode, thresholds=thresholds, memory=memory, device=device
             )
             denied[mode] = error.message if error else f"{mode} is not offered here"
         else:
@@ -140,7 +143,8 @@ def training_info(
 
 
 def _offered(
-    registry: Registry, family: FamilySpec, hardware: HardwareProfile, thresholds: TrainingThresholds
+    registry: Registry, family: FamilySpec, hardware: HardwareProfile, thresholds: TrainingThresholds,
+    device: Device = "auto",
 ) -> TrainingInfo:
     if registry.training_objective(family) is None:
         return TrainingInfo(family.name, False, (), None, False,
@@ -149,7 +153,7 @@ def _offered(
     candidates = registry.training_precision_modes(family, hardware)
     if not candidates:
         # The trainer ignores base_precision: only the machine-wide checks apply.
-        error = training_precision_preflight_error(registry, family, hardware, "auto")
+        error = training_precision_preflight_error(registry, family, hardware, "auto", device=device)
         note = error.message if error else (
             f"{family.label} trains {_training_device(hardware)}; base precision does not apply to its trainer"
             + ("" if hardware.native_bf16 or not hardware.cuda else " (fp16 mixed precision: no native bf16 here)")
@@ -159,7 +163,7 @@ def _offered(
     memory = MemoryRequest.from_table(family, TrainingShape(gradient_checkpointing=None))
     errors = {
         mode: training_precision_preflight_error(
-            registry, family, hardware, mode, thresholds=thresholds, memory=memory
+            registry, family, hardware, mode, thresholds=thresholds, memory=memory, device=device
         )
         for mode in candidates
     }
@@ -169,7 +173,7 @@ def _offered(
         first = next(e for e in errors.values() if e is not None)
         return TrainingInfo(family.name, False, (), None, False, first.message)
     recommended = resolve_training_precision(
-        registry, family, hardware, "auto", thresholds=thresholds, memory=memory
+        registry, family, hardware, "auto", thresholds=thresholds, memory=memory, device=device
     )
     best = recommended.value if "auto" in modes else next(m for m in modes if m != "auto")
     free = "unknown" if hardware.free_memory_gb is None else f"{hardware.free_memory_gb:.1f} GB"
@@ -177,12 +181,12 @@ def _offered(
         f"{free} free; dense bf16 base {family.training.dense_gb} GB; "
         + (recommended.reason if "auto" in modes else f"auto is unavailable, {best} is")
     )
-    device = training_device(hardware)
+    where = training_device(hardware, device)
     peaks = {
-        mode: round(memory.estimate(family, mode, device).peak_gb, 1)
+        mode: round(memory.estimate(family, mode, where).peak_gb, 1)
         for mode in modes if mode != "auto" and family.training.memory is not None
     }
-    breakdown = memory.estimate(family, best, device).to_dict() if family.training.memory else None
+    breakdown = memory.estimate(family, best, where).to_dict() if family.training.memory else None
     compiles = regions and any(m not in UNCOMPILED_MODES for m in modes if m != "auto")
     return TrainingInfo(family.name, True, modes, best, compiles, note, peaks, breakdown)
 

@@ -198,8 +198,9 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         return {"created": int(time.time()), "data": [{"b64_json": image} for image in images]}
 
     @api.get("/training/info")
-    def training_info() -> dict[str, Any]:
-        return engine.train_info()
+    def training_info(device: str = "auto") -> dict[str, Any]:
+        """Per family, the base precisions a run offers on ``device`` (auto, cuda, cpu), the others with why."""
+        return engine.train_info(device=device)
 
     def training_config(body: TrainingStartBody) -> Any:
         confined: dict[str, Any] = {

@@ -22,6 +22,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#ds-new").addEventListener("submit", newDataset);
   $("#ds-upload").addEventListener("submit", uploadImages);
   $("#train-base").addEventListener("change", precisionChoices);
+  $("#train-device").addEventListener("change", deviceChanged);
   $("#train-check").addEventListener("click", () => guarded($("#train"), dryRun));
   $("#train-form").addEventListener("submit", startTraining);
   $("#run-stop").addEventListener("click", () => stopRun(false));

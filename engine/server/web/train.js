@@ -6,12 +6,21 @@
 async function loadTrain() {
   const page = $("#train");
   await guarded(page, async () => {
-    const [found, info] = await Promise.all([roots(true), api("GET", "/v1/training/info")]);
+    const [found, info] = await Promise.all([roots(true), trainingInfo()]);
     state.trainInfo = info;
     fillSelect($("#train-base"), found.models.filter((m) => m.kind === "pipeline"), (m) => `${m.name} (${m.family || "unknown family"})`);
     fillSelect($("#train-dataset"), found.datasets, (d) => `${d.name} (${d.images} images)`);
     precisionChoices();
   });
+}
+
+/** What each family offers on the Device chosen (a CPU run offers what the CPU trains). */
+function trainingInfo() {
+  return api("GET", `/v1/training/info?device=${encodeURIComponent($("#train-device").value)}`);
+}
+
+async function deviceChanged() {
+  await guarded($("#train"), async () => { state.trainInfo = await trainingInfo(); precisionChoices(); });
 }
 
 function precisionChoices() {
