@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from tests.support import run_cli
@@ -63,3 +64,23 @@ def test_generate_tiny_writes_pngs_of_the_asked_size(tmp_path: Path) -> None:
     assert [p.name for p in paths] == ["fox-0.png", "fox-1.png"]
     assert all(Image.open(p).size == (64, 80) for p in paths)
     assert payload["status"]["plan"]["resolved"]["dtype"]["value"] == "fp32"
+
+
+def test_the_progress_bar_ends_once_and_is_not_redrawn_while_a_run_saves(capsys: pytest.CaptureFixture[str]) -> None:
+    """A run polled after its last step (saving its LoRA) repeats step == total: the bar was
+    closed once at 100% and nothing is drawn again (no 0% bar drawn and cleared per poll);
+    the next run of steps (the next image) gets a bar of its own."""
+    import re
+
+    from engine.cli.images import progress_bar
+
+    update = progress_bar("training")
+    for step in range(1, 11):
+        update(step, 10)
+    drawn = capsys.readouterr().err
+    for _ in range(50):  # the CLI polls every 0.2 s while the run saves
+        update(10, 10)
+    assert capsys.readouterr().err == ""  # nothing drawn, nothing cleared
+    assert drawn.count("training:") >= 1 and len(re.findall(r"\b0%\|", drawn)) <= 1
+    update(1, 4)  # the next image's steps
+    assert "training" in capsys.readouterr().err

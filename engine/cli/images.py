@@ -212,16 +212,22 @@ def _png_info(body: Any, item: Any, *, model: str, steps: int, image: Any, index
 
 
 def progress_bar(description: str = "denoising") -> Any:
+    """``update(step, total)``: one bar per run of steps, closed once when it reaches the
+    total. Updates that repeat the finished total (a run saving after its last step, polled
+    meanwhile) draw nothing; a step below it starts the next bar (the next image)."""
     from tqdm import tqdm
 
-    bar: dict[str, tqdm] = {}
+    bar: dict[str, Any] = {"finished": None}
 
     def update(step: int, total: int) -> None:
         if "bar" not in bar:
+            if bar["finished"] == (total, step) or (bar["finished"] is not None and step >= total):
+                return  # the same finished run of steps, asked again
             bar["bar"] = tqdm(total=total, desc=description, unit="step", leave=False)
         bar["bar"].update(step - bar["bar"].n)
         if step >= total:
             bar.pop("bar").close()
+            bar["finished"] = (total, step)
 
     return update
 
