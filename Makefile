@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -22,7 +23,12 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt examples/diffusion-engine
 
 install: $(STAMP)
 
-demo: $(STAMP)
+# The demo needs the engine and its charts, not the test tools (browser drivers, fuzzers).
+$(DEMO_STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[charts]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python examples/demo.py
 
 # The web page's browser tests drive Debian's chromium (never a downloaded browser):

@@ -69,3 +69,18 @@ def test_no_source_file_uses_an_undefined_name() -> None:
         if path.exists():
             api.checkRecursive([str(path)], collected)
     assert collected.found == []
+
+
+def test_the_package_metadata_builds_without_a_warning(tmp_path: Path) -> None:
+    """What ``pip install`` runs first (setuptools' metadata build): no deprecation box of
+    our own making (a TOML-table ``project.license`` printed one three times per install)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-W", "default", "-c",
+         f"from setuptools import build_meta; build_meta.prepare_metadata_for_build_wheel({str(tmp_path)!r})"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Warning" not in done.stderr and "****" not in done.stderr, done.stderr[-2000:]
