@@ -321,6 +321,8 @@ class FamilySpec:
     tiny_pipeline: str = ""
     #: The pipeline component that denoises (``transformer`` or ``unet``).
     denoiser: str = "transformer"
+    #: How messages name the denoiser ("transformer", "UNet").
+    denoiser_label: str = "transformer"
     #: The pipeline call's guidance argument (``true_cfg_scale`` for real CFG).
     guidance_kwarg: str = "guidance_scale"
     optimization_deny: tuple[OptimizationDeny, ...] = ()

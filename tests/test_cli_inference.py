@@ -84,3 +84,17 @@ def test_the_progress_bar_ends_once_and_is_not_redrawn_while_a_run_saves(capsys:
     assert drawn.count("training:") >= 1 and len(re.findall(r"\b0%\|", drawn)) <= 1
     update(1, 4)  # the next image's steps
     assert "training" in capsys.readouterr().err
+
+
+def test_components_are_named_as_the_family_table_names_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """SDXL denoises with a UNet: the plan's sizes and reasons say UNet, not transformer."""
+    from engine.cli import main
+
+    assert main(["plan", "--family", "sdxl", "--hardware", "t4"]) == 0
+    shown = capsys.readouterr().out
+    assert "sizes (table): UNet 5.1 GB" in shown and "transformer 5.1" not in shown
+    assert "a dense UNet with no speed request" in shown
+    assert main(["plan", "--family", "sdxl", "--hardware", "rtx2080ti", "--free-gb", "5", "--quant", "none"]) == 0
+    assert "UNet" in capsys.readouterr().out
+    assert main(["plan", "--family", "flux", "--hardware", "t4"]) == 0
+    assert "sizes (table): transformer 23.8 GB" in capsys.readouterr().out

@@ -70,7 +70,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         how = "Auto" if resolved.source == "auto" else "Set"
         print(f"  {name:<19} {str(resolved.value):<18} {how}: {resolved.reason}")
     for kind, sizes in plan.sizes.items():
-        print(f"  sizes ({kind}): transformer {sizes.transformer_gb:.3g} GB, text encoders "
+        print(f"  sizes ({kind}): {plan.denoiser_label} {sizes.transformer_gb:.3g} GB, text encoders "
               f"{sizes.text_encoders_gb:.3g} GB, VAE {sizes.vae_gb:.3g} GB")
     estimate = plan.estimate
     controlnet = estimate.components.controlnet_gb

@@ -152,6 +152,7 @@ def plan_inference(
             vae_gb=sizes.vae_gb * factor,
             quantised=scheme is not None and scheme != "nf4",
             controlnet_gb=model.controlnet_gb * factor,
+            denoiser_label=family.denoiser_label,
         )
 
     def memory(dtype: str, scheme: str | None, requested: str = request.memory) -> tuple[Resolved[str], MemoryEstimate] | None:
@@ -174,7 +175,7 @@ def plan_inference(
     base = memory(dtype.value, base_quant)
     choice = choose_transformer_scheme(
         quant, prequantised=model.prequantised_scheme, base=base, base_name=base_name,
-        tier=request.speed, memory_for=lambda scheme: memory(dtype.value, scheme),
+        tier=request.speed, memory_for=lambda scheme: memory(dtype.value, scheme), label=family.denoiser_label,
     )
     chosen_quant, chosen, fallback_memory = choice.quant, choice.memory, choice.fallback_memory
     if chosen is None:
@@ -215,7 +216,7 @@ def plan_inference(
             headroom = estimate.budget_gb + (hardware.swap_free_gb or 0.0) - weights_at_decode
         vae_tiling = _checked(resolve_vae_tiling, family, headroom, bytes_, request.vae_tiling)
         quantised = scheme.value is not None or model.gguf_transformer_gb is not None
-        tier = resolve_speed_tier(request.speed, quantised=quantised)
+        tier = resolve_speed_tier(request.speed, quantised=quantised, label=family.denoiser_label)
         steps = request.steps or (model.checkpoint.default_steps if model.checkpoint else FALLBACK_STEPS)
         cache, threshold = _checked(
             resolve_step_cache, request.step_cache, steps,
@@ -287,6 +288,7 @@ def plan_inference(
             compile_from_image=from_image,
             gguf=scheme.value is None and model.gguf_transformer_gb is not None,
             step_cache_may_engage=cache_may_engage,
+            denoiser_label=family.denoiser_label,
         )
         refused = plan_refusals(planned)
         if refused:  # a resolver let through what the compatibility table refuses

@@ -55,6 +55,8 @@ class Components:
     #: A ControlNet loaded beside the denoiser (0: none). It runs with the
     #: denoiser at every step, so offload holds both at once.
     controlnet_gb: float = 0.0
+    #: How reasons name the denoiser ("transformer", "UNet").
+    denoiser_label: str = "transformer"
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def plan_memory(
     limit = thresholds.resident_fraction * budget
     weights = parts.transformer_gb + parts.text_encoders_gb + parts.vae_gb + parts.controlnet_gb
     resident = weights + overhead
-    denoising = "transformer + ControlNet" if parts.controlnet_gb else "transformer"
+    denoising = f"{parts.denoiser_label} + ControlNet" if parts.controlnet_gb else parts.denoiser_label
     named = {denoising: parts.transformer_gb + parts.controlnet_gb, "text encoders": parts.text_encoders_gb,
              "VAE": parts.vae_gb}
     biggest = max(named, key=named.__getitem__)  # what one-at-a-time offload must still hold
@@ -154,7 +156,7 @@ def plan_memory(
         return auto(
             "model_offload",
             f"{sizing} does not fit; one component at a time does ({largest:.1f} GB peak), "
-            "so the transformer stays on the device for every step (streaming its blocks "
+            f"so the {parts.denoiser_label} stays on the device for every step (streaming its blocks "
             "would move it every step)",
         ), estimate("model_offload")
     if parts.quantised:

@@ -122,6 +122,8 @@ class Plan:
     gguf: bool = False
     #: An auto step cache may engage at some generate of the session.
     step_cache_may_engage: bool = False
+    #: How messages name this family's denoiser ("transformer", "UNet").
+    denoiser_label: str = "transformer"
 
     def __getitem__(self, control: str) -> Resolved:
         return self.controls[control]

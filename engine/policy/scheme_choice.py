@@ -43,6 +43,7 @@ def choose_transformer_scheme(
     base_name: str,
     tier: str,
     memory_for: Callable[[str | None], MemoryPlan | None],
+    label: str = "transformer",
 ) -> SchemeChoice:
     """Take ``quant`` (the resolved request) or keep the transformer as given.
 
@@ -79,13 +80,13 @@ def choose_transformer_scheme(
         mode = candidate[0].value  # type: ignore[index]
         was = base[0].value if base else "not fitting at all"
         return SchemeChoice(
-            auto(quant.value, f"the {base_name} transformer plans {was}; {quant.value} plans {mode}. {quant.reason}"),
+            auto(quant.value, f"the {base_name} {label} plans {was}; {quant.value} plans {mode}. {quant.reason}"),
             candidate, base,
         )
     if candidate is not None and base is not None and tier == "max" and quant.value in ("fp8", "mxfp8", "int8"):
         return SchemeChoice(auto(quant.value, f"max tier: {quant.value} GEMMs for speed. {quant.reason}"), candidate, base)
     where = base[0].value if base else "nowhere"
     return SchemeChoice(
-        auto(None, f"the {base_name} transformer plans {where}; quantising would not improve the plan (candidate: {quant.value})"),
+        auto(None, f"the {base_name} {label} plans {where}; quantising would not improve the plan (candidate: {quant.value})"),
         base,
     )

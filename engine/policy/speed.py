@@ -58,7 +58,7 @@ class StepCacheThresholds:
     quantised_threshold: float = 0.12
 
 
-def resolve_speed_tier(requested: str, *, quantised: bool) -> Resolved[str]:
+def resolve_speed_tier(requested: str, *, quantised: bool, label: str = "transformer") -> Resolved[str]:
     """The speed tier; ``auto`` decides from the transformer the plan holds.
 
     A dense, unquantised transformer with no speed request runs on ``off``:
@@ -73,8 +73,8 @@ def resolve_speed_tier(requested: str, *, quantised: bool) -> Resolved[str]:
     if requested != "auto":
         return explicit(requested)
     if quantised:
-        return auto("default", "a quantised transformer: compile on CUDA, auto step cache, safe fp16 accumulation")
-    return auto("off", "a dense transformer with no speed request: nothing engaged, images bit-identical to "
+        return auto("default", f"a quantised {label}: compile on CUDA, auto step cache, safe fp16 accumulation")
+    return auto("off", f"a dense {label} with no speed request: nothing engaged, images bit-identical to "
                 "stock diffusers (speed=default: compile and step cache)")
 
 

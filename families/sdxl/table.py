@@ -76,6 +76,7 @@ SDXL = FamilySpec(
     sizes=ComponentSizes(transformer_gb=5.1, text_encoders_gb=1.6, vae_gb=0.2),
     compile_regions=("BasicTransformerBlock",),
     denoiser="unet",
+    denoiser_label="UNet",
     cache_context_pipelines=(),
     optimization_deny=(
         OptimizationDeny(
