@@ -157,6 +157,18 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
 
     # -- images -----------------------------------------------------------------
 
+    def prepare_runtime(self) -> float:
+        """Import the runtime stack (torch, diffusers, transformers, peft) now; seconds it took
+        (0 when already imported), so a face can report start-up apart from loading."""
+        import importlib
+        import sys
+        import time
+
+        started = time.perf_counter()
+        if "engine.runtime.session" not in sys.modules:
+            importlib.import_module("engine.runtime.session")
+        return time.perf_counter() - started
+
     def load(
         self,
         model: str,

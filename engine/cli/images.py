@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.cli.common import download_allowed
+from engine.cli.common import PROCESS_STARTED, download_allowed
 from engine.cli.machine import machine_request
 from engine.cli.requests import CONTROL_FLAGS, generate_body, output_paths, plan_controls
 from engine.errors import EngineError
@@ -145,6 +145,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   "into the hub cache", file=sys.stderr)
         _quiet_loading(args)
         overridden = report_overrides(plan.controls, strict=args.strict)
+        imports = engine.prepare_runtime()  # torch, diffusers...: start-up, not the model's load
         started = time.perf_counter()
         engine.load(model, **load)  # type: ignore[arg-type]
         loaded = time.perf_counter()
@@ -166,7 +167,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         image.save(path, pnginfo=info)
     if args.json:
         print(json.dumps({
-            "images": [str(p) for p in paths], "seed": seed, "load_s": round(loaded - started, 3),
+            "images": [str(p) for p in paths], "seed": seed, "startup_s": round(started - PROCESS_STARTED, 3),
+            "import_s": round(imports, 3), "load_s": round(loaded - started, 3),
             "generate_s": round(done - loaded, 3), "overridden": overridden, "status": status,
         }, indent=2, default=str))
         return 0
@@ -174,7 +176,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"wrote {path} ({image.width}x{image.height}, {steps} steps)")
     seeds = ", ".join(str(s) for s in body.seeds) if body.seeds else str(seed)
     print(f"seed{'s' if body.seeds else ''} {seeds}" + "".join(f", LoRA {lo['name']} x{lo['scale']:g}" for lo in applied))
-    print(f"load {loaded - started:.2f} s, generate {done - loaded:.2f} s")
+    print(f"start-up {started - PROCESS_STARTED:.2f} s (importing torch and diffusers {imports:.2f} s), "
+          f"load {loaded - started:.2f} s, generate {done - loaded:.2f} s")
     return 0
 
 
