@@ -135,6 +135,19 @@ def test_openai_client_generates_an_image_through_the_server(served: tuple[str, 
     result = client.images.generate(model="tiny-sdxl", prompt="a red fox", n=2, size="64x64", response_format="b64_json")
     images = [Image.open(io.BytesIO(base64.b64decode(item.b64_json))) for item in result.data]
     assert [image.size for image in images] == [(64, 64), (64, 64)]
+    # OpenAI's other answers: a URL this server serves (with the token, as every route) and
+    # size "auto", the loaded model's own default size.
+    hosted = client.images.generate(model="tiny-sdxl", prompt="a red fox", size="auto", response_format="url")
+    [item] = hosted.data
+    assert item.url and item.url.startswith(f"{url}/v1/images/files/") and item.b64_json is None
+    assert httpx.get(item.url).status_code == 401
+    fetched = httpx.get(item.url, headers=AUTH)
+    assert fetched.status_code == 200 and fetched.headers["content-type"] == "image/png"
+    unsized = httpx.post(f"{url}/v1/images/generate", json={"prompt": "x", "steps": 2}, headers=AUTH, timeout=120)
+    [default] = unsized.json()["images"]  # the model's own default size: what "auto" means
+    default_size = Image.open(io.BytesIO(base64.b64decode(default))).size
+    assert Image.open(io.BytesIO(fetched.content)).size == default_size
+    assert httpx.get(f"{url}/v1/images/files/..%2Frun.json", headers=AUTH).status_code == 404
     generated = httpx.post(f"{url}/v1/images/generate", json={"prompt": "x", "steps": 2, "width": 64, "height": 64}, headers=AUTH, timeout=120)
     assert generated.status_code == 200 and len(generated.json()["images"]) == 1
     assert httpx.post(f"{url}/v1/images/unload", headers=AUTH).json() == {"unloaded": True}

@@ -48,6 +48,7 @@ from engine.server.browse import browse_router
 from engine.server.dataset_routes import UPLOAD_PATHS, datasets_router
 from engine.server.edits import read_edit_form
 from engine.server.guard import Guard
+from engine.server.hosted import HostedImages
 from engine.server.job_routes import EVENT_PATHS, jobs_router, queue_full, run_job
 from engine.server.jobs import JobQueue, QueueFull
 from engine.server.pages import PUBLIC_PATHS, PUBLIC_PREFIXES, add_pages
@@ -91,6 +92,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         upload_paths=UPLOAD_PATHS, max_upload_bytes=settings.max_upload_bytes,
     )
     queue = JobQueue(engine, size=settings.queue_size)
+    hosted = HostedImages(settings.output_roots[0] / "images" if settings.output_roots else None)
     api = APIRouter(prefix="/v1")
 
     checkpoint_names = frozenset(str(name).lower() for family in engine.families()
@@ -173,14 +175,20 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     async def openai_images(body: OpenAIImagesBody, request: Request, response: Response) -> dict[str, Any]:
         """OpenAI's image generation; queued like every generate, the client's timeout
         (a closed connection) cancelling its job."""
-        if body.response_format != "b64_json":
-            raise EngineError("only response_format=b64_json is served (no image hosting)", code="invalid_request")
         width, height = body.dimensions()
         loras = await run_in_threadpool(lora_paths, body.loras)
         images = await run_job(queue, request, response, body.prompt, dict(
             count=body.n, width=width, height=height, seed=secrets.randbelow(2**31), loras=loras,
         ))
-        return {"created": int(time.time()), "data": [{"b64_json": image} for image in images]}
+        return {"created": int(time.time()), "data": await openai_data(images, body.response_format, request)}
+
+    async def openai_data(images: list[str], response_format: str, request: Request) -> list[dict[str, str]]:
+        """OpenAI's ``data``: each image inline (``b64_json``), or kept under the outputs root and
+        given as a URL this server serves (``url``; fetched with the token, as every route)."""
+        if response_format == "b64_json":
+            return [{"b64_json": image} for image in images]
+        names = await run_in_threadpool(hosted.keep, images)
+        return [{"url": str(request.url_for("hosted_image", name=name))} for name in names]
 
     @api.post("/images/edits")
     async def openai_edits(request: Request, response: Response) -> dict[str, Any]:
@@ -188,14 +196,17 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         edit on an edit checkpoint, inpaint with a mask, img2img otherwise."""
         form = await read_edit_form(request)
         await run_in_threadpool(form.check, engine)
-        if form.body.response_format != "b64_json":
-            raise EngineError("only response_format=b64_json is served (no image hosting)", code="invalid_request")
         width, height = form.body.dimensions() if form.sized else (None, None)
         images = await run_job(queue, request, response, form.body.prompt, dict(
             count=form.body.n, width=width, height=height, seed=secrets.randbelow(2**31),
             image=form.image, mask_image=form.mask,
         ))
-        return {"created": int(time.time()), "data": [{"b64_json": image} for image in images]}
+        return {"created": int(time.time()), "data": await openai_data(images, form.body.response_format, request)}
+
+    @api.get("/images/files/{name}", name="hosted_image")
+    def hosted_image(name: str) -> Response:
+        """An image a ``response_format=url`` call kept (PNG), by the name its URL gave."""
+        return Response(hosted.read(name), media_type="image/png")
 
     @api.get("/training/info")
     def training_info(device: str = "auto") -> dict[str, Any]:

@@ -52,7 +52,8 @@ class OpenAIImagesBody(BaseModel):
 
     prompt: Prompt
     n: Count = 1
-    size: Annotated[str, Field(pattern=r"^\d{1,5}x\d{1,5}$")] | None = "1024x1024"
+    #: ``WIDTHxHEIGHT``, or ``auto``: the model's own default size (as OpenAI's ``auto``).
+    size: Annotated[str, Field(pattern=r"^(\d{1,5}x\d{1,5}|auto)$")] | None = "1024x1024"
     response_format: Literal["b64_json", "url"] = "b64_json"
     model: Annotated[str, Field(max_length=4096)] | None = None
     #: An extension: LoRAs to generate with, as for ``/v1/images/generate``.
@@ -66,7 +67,7 @@ class OpenAIImagesBody(BaseModel):
     @field_validator("size")
     @classmethod
     def _size_within_limits(cls, size: str | None) -> str | None:
-        if size is not None:
+        if size is not None and size != "auto":
             try:
                 for side in size.split("x"):
                     _SIDE.validate_python(int(side))
@@ -78,7 +79,8 @@ class OpenAIImagesBody(BaseModel):
         return size
 
     def dimensions(self) -> tuple[int | None, int | None]:
-        if self.size is None:
+        """(width, height); (None, None) for ``auto``: the loaded model's default size."""
+        if self.size is None or self.size == "auto":
             return None, None
         width, height = (int(side) for side in self.size.split("x"))
         return width, height
