@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 
 
@@ -233,10 +232,9 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    target = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "docs" / "errors.md"
-    target.write_text(render(), encoding="utf-8")
-    print(f"wrote {target}")
-    return 0
+    from engine.generated_docs import write_page
+
+    return write_page("errors.md", render, argv)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ later behaviour"): each test is named after the behaviour and quotes its rule.
 
 Machines other than this one are hardware presets; the models are the families'
 tables. Where this engine keeps a difference on purpose, the test pins the kept
-behaviour and README.md's list of kept differences says why.
+behaviour and docs/architecture.md's list of kept differences says why.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_unified_memory_fails_open_when_free_memory_is_unknown() -> None:
 def test_the_unified_oversize_check_never_refuses_a_discrete_card_or_a_plain_cpu_that_fits_ram_and_swap() -> None:
     """"It never refuses a discrete-VRAM or plain-CPU machine": Qwen-Image on a 4090 plans
     offload; on a CPU it is resident while RAM + free swap hold it (kept difference:
-    beyond both it is refused, README)."""
+    beyond both it is refused, docs/architecture.md)."""
     assert plan("qwen_image", "rtx4090", quant="none").value("memory_mode") == "group_offload"
     cpu = preset("cpu").replace(free_memory_gb=40.0, total_memory_gb=48.0, swap_free_gb=32.0)
     assert plan("qwen_image", cpu).value("memory_mode") == "resident"

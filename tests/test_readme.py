@@ -1,7 +1,12 @@
-"""Every command block in README.md (and every ``$ command`` in docs/*.md), run as written (in README order, in one
-fresh folder, through the installed CLI in-process), or skipped for a reason
-listed here: a command neither run nor matched by a reason fails the test,
-and so does a reason that matches nothing (a stale skip hides nothing)."""
+"""Every command block in README.md and the guide pages it links (docs/inference.md,
+training.md, embedding.md, serving.md, architecture.md, benchmarks.md), and every
+``$ command`` in docs/*.md, run as written (README first, then the guides in that
+order, in one fresh folder, through the installed CLI in-process), or skipped for a
+reason listed here: a command neither run nor matched by a reason fails the test, and so
+does a reason that matches nothing (a stale skip hides nothing). A command with a
+``# exits N`` comment must exit N (a refusal shown on purpose). The count of commands
+run and every skip, with its reason, are printed.
+"""
 
 from __future__ import annotations
 
@@ -15,18 +20,26 @@ from PIL import Image
 
 from engine.cli import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+#: The guide pages, in the order a reader follows them after the README's tour.
+GUIDES = [ROOT / "docs" / name for name in (
+    "inference.md", "training.md", "embedding.md", "serving.md", "architecture.md", "benchmarks.md")]
 
 #: Shell commands not run here: (pattern over the command, why).
 SKIPPED: list[tuple[str, str]] = [
-    (r"^make demo\b", "builds .venv and runs examples/demo.py (minutes); the test already runs inside that .venv"),
+    (r"^make (demo|test)\b", "builds .venv and runs the demo or the suite (minutes); this test runs inside that .venv"),
     (r"^\. \.venv/bin/activate", "changes the calling shell; here the CLI is called in-process"),
     (r"pip install|^python3 -m venv", "installs packages; the test runs inside the installed .venv"),
     (r"--allow-download", "downloads a real model from the hub (the tests never reach a hub)"),
     (r"^diffusion-engine serve\b", "serves until stopped; tests/test_server.py runs the real app"),
     (r"^make gpu-check\b", "needs an NVIDIA GPU (bench/gpu_check.py)"),
-    (r"^diffusion-engine train (?!.*--dry-run)", "trains for real in a child process; "
-     "tests/test_training_runs.py runs the CLI's train"),
+    (r"^[^#]*RUN_ID", "names a run the user trained (a placeholder); tests/test_training_runs.py resumes and "
+     "repeats real runs"),
+    (r"^diffusion-engine train .*--steps [0-9]{3,}", "trains for hundreds of steps on the user's model; "
+     "tests/test_training_runs.py runs the same flags on tiny runs"),
+    (r"^accelerate (config|launch)\b", "accelerate config is interactive and the launch needs two machines; "
+     "tests/test_distributed.py runs the ranks over gloo"),
     (r"--lora runs/", "needs a trained run's folder and the user's LoRA file"),
 ]
 #: Python blocks not run here: (text in the block, why).
@@ -37,7 +50,7 @@ SKIPPED_PYTHON: list[tuple[str, str]] = [
     ("cancel_generation()", "needs the user's SDXL model, ControlNet and images; tests/test_images_in.py "
      "and tests/test_batches.py make each of these calls on tiny pipelines"),
 ]
-COMMANDS = ("diffusion-engine", "make", ".", "python3", "pip", ".venv/bin/")
+COMMANDS = ("diffusion-engine", "make", ".", "python3", "pip", ".venv/bin/", "accelerate")
 
 
 def blocks(text: str) -> list[tuple[str, str]]:
@@ -58,45 +71,70 @@ def reason(command: str) -> str | None:
     return next((why for pattern, why in SKIPPED if re.search(pattern, command)), None)
 
 
-def test_every_readme_command_runs_or_says_why_not(
+def expected_status(command: str) -> int:
+    found = re.search(r"#\s*exits (\d+)", command)
+    return int(found.group(1)) if found else 0
+
+
+def test_every_readme_and_guide_command_runs_or_says_why_not(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
     ran: list[str] = []
     skipped: list[tuple[str, str]] = []
     used_python: set[str] = set()
-    for language, body in blocks(README.read_text(encoding="utf-8")):
-        if language == "python":
-            why = next((w for marker, w in SKIPPED_PYTHON if marker in body), None)
-            if why is not None:
-                used_python.add(why)
-                skipped.append((body.splitlines()[0], why))
+    for page in (README, *GUIDES):
+        for language, body in blocks(page.read_text(encoding="utf-8")):
+            if language == "python":
+                why = next((w for marker, w in SKIPPED_PYTHON if marker in body), None)
+                if why is not None:
+                    used_python.add(why)
+                    skipped.append((body.splitlines()[0], why))
+                    continue
+                exec(compile(body, str(page), "exec"), {"__name__": "readme"})  # noqa: S102 - the docs' own code
+                ran.append(body.splitlines()[0])
                 continue
-            exec(compile(body, str(README), "exec"), {"__name__": "readme"})  # noqa: S102 - the README's own code
-            ran.append(body.splitlines()[0])
-            continue
-        for command in commands(body):
-            why = reason(command)
-            if why is not None:
-                skipped.append((command, why))
+            if language not in ("sh", "bash", ""):
                 continue
-            argv = shlex.split(command, comments=True)
-            assert argv[0] == "diffusion-engine", f"README command not runnable here and not skipped: {command}"
-            status = main(argv[1:])
-            err = capsys.readouterr().err
-            assert status == 0 and "Traceback" not in err, f"{command}\n{err}"
-            ran.append(command)
+            for command in commands(body):
+                why = reason(command)
+                if why is not None:
+                    skipped.append((command, why))
+                    continue
+                argv = shlex.split(command, comments=True)
+                assert argv[0] == "diffusion-engine", f"{page.name}: command not runnable here and not skipped: {command}"
+                status = main(argv[1:])
+                err = capsys.readouterr().err
+                assert status == expected_status(command) and "Traceback" not in err, f"{page.name}: {command}\n{err}"
+                ran.append(command)
     stale = [why for _, why in SKIPPED if why not in {w for _, w in skipped}]
     stale += [why for _, why in SKIPPED_PYTHON if why not in used_python]
-    assert not stale, f"skip reasons that match no README command: {stale}"
+    assert not stale, f"skip reasons that match no command: {stale}"
     assert any("tiny save" in c for c in ran) and any(c.startswith("diffusion-engine generate") for c in ran)
-    assert (tmp_path / "fox.png").is_file() and (tmp_path / "lighthouse.png").is_file()
+    assert any(c.startswith("diffusion-engine train") and "--dry-run" not in c for c in ran)  # the tour trains for real
+    for written in ("fox.png", "fox-flux.png", "foxes-0.png", "lighthouse.png"):
+        assert (tmp_path / written).is_file(), written
     with Image.open(tmp_path / "fox-flux.png") as tiny:
         assert tiny.size == (64, 64), "--tiny defaults to 64 px for every family"
+    print(f"\nran {len(ran)} commands and snippets; skipped {len(skipped)}:")
     print("\n".join(f"skipped: {c}  ({why})" for c, why in skipped))
 
 
-DOCS = sorted((README.parent / "docs").glob("*.md"))
+def test_the_generated_pages_are_current() -> None:
+    """docs/cli.md (every --help), docs/controls.md and docs/errors.md equal a fresh render."""
+    from engine import error_catalogue
+    from engine.cli import reference
+    from engine.requests import docs
+
+    for name, render in (("cli.md", reference.render), ("controls.md", docs.render), ("errors.md", error_catalogue.render)):
+        assert (ROOT / "docs" / name).read_text(encoding="utf-8") == render(), f"docs/{name} is stale: regenerate it"
+
+
+def test_the_readme_fits_one_sitting() -> None:
+    assert len(README.read_text(encoding="utf-8").splitlines()) <= 250
+
+
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 #: docs/*.md commands not run here: (pattern over the command, why).
 DOCS_SKIPPED: list[tuple[str, str]] = [
     (r"^python -m engine\.testing\.memory_figures\b", "derives for minutes at real widths; "

@@ -8,7 +8,6 @@ the CLI and the HTTP API.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from engine.requests.controls import GENERATE_CONTROLS, MODEL_CONTROLS, PLAN_CONTROLS, TRAIN_CONTROLS, markdown_table
 
@@ -42,10 +41,9 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    target = Path(argv[0]) if argv else Path(__file__).resolve().parents[2] / "docs" / "controls.md"
-    target.write_text(render(), encoding="utf-8")
-    print(f"wrote {target}")
-    return 0
+    from engine.generated_docs import write_page
+
+    return write_page("controls.md", render, argv)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ here. Forking is what keeps the engine's guarantees:
 
 The launcher must not touch CUDA before forking (accelerate's rule for
 fork): it imports the trainer (no device) so the ranks start warm.
-Multi-node runs use ``accelerate launch`` on each machine (see the README).
+Multi-node runs use ``accelerate launch`` on each machine (see docs/training.md).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def rank_devices(config: TrainingConfig, hardware: HardwareProfile) -> tuple[Har
             f"--gpus {config.gpus} asks for {config.gpus} GPUs but this machine has {present}. "
             + (f"Give --gpus {len(devices)} or less" if len(devices) > 1 else "Give --gpus 1")
             + ("" if devices else ", or --device cpu to run that many CPU processes (gloo)")
-            + "; another machine can join with multi-node accelerate (see the README)"
+            + "; another machine can join with multi-node accelerate (see docs/training.md)"
         )
     return devices[: config.gpus]
 
