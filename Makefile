@@ -23,9 +23,12 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt examples/diffusion-engine
 
 install: $(STAMP)
 
-# The demo needs the engine and its charts, not the test tools (browser drivers, fuzzers).
+# The demo needs the engine and its charts, not the test tools (browser drivers, fuzzers):
+# a plain (non-editable) install, which builds quietly. Where `make test` already made the
+# editable development install (a superset), that one is kept.
 $(DEMO_STAMP): $(BIN)/python pyproject.toml constraints.txt
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[charts]'
+	@if [ -f $(STAMP) ]; then echo "the development install (make test) is in place"; else \
+		$(BIN)/python -m pip install --quiet -c constraints.txt '.[charts]'; fi
 	touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
