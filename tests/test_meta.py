@@ -84,3 +84,19 @@ def test_the_package_metadata_builds_without_a_warning(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Warning" not in done.stderr and "****" not in done.stderr, done.stderr[-2000:]
+
+
+def test_make_demo_installs_only_what_the_demo_needs(tmp_path: Path) -> None:
+    """``make demo`` on a fresh machine installs the engine with its charts, never the test
+    extra (browser drivers, fuzzers, the suite's tools); ``make test`` installs that."""
+    import subprocess
+
+    def planned(target: str) -> str:
+        done = subprocess.run(["make", "-n", "-B", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    demo = planned("demo")
+    assert "'.[charts]'" in demo and "[test]" not in demo and "examples/demo.py" in demo
+    assert "'.[test]'" in planned("test")
