@@ -54,13 +54,13 @@ print(json.dumps(report))
 '''
 
 
-def run_probe(tmp_path: Path, run: int, model: Path, **env: str) -> dict[str, object]:
+def run_probe(tmp_path: Path, run: int, model: Path) -> dict[str, object]:
     script = tmp_path / "probe.py"
     script.write_text(PROBE, encoding="utf-8")
     done = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "compile-cache"), str(model)],
         capture_output=True, text=True, timeout=300,
-        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{run}"), **env},
+        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{run}")},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -80,8 +80,7 @@ def test_artifacts_compiled_in_one_process_are_cache_hits_in_the_next(tmp_path: 
     assert second["inductor"].get("fxgraph_cache_hit", 0) >= 1  # type: ignore[union-attr]
     assert "fxgraph_cache_miss" not in second["inductor"]  # type: ignore[operator]
     assert second["stored"] is False  # a shape already saved writes nothing
-    off = run_probe(tmp_path, 3, model, **{KILL_SWITCH: "0"})
-    assert off["enabled"] is False and off["inductor"].get("fxgraph_cache_hit", 0) == 0  # type: ignore[union-attr]
+    # (The kill switch is checked in-process below: no cache object, nothing restored.)
 
 
 def test_the_key_follows_the_model_and_how_it_is_compiled(tmp_path: Path) -> None:
