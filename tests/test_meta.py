@@ -100,3 +100,21 @@ def test_make_demo_installs_only_what_the_demo_needs(tmp_path: Path) -> None:
     demo = planned("demo")
     assert "'.[charts]'" in demo and "[test]" not in demo and "examples/demo.py" in demo
     assert "'.[test]'" in planned("test")
+
+
+def test_the_engine_and_the_demo_work_without_pytest(tmp_path: Path) -> None:
+    """An install without the test extra (``make demo``'s, ``pip install diffusion-engine``):
+    ``tiny dataset`` and the demo's dataset helper import no pytest (the contract kit's names
+    in ``engine.testing`` load on first use)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.modules['pytest'] = None\n"  # any `import pytest` now raises ImportError
+        "from engine.cli import main\n"
+        f"assert main(['tiny', 'dataset', {str(tmp_path / 'data')!r}]) == 0\n"
+        "from engine.testing.datasets import write_dataset\n"  # what examples/demo.py imports
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list((tmp_path / "data").glob("*.png"))

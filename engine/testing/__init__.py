@@ -12,9 +12,30 @@ The kit runs the model (``run_model``: load the tiny pipeline through the
 engine, generate, train two LoRA steps, reload the LoRA). The pytest plugin
 (``engine.testing.plugin``, installed as a ``pytest11`` entry point) adds the
 ``engine_registry`` fixture.
+
+The kit's names are imported on first use, not with the package: the engine's
+own helpers here (``engine.testing.datasets``, behind ``tiny dataset``) must
+work in an install without pytest.
 """
 
-from engine.testing.contract import FamilyContract, build_tiny_or_fail, fresh_registry
-from engine.testing.run import RunReport, run_model
+from __future__ import annotations
 
-__all__ = ["FamilyContract", "RunReport", "build_tiny_or_fail", "fresh_registry", "run_model"]
+from importlib import import_module
+from typing import Any
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "FamilyContract": "engine.testing.contract",
+    "build_tiny_or_fail": "engine.testing.contract",
+    "fresh_registry": "engine.testing.contract",
+    "RunReport": "engine.testing.run",
+    "run_model": "engine.testing.run",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine.testing' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)
