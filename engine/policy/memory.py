@@ -127,8 +127,9 @@ def plan_memory(
     with_controlnet = f", ControlNet {parts.controlnet_gb:.1f} included" if parts.controlnet_gb else ""
     sizing = (f"{resident:.1f} GB resident (weights {weights:.1f}{with_controlnet} + overhead {overhead:.1f}) "
               f"vs 0.85 x {budget:.1f} GB budget")
-    if hardware.vendor == "cpu":
-        return _cpu_plan(resident, budget, hardware, requested, sizing), estimate("resident")
+    if hardware.vendor == "cpu":  # host RAM: the budget itself, then free swap (no headroom fraction)
+        ram = f"{resident:.1f} GB resident (weights {weights:.1f}{with_controlnet} + overhead {overhead:.1f}) vs {budget:.1f} GB budget"
+        return _cpu_plan(resident, budget, hardware, requested, ram), estimate("resident")
     if hardware.unified_memory:
         # The oversize check on one pool: weights + base overhead against the
         # budget itself (the 0.85 activation headroom is a discrete card's
