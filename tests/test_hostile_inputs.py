@@ -235,12 +235,16 @@ def test_roots_never_list_a_symlink_that_leads_out(world: tuple[str, Engine, Wor
 @pytest.mark.parametrize(("lora", "code"), [("truncated.safetensors", "lora_unreadable"),
                                             ("nan.safetensors", "lora_not_finite")])
 def test_the_cli_refuses_a_broken_lora_without_a_traceback(
-    world: tuple[str, Engine, World, HostModel], tmp_path: Path, lora: str, code: str
+    world: tuple[str, Engine, World, HostModel], tmp_path: Path, lora: str, code: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from tests.support import run_cli
+    """The CLI in-process (its own error handling, exit code and stderr, as a terminal sees them)."""
+    from engine.cli import main
 
     _, _, w, _ = world
-    done = run_cli("generate", "--tiny", "sdxl", "--prompt", "a box", "--lora", str(w.loras / lora),
-                   "-o", str(tmp_path / "out.png"))
-    assert done.returncode == 2 and f"error[{code}]" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    capsys.readouterr()
+    status = main(["generate", "--tiny", "sdxl", "--prompt", "a box", "--lora", str(w.loras / lora),
+                   "-o", str(tmp_path / "out.png")])
+    err = capsys.readouterr().err
+    assert status == 2 and f"error[{code}]" in err and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "out.png").exists()
