@@ -21,7 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-FAMILIES = ("flux", "zimage", "qwen_image", "sdxl")
+#: A DiT family (every training and quantisation path) and the UNet family: the CPU rehearsal
+#: of the GPU check runs the same code for every family, so two keep it inside the suite's budget.
+FAMILIES = ("flux", "sdxl")
 CRASHED = "sdxl/inference/int8"
 
 
@@ -61,7 +63,7 @@ def test_tiny_check_reports_every_path_and_survives_a_crashing_case(tmp_path: Pa
         assert dense["steps_per_s"] > 0 and dense["finite"] is True
         assert dense["peak_gb"] > 0 and dense["estimate_gb"] > 0
         assert dense["details"]["plan"]["transformer_quant"]["value"] is None
-    for family in ("flux", "zimage", "qwen_image"):
+    for family in ("flux",):
         for path in ("bf16", "int8"):
             row = rows[f"{family}/training/{path}"]
             assert row["status"] == "ok", row["message"]
@@ -74,8 +76,8 @@ def test_tiny_check_reports_every_path_and_survives_a_crashing_case(tmp_path: Pa
     # CUDA-only paths: skipped with the engine's own preflight or plan reason.
     nf4_train = rows["flux/training/nf4"]
     assert nf4_train["status"] == "skipped" and "needs_cuda" in nf4_train["message"]
-    assert "mxfp8_unsupported" in rows["zimage/training/mxfp8"]["message"]
-    fp8 = rows["qwen_image/inference/fp8"]
+    assert "mxfp8_unsupported" in rows["flux/training/mxfp8"]["message"]
+    fp8 = rows["flux/inference/fp8"]  # fp8 needs an sm89+ NVIDIA GPU: the plan takes none here
     assert fp8["status"] == "skipped" and fp8["message"].startswith("plan: transformer_quant None")
     assert "memory_mode resident" in rows["flux/inference/dense+group_offload"]["message"]
     # The crashing case is a row with its message; the cases after it still ran.
