@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.errors import EngineError
 from engine.policy.info import images_info, training_info
+from engine.policy.plan import InferenceRequest
 from engine.preflight.model import resolve_model
 
 
@@ -42,14 +43,13 @@ class CatalogQuestions:
 
         return image_size(value, field)
 
-    def plans(self, request: Any = None) -> dict[str, dict[str, object]]:
+    def plans(self, request: InferenceRequest = InferenceRequest()) -> dict[str, dict[str, object]]:
         """Each family's default checkpoint planned for this machine, or the refusal a
         load would give (``{"error": {"code", "message"}}``): why it cannot run here is an answer too."""
         answers: dict[str, dict[str, object]] = {}
         for name in self.registry.families:
             try:
-                answers[name] = (self.plan(family=name, request=request) if request is not None
-                                 else self.plan(family=name)).to_dict()
+                answers[name] = self.plan(family=name, request=request).to_dict()
             except EngineError as error:
                 answers[name] = {"error": {"code": error.code, "message": error.message}}
         return answers

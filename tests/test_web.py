@@ -105,6 +105,12 @@ def signed_in(site: Site, watched: Watched) -> object:
     return page
 
 
+def pick(page: object, select: str, path: Path) -> None:
+    """Choose ``path`` in the ``select`` list once the page has listed it (the roots load async)."""
+    page.wait_for_selector(f"{select} option[value$='{path.name}']", state="attached")  # type: ignore[attr-defined]
+    page.select_option(select, value=str(path))  # type: ignore[attr-defined]
+
+
 def tab(page: object, name: str) -> None:
     page.click(f"#tabs button[data-tab={name}]")  # type: ignore[attr-defined]
 
@@ -182,8 +188,7 @@ def test_generate_an_image_from_the_page(site: Site, open_page: Callable[..., Wa
     watched = open_page()
     page = signed_in(site, watched)
     tab(page, "generate")
-    page.wait_for_selector("#gen-model option[value$='tiny-sdxl']", state="attached")  # type: ignore[attr-defined]
-    page.select_option("#gen-model", value=str(site.roots / "models" / "tiny-sdxl"))  # type: ignore[attr-defined]
+    pick(page, "#gen-model", site.roots / "models" / "tiny-sdxl")
     page.click("#gen-plan")  # type: ignore[attr-defined]
     page.wait_for_selector("#gen-plan-out table")  # type: ignore[attr-defined]
     assert "sdxl" in page.inner_text("#gen-plan-out h3")  # type: ignore[attr-defined]
@@ -259,8 +264,7 @@ def test_the_train_page_offers_the_precisions_of_the_device_chosen(site: Site, o
     watched = open_page()
     page = signed_in(site, watched)
     tab(page, "train")
-    page.wait_for_selector("#train-base option[value$='tiny-flux']", state="attached")  # type: ignore[attr-defined]
-    page.select_option("#train-base", value=str(site.roots / "models" / "tiny-flux"))  # type: ignore[attr-defined]
+    pick(page, "#train-base", site.roots / "models" / "tiny-flux")
     page.wait_for_selector("#train-precision label.mode")  # type: ignore[attr-defined]
     assert page.locator("#train-precision input:not([disabled])").count() == 0  # type: ignore[attr-defined]
     assert "device=cpu" in page.inner_text("#train-precision")  # type: ignore[attr-defined]

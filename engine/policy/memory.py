@@ -125,17 +125,16 @@ def plan_memory(
         return MemoryEstimate(parts, overhead, budget, resident, peaks.get(mode, overhead))
 
     with_controlnet = f", ControlNet {parts.controlnet_gb:.1f} included" if parts.controlnet_gb else ""
-    sizing = (f"{resident:.1f} GB resident (weights {weights:.1f}{with_controlnet} + overhead {overhead:.1f}) "
-              f"vs 0.85 x {budget:.1f} GB budget")
+    needed = f"{resident:.1f} GB resident (weights {weights:.1f}{with_controlnet} + overhead {overhead:.1f})"
+    sizing = f"{needed} vs 0.85 x {budget:.1f} GB budget"
     if hardware.vendor == "cpu":  # host RAM: the budget itself, then free swap (no headroom fraction)
-        ram = f"{resident:.1f} GB resident (weights {weights:.1f}{with_controlnet} + overhead {overhead:.1f}) vs {budget:.1f} GB budget"
-        return _cpu_plan(resident, budget, hardware, requested, ram), estimate("resident")
+        return _cpu_plan(resident, budget, hardware, requested, f"{needed} vs {budget:.1f} GB budget"), \
+            estimate("resident")
     if hardware.unified_memory:
         # The oversize check on one pool: weights + base overhead against the
         # budget itself (the 0.85 activation headroom is a discrete card's
         # guard against fragmentation; a shared pool pages instead), and open
         # when free memory is unknown.
-        needed = f"{resident:.1f} GB resident (weights {weights:.1f} + overhead {overhead:.1f})"
         if hardware.free_memory_gb is None:
             return _unified_plan(None, requested, f"{needed}; free memory unknown, not checked", hardware), \
                 estimate("resident")
