@@ -52,6 +52,11 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("incompatible_options", 400, "Two options that cannot run together (a quant scheme with a memory "
               "mode, compile with a LoRA mode...); the message names the pair."),
     ErrorCode("incompatible_plan", 400, "A control asked for explicitly conflicts with another explicit one."),
+    ErrorCode("sdcpp_unavailable", 400, "`engine=sdcpp` was asked where stable-diffusion.cpp cannot run the load: "
+              "a diffusers folder or hub id, a family or file kind it does not read, a companion file missing, "
+              "the binding not installed, or LoRAs asked; the message names which."),
+    ErrorCode("unsupported_on_sdcpp", 400, "A generate input the sd.cpp engine does not run for the loaded model "
+              "(a mask, a ControlNet image, LoRAs); load with `engine=diffusers`."),
     ErrorCode("overridden", 400, "`--strict`: the engine would override a value given explicitly."),
     ErrorCode("output_exists", 400, "The output file or run folder already holds something; choose another or "
               "pass `--overwrite`."),
@@ -168,6 +173,9 @@ _ROWS: tuple[ErrorCode, ...] = (
               _RUNTIME),
     # -- while running ----------------------------------------------------------------------
     ErrorCode("load_failed", 500, "The pipeline could not be loaded.", _RUNTIME),
+    ErrorCode("sdcpp_failed", 500, "stable-diffusion.cpp refused the files, crashed or ran out of memory, and "
+              "diffusers could not take the model over (a single file without `--base`); the message holds the "
+              "library's last log lines.", _RUNTIME),
     ErrorCode("placement_failed", 500, "The memory plan could not be applied to the loaded pipeline.", _RUNTIME),
     ErrorCode("quantisation_failed", 500, "The quantised build failed and no fallback was possible.", _RUNTIME),
     ErrorCode("canary_failed", 400, "A quantised slice of the model produced non-finite or wrong output on this "

@@ -97,6 +97,44 @@ class SingleFileLayout:
 
 
 @dataclass(frozen=True)
+class SdcppCompanion:
+    """One file stable-diffusion.cpp reads beside the model file (a VAE, a text encoder)."""
+
+    #: The binding's argument for it (``vae_path``, ``clip_l_path``, ``t5xxl_path``, ``llm_path``).
+    argument: str
+    #: What the file is, for messages ("the autoencoder").
+    label: str
+    #: Glob patterns of its name, looked for beside the model file (first match wins).
+    patterns: tuple[str, ...]
+    #: Without it sd.cpp cannot run (True), or runs degraded (False; ``missing`` says how).
+    required: bool = True
+    missing: str = ""
+
+
+@dataclass(frozen=True)
+class SdcppSupport:
+    """What stable-diffusion.cpp (the CPU engine) runs of this family; ``kinds`` empty: nothing.
+
+    sd.cpp reads the files people download for it (a GGUF or an original-layout
+    ``.safetensors``), never a diffusers folder; the plan sends a supported file
+    there on a CPU machine (see :mod:`engine.policy.runtime_engine`)."""
+
+    #: Model kinds it reads: ``single_file`` / ``gguf`` (the denoiser alone, with
+    #: ``companions`` beside it) or ``single_file_pipeline`` (a whole checkpoint).
+    kinds: tuple[str, ...] = ()
+    companions: tuple[SdcppCompanion, ...] = ()
+    #: Workflows it runs for this family (``txt2img``, ``img2img``).
+    workflows: tuple[str, ...] = ("txt2img",)
+    #: The binding's argument the checkpoint's guidance goes to: ``cfg_scale``
+    #: (classifier-free) or ``guidance`` (a distilled-guidance model; cfg stays 1).
+    guidance_argument: str = "cfg_scale"
+    #: ``"module:function"`` writing tiny random files sd.cpp reads (tests, benchmarks).
+    tiny_files: str = ""
+    #: Why a kind it does not list is refused, when the family says (messages).
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class LoraLayout:
     """Which modules a LoRA adapts, and how its keys are spelled outside diffusers."""
 

@@ -30,7 +30,8 @@ from engine.policy.available import AvailableMemory, Releasable, available_memor
 from engine.policy.inference import InferenceRequest, ModelFacts, Plan, plan_inference
 from engine.preflight.lora import LoraLike, lora_choices, read_loras
 from engine.preflight.lora import plan_input as lora_plan_input
-from engine.preflight.model import hub_access_error, resolve_model
+from engine.preflight.hub import diffusers_refusal
+from engine.preflight.model import resolve_model
 from engine.requests.bodies import GenerateBody
 from engine.training.records import default_runs_dir
 from engine.requests import default_datasets_dir
@@ -190,7 +191,7 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
         is checked against the model's module tree first, so a LoRA for
         another model is refused with every resident in place. ``switching``
         says LoRAs will be changed later (they then stay unfused)."""
-        from engine.runtime.session import InferenceSession
+        from engine.runtime.engines import start_session
 
         source, lora_files, controlnet, request, plan = self._load_preflight(
             model, base=base, family=family, request=request, loras=loras, switching=switching,
@@ -201,9 +202,10 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
             self._load_phase = "evicting"
             self._drop_session()
             self.residency.acquire(PIPELINE)
-            session = InferenceSession(self.registry, source, plan, request, loras=lora_files, controlnet=controlnet)
             self._load_phase = "loading"
-            session.load()
+            session = start_session(self.registry, source, plan, request, loras=lora_files, controlnet=controlnet,
+                                    diffusers_refusal=diffusers_refusal(
+                                        source, base_given=base is not None, allow_download=self.allow_download))
             self._session = session
             self.residency.register(Resident(PIPELINE, self._evict_pipeline))
             self._load_phase = "ready"
@@ -238,13 +240,11 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
     ) -> tuple[Any, Any, Any, InferenceRequest, Plan]:
         """The load's checks, cheapest first: nothing is imported that a refusal does not need."""
         from engine.preflight.controlnet import check_controlnet, with_controlnet
-        from engine.preflight.hub import base_required_error
 
         source = resolve_model(self.registry, model, family=family, base=base)
-        refusal = base_required_error(source, base_given=base is not None) or hub_access_error(
-            source, allow_download=self.allow_download)
-        if refusal is not None:
-            raise refusal
+        refusal = diffusers_refusal(source, base_given=base is not None, allow_download=self.allow_download)
+        if refusal is not None and source.kind not in source.family.sdcpp.kinds:
+            raise refusal  # no sd.cpp path could take this model instead: refused first
         lora_files = read_loras(lora_choices(loras))
         if controlnet is not None:
             controlnet = check_controlnet(source.family, controlnet)
@@ -252,17 +252,21 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
             from engine.runtime.lora import check_loras
 
             check_loras(self.registry, source, lora_files)
-        if verify:
-            from engine.runtime.loading import check_weightless_components
-
-            check_weightless_components(source)  # a processor missing a library fails here, not mid-load
         request = dataclasses.replace(request, loras=lora_plan_input(lora_files, switching=switching))
         plan = plan_inference(
             self.registry, with_controlnet(source.facts(self.registry), controlnet),
             self.hardware(verify=verify or None), request,
             available=self.available_memory(verify=verify or None),
         )
+        if plan.value("engine") != "sdcpp":  # sd.cpp reads the files beside the model: no base, no hub
+            if refusal is not None:
+                raise refusal
+            if verify:
+                from engine.runtime.loading import check_weightless_components
+
+                check_weightless_components(source)  # a processor missing a library fails here, not mid-load
         return source, lora_files, controlnet, request, plan
+
 
     def generate(
         self,
@@ -299,6 +303,8 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
         ``strength``, ``mask_image`` (inpaint); batches: ``prompts`` and
         ``seeds`` lists (image k replays alone with its seed), ``batch``
         (images per forward)."""
+        from engine.runtime.engines import fall_back_from
+        from engine.runtime.sdcpp import SdcppFailed
         from engine.runtime.session import GenerateRequest
 
         if isinstance(prompt, GenerateBody):  # the typed request: its options and LoRAs
@@ -322,7 +328,12 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
                 files = None if loras is None else read_loras(lora_choices(loras))
                 if cancel.is_set():
                     raise Cancelled("the generate was cancelled before it started")
-                return session.generate(GenerateRequest(prompt=prompt, loras=files, **options), progress)  # type: ignore[arg-type]
+                call = GenerateRequest(prompt=prompt, loras=files, **options)  # type: ignore[arg-type]
+                try:
+                    return session.generate(call, progress)
+                except SdcppFailed as exc:  # the CPU engine failed: diffusers takes the model over
+                    self._session = fall_back_from(session, exc)
+                    return self._session.generate(call, progress)
             finally:
                 self._generation_cancel = None
                 self._release_job("generating")

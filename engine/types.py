@@ -279,6 +279,8 @@ from engine.family_sections import (  # noqa: E402
     MemoryProbe,
     PrecisionRules,
     QuantRules,
+    SdcppCompanion,
+    SdcppSupport,
     SingleFileLayout,
     TrainingSpec,
 )
@@ -341,6 +343,8 @@ class FamilySpec:
     # -- the sections -------------------------------------------------------------
     quantisation: QuantRules = QuantRules()
     single_file: SingleFileLayout = SingleFileLayout()
+    #: What stable-diffusion.cpp runs of the family on a CPU machine (nothing by default).
+    sdcpp: SdcppSupport = SdcppSupport()
     lora: LoraLayout = LoraLayout()
     training: TrainingSpec = TrainingSpec()
     precision: PrecisionRules = PrecisionRules()

@@ -132,6 +132,7 @@ def _light_probe() -> HardwareProfile:
         torch_version=_torch_version(),
         fp8_activation_floor=torchao_exposes_fp8_floor(),
         swap_free_gb=_swap_free_gb(),
+        sdcpp_installed=importlib.util.find_spec("stable_diffusion_cpp") is not None,
     )
 
 

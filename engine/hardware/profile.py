@@ -81,6 +81,8 @@ class HardwareProfile:
     #: torchao's float8 config takes ``activation_value_lb``, the floor on
     #: fp8 activation scales that keeps all-zero rows finite.
     fp8_activation_floor: bool = True
+    #: The stable-diffusion.cpp binding (the CPU engine) is installed.
+    sdcpp_installed: bool = False
     #: Free swap, GB: host memory a CPU run may spill into (slowly).
     swap_free_gb: float | None = None
     #: "consumer", "workstation" or "datacenter", by the device name.

@@ -54,6 +54,7 @@ from engine.policy.memory import (
 )
 from engine.policy.plan import CONTROLS, InferenceRequest, ModelFacts, Plan, requested_by_control
 from engine.policy.quant import lift_denials, lifted_denials, resolve_quant_request
+from engine.policy.runtime_engine import resolve_engine
 from engine.policy.resolved import Resolved, auto, explicit, with_requests
 from engine.policy.scheme_choice import choose_transformer_scheme
 from engine.policy.schemes import HOST_QUANTISED, transformer_gb
@@ -109,6 +110,8 @@ def plan_inference(
     hardware = available.apply(hardware)
     family = model.family
     _checked(resolve_speed_tier, request.speed, quantised=False)  # an unknown tier is refused first
+    needs = (("LoRAs",) if request.loras.count else ()) + (("a ControlNet",) if model.controlnet_gb else ())
+    engine = _checked(resolve_engine, request.engine, hardware, model.sdcpp, needs=needs)
     family_denied = registry.quant_deny(family, "inference")
     quant_denied = lift_denials(family_denied, family, hardware)
     denied = registry.optimization_deny(family)
@@ -241,6 +244,7 @@ def plan_inference(
             resolve_attention, request.attention, hardware, denied, env, dtype=dtype.value, tier=tier.value
         )
         controls: dict[str, Resolved] = {
+            "engine": engine,
             "dtype": dtype,
             "transformer_quant": scheme,
             "text_encoder_dtype": Resolved(dtype.value, dtype.source, "the encoders run in the compute dtype"),
@@ -289,6 +293,7 @@ def plan_inference(
             gguf=scheme.value is None and model.gguf_transformer_gb is not None,
             step_cache_may_engage=cache_may_engage,
             denoiser_label=family.denoiser_label,
+            sdcpp=model.sdcpp if engine.value == "sdcpp" else None,
         )
         refused = plan_refusals(planned)
         if refused:  # a resolver let through what the compatibility table refuses

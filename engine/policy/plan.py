@@ -21,10 +21,12 @@ from engine.policy.encoders import PrecastEncoders
 from engine.policy.lora import LoraPlanInput
 from engine.policy.memory import MemoryEstimate
 from engine.policy.resolved import Resolved
+from engine.policy.runtime_engine import SdcppFiles
 from engine.types import Checkpoint, ComponentSizes, FamilySpec
 
 #: The controls of a plan, in display order; these names are the JSON keys.
 CONTROLS: tuple[str, ...] = (
+    "engine",
     "dtype",
     "transformer_quant",
     "text_encoder_dtype",
@@ -49,6 +51,8 @@ CONTROLS: tuple[str, ...] = (
 class InferenceRequest:
     """What the user asked for; ``auto`` leaves a control to the engine."""
 
+    #: ``diffusers``, ``sdcpp`` (stable-diffusion.cpp, the CPU engine) or ``auto``.
+    engine: str = "auto"
     dtype: str = "auto"
     quant: str = "auto"
     memory: str = "auto"
@@ -90,6 +94,8 @@ class ModelFacts:
     precast_encoders: PrecastEncoders | None = None
     #: bf16 GB of a ControlNet loaded beside the model (its headers; 0: none).
     controlnet_gb: float = 0.0
+    #: What stable-diffusion.cpp would read for this model, or why it cannot.
+    sdcpp: SdcppFiles = SdcppFiles(refusal="no model file was given")
 
     @property
     def sizes(self) -> ComponentSizes:
@@ -124,6 +130,9 @@ class Plan:
     step_cache_may_engage: bool = False
     #: How messages name this family's denoiser ("transformer", "UNet").
     denoiser_label: str = "transformer"
+    #: The files sd.cpp reads and their RAM, when the ``engine`` control is ``sdcpp``
+    #: (its memory figures come from the files, not the torch estimate).
+    sdcpp: SdcppFiles | None = None
 
     def __getitem__(self, control: str) -> Resolved:
         return self.controls[control]
@@ -156,6 +165,7 @@ class Plan:
             "attention_install": self.attention_install,
             "sizes": {k: dataclasses.asdict(v) for k, v in self.sizes.items()},
             "fallback": self.fallback.to_dict() if self.fallback else None,
+            "sdcpp": self.sdcpp.to_dict() if self.sdcpp else None,
             "available_memory": self.available.to_dict() if self.available else None,
         }
 
@@ -163,6 +173,7 @@ class Plan:
 def requested_by_control(request: InferenceRequest) -> dict[str, object]:
     """What the user asked of each control (``auto`` where they left it)."""
     return {
+        "engine": request.engine,
         "dtype": request.dtype,
         "transformer_quant": request.quant,
         "text_encoder_dtype": request.dtype,

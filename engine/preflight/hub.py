@@ -198,3 +198,11 @@ def base_required_error(source: ModelSource, *, base_given: bool) -> PreflightEr
         f"or base={default} with consent to download it",
         code="base_required",
     )
+
+
+def diffusers_refusal(source: ModelSource, *, base_given: bool, allow_download: bool) -> PreflightError | None:
+    """Why diffusers cannot load ``source`` here, or None: a single file without its base
+    (:func:`base_required_error`), an uncached hub model without consent (:func:`hub_access_error`).
+    The sd.cpp engine needs neither (it reads the files beside the model)."""
+    return base_required_error(source, base_given=base_given) or hub_access_error(
+        source, allow_download=allow_download)

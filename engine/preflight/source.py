@@ -16,6 +16,7 @@ from engine.errors import EngineError
 from engine.plugins import Registry
 from engine.policy.encoders import PrecastEncoders
 from engine.policy.plan import ModelFacts
+from engine.preflight.sdcpp import sdcpp_files
 from engine.types import Checkpoint, ComponentSizes, FamilySpec
 
 #: ``single_file_pipeline``: one ``.safetensors`` holding the whole pipeline
@@ -68,6 +69,7 @@ class ModelSource:
             gguf_transformer_gb=self.gguf_gb,
             prequantised_scheme=self.prequantised_scheme,
             precast_encoders=self.precast_encoders,
+            sdcpp=sdcpp_files(self.family, self.kind, self.location),
         )
 
     def to_dict(self) -> dict[str, object]:

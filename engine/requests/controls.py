@@ -24,6 +24,7 @@ from engine.policy.dtype import DTYPES
 from engine.policy.encoders import TEXT_ENCODER_MEMORY_REQUESTS, TEXT_ENCODER_QUANT_REQUESTS
 from engine.policy.memory import MEMORY_MODES
 from engine.policy.quant import QUANT_REQUESTS
+from engine.policy.runtime_engine import ENGINES
 from engine.policy.speed import ATTENTION_BACKENDS, COMPILE_REQUESTS, SPEED_REQUESTS, STEP_CACHES
 from engine.policy.training import DEVICES, TRAINING_PRECISIONS
 
@@ -81,6 +82,9 @@ def _memory_choices() -> tuple[str, ...]:
 
 #: Every inference plan control, in the order ``plan`` prints them.
 PLAN_CONTROLS: tuple[Control, ...] = (
+    Control("engine", "--engine", "what runs the model: diffusers (torch), or sdcpp (stable-diffusion.cpp, "
+            "the CPU engine, for a GGUF / original-layout file with its companions beside it)", PLAN, "auto",
+            ENGINES, plan_key="engine"),
     Control("dtype", "--dtype", "compute dtype", PLAN, "auto", DTYPES, plan_key="dtype"),
     Control("quant", "--quant", "transformer weights", PLAN, "auto", QUANT_REQUESTS,
             plan_key="transformer_quant"),

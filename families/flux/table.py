@@ -14,6 +14,8 @@ from engine.types import (
     LoraTargetShape,
     MemoryProbe,
     QuantRules,
+    SdcppCompanion,
+    SdcppSupport,
     SingleFileLayout,
     TrainingDefaults,
     TrainingMemoryFigures,
@@ -97,6 +99,23 @@ FLUX = FamilySpec(
     ),
     single_file=SingleFileLayout(
         markers=("single_transformer_blocks.", "double_blocks."),
+    ),
+    # stable-diffusion.cpp on a CPU machine: the transformer file people download (GGUF or an
+    # original-layout .safetensors) with ae.safetensors and the text encoders beside it, as
+    # its docs lay them out. Without T5-XXL it encodes an all-zero T5 context.
+    sdcpp=SdcppSupport(
+        kinds=("single_file", "gguf"),
+        companions=(
+            SdcppCompanion("vae_path", "the autoencoder", ("ae.safetensors", "ae.sft", "*flux*vae*.safetensors")),
+            SdcppCompanion("clip_l_path", "CLIP-L", ("clip_l*.safetensors", "clip_l*.gguf")),
+            SdcppCompanion(
+                "t5xxl_path", "T5-XXL", ("t5xxl*.safetensors", "t5xxl*.gguf", "t5-v1_1-xxl*.gguf"),
+                required=False, missing="prompts are encoded by CLIP-L alone (an all-zero T5 context)",
+            ),
+        ),
+        workflows=("txt2img", "img2img"),
+        guidance_argument="guidance",
+        tiny_files="families.flux.sdcpp_files:write_tiny",
     ),
     lora=LoraLayout(
         targets=(
