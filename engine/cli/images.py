@@ -52,10 +52,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     overridden = report_overrides(plan.controls, strict=args.strict)
     label = engine.family(plan.family)["label"]
     notes = []
-    if checked is not None and checked["kind"] in ("single_file", "gguf") and not args.base:
+    on_sdcpp = plan.sdcpp is not None  # it reads the files beside the model: no base, no hub
+    if checked is not None and checked["kind"] in ("single_file", "gguf") and not args.base and not on_sdcpp:
         notes.append(f"{args.model} is a single {label} denoiser file: without --base its text encoders "
                      f"and VAE are sized from the {label} table, and generate needs --base")
-    if checked is not None and not checked["weights"]["here"]:  # type: ignore[index]
+    if checked is not None and not checked["weights"]["here"] and not on_sdcpp:  # type: ignore[index]
         notes.append(str(checked["weights"]["note"]))  # type: ignore[index]
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
@@ -74,6 +75,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{sizes.text_encoders_gb:.3g} GB, VAE {sizes.vae_gb:.3g} GB")
     estimate = plan.estimate
     controlnet = estimate.components.controlnet_gb
+    if plan.sdcpp is not None:
+        print(f"  memory (sd.cpp): {plan.sdcpp.gb:.2f} GB, its {len(plan.sdcpp.files)} files as stored; "
+              "the torch controls and figures below are the diffusers fallback's")
     print(f"  memory: {estimate.resident_gb:.1f} GB resident, {estimate.peak_gb:.1f} GB peak, "
           f"budget {estimate.budget_gb:.1f} GB" + (f" (ControlNet {controlnet:.2g} GB)" if controlnet else ""))
     if plan.available is not None:

@@ -21,6 +21,7 @@ components and assembles the resolved controls into a plan and its fallback.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -104,14 +105,38 @@ def plan_inference(
 
     :param available: the memory the job will have after eviction; its free
         figure replaces ``hardware``'s (default: ``hardware`` as it is).
+
+    A load that goes to sd.cpp (the ``engine`` control) is sized from its files;
+    where the torch path would not fit (fp32 on a CPU), the plan keeps sd.cpp
+    and says there is no diffusers fallback (``Plan.diffusers_fits``).
     """
     env = os.environ if env is None else env
     available = available or available_memory(hardware)
     hardware = available.apply(hardware)
-    family = model.family
     _checked(resolve_speed_tier, request.speed, quantised=False)  # an unknown tier is refused first
     needs = (("LoRAs",) if request.loras.count else ()) + (("a ControlNet",) if model.controlnet_gb else ())
     engine = _checked(resolve_engine, request.engine, hardware, model.sdcpp, needs=needs)
+    plan = functools.partial(_plan_torch, registry, model, request=request, env=env, engine=engine,
+                             memory_thresholds=memory_thresholds, cache_thresholds=cache_thresholds)
+    try:
+        return plan(hardware, available)
+    except PreflightError as exc:
+        if engine.value != "sdcpp" or exc.code != "insufficient_memory":
+            raise
+        roomy = hardware.replace(free_memory_gb=None, total_memory_gb=10_000.0)
+        reason = f"{engine.reason}; diffusers would not fit here ({exc.message}), so sd.cpp has no fallback"
+        planned = plan(roomy, available_memory(roomy))
+        return dataclasses.replace(planned.with_control("engine", dataclasses.replace(engine, reason=reason)),
+                                   diffusers_fits=False, fallback=None)
+
+
+def _plan_torch(
+    registry: Registry, model: ModelFacts, hardware: HardwareProfile, available: AvailableMemory, *,
+    request: InferenceRequest, env: Mapping[str, str], engine: Resolved[str],
+    memory_thresholds: MemoryThresholds, cache_thresholds: StepCacheThresholds,
+) -> Plan:
+    """The torch (diffusers) controls of a plan, with the ``engine`` decided."""
+    family = model.family
     family_denied = registry.quant_deny(family, "inference")
     quant_denied = lift_denials(family_denied, family, hardware)
     denied = registry.optimization_deny(family)

@@ -133,6 +133,8 @@ class Plan:
     #: The files sd.cpp reads and their RAM, when the ``engine`` control is ``sdcpp``
     #: (its memory figures come from the files, not the torch estimate).
     sdcpp: SdcppFiles | None = None
+    #: The torch path fits this machine (False: an sd.cpp plan with no diffusers fallback).
+    diffusers_fits: bool = True
 
     def __getitem__(self, control: str) -> Resolved:
         return self.controls[control]

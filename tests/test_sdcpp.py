@@ -1,0 +1,199 @@
+"""stable-diffusion.cpp, the CPU engine: the plan's choice, and the real library running.
+
+The files are FLUX.1 in the layouts sd.cpp reads (a reduced-width transformer as a
+Q8_0 GGUF, the real-shape autoencoder and CLIP-L beside it; see
+``families/flux/sdcpp_files.py``), run through the installed binding: nothing
+here is faked but the hardware of the planning tests (presets).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from engine import Engine
+from engine.errors import Cancelled, EngineError
+from engine.hardware.presets import preset
+from engine.policy.plan import InferenceRequest
+from families.flux.sdcpp_files import write_tiny
+from tests.support import HostModel
+
+SMALL = {"width": 32, "height": 32, "steps": 2}
+
+
+@pytest.fixture(scope="module")
+def sdcpp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GGUF transformer with ``ae.safetensors`` and ``clip_l.safetensors`` beside it."""
+    files = write_tiny(tmp_path_factory.mktemp("flux-sdcpp"), gguf=True)
+    return files["diffusion_model_path"]
+
+
+def cpu(**changes: object) -> object:
+    return preset("cpu").replace(sdcpp_installed=True, **changes)
+
+
+# -- the plan -----------------------------------------------------------------------
+
+
+def test_on_a_cpu_a_gguf_with_its_companions_goes_to_sdcpp_sized_from_its_files(sdcpp_model: Path) -> None:
+    plan = Engine(hardware=cpu()).plan(str(sdcpp_model))
+    engine = plan["engine"]
+    assert (engine.value, engine.source) == ("sdcpp", "auto")
+    assert "flux-tiny.gguf" in engine.reason and "T5-XXL" in engine.reason  # runs degraded without it, says so
+    assert plan.sdcpp is not None
+    on_disk = sum(p.stat().st_size for p in sdcpp_model.parent.iterdir()) / 1e9
+    assert plan.sdcpp.gb == pytest.approx(on_disk)
+    assert set(dict(plan.sdcpp.files)) == {"diffusion_model_path", "vae_path", "clip_l_path"}
+    assert plan.value("threads") == preset("cpu").cpu_count // 2
+
+
+@pytest.mark.parametrize(("hardware", "why"), [
+    (lambda: preset("rtx4090").replace(sdcpp_installed=True), "diffusers runs on the accelerator"),
+    (lambda: preset("apple-m3-max").replace(sdcpp_installed=True), "opt-in"),
+    (lambda: preset("cpu"), "pip install 'diffusion-engine[cpu]'"),
+])
+def test_auto_stays_on_diffusers_and_says_why(sdcpp_model: Path, hardware: Callable[[], object], why: str) -> None:
+    engine = Engine(hardware=hardware()).plan(str(sdcpp_model))["engine"]
+    assert engine.value == "diffusers" and why in engine.reason, engine.reason
+
+
+def test_sdcpp_is_sized_from_its_files_where_torch_would_not_fit(sdcpp_model: Path) -> None:
+    """fp32 torch needs the 12 B transformer's table size; sd.cpp holds the files as stored."""
+    from engine.policy.runtime_engine import resolve_engine
+    from engine.preflight.model import resolve_model
+    from engine.plugins import load_registry
+
+    facts = resolve_model(load_registry(), str(sdcpp_model)).facts(load_registry())
+    short = resolve_engine("auto", cpu(free_memory_gb=facts.sdcpp.gb / 2, swap_free_gb=0.0), facts.sdcpp)
+    assert short.value == "diffusers" and "GB of RAM" in short.reason
+    plan = Engine(hardware=cpu(free_memory_gb=1.0, total_memory_gb=2.0, swap_free_gb=0.0)).plan(str(sdcpp_model))
+    assert plan["engine"].value == "sdcpp" and not plan.diffusers_fits and plan.fallback is None
+    assert "no fallback" in plan["engine"].reason
+    with pytest.raises(EngineError) as refused:  # the same machine without sd.cpp: torch does not fit
+        Engine(hardware=cpu(free_memory_gb=1.0, total_memory_gb=2.0, swap_free_gb=0.0)).plan(
+            str(sdcpp_model), request=InferenceRequest(engine="diffusers"))
+    assert refused.value.code == "insufficient_memory"
+
+
+def test_what_sdcpp_does_not_read_stays_on_diffusers(sdcpp_model: Path, tiny_pipeline: Callable[[str], Path],
+                                                     tmp_path: Path) -> None:
+    folder = Engine(hardware=cpu()).plan(str(tiny_pipeline("flux")))["engine"]
+    assert folder.value == "diffusers" and "diffusers folder" in folder.reason
+    alone = tmp_path / "alone" / sdcpp_model.name
+    alone.parent.mkdir()
+    shutil.copy(sdcpp_model, alone)
+    missing = Engine(hardware=cpu()).plan(str(alone), base=str(tiny_pipeline("flux")))["engine"]
+    assert missing.value == "diffusers" and "the autoencoder" in missing.reason and "ae.safetensors" in missing.reason
+    asked = Engine(hardware=cpu()).plan(str(sdcpp_model), request=InferenceRequest(engine="diffusers"))["engine"]
+    assert (asked.value, asked.source) == ("diffusers", "explicit")
+
+
+def test_engine_sdcpp_where_it_cannot_run_is_refused_before_any_eviction(
+    sdcpp_model: Path, tiny_pipeline: Callable[[str], Path], cli_json: Callable[..., object],
+) -> None:
+    """The 0-eviction matrix's rows for the ``engine`` field: each refusal leaves the host's
+    resident model in place, through the facade and through the CLI."""
+    from engine.policy.runtime_engine import resolve_engine
+    from engine.preflight.model import resolve_model
+
+    for hardware, model, why in [(cpu(), str(tiny_pipeline("flux")), "diffusers folder"),
+                                 (preset("cpu"), str(sdcpp_model), "not installed")]:
+        engine = Engine(hardware=hardware)
+        host = HostModel(engine)
+        with pytest.raises(EngineError) as refused:
+            engine.load(model, request=InferenceRequest(engine="sdcpp"))
+        assert refused.value.code == "sdcpp_unavailable" and why in refused.value.message, refused.value.message
+        assert host.evicted == 0 and engine.residency.owner is None
+    facts = resolve_model(Engine().registry, str(sdcpp_model)).facts(Engine().registry)
+    with pytest.raises(EngineError, match="LoRAs run on diffusers only"):
+        resolve_engine("sdcpp", cpu(), facts.sdcpp, needs=("LoRAs",))
+    plan = cli_json("plan", "--model", str(sdcpp_model), "--engine", "diffusers")
+    assert plan["plan"]["resolved"]["engine"]["value"] == "diffusers"
+
+
+# -- the library, for real ----------------------------------------------------------
+
+
+def pixels(image: Image.Image) -> np.ndarray:
+    return np.asarray(image.convert("RGB"))
+
+
+def test_generate_runs_on_sdcpp_and_the_cli_gives_the_same_pixels(
+    sdcpp_model: Path, tmp_path: Path, cli_json: Callable[..., object],
+) -> None:
+    engine = Engine()
+    status = engine.load(str(sdcpp_model))
+    assert status["engine"] == "sdcpp" and status["sdcpp"]["threads"] == max(1, (__import__("os").cpu_count() or 2) // 2)
+    worker = status["sdcpp"]["worker_pid"]
+    steps: list[tuple[int, int]] = []
+    first = engine.generate("a red fox", seed=7, progress=lambda s, t: steps.append((s, t)),
+                            **{**SMALL, "width": 64, "height": 64})  # the request vocabulary's smallest side
+    again = engine.generate("a red fox", seed=7, **{**SMALL, "width": 64, "height": 64})
+    other = engine.generate("a red fox", seed=8, **SMALL)
+    assert steps == [(1, 2), (2, 2)]
+    assert first[0].size == (64, 64) and first[0].mode == "RGB"
+    assert (pixels(first[0]) == pixels(again[0])).all() and other[0].size == (32, 32)
+    assert engine.status()["pipeline"]["sdcpp"]["worker_pid"] == worker  # one context, reused
+    engine.unload()
+    out = tmp_path / "fox.png"
+    payload = cli_json("generate", "--model", str(sdcpp_model), "--prompt", "a red fox", "--seed", "7",
+                       "--width", "64", "--height", "64", "--steps", "2", "-o", str(out))
+    assert payload["status"]["plan"]["resolved"]["engine"]["value"] == "sdcpp"
+    written = Image.open(payload["images"][0])
+    assert (pixels(written) == pixels(first[0])).all()
+    assert json.loads(written.info["diffusion-engine"])["seed"] == 7  # the same record as a diffusers image
+
+
+def test_cancel_stops_after_the_step_and_the_next_generate_restarts_the_worker(sdcpp_model: Path) -> None:
+    engine = Engine()
+    engine.load(str(sdcpp_model))
+    before = engine.generate("a fox", seed=1, **SMALL)
+    cancel = threading.Event()
+    seen: list[int] = []
+
+    def on_step(step: int, total: int) -> None:
+        seen.append(step)
+        cancel.set()  # as a client that went away: the engine stops after this step
+
+    with pytest.raises(Cancelled):
+        engine.generate("a fox", seed=1, progress=on_step, cancel=cancel, **{**SMALL, "steps": 4})
+    assert seen == [1] and engine.status()["job"] is None
+    after = engine.generate("a fox", seed=1, **SMALL)
+    assert engine.status()["pipeline"]["sdcpp"]["restarts"] == 1
+    assert (pixels(before[0]) == pixels(after[0])).all()
+    with pytest.raises(EngineError) as refused:
+        engine.generate("a fox", mask_image=before[0], image=before[0], **SMALL)
+    assert refused.value.code == "unsupported_on_sdcpp"
+    engine.unload()
+
+
+def test_a_file_the_library_refuses_falls_back_to_diffusers_with_the_reason(
+    sdcpp_model: Path, tiny_pipeline: Callable[[str], Path], tmp_path: Path,
+) -> None:
+    """A CLIP-L of the wrong shape beside the model: sd.cpp fails to load it, and the
+    model (a single transformer file with its base) loads on diffusers instead."""
+    from engine.testing.checkpoints import write_single_file
+    from safetensors.numpy import save_file
+
+    base = tiny_pipeline("flux")
+    model = write_single_file(base, "transformer", tmp_path / "m" / "flux-tiny.safetensors")
+    shutil.copy(sdcpp_model.parent / "ae.safetensors", model.parent / "ae.safetensors")
+    save_file({"text_model.final_layer_norm.weight": np.ones(8, np.float16)}, str(model.parent / "clip_l.safetensors"))
+    engine = Engine()
+    assert engine.plan(str(model), base=str(base))["engine"].value == "sdcpp"
+    status = engine.load(str(model), base=str(base))
+    assert status["fallback"]["from"] == "sdcpp" and "stable-diffusion.cpp" in status["plan"]["resolved"]["engine"]["reason"]
+    assert status["plan"]["resolved"]["engine"]["value"] == "diffusers"
+    image = engine.generate("a fox", seed=1, width=64, height=64, steps=1)[0]
+    assert image.size == (64, 64)
+    engine.unload()
+    with pytest.raises(EngineError) as failed:  # without a base, diffusers cannot take it over: said so
+        Engine().load(str(model))
+    assert failed.value.code == "sdcpp_failed" and "base" in failed.value.message
