@@ -7,6 +7,15 @@ DEMO_STAMP := $(VENV)/.installed-demo
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+# Installs skip byte-compiling (pip --no-compile: a minute of the set-up on 2 cores) and Python
+# writes the .pyc of what is imported, once, on first import; where the environment turns that
+# off (PYTHONDONTWRITEBYTECODE), every process would parse torch and diffusers anew.
+unexport PYTHONDONTWRITEBYTECODE
+PIP := $(BIN)/python -m pip install --quiet --no-compile -c constraints.txt
+# stable-diffusion.cpp's binding (the `cpu` extra) builds ggml from its sdist (15-60 min on 2 cores);
+# a wheel already built from that sdist is taken from ../shared/wheels where that folder exists.
+WHEELS := $(wildcard ../shared/wheels)
+FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS))
 
 .PHONY: demo test install browser clean bench gpu-check
 
@@ -17,8 +26,8 @@ $(BIN)/python:
 # The worked third-party family is installed too, as a plugin author's package
 # would be: the suite runs its contract kit (tests/test_contract_kit.py).
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt examples/diffusion-engine-sd3/pyproject.toml
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ./examples/diffusion-engine-sd3
+	$(PIP) $(FIND_LINKS) -e '.[test,cpu]'
+	$(PIP) -e ./examples/diffusion-engine-sd3
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,7 +37,7 @@ install: $(STAMP)
 # editable development install (a superset), that one is kept.
 $(DEMO_STAMP): $(BIN)/python pyproject.toml constraints.txt
 	@if [ -f $(STAMP) ]; then echo "the development install (make test) is in place"; else \
-		$(BIN)/python -m pip install --quiet -c constraints.txt '.[charts]'; fi
+		$(PIP) '.[charts]'; fi
 	touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
