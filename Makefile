@@ -26,7 +26,7 @@ $(BIN)/python:
 # The worked third-party family is installed too, as a plugin author's package
 # would be: the suite runs its contract kit (tests/test_contract_kit.py).
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt examples/diffusion-engine-sd3/pyproject.toml
-	$(PIP) $(FIND_LINKS) -e '.[test,cpu]'
+	$(PIP) $(FIND_LINKS) -e '.[test,cpu,ray]'
 	$(PIP) -e ./examples/diffusion-engine-sd3
 	touch $(STAMP)
 

@@ -168,6 +168,11 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("busy", 409, "Another job holds the engine (a load, a generate, a training run); try again when "
               "it is done.", _RUNTIME),
     ErrorCode("not_loaded", 409, "No image pipeline is loaded; load one first.", _RUNTIME),
+    ErrorCode("not_with_replicas", 409, "A route that would change one replica of a replicated service (`serve "
+              "--replicas`): loading or unloading a model, training, dataset edits; the replicas serve their "
+              "`--load` model.", _SERVER),
+    ErrorCode("replica_lost", 500, "The replica that ran this job stopped serving (killed, crashed); the job "
+              "failed with it and another replica takes the next.", _RUNTIME),
     ErrorCode("model_changed", 409, "The loaded model changed while the job waited in the queue.", _RUNTIME),
     ErrorCode("cancelled", 499, "The generate was cancelled (its client went away, or a cancel was asked for).",
               _RUNTIME),

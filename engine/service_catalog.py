@@ -133,10 +133,22 @@ class CatalogQuestions:
             "weights": weights_report(source, table_gb),
         }
 
-    def tiny_pipeline(self, family: str, folder: str | Path) -> Path:
+    def tiny_pipeline(self, family: str, folder: str | Path, *, sdcpp: bool = False) -> Path:
         """Write ``family``'s tiny random-weight pipeline to ``folder`` (new or empty): a real
-        diffusers folder to try every command on, offline, in seconds."""
-        return Path(self.registry.build_tiny_pipeline(self.registry.family(family), _new_folder(Path(folder))))
+        diffusers folder to try every command on, offline, in seconds. ``sdcpp``: the files
+        stable-diffusion.cpp reads instead (its table's ``sdcpp.tiny_files``); the model file
+        is returned, its companions beside it."""
+        spec = self.registry.family(family)
+        if not sdcpp:
+            return Path(self.registry.build_tiny_pipeline(spec, _new_folder(Path(folder))))
+        if not spec.sdcpp.tiny_files:
+            raise EngineError(f"{spec.label} has no tiny stable-diffusion.cpp files (its table's "
+                              "sdcpp.tiny_files)", code="no_tiny_pipeline")
+        import importlib
+
+        module, _, name = spec.sdcpp.tiny_files.partition(":")
+        written = getattr(importlib.import_module(module), name)(_new_folder(Path(folder)), gguf=True)
+        return Path(next(iter(written.values())))
 
     def tiny_dataset(self, folder: str | Path, *, count: int = 4, size: int = 64) -> Path:
         """Write ``count`` drawn, captioned ``size`` px images to ``folder`` (new or empty): a dataset to train on."""

@@ -250,9 +250,11 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     engine = Engine()
     family = engine.family(args.family)
     _quiet_loading(args)
-    written = engine.tiny_pipeline(args.family, args.folder)
+    written = engine.tiny_pipeline(args.family, args.folder, sdcpp=args.sdcpp)
     if args.json:
         print(json.dumps({"family": family["name"], "path": str(written)}, indent=2))
+    elif args.sdcpp:
+        print(f"wrote tiny {family['label']} files for stable-diffusion.cpp: {written}, with its companions beside it")
     else:
         print(f"wrote a tiny {family['label']} pipeline to {written}")
         print(f"  try: diffusion-engine generate --model {written} --prompt 'a fox' "

@@ -148,6 +148,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine import Engine
 
     outputs.mkdir(parents=True, exist_ok=True)
+    if args.replicas > 1 or args.ray_address or args.ray_autoscaling:
+        return _serve_replicas(args, settings)
     engine = Engine(runs_dir=outputs, allow_download=settings.allow_hub)
     if args.load:
         engine.load(args.load)
@@ -157,6 +159,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,
                 log_level="info", timeout_graceful_shutdown=5)
     return 0
+
+
+def _serve_replicas(args: argparse.Namespace, settings: Any) -> int:
+    """``serve --replicas N``: the same app on N Ray Serve replicas (see engine.server.replicas);
+    the model each replica loads is checked here first, before Ray starts."""
+    import time
+
+    from engine import Engine
+
+    if args.replicas < 1:
+        raise EngineError(f"--replicas must be at least 1 (got {args.replicas})", code="invalid_request")
+    try:
+        autoscaling = json.loads(args.ray_autoscaling) if args.ray_autoscaling else None
+    except ValueError as exc:
+        raise EngineError(f"--ray-autoscaling is not JSON: {exc}", code="invalid_request") from None
+    if args.load:
+        Engine(allow_download=settings.allow_hub).check_load(args.load)
+    try:
+        from engine.server import replicas
+    except ImportError as exc:
+        raise EngineError(f"serving replicas needs Ray Serve: pip install 'diffusion-engine[ray]' ({exc})",
+                          code="missing_extra") from None
+    replicas.deploy(settings, load=args.load, replicas=args.replicas, autoscaling=autoscaling,
+                    address=args.ray_address, host=args.host, port=args.port)
+    print(f"serving {args.replicas if autoscaling is None else 'autoscaled'} replicas on Ray Serve at "
+          f"http://{args.host}:{args.port}/ (Ctrl-C stops them)", file=sys.stderr)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        replicas.shutdown()
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     save = tiny_commands.add_parser("save", help="`tiny save FAMILY DIR`: FAMILY's tiny pipeline as a folder")
     save.add_argument("family", metavar="FAMILY", help="a family name (`diffusion-engine families`)")
     save.add_argument("folder", metavar="DIR", type=Path, help="the folder to create (new or empty)")
+    save.add_argument("--sdcpp", action="store_true", help="write the files stable-diffusion.cpp reads (a GGUF "
+                      "with its autoencoder and text encoder beside it), not a diffusers folder")
     _common(save)
     save.set_defaults(run=images.cmd_tiny)
     dataset = tiny_commands.add_parser("dataset", help="`tiny dataset DIR`: drawn images with captions to train on")
@@ -121,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-size", type=int, default=128, metavar="N",
                        help="generate jobs that may wait behind the running one; one more is refused "
                             "with 429 and Retry-After")
+    serve.add_argument("--replicas", type=int, default=1, metavar="N",
+                       help="serve through N replicas on Ray Serve, one engine each (one GPU each on a GPU "
+                            "machine); needs the ray extra")
+    serve.add_argument("--ray-address", metavar="ADDR",
+                       help="run the replicas on this existing Ray cluster (e.g. auto, or ray://HOST:10001) "
+                            "instead of a Ray started here")
+    serve.add_argument("--ray-autoscaling", metavar="JSON",
+                       help="Ray Serve's autoscaling_config for the replicas (min_replicas, max_replicas, "
+                            "target_ongoing_requests...), in place of a fixed --replicas")
     add_verbose(serve)
     serve.set_defaults(run=machine.cmd_serve)
 

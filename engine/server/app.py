@@ -91,7 +91,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         allowed_hosts=allowed_hosts(settings), form_paths=FORM_PATHS,
         upload_paths=UPLOAD_PATHS, max_upload_bytes=settings.max_upload_bytes,
     )
-    queue = JobQueue(engine, size=settings.queue_size)
+    queue = JobQueue(engine, size=settings.queue_size, owner=settings.replica)
     hosted = HostedImages(settings.output_roots[0] / "images" if settings.output_roots else None)
     api = APIRouter(prefix="/v1")
 

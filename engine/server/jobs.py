@@ -180,9 +180,13 @@ class Job:
 class JobQueue:
     """FIFO generate jobs for one engine, run by one worker thread (started on first use)."""
 
-    def __init__(self, engine: Any, *, size: int, kept: int = KEPT_JOBS, kept_bytes: int = KEPT_RESULT_BYTES) -> None:
-        """``size``: the bound, at least 1 (:class:`~engine.server.settings.ServerSettings` checks it)."""
+    def __init__(self, engine: Any, *, size: int, kept: int = KEPT_JOBS, kept_bytes: int = KEPT_RESULT_BYTES,
+                 owner: str = "") -> None:
+        """``size``: the bound, at least 1 (:class:`~engine.server.settings.ServerSettings` checks it);
+        ``owner``: a serving replica's name, ending every job id (``j-1-ab12.OWNER``) so a
+        follow-up reaches the replica that runs the job (:mod:`engine.server.replicas`)."""
         self._engine = engine
+        self._suffix = f".{owner}" if owner else ""
         self.size = size
         self._kept, self._kept_bytes = kept, kept_bytes
         self._lock = threading.Condition()
@@ -205,7 +209,7 @@ class JobQueue:
         model = self._loaded_model()
         if model is None:
             raise EngineError("no image pipeline is loaded; load one first (POST /v1/images/load)", code="not_loaded")
-        job = Job(f"j-{next(self._ids)}-{secrets.token_hex(6)}", prompt, dict(options), model,
+        job = Job(f"j-{next(self._ids)}-{secrets.token_hex(6)}{self._suffix}", prompt, dict(options), model,
                   steps=int(options.get("steps") or 0))
         with self._lock:
             if len(self._waiting) >= self.size:

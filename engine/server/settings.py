@@ -61,6 +61,8 @@ class ServerSettings:
     #: public name); ``*`` turns the check off.
     extra_hosts: tuple[str, ...] = ()
     extra: dict[str, str] = field(default_factory=dict)
+    #: The name of a serving replica (``serve --replicas``): the suffix of its job ids. Empty: one server.
+    replica: str = ""
 
     def __post_init__(self) -> None:
         if self.token is not None and not self.token.strip():

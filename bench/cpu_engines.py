@@ -1,0 +1,163 @@
+"""stable-diffusion.cpp vs torch on the CPU: one FLUX.1 transformer, seconds per step and peak RSS.
+
+The model is a slice of FLUX.1 at its real width (3072, 24 heads of 128) with
+fewer blocks, written once as the files sd.cpp reads (``families/flux/sdcpp_files.py``:
+the transformer as a GGUF, the autoencoder and CLIP-L beside it). Each engine
+runs in a child process of its own (so its peak RSS is its own), with the same
+thread count (the plan's: logical cores // 2), the same image size and steps:
+
+* sd.cpp: the binding runs a text-to-image call; a step's time is what its
+  progress callback reports for each denoising step;
+* torch: the same file's weights converted by diffusers (BFL -> diffusers keys)
+  into ``FluxTransformer2DModel`` in fp32 (the engine's CPU dtype where it
+  fits), called as the pipeline calls it per step (the same token counts:
+  the image's patches and 256 T5 tokens of zeros, as sd.cpp without T5).
+
+Prints both side by side and the ratio; the target is sd.cpp >= 3x faster per
+step. Medians of the steps after the first.
+
+    .venv/bin/python bench/cpu_engines.py [--size 256] [--steps 4] [--double 1] [--single 2] [--quant q8_0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB on Linux
+
+
+def run_sdcpp(files: dict[str, str], size: int, steps: int, threads: int) -> dict[str, float]:
+    from stable_diffusion_cpp import StableDiffusion
+
+    context = StableDiffusion(**files, n_threads=threads, verbose=False)
+    stamps: list[float] = []
+
+    def on_step(step: int, total: int, _seconds: float) -> None:
+        if total == steps and step > 0:
+            stamps.append(time.perf_counter())
+
+    started = time.perf_counter()
+    context.generate_image(prompt="a lighthouse at dusk", width=size, height=size, sample_steps=steps,
+                           cfg_scale=1.0, guidance=3.5, seed=0, progress_callback=on_step)
+    per_step = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"s_per_step": statistics.median(per_step), "total_s": time.perf_counter() - started}
+
+
+def run_torch(files: dict[str, str], size: int, steps: int, threads: int) -> dict[str, float]:
+    import torch
+    from diffusers import FluxTransformer2DModel
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    torch.set_num_threads(threads)
+    state = _read_transformer(files["diffusion_model_path"])
+    width = state["img_in.weight"].shape[0]
+    double = len({k.split(".")[1] for k in state if k.startswith("double_blocks.")})
+    single = len({k.split(".")[1] for k in state if k.startswith("single_blocks.")})
+    converted = convert_flux_transformer_checkpoint_to_diffusers(state)
+    model = FluxTransformer2DModel(
+        num_layers=double, num_single_layers=single, attention_head_dim=128, num_attention_heads=width // 128,
+        joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+    )
+    model.load_state_dict(converted)
+    model.eval()
+    side = size // 16
+    latents = torch.randn(1, side * side, 64)
+    context = torch.zeros(1, 256, 4096)
+    image_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(side), torch.arange(side), indexing="ij"),
+                            -1).reshape(-1, 3).float()
+    text_ids = torch.zeros(256, 3)
+    times = []
+    with torch.inference_mode():
+        for step in range(steps):
+            started = time.perf_counter()
+            model(hidden_states=latents, encoder_hidden_states=context, pooled_projections=torch.zeros(1, 768),
+                  timestep=torch.tensor([1.0 - step / steps]), guidance=torch.tensor([3.5]), img_ids=image_ids,
+                  txt_ids=text_ids, return_dict=False)
+            times.append(time.perf_counter() - started)
+    return {"s_per_step": statistics.median(times[1:] or times), "total_s": sum(times)}
+
+
+def _read_transformer(path: str) -> dict[str, object]:
+    """The transformer's tensors as torch fp32, from a GGUF (dequantised) or a safetensors."""
+    import numpy as np
+    import torch
+
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return {k: v.float() for k, v in load_file(path).items()}
+    import gguf
+
+    out = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        shape = tuple(reversed([int(d) for d in tensor.shape]))
+        out[tensor.name] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+    return out
+
+
+def child(engine: str, files: dict[str, str], size: int, steps: int, threads: int) -> dict[str, float]:
+    result = subprocess.run(
+        [sys.executable, __file__, "--child", engine, "--files", json.dumps(files), "--size", str(size),
+         "--steps", str(steps), "--threads", str(threads)],
+        capture_output=True, text=True, check=False,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise SystemExit(f"the {engine} run failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--width", type=int, default=3072, help="transformer width (3072: FLUX.1's)")
+    parser.add_argument("--double", type=int, default=1, help="double-stream blocks (FLUX.1 has 19)")
+    parser.add_argument("--single", type=int, default=2, help="single-stream blocks (FLUX.1 has 38)")
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument("--child", choices=("sdcpp", "torch"))
+    parser.add_argument("--files")
+    args = parser.parse_args()
+    if args.child:
+        files = json.loads(args.files)
+        run = run_sdcpp if args.child == "sdcpp" else run_torch
+        figures = run(files, args.size, args.steps, args.threads)
+        print(json.dumps({**figures, "peak_rss_gb": peak_rss_gb()}))
+        return
+    from families.flux.sdcpp_files import write_tiny
+
+    with tempfile.TemporaryDirectory() as scratch:
+        started = time.perf_counter()
+        written = write_tiny(scratch, gguf=True, width=args.width, double_blocks=args.double,
+                             single_blocks=args.single)
+        files = {k: str(v) for k, v in written.items()}
+        size_gb = Path(files["diffusion_model_path"]).stat().st_size / 1e9
+        print(f"FLUX.1 slice: width {args.width}, {args.double} double + {args.single} single blocks, "
+              f"Q8_0 GGUF {size_gb:.2f} GB (written in {time.perf_counter() - started:.0f} s); "
+              f"{args.size}x{args.size} px, {args.steps} steps, {args.threads} threads")
+        sdcpp = child("sdcpp", files, args.size, args.steps, args.threads)
+        torch_ = child("torch", files, args.size, args.steps, args.threads)
+    print(f"{'engine':<24} {'s/step':>8} {'peak RSS GB':>12}")
+    print(f"{'sd.cpp (Q8_0 GGUF)':<24} {sdcpp['s_per_step']:>8.3f} {sdcpp['peak_rss_gb']:>12.2f}")
+    print(f"{'torch (fp32, diffusers)':<24} {torch_['s_per_step']:>8.3f} {torch_['peak_rss_gb']:>12.2f}")
+    print(f"sd.cpp is {torch_['s_per_step'] / sdcpp['s_per_step']:.2f}x faster per step "
+          f"and holds {sdcpp['peak_rss_gb'] / torch_['peak_rss_gb']:.2f}x the RSS (target: >= 3x faster)")
+
+
+if __name__ == "__main__":
+    main()

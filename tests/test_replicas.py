@@ -1,0 +1,103 @@
+"""Serving replicas on Ray Serve, for real: a local Ray, two CPU replicas of a tiny pipeline,
+the HTTP API on loopback, concurrent jobs, 429s, events, cancel, and a replica killed mid-job."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+
+from engine.server.settings import ServerSettings
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def service(tiny_pipeline: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from engine.server import replicas
+
+    model = tiny_pipeline("zimage")
+    outputs = tmp_path_factory.mktemp("outputs")
+    settings = ServerSettings(model_roots=(model.parent,), output_roots=(outputs,), queue_size=1)
+    port = free_port()
+    replicas.deploy(settings, load=str(model), replicas=2, port=port,
+                    ray_init={"num_cpus": 2, "object_store_memory": 80 * 1024 * 1024, "include_dashboard": False,
+                              "log_to_driver": False})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        replicas.shutdown()
+
+
+def owner(job_id: str) -> str:
+    return job_id.rsplit(".", 1)[1]
+
+
+def finish(client: httpx.Client, job_id: str, timeout: float = 120) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/images/jobs/{job_id}").json()
+        if job["state"] in ("done", "failed", "cancelled"):
+            return job
+        time.sleep(0.1)
+    raise AssertionError(f"job {job_id} did not finish")
+
+
+def test_concurrent_jobs_complete_or_get_429_none_lost_and_both_replicas_serve(service: str) -> None:
+    body = {"prompt": "a fox", "width": 64, "height": 64, "steps": 2}
+    with httpx.Client(base_url=service, timeout=60) as client:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: client.post("/v1/images/jobs", json={**body, "seed": i}), range(10)))
+        assert {a.status_code for a in answers} <= {202, 429}, [a.text for a in answers if a.status_code not in (202, 429)]
+        refused = [a for a in answers if a.status_code == 429]
+        assert all(a.headers.get("retry-after") for a in refused)
+        accepted = [a.json()["id"] for a in answers if a.status_code == 202]
+        # each replica holds one running and one waiting job: at least both replicas' share got in
+        assert len(accepted) >= 2 and refused, (len(accepted), len(refused))
+        with client.stream("GET", f"/v1/images/jobs/{accepted[0]}/events") as events:
+            states = [json.loads(line[5:])["state"] for line in events.iter_lines() if line.startswith("data:")]
+        assert states[-1] == "done"
+        jobs = [finish(client, job_id) for job_id in accepted]
+        assert [j["state"] for j in jobs] == ["done"] * len(accepted) and all(j["images"] for j in jobs)
+        more = [client.post("/v1/images/jobs", json={**body, "seed": 100 + i}) for i in range(6)]
+        served = {owner(a.json()["id"]) for a in [*answers, *more] if a.status_code == 202}
+        for answer in more:
+            if answer.status_code == 202:
+                assert finish(client, answer.json()["id"])["state"] == "done"
+        assert len(served) == 2, served
+        assert client.get("/v1/images/status").status_code == 200  # any other route: a replica answers
+        refused_load = client.post("/v1/images/load", json={"model": "x"})
+        assert refused_load.status_code == 409 and refused_load.json()["error"]["code"] == "not_with_replicas"
+
+
+def test_a_killed_replica_fails_its_job_with_the_reason_and_the_service_keeps_answering(service: str) -> None:
+    from ray import serve
+
+    with httpx.Client(base_url=service, timeout=60) as client:
+        job = client.post("/v1/images/jobs", json={"prompt": "a slow fox", "width": 256, "height": 256,
+                                                    "steps": 40}).json()
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/images/jobs/{job['id']}").json()["state"] != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        victim = owner(job["id"])
+        actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"]]
+        assert actors, f"no replica actor named for {victim}"
+        ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+        lost = finish(client, job["id"], timeout=60)
+        assert lost["state"] == "failed" and lost["error"]["code"] == "replica_lost", lost
+        after = client.post("/v1/images/jobs", json={"prompt": "a fox", "width": 64, "height": 64, "steps": 2})
+        assert after.status_code == 202 and owner(after.json()["id"]) != victim
+        assert finish(client, after.json()["id"])["state"] == "done"
+    assert serve.status().applications["diffusion-engine"].status in ("RUNNING", "DEPLOYING")
