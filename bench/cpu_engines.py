@@ -16,7 +16,7 @@ thread count (the plan's: logical cores // 2), the same image size and steps:
 Prints both side by side and the ratio; the target is sd.cpp >= 3x faster per
 step. Medians of the steps after the first.
 
-    .venv/bin/python bench/cpu_engines.py [--size 256] [--steps 4] [--double 1] [--single 2] [--quant q8_0]
+    .venv/bin/python bench/cpu_engines.py [--size 256] [--steps 4] [--double 1] [--single 2] [--folder DIR]
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def run_torch(files: dict[str, str], size: int, steps: int, threads: int) -> dic
     side = size // 16
     latents = torch.randn(1, side * side, 64)
     context = torch.zeros(1, 256, 4096)
-    image_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(side), torch.arange(side), indexing="ij"),
-                            -1).reshape(-1, 3).float()
+    rows = torch.arange(side).repeat_interleave(side).float()
+    image_ids = torch.stack([torch.zeros(side * side), rows, torch.arange(side).repeat(side).float()], -1)
     text_ids = torch.zeros(256, 3)
     times = []
     with torch.inference_mode():
@@ -130,6 +130,8 @@ def main() -> None:
     parser.add_argument("--double", type=int, default=1, help="double-stream blocks (FLUX.1 has 19)")
     parser.add_argument("--single", type=int, default=2, help="single-stream blocks (FLUX.1 has 38)")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument("--folder", type=Path, help="write the files here and reuse them on the next run "
+                        "(default: a temporary folder)")
     parser.add_argument("--child", choices=("sdcpp", "torch"))
     parser.add_argument("--files")
     args = parser.parse_args()
@@ -142,9 +144,15 @@ def main() -> None:
     from families.flux.sdcpp_files import write_tiny
 
     with tempfile.TemporaryDirectory() as scratch:
+        folder = args.folder or Path(scratch)
         started = time.perf_counter()
-        written = write_tiny(scratch, gguf=True, width=args.width, double_blocks=args.double,
-                             single_blocks=args.single)
+        model = folder / "flux-tiny.gguf"
+        if args.folder is not None and model.exists():  # written by an earlier run with these flags
+            written = {"diffusion_model_path": model, "vae_path": folder / "ae.safetensors",
+                       "clip_l_path": folder / "clip_l.safetensors"}
+        else:
+            written = write_tiny(folder, gguf=True, width=args.width, double_blocks=args.double,
+                                 single_blocks=args.single)
         files = {k: str(v) for k, v in written.items()}
         size_gb = Path(files["diffusion_model_path"]).stat().st_size / 1e9
         print(f"FLUX.1 slice: width {args.width}, {args.double} double + {args.single} single blocks, "

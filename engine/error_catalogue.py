@@ -159,6 +159,9 @@ _ROWS: tuple[ErrorCode, ...] = (
               "machine restarted).", _RUN),
     ErrorCode("trainer_died", 500, "The trainer process ended without finishing (killed by a signal, or "
               "an exit code); the last checkpoint is kept.", _RUN),
+    ErrorCode("node_lost", 500, "A run over several machines (`train --nodes`) lost another node's ranks: that "
+              "node died or the link to it broke; this node's ranks were stopped and nothing was saved "
+              "after the last checkpoint.", _RUN),
     ErrorCode("trainer_crashed", 500, "The trainer process failed; its record holds the traceback.", _RUN),
     ErrorCode("trainer_start_failed", 500, "The trainer process could not be started.", _RUN),
     ErrorCode("watcher_failed", 500, "The engine could not follow the run; the trainer was stopped.", _RUN),

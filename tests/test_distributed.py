@@ -169,3 +169,67 @@ def test_each_device_is_checked_and_cpu_ranks_need_no_gpu(
     assert host.evicted == 0 and engine.residency.owner is None
     plan = make_plan(tiny_pipeline(FAMILY), dataset, gpus=8)  # device=cpu: 8 gloo processes, no GPU needed
     assert plan.device == "cpu" and plan.to_dict()["gpus"] == 8
+
+
+# -- several machines: two nodes on loopback ---------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_nodes(base: Path, data: Path, root: Path, **config: object) -> list[TrainingRun]:
+    """Node 0 and node 1 of one run, as two machines would start it: the same config, each
+    preflighted on its own (the plan is the machine's), with its own node rank and runs folder."""
+    address = f"127.0.0.1:{free_port()}"
+    runs = []
+    for rank in (0, 1):
+        plan = make_plan(base, data, batch_size=1, nodes=2, node_rank=rank, main_address=address, **config)
+        run = TrainingRun(plan, root / f"node{rank}")
+        run.start()
+        runs.append(run)
+    return runs
+
+
+@pytest.mark.slow
+def test_two_nodes_over_gloo_hold_the_same_lora_and_match_a_one_process_run(
+    tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path,
+) -> None:
+    base = tiny_pipeline(FAMILY)
+    main, other = (run.wait(timeout=300) for run in start_nodes(base, dataset, tmp_path, steps=3))
+    assert main.status == other.status == "completed", (main.error, other.error)
+    assert main.ranks is not None and main.ranks["world"] == 2 and main.ranks["nodes"] == 2
+    digests = main.ranks["lora_sha256"]
+    assert isinstance(digests, list) and len(digests) == 2 and digests[0] == digests[1]
+    assert load_file(main.outputs["lora"]) and "lora" not in other.outputs  # node 0 writes the run
+    events: list[dict[str, object]] = []
+    run_training(make_plan(base, dataset, batch_size=2, steps=3), tmp_path / "solo", events.append, lambda: None)
+    solo = [(int(e["step"]), float(e["loss"])) for e in events if e["type"] == "progress"]  # type: ignore[arg-type]
+    for record in (main, other):  # node 1's engine follows the same run: the same curve
+        curve = record.metrics["loss"].points
+        assert [s for s, _ in curve] == [s for s, _ in solo] == [1, 2, 3]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(curve, solo)) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_killed_node_fails_the_run_with_a_true_record_and_frees_every_rank(
+    tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path,
+) -> None:
+    runs = start_nodes(tiny_pipeline(FAMILY), dataset, tmp_path, steps=1000)
+    records = [wait_for(run, lambda r: r.ranks is not None) for run in runs]
+    pids = [int(pid) for record in records for pid in record.ranks["pids"]]  # type: ignore[index]
+    os.kill(int(records[1].pid), signal.SIGKILL)  # type: ignore[arg-type]  # node 1's trainer; its rank dies with it
+    record = runs[0].wait(timeout=120)
+    assert record.status == "failed" and record.error is not None
+    assert record.error["code"] == "node_lost" and "node 0 of 2" in record.error["message"], record.error
+    lost = runs[1].wait(timeout=60)
+    assert lost.status == "failed" and lost.error is not None and lost.error["code"] == "trainer_died"
+    deadline = time.monotonic() + 30
+    while not all(gone(pid) for pid in [*pids, int(records[0].pid)]):  # type: ignore[arg-type]
+        assert time.monotonic() < deadline, "a rank outlived its run"
+        time.sleep(0.1)
+    assert not (Path(record.folder) / "pytorch_lora_weights.safetensors").exists()

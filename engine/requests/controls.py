@@ -188,6 +188,12 @@ TRAIN_CONTROLS: tuple[Control, ...] = (
     Control("device", "--device", "where to train (default auto)", TRAIN, choices=DEVICES),
     Control("gpus", "--gpus", "train on N GPUs of this machine through accelerate (DDP; --batch-size is "
             "per GPU); with --device cpu, N CPU processes over gloo (default 1)", TRAIN, type=int),
+    Control("nodes", "--nodes", "machines the run spans: start the same command on each, with its own "
+            "--node-rank and --main-address of node 0 (default 1)", TRAIN, type=int, metavar="N"),
+    Control("node_rank", "--node-rank", "this machine's place among --nodes (0: the main node, which "
+            "writes the run)", TRAIN, type=int, metavar="R"),
+    Control("main_address", "--main-address", "HOST:PORT of node 0, where every node's ranks meet",
+            TRAIN, metavar="HOST:PORT"),
     Control("seed", "--seed", "random seed (default 0)", TRAIN, type=int),
     Control("export_kohya", "--export-kohya", "also write the LoRA in the kohya / ComfyUI key layout", TRAIN,
             action="store_true"),

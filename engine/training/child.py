@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
                                  "the engine and the trainer may be different versions: reinstall and start again"})
         return 1
     channel.emit({"type": "phase", "phase": "starting", "message": "the trainer process is up"})
-    if getattr(plan.config, "gpus", 1) > 1:
+    if getattr(plan.config, "gpus", 1) > 1 or getattr(plan.config, "nodes", 1) > 1:
         from engine.training.launch import launch
 
         launch(plan, Path(folder), channel)  # the ranks, under accelerate; rank 0 speaks on this socket

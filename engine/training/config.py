@@ -8,6 +8,7 @@ refused naming the field.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -27,6 +28,7 @@ MAX_SEED = 2**63 - 1  # torch.manual_seed takes up to 2**64 - 1; JSON clients st
 MAX_RANK = 1024
 MAX_BATCH = 64
 MAX_GPUS = 64
+MAX_NODES = 1024
 
 
 #: Per-timestep loss weights (the trainer's levers: :mod:`engine.training.levers`).
@@ -87,6 +89,12 @@ class TrainingConfig(BaseModel):
     #: runs under accelerate (DDP) and ``batch_size`` is per rank. With
     #: ``device=cpu``: that many CPU processes (gloo).
     gpus: int = Field(1, ge=1, le=MAX_GPUS)
+    #: Machines the run spans (``train --nodes``): each runs this same config with its own
+    #: ``node_rank`` and ``gpus`` ranks; rank 0 (node 0's first) writes the run.
+    nodes: int = Field(1, ge=1, le=MAX_NODES)
+    node_rank: int = Field(0, ge=0, lt=MAX_NODES)
+    #: ``HOST:PORT`` of node 0, where the ranks meet (torch's rendezvous); needed with ``nodes`` > 1.
+    main_address: str | None = Field(None, max_length=300)
     export_kohya: bool = False
     #: Points kept per metric in the run record (older points are thinned).
     metric_history: int = Field(500, ge=10, le=100_000)
@@ -148,6 +156,13 @@ class TrainingConfig(BaseModel):
             raise ValueError("give steps or epochs, not both")
         if self.sample_every is not None and not self.sample_prompts:
             raise ValueError("sample_every needs at least one sample prompt")
+        if self.nodes > 1:
+            if not self.main_address or not re.fullmatch(r"[^\s:]+:\d{1,5}", self.main_address):
+                raise ValueError("nodes > 1 needs main_address HOST:PORT: node 0's address, where the ranks meet")
+            if self.node_rank >= self.nodes:
+                raise ValueError(f"node_rank {self.node_rank} is not below nodes {self.nodes} (ranks are 0-based)")
+        elif self.node_rank:
+            raise ValueError("node_rank applies only with nodes > 1")
         if self.keep_tags and not self.shuffle_tags:
             raise ValueError("keep_tags applies only with shuffle_tags (it keeps the first N tags in place)")
         return self
@@ -158,8 +173,13 @@ class TrainingConfig(BaseModel):
             return self.steps
         if self.epochs is None:
             return 500
-        per_step = self.batch_size * self.grad_accumulation * self.gpus  # the global batch
+        per_step = self.batch_size * self.grad_accumulation * self.world  # the global batch
         return max(1, math.ceil(self.epochs * images / per_step))
+
+    @property
+    def world(self) -> int:
+        """Ranks in the run, over every node."""
+        return self.gpus * self.nodes
 
     def public_dict(self) -> dict[str, object]:
         """The config for records and status: JSON-ready, nothing secret."""

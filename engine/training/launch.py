@@ -30,7 +30,11 @@ here. Forking is what keeps the engine's guarantees:
 
 The launcher must not touch CUDA before forking (accelerate's rule for
 fork): it imports the trainer (no device) so the ranks start warm.
-Multi-node runs use ``accelerate launch`` on each machine (see docs/training.md).
+Several machines (``nodes`` > 1): each node's trainer child launches its own ranks
+the same way, with global ranks ``node_rank * gpus + i`` meeting at node 0's
+``main_address``; every node preflighted its own devices in its engine before
+this. Rank 0 writes the run; each other node's first rank speaks for that node
+(its progress, and the stop requests its engine gets, which reach every rank).
 """
 
 from __future__ import annotations
@@ -94,18 +98,23 @@ def launch(plan: Any, folder: Path, channel: Any) -> None:
 
     import engine.training.trainer  # noqa: F401  (imported once here: the forked ranks share it)
 
-    world = int(plan.config.gpus)
+    config = plan.config
+    local, nodes, node = int(config.gpus), int(getattr(config, "nodes", 1)), int(getattr(config, "node_rank", 0))
+    world = local * nodes
+    if nodes > 1:  # every node's ranks meet at node 0's address (torch's TCP rendezvous)
+        host, _, port = str(config.main_address).rpartition(":")
+    else:
+        host, port = "127.0.0.1", str(_free_port())
     errors = Path(tempfile.mkdtemp(prefix="diffusion-engine-ranks-"))
     kind = "MULTI_CPU" if plan.device == "cpu" else "MULTI_GPU"
     try:
-        with patch_environment(nproc=world, node_rank=0, world_size=world, master_addr="127.0.0.1",
-                               master_port=_free_port()):
+        with patch_environment(nproc=local, node_rank=node, world_size=world, master_addr=host, master_port=port):
             context = torch_mp.start_processes(
                 PrepareForLaunch(_rank, distributed_type=kind),
                 args=(plan, str(folder), channel, str(errors), os.getpid()),
-                nprocs=world, join=False, start_method="fork",
+                nprocs=local, join=False, start_method="fork",
             )
-        ends = _wait_all(context.processes, errors)
+        ends = _wait_all(context.processes, errors, first=node * local)
     except Exception as exc:  # the ranks could not be started: the run's error, reported
         channel.emit({"type": "error", "code": "trainer_start_failed",
                       "message": f"the {world} ranks could not start under accelerate: {type(exc).__name__}: {exc}",
@@ -116,12 +125,14 @@ def launch(plan: Any, folder: Path, channel: Any) -> None:
     cause = root_cause(ends)
     if cause is not None:
         others = [e.rank for e in ends if e.failed and e.rank != cause.rank]
-        channel.emit({
-            "type": "error",
-            "code": str((cause.error or {}).get("code", "rank_failed")),
-            "message": cause.describe(world) + (f"; ranks {others} were stopped with it" if others else ""),
-            "traceback": (cause.error or {}).get("traceback", ""),
-        })
+        message = cause.describe(world) + (f"; ranks {others} were stopped with it" if others else "")
+        code = str((cause.error or {}).get("code", "rank_failed"))
+        if nodes > 1 and (cause.error or {}).get("peer_lost"):  # this node's ranks are fine: another's are gone
+            code = "node_lost"
+            message = (f"node {node} of {nodes} lost the ranks of another node (it died, or the link to it "
+                       f"broke); its own ranks stopped: {message}")
+        channel.emit({"type": "error", "code": code, "message": message,
+                      "traceback": (cause.error or {}).get("traceback", "")})
 
 
 def root_cause(ends: list[RankEnd]) -> RankEnd | None:
@@ -132,8 +143,9 @@ def root_cause(ends: list[RankEnd]) -> RankEnd | None:
     return (primary or [e for e in failed if not e.killed] or failed or [None])[0]
 
 
-def _wait_all(processes: list[Any], errors: Path) -> list[RankEnd]:
-    """Wait for every rank, in exit order; once one failed, the rest get :data:`GRACE_S`, then SIGKILL."""
+def _wait_all(processes: list[Any], errors: Path, first: int = 0) -> list[RankEnd]:
+    """Wait for this node's ranks (global ranks from ``first``), in exit order; once one failed,
+    the rest get :data:`GRACE_S`, then SIGKILL."""
     pending = {p.sentinel: rank for rank, p in enumerate(processes)}
     killed: set[int] = set()
     deadline: float | None = None
@@ -151,7 +163,8 @@ def _wait_all(processes: list[Any], errors: Path) -> list[RankEnd]:
             rank = pending.pop(sentinel)  # type: ignore[call-overload]
             process = processes[rank]
             process.join()
-            ends.append(RankEnd(rank, process.pid, process.exitcode, _read_error(errors, rank), rank in killed))
+            ends.append(RankEnd(first + rank, process.pid, process.exitcode, _read_error(errors, first + rank),
+                                rank in killed))
             if process.exitcode != 0 and deadline is None and not killed:
                 deadline = time.monotonic() + GRACE_S
     return ends
@@ -178,14 +191,21 @@ def _rank(plan: Any, folder: str, channel: Any, errors: str, launcher_pid: int) 
         replicas = join(plan.device)
         with replicas.collective():
             pids = [int(p) for p in gather_object([os.getpid()])]
+        nodes = int(getattr(plan.config, "nodes", 1))
         if replicas.main:
             channel.emit({"type": "phase", "phase": "starting",
                           "message": f"{replicas.world} ranks up under accelerate "
-                                     f"({replicas.accelerator.distributed_type})",
-                          "ranks": {"world": replicas.world, "pids": pids}})
-        result = run_training(plan, Path(folder), channel.emit if replicas.main else _ignore,
-                              channel.should_stop if replicas.main else _go_on, replicas=replicas)
-        if replicas.main:
+                                     f"({replicas.accelerator.distributed_type})"
+                                     + (f" on {nodes} nodes" if nodes > 1 else ""),
+                          "ranks": {"world": replicas.world, "pids": pids, "nodes": nodes}})
+        elif replicas.speaker:  # another node's first rank: its engine follows the run; node 0 writes it
+            channel.emit({"type": "phase", "phase": "starting",
+                          "message": f"node {plan.config.node_rank} of {nodes}: its ranks joined the run of "
+                                     f"node 0 ({plan.config.main_address}), which writes the LoRA and checkpoints",
+                          "ranks": {"world": replicas.world, "pids": pids, "nodes": nodes}})
+        result = run_training(plan, Path(folder), channel.emit if replicas.speaker else _ignore,
+                              channel.should_stop if replicas.speaker else _go_on, replicas=replicas)
+        if replicas.speaker:
             channel.emit(result)
     except BaseException as exc:
         _write_error(Path(errors), rank, exc)
@@ -211,11 +231,12 @@ def _read_error(errors: Path, rank: int) -> dict[str, Any] | None:
 
 
 def _ignore(event: dict[str, object]) -> None:
-    """Ranks other than 0 say nothing: rank 0 speaks for the run."""
+    """Ranks other than each node's first say nothing: rank 0 speaks for the run, and
+    another node's first rank for that node's engine."""
 
 
 def _go_on() -> str | None:
-    return None  # only rank 0 reads stop requests; it broadcasts the decision
+    return None  # only each node's first rank reads stop requests; every rank gets the decision
 
 
 def _free_port() -> int:

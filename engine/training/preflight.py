@@ -74,6 +74,8 @@ class TrainingPlan:
             "weights": self.weights,
             "device": self.device,
             "gpus": self.config.gpus,
+            "nodes": {"count": self.config.nodes, "rank": self.config.node_rank,
+                      "main_address": self.config.main_address, "world": self.config.world},
             "steps": self.steps,
             "lora_targets": list(self.lora_targets),
             "objective": self.objective.prediction,

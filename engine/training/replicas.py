@@ -13,8 +13,8 @@ its ``Accelerator``:
   by (seed, step, slot in the global batch), so a 2-rank run sees exactly
   the examples, noise and timesteps of a 1-rank run with the same global
   batch, and its loss curve matches it;
-* rank 0 alone reads stop requests; :meth:`stop` broadcasts its answer, so
-  every rank leaves the loop at the same step;
+* each node's first rank reads its engine's stop requests; :meth:`stop` gathers
+  the answers, so every rank on every node leaves the loop at the same step;
 * a failure inside a collective is a :class:`PeerLost` (a consequence of
   another rank's failure), so the launcher can name the rank that failed first.
 """
@@ -46,6 +46,9 @@ class Replicas:
     rank: int = 0
     world: int = 1
     accelerator: Any = None
+    #: This node's first rank: it talks to its node's engine (progress, stop requests).
+    #: On one node that is rank 0; on the others, their local rank 0 (see ``train --nodes``).
+    speaker: bool = True
 
     @property
     def main(self) -> bool:
@@ -98,16 +101,17 @@ class Replicas:
             return float(self.accelerator.reduce(tensor, reduction="sum").item())
 
     def stop(self, should_stop: StopCheck) -> StopCheck:
-        """Rank 0's stop decision, on every rank (each call is a broadcast: all ranks call it alike)."""
+        """The speakers' stop decision (rank 0's first), on every rank: each call gathers every
+        rank's answer, so a stop asked of any node's engine stops every rank on every node."""
         if self.accelerator is None:
             return should_stop
-        from accelerate.utils import broadcast_object_list
+        from accelerate.utils import gather_object
 
         def decide() -> str | None:
-            box: list[str | None] = [should_stop() if self.main else None]
+            mine = should_stop() if self.speaker else None
             with self.collective():
-                broadcast_object_list(box, from_process=0)
-            return box[0]
+                answers = gather_object([mine])
+            return next((answer for answer in answers if answer), None)
 
         return decide
 
@@ -176,7 +180,8 @@ def join(device: str) -> Replicas:
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     accelerator = Accelerator(cpu=device == "cpu", mixed_precision="no",
                               kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
-    return Replicas(accelerator.process_index, accelerator.num_processes, accelerator)
+    return Replicas(accelerator.process_index, accelerator.num_processes, accelerator,
+                    speaker=accelerator.local_process_index == 0)
 
 
 def example_generators(seed: int, step: int, slots: list[int]) -> list[Any]:
