@@ -17,7 +17,9 @@ pipeline call would give, in process: N separate calls, one call with the N
 prompts and seeds as the engine runs it (its memory plan chooses the images
 per forward: one on the CPU), and one call forced to one forward.
 
-    .venv/bin/python bench/serve_load.py [--clients 32] [--requests 4] [--low-bound 8] [--batch-probe]
+``--ray`` runs the load through 1 and then 2 replicas on Ray Serve (``serve --replicas``).
+
+    .venv/bin/python bench/serve_load.py [--clients 32] [--requests 4] [--low-bound 8] [--batch-probe] [--ray]
 """
 
 from __future__ import annotations
@@ -63,14 +65,17 @@ def free_port() -> int:
 class Server:
     """A ``serve`` child on a free loopback port, with the tiny pipeline loaded."""
 
-    def __init__(self, work: Path, pipeline: Path, queue_size: int) -> None:
+    def __init__(self, work: Path, pipeline: Path, queue_size: int, replicas: int = 0) -> None:
+        """``replicas``: that many replicas on Ray Serve (``serve --replicas``); 0: the single process."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         outputs = work / "runs"
         command = [sys.executable, "-m", "engine", "serve", "--port", str(self.port), "--token", TOKEN,
                    "--models", str(pipeline.parent), "--outputs", str(outputs), "--load", str(pipeline),
                    "--queue-size", str(queue_size)]
-        self.log = (work / f"server-{queue_size}.log").open("w")
+        if replicas:  # a fixed count through Ray Serve's own autoscaling config (1 included)
+            command += ["--ray-autoscaling", f'{{"min_replicas": {replicas}, "max_replicas": {replicas}}}']
+        self.log = (work / f"server-{queue_size}-{replicas}.log").open("w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
 
     def __enter__(self) -> Server:
@@ -154,9 +159,10 @@ def load_run(server: Server, clients: int, requests: int, steps: int, size: int,
     sampling.set()
     sampler.join()
     status = httpx.get(f"{server.url}/v1/images/status", headers=AUTH).json()
-    listing = httpx.get(f"{server.url}/v1/images/jobs", headers=AUTH).json()
-    done_ids = {job["id"] for job in listing["jobs"] if job["state"] == "done"}
     ok = [o for o in outcomes if o["status"] == 200]
+    with httpx.Client(headers=AUTH, timeout=30) as client:  # each job asked of the replica that owns it
+        done_ids = {o["job"] for o in ok if o["job"]
+                    and client.get(f"{server.url}/v1/images/jobs/{o['job']}").json().get("state") == "done"}
     latencies = sorted(o["seconds"] for o in ok)
     return {
         "sent": clients * requests,
@@ -222,9 +228,12 @@ def main() -> int:
     parser.add_argument("--queue-size", type=int, default=128)
     parser.add_argument("--low-bound", type=int, default=8, help="the lowered bound of the second run (0: skip it)")
     parser.add_argument("--batch-probe", action="store_true")
+    parser.add_argument("--ray", action="store_true", help="instead: 1 vs 2 replicas on Ray Serve, side by side")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="serve-load-"))
     pipeline = build_tiny(work)
+    if args.ray:
+        return ray_mode(work, pipeline, args)
     healthy = True
     with Server(work, pipeline, args.queue_size) as server:
         print(f"server: {server.url} (diffusion-engine serve); {args.clients} clients x {args.requests} requests, "
@@ -244,6 +253,26 @@ def main() -> int:
     if args.batch_probe:
         batch_probe(pipeline, args.steps, args.size)
     print("\nverdict:", "every rule held" if healthy else "A RULE FAILED")
+    return 0 if healthy else 1
+
+
+def ray_mode(work: Path, pipeline: Path, args: argparse.Namespace) -> int:
+    """The same load through 1 and then 2 replicas on Ray Serve (``serve --replicas``).
+
+    On a 2-core machine two replicas share the cores (each one thread), so the speed-up is
+    bounded by the cores, not by the engine; what must hold is 0 failed, 0 lost, every
+    image valid, and both replicas serving."""
+    results = {}
+    for replicas in (1, 2):
+        with Server(work, pipeline, args.queue_size, replicas=replicas) as server:
+            results[replicas] = load_run(server, args.clients, args.requests, args.steps, args.size, args.queue_size)
+            report(f"{replicas} replica(s) on Ray Serve", results[replicas])
+    one, two = results[1], results[2]
+    print(f"\n2 vs 1 replicas: throughput x{two['images_per_s'] / one['images_per_s']:.2f}, "
+          f"p50 {one['p50_s']} -> {two['p50_s']} s, p95 {one['p95_s']} -> {two['p95_s']} s "
+          f"({os.cpu_count()} cores: the replicas share them)")
+    healthy = all(r["failed"] == r["lost"] == r["invalid_images"] == 0 for r in results.values())
+    print("verdict:", "every rule held" if healthy else "A RULE FAILED")
     return 0 if healthy else 1
 
 

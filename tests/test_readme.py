@@ -38,8 +38,7 @@ SKIPPED: list[tuple[str, str]] = [
      "repeats real runs"),
     (r"^diffusion-engine train .*--steps [0-9]{3,}", "trains for hundreds of steps on the user's model; "
      "tests/test_training_runs.py runs the same flags on tiny runs"),
-    (r"^accelerate (config|launch)\b", "accelerate config is interactive and the launch needs two machines; "
-     "tests/test_distributed.py runs the ranks over gloo"),
+    (r"--nodes 2 ", "needs a second machine; tests/test_distributed.py runs two nodes over gloo on loopback"),
     (r"--lora runs/", "needs a trained run's folder and the user's LoRA file"),
 ]
 #: Python blocks not run here: (text in the block, why).

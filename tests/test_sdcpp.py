@@ -26,6 +26,8 @@ from families.flux.sdcpp_files import write_tiny
 from tests.support import HostModel
 
 SMALL = {"width": 32, "height": 32, "steps": 2}
+#: This machine may multiply bf16 natively (then auto keeps torch, measured faster): ask for sd.cpp.
+SDCPP = InferenceRequest(engine="sdcpp")
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,15 @@ def test_on_a_cpu_a_gguf_with_its_companions_goes_to_sdcpp_sized_from_its_files(
 def test_auto_stays_on_diffusers_and_says_why(sdcpp_model: Path, hardware: Callable[[], object], why: str) -> None:
     engine = Engine(hardware=hardware()).plan(str(sdcpp_model))["engine"]
     assert engine.value == "diffusers" and why in engine.reason, engine.reason
+
+
+def test_auto_keeps_torch_where_it_was_measured_faster(sdcpp_model: Path) -> None:
+    """bf16 on a CPU with AMX ran 9x faster than sd.cpp's Q8_0; emulated bf16 2.3x slower."""
+    roomy = {"total_memory_gb": 24.0, "free_memory_gb": 22.0}  # its table encoders: bf16 fits, fp32 not
+    amx = Engine(hardware=cpu(cpu_bf16_matmul=True, **roomy)).plan(str(sdcpp_model))
+    assert amx.value("dtype") == "bf16" and amx["engine"].value == "diffusers" and "AMX" in amx["engine"].reason
+    avx2 = Engine(hardware=cpu(**roomy)).plan(str(sdcpp_model))
+    assert avx2["engine"].value == "sdcpp" and "without native bf16 matmul" in avx2["engine"].reason
 
 
 def test_sdcpp_is_sized_from_its_files_where_torch_would_not_fit(sdcpp_model: Path) -> None:
@@ -129,7 +140,7 @@ def test_generate_runs_on_sdcpp_and_the_cli_gives_the_same_pixels(
     sdcpp_model: Path, tmp_path: Path, cli_json: Callable[..., object],
 ) -> None:
     engine = Engine()
-    status = engine.load(str(sdcpp_model))
+    status = engine.load(str(sdcpp_model), request=SDCPP)
     assert status["engine"] == "sdcpp" and status["sdcpp"]["threads"] == max(1, (__import__("os").cpu_count() or 2) // 2)
     worker = status["sdcpp"]["worker_pid"]
     steps: list[tuple[int, int]] = []
@@ -143,7 +154,7 @@ def test_generate_runs_on_sdcpp_and_the_cli_gives_the_same_pixels(
     assert engine.status()["pipeline"]["sdcpp"]["worker_pid"] == worker  # one context, reused
     engine.unload()
     out = tmp_path / "fox.png"
-    payload = cli_json("generate", "--model", str(sdcpp_model), "--prompt", "a red fox", "--seed", "7",
+    payload = cli_json("generate", "--model", str(sdcpp_model), "--engine", "sdcpp", "--prompt", "a red fox", "--seed", "7",
                        "--width", "64", "--height", "64", "--steps", "2", "-o", str(out))
     assert payload["status"]["plan"]["resolved"]["engine"]["value"] == "sdcpp"
     written = Image.open(payload["images"][0])
@@ -153,7 +164,7 @@ def test_generate_runs_on_sdcpp_and_the_cli_gives_the_same_pixels(
 
 def test_cancel_stops_after_the_step_and_the_next_generate_restarts_the_worker(sdcpp_model: Path) -> None:
     engine = Engine()
-    engine.load(str(sdcpp_model))
+    engine.load(str(sdcpp_model), request=SDCPP)
     before = engine.generate("a fox", seed=1, **SMALL)
     cancel = threading.Event()
     seen: list[int] = []
@@ -186,14 +197,17 @@ def test_a_file_the_library_refuses_falls_back_to_diffusers_with_the_reason(
     model = write_single_file(base, "transformer", tmp_path / "m" / "flux-tiny.safetensors")
     shutil.copy(sdcpp_model.parent / "ae.safetensors", model.parent / "ae.safetensors")
     save_file({"text_model.final_layer_norm.weight": np.ones(8, np.float16)}, str(model.parent / "clip_l.safetensors"))
+    fast = Engine(hardware=cpu()).plan(str(model), base=str(base))["engine"]  # a tiny base: fp32 fits
+    assert fast.value == "diffusers" and "fp32 fits" in fast.reason and "3.5x" in fast.reason
     engine = Engine()
-    assert engine.plan(str(model), base=str(base))["engine"].value == "sdcpp"
-    status = engine.load(str(model), base=str(base))
-    assert status["fallback"]["from"] == "sdcpp" and "stable-diffusion.cpp" in status["plan"]["resolved"]["engine"]["reason"]
-    assert status["plan"]["resolved"]["engine"]["value"] == "diffusers"
+    status = engine.load(str(model), base=str(base), request=SDCPP)
+    engine_control = status["plan"]["resolved"]["engine"]
+    assert status["fallback"]["from"] == "sdcpp" and "stable-diffusion.cpp failed" in engine_control["reason"]
+    assert (engine_control["value"], engine_control["requested"], engine_control["status"]) == (
+        "diffusers", "sdcpp", "fell back")
     image = engine.generate("a fox", seed=1, width=64, height=64, steps=1)[0]
     assert image.size == (64, 64)
     engine.unload()
     with pytest.raises(EngineError) as failed:  # without a base, diffusers cannot take it over: said so
-        Engine().load(str(model))
+        Engine().load(str(model), request=SDCPP)
     assert failed.value.code == "sdcpp_failed" and "base" in failed.value.message

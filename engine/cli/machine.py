@@ -185,6 +185,9 @@ def _serve_replicas(args: argparse.Namespace, settings: Any) -> int:
                     address=args.ray_address, host=args.host, port=args.port)
     print(f"serving {args.replicas if autoscaling is None else 'autoscaled'} replicas on Ray Serve at "
           f"http://{args.host}:{args.port}/ (Ctrl-C stops them)", file=sys.stderr)
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a TERM stops the replicas as Ctrl-C does
     try:
         while True:
             time.sleep(3600)

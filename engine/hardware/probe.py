@@ -133,7 +133,18 @@ def _light_probe() -> HardwareProfile:
         fp8_activation_floor=torchao_exposes_fp8_floor(),
         swap_free_gb=_swap_free_gb(),
         sdcpp_installed=importlib.util.find_spec("stable_diffusion_cpp") is not None,
+        cpu_bf16_matmul=_cpu_bf16_matmul(),
     )
+
+
+def _cpu_bf16_matmul() -> bool:
+    """AMX or AVX512-BF16 in the CPU's flags (Linux's /proc/cpuinfo; False where unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            flags = next((line for line in handle if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def _light_probe_device() -> HardwareProfile:

@@ -83,6 +83,9 @@ class HardwareProfile:
     fp8_activation_floor: bool = True
     #: The stable-diffusion.cpp binding (the CPU engine) is installed.
     sdcpp_installed: bool = False
+    #: The host CPU multiplies bf16 natively (AMX or AVX512-BF16): torch's bf16 GEMMs run
+    #: at full speed there, and are emulated (several times slower) elsewhere.
+    cpu_bf16_matmul: bool = False
     #: Free swap, GB: host memory a CPU run may spill into (slowly).
     swap_free_gb: float | None = None
     #: "consumer", "workstation" or "datacenter", by the device name.

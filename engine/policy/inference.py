@@ -55,7 +55,7 @@ from engine.policy.memory import (
 )
 from engine.policy.plan import CONTROLS, InferenceRequest, ModelFacts, Plan, requested_by_control
 from engine.policy.quant import lift_denials, lifted_denials, resolve_quant_request
-from engine.policy.runtime_engine import resolve_engine
+from engine.policy.runtime_engine import resolve_engine, torch_is_faster
 from engine.policy.resolved import Resolved, auto, explicit, with_requests
 from engine.policy.scheme_choice import choose_transformer_scheme
 from engine.policy.schemes import HOST_QUANTISED, transformer_gb
@@ -119,7 +119,7 @@ def plan_inference(
     plan = functools.partial(_plan_torch, registry, model, request=request, env=env, engine=engine,
                              memory_thresholds=memory_thresholds, cache_thresholds=cache_thresholds)
     try:
-        return plan(hardware, available)
+        planned = plan(hardware, available)
     except PreflightError as exc:
         if engine.value != "sdcpp" or exc.code != "insufficient_memory":
             raise
@@ -128,6 +128,14 @@ def plan_inference(
         planned = plan(roomy, available_memory(roomy))
         return dataclasses.replace(planned.with_control("engine", dataclasses.replace(engine, reason=reason)),
                                    diffusers_fits=False, fallback=None)
+    faster = torch_is_faster(str(planned.value("dtype")), hardware) if engine.source == "auto" else None
+    if engine.value == "sdcpp" and faster:
+        return dataclasses.replace(planned.with_control("engine", auto("diffusers", faster)), sdcpp=None)
+    if engine.value == "sdcpp" and engine.source == "auto":
+        reason = (f"{engine.reason}; torch would run {planned.value('dtype')} without native bf16 matmul here, "
+                  "2.3x slower per step (bench/cpu_engines.py)")
+        return planned.with_control("engine", dataclasses.replace(engine, reason=reason))
+    return planned
 
 
 def _plan_torch(

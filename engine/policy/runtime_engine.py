@@ -11,7 +11,14 @@ diffusers otherwise, with the reason naming the one that failed:
   files it reads are beside the model (:class:`SdcppFiles`, found by
   :mod:`engine.preflight.sdcpp`);
 - the ``stable-diffusion-cpp-python`` binding is installed;
-- the load needs nothing sd.cpp does not run here (LoRAs, a ControlNet).
+- the load needs nothing sd.cpp does not run here (LoRAs, a ControlNet);
+- torch would be slower (:func:`torch_is_faster`): measured on one model in
+  both engines (``bench/cpu_engines.py``, a 12 B transformer's slice at full width, 2
+  threads), torch's fp32 GEMMs ran a step 3.5x faster than sd.cpp's Q8_0, and
+  its bf16 9x faster on a CPU with AMX, but emulated bf16 (AVX2 only) 2.3x
+  slower. So sd.cpp takes a load when torch would not fit it at all, or would
+  run it in bf16 on a CPU without native bf16 matmul; it always holds less
+  (the files as stored: 1.6 GB against torch's 6.5-6.8 GB there).
 
 ``engine=sdcpp`` asked for where one of these fails is refused before
 anything is evicted (``sdcpp_unavailable``), naming what to change.
@@ -99,3 +106,16 @@ def _sdcpp_reason(files: SdcppFiles) -> str:
     if files.degraded:
         reason += "; " + "; ".join(files.degraded)
     return reason
+
+
+def torch_is_faster(dtype: str, hardware: HardwareProfile) -> str | None:
+    """Why diffusers beats sd.cpp per step for a load torch runs in ``dtype`` here, or None
+    (the figures: the module docstring)."""
+    if dtype == "fp32":
+        return ("CPU: fp32 fits, and torch's fp32 GEMMs ran a step 3.5x faster than sd.cpp's Q8_0 "
+                "(bench/cpu_engines.py); sd.cpp takes loads torch would not fit or would run in "
+                "emulated bf16 (engine=sdcpp forces it: it holds about a quarter of the RAM)")
+    if hardware.cpu_bf16_matmul:
+        return (f"CPU with native bf16 matmul (AMX / AVX512-BF16): torch's {dtype} ran a step 9x faster "
+                "than sd.cpp's Q8_0 (bench/cpu_engines.py); engine=sdcpp forces it (about a quarter of the RAM)")
+    return None
