@@ -88,7 +88,7 @@ def cli_json(capsys: pytest.CaptureFixture[str]) -> Callable[..., object]:
 #: two workers in collection order, so a long file collected last leaves one worker alone at the
 #: end. Measured on 2 cores; the rest keep their order.
 SLOW_FIRST = (
-    "test_training_runs.py", "test_training_resume.py", "test_web.py", "test_server.py", "test_training.py", "test_distributed.py",
+    "test_replicas.py", "test_sdcpp.py", "test_training_runs.py", "test_training_resume.py", "test_web.py", "test_server.py", "test_training.py", "test_distributed.py",
     "test_training_reliability.py", "test_gpu_check.py", "test_service.py", "test_compile_cache.py",
     "test_server_fuzz.py", "test_runs_folder.py", "test_readme.py", "test_lora_export.py", "test_server_jobs.py",
 )

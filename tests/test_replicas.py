@@ -47,7 +47,9 @@ def owner(job_id: str) -> str:
 def finish(client: httpx.Client, job_id: str, timeout: float = 120) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        job = client.get(f"/v1/images/jobs/{job_id}").json()
+        answer = client.get(f"/v1/images/jobs/{job_id}")
+        assert answer.status_code == 200, answer.text
+        job = answer.json()
         if job["state"] in ("done", "failed", "cancelled"):
             return job
         time.sleep(0.1)
@@ -86,7 +88,7 @@ def test_a_killed_replica_fails_its_job_with_the_reason_and_the_service_keeps_an
 
     with httpx.Client(base_url=service, timeout=60) as client:
         job = client.post("/v1/images/jobs", json={"prompt": "a slow fox", "width": 256, "height": 256,
-                                                    "steps": 40}).json()
+                                                    "steps": 200}).json()  # still running when killed
         deadline = time.monotonic() + 60
         while client.get(f"/v1/images/jobs/{job['id']}").json()["state"] != "running":
             assert time.monotonic() < deadline

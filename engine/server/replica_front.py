@@ -59,12 +59,13 @@ class Front:
         """One replica's answer; a replica that died under the call is retried on the others
         (Ray Serve drops it from the routing within seconds)."""
         from ray.exceptions import RayActorError
+        from ray.serve.exceptions import ReplicaUnavailableError
 
         deadline = time.monotonic() + RETRY_S
         while True:
             try:
                 return await self.replicas.handle.remote(message, owner=owner, avoid=avoid)
-            except RayActorError:
+            except (RayActorError, ReplicaUnavailableError):
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)

@@ -168,8 +168,10 @@ def deploy(
     import ray
     from ray.serve.config import RequestRouterConfig
 
+    global _own_ray
     if not ray.is_initialized():
         ray.init(address=address, **(ray_init or {}))
+        _own_ray = address is None
     serve.start(http_options={"host": host, "port": port})
     per_replica = {"num_gpus": 1} if ray.cluster_resources().get("GPU", 0) >= 1 else {"num_cpus": 1}
     scale: dict[str, Any] = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}
@@ -185,9 +187,15 @@ def deploy(
     serve.run(front.bind(replica.bind(settings, load)), name="diffusion-engine", route_prefix="/")
 
 
+#: Ray was started here by :func:`deploy` (not joined): stopping it stops the deployments too.
+_own_ray = False
+
+
 def shutdown() -> None:
-    """Stop the deployments and this process's Ray (a cluster joined with ``address`` keeps running)."""
+    """Stop the deployments: a Ray started here is stopped whole (its replicas with it, at
+    once); on a cluster joined with ``address`` the application is removed, and Ray keeps running."""
     import ray
 
-    serve.shutdown()
+    if not _own_ray:
+        serve.shutdown()
     ray.shutdown()

@@ -63,8 +63,13 @@ def write_tiny(folder: str | Path, *, gguf: bool = False, width: int = WIDTH,
 
 
 def _weights(rng: np.random.Generator) -> Callable[..., np.ndarray]:
+    """Seeded normal weights, drawn once as a pool and tiled: a random model needs no more,
+    and drawing 200 M fresh values would take seconds of every test that writes one."""
+    pool = rng.standard_normal(1 << 20, dtype=np.float32).astype(np.float16)
+
     def make(*shape: int, scale: float = 0.02) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float16)
+        start = int(rng.integers(0, pool.size // 2))  # each tensor tiles the pool from its own place
+        return np.resize(pool[start:], shape) * np.float16(scale)
 
     return make
 
