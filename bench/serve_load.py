@@ -79,15 +79,22 @@ class Server:
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
 
     def __enter__(self) -> Server:
+        try:
+            return self._wait_ready()
+        except BaseException:
+            self.__exit__()  # a server that never came up is stopped too (its Ray with it)
+            raise
+
+    def _wait_ready(self) -> Server:
         deadline = time.monotonic() + 300
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited ({self.process.returncode}); see {self.log.name}")
             try:
-                status = httpx.get(f"{self.url}/v1/images/status", headers=AUTH, timeout=5).json()
-                if status.get("pipeline"):
-                    return self
-            except httpx.HTTPError:
+                answer = httpx.get(f"{self.url}/v1/images/status", headers=AUTH, timeout=5)
+                if answer.status_code == 200 and answer.json().get("pipeline"):
+                    return self  # (Ray Serve's proxy answers 404/503 in plain text until the app is up)
+            except (httpx.HTTPError, ValueError):
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("the server did not come up within 300 s")
