@@ -233,3 +233,17 @@ def test_a_killed_node_fails_the_run_with_a_true_record_and_frees_every_rank(
         assert time.monotonic() < deadline, "a rank outlived its run"
         time.sleep(0.1)
     assert not (Path(record.folder) / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_a_node_config_that_cannot_meet_is_refused_before_any_eviction(dataset: Path, tmp_path: Path) -> None:
+    """The 0-eviction rows of the nodes fields: no rendezvous address, a rank past the nodes."""
+    engine = Engine(registry=REGISTRY, hardware=preset("h100"), runs_dir=tmp_path / "runs")
+    host = HostModel(engine)
+    base = {"base_model": str(Path(__file__).parent / "no-base-needed"), "dataset_dir": str(dataset)}
+    for extra, words in (({"nodes": 2}, "main_address HOST:PORT"),
+                         ({"nodes": 2, "node_rank": 2, "main_address": "h:1"}, "is not below nodes 2"),
+                         ({"node_rank": 1}, "only with nodes > 1")):
+        with pytest.raises(EngineError) as raised:
+            engine.start_training({**base, **extra})
+        assert raised.value.code == "invalid_config" and words in raised.value.message, raised.value.message
+    assert host.evicted == 0 and engine.residency.owner is None and engine.training_status() is None

@@ -148,7 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine import Engine
 
     outputs.mkdir(parents=True, exist_ok=True)
-    if args.replicas > 1 or args.ray_address or args.ray_autoscaling:
+    if args.replicas != 1 or args.ray_address or args.ray_autoscaling:
         return _serve_replicas(args, settings)
     engine = Engine(runs_dir=outputs, allow_download=settings.allow_hub)
     if args.load:
