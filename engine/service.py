@@ -428,7 +428,9 @@ def _check_host_name(name: str) -> None:
 
 def _held_gb(plan: Plan) -> float:
     """Device GB a loaded pipeline holds between calls: its weights when
-    resident (or when the device is the host), little when offloaded."""
+    resident (or when the device is the host), little when offloaded; sd.cpp's files as stored."""
+    if plan.sdcpp is not None:
+        return plan.sdcpp.gb
     if plan.value("memory_mode") == "resident" or plan.device == "cpu":
         return plan.estimate.resident_gb
     return 0.0

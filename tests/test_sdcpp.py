@@ -181,6 +181,11 @@ def test_cancel_stops_after_the_step_and_the_next_generate_restarts_the_worker(s
     with pytest.raises(EngineError) as refused:
         engine.generate("a fox", mask_image=before[0], image=before[0], **SMALL)
     assert refused.value.code == "unsupported_on_sdcpp"
+    redrawn = engine.generate("a fox", image=before[0], strength=0.5, seed=2, **SMALL)  # img2img: the binding's
+    assert redrawn[0].size == (32, 32) and not (pixels(redrawn[0]) == pixels(before[0])).all()
+    held = engine.available_memory().to_dict()
+    assert any(r["name"] == "engine.pipeline" and r["gb"] == pytest.approx(engine.loaded_plan().sdcpp.gb, abs=0.01)
+               for r in held["releasable"]), held  # the files as stored, not the torch estimate
     engine.unload()
 
 
