@@ -267,7 +267,6 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
                 check_weightless_components(source)  # a processor missing a library fails here, not mid-load
         return source, lora_files, controlnet, request, plan
 
-
     def generate(
         self,
         prompt: str | GenerateBody,
