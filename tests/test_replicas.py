@@ -84,8 +84,6 @@ def test_concurrent_jobs_complete_or_get_429_none_lost_and_both_replicas_serve(s
 
 
 def test_a_killed_replica_fails_its_job_with_the_reason_and_the_service_keeps_answering(service: str) -> None:
-    from ray import serve
-
     with httpx.Client(base_url=service, timeout=60) as client:
         job = client.post("/v1/images/jobs", json={"prompt": "a slow fox", "width": 256, "height": 256,
                                                     "steps": 200}).json()  # still running when killed
@@ -102,4 +100,4 @@ def test_a_killed_replica_fails_its_job_with_the_reason_and_the_service_keeps_an
         after = client.post("/v1/images/jobs", json={"prompt": "a fox", "width": 64, "height": 64, "steps": 2})
         assert after.status_code == 202 and owner(after.json()["id"]) != victim
         assert finish(client, after.json()["id"])["state"] == "done"
-    assert serve.status().applications["diffusion-engine"].status in ("RUNNING", "DEPLOYING")
+        assert client.get("/v1/images/status").status_code == 200  # while Ray Serve replaces the replica
