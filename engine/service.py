@@ -193,7 +193,7 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
         says LoRAs will be changed later (they then stay unfused)."""
         from engine.runtime.engines import start_session
 
-        source, lora_files, controlnet, request, plan = self._load_preflight(
+        source, lora_files, controlnet, request, plan, refusal = self._load_preflight(
             model, base=base, family=family, request=request, loras=loras, switching=switching,
             controlnet=controlnet, verify=True,
         )
@@ -204,8 +204,7 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
             self.residency.acquire(PIPELINE)
             self._load_phase = "loading"
             session = start_session(self.registry, source, plan, request, loras=lora_files, controlnet=controlnet,
-                                    diffusers_refusal=diffusers_refusal(
-                                        source, base_given=base is not None, allow_download=self.allow_download))
+                                    diffusers_refusal=refusal)
             self._session = session
             self.residency.register(Resident(PIPELINE, self._evict_pipeline))
             self._load_phase = "ready"
@@ -232,13 +231,14 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
         or the refusal it would give (a single file without its base, an uncached hub
         model without consent, a LoRA that is missing or for another model...)."""
         return self._load_preflight(model, base=base, family=family, request=request, loras=loras,
-                                    switching=switching, controlnet=controlnet, verify=False)[-1]
+                                    switching=switching, controlnet=controlnet, verify=False)[4]
 
     def _load_preflight(
         self, model: str, *, base: str | None, family: str | None, request: InferenceRequest,
         loras: Sequence[LoraLike], switching: bool, controlnet: str | None, verify: bool,
-    ) -> tuple[Any, Any, Any, InferenceRequest, Plan]:
-        """The load's checks, cheapest first: nothing is imported that a refusal does not need."""
+    ) -> tuple[Any, Any, Any, InferenceRequest, Plan, EngineError | None]:
+        """The load's checks, cheapest first: nothing is imported that a refusal does not need.
+        Last: why diffusers could not take the model (an sd.cpp load's fallback), or None."""
         from engine.preflight.controlnet import check_controlnet, with_controlnet
 
         source = resolve_model(self.registry, model, family=family, base=base)
@@ -265,7 +265,7 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
                 from engine.runtime.loading import check_weightless_components
 
                 check_weightless_components(source)  # a processor missing a library fails here, not mid-load
-        return source, lora_files, controlnet, request, plan
+        return source, lora_files, controlnet, request, plan, refusal
 
     def generate(
         self,

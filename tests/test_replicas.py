@@ -80,6 +80,8 @@ def test_concurrent_jobs_complete_or_get_429_none_lost_and_both_replicas_serve(s
         assert client.get("/v1/images/status").status_code == 200  # any other route: a replica answers
         refused_load = client.post("/v1/images/load", json={"model": "x"})
         assert refused_load.status_code == 409 and refused_load.json()["error"]["code"] == "not_with_replicas"
+        edit = client.delete("/v1/datasets/photos/images/a.png")  # a dataset edit would reach one replica's disk
+        assert edit.status_code == 409 and edit.json()["error"]["code"] == "not_with_replicas"
 
 
 def test_a_killed_replica_fails_its_job_with_the_reason_and_the_service_keeps_answering(service: str) -> None:

@@ -289,7 +289,9 @@ def _plan_torch(
             "fp16_accumulation": resolve_fp16_accumulation(
                 hardware, dtype=dtype.value, tier=tier.value, denied=denied, env=env
             ),
-            "threads": resolve_threads(hardware, request.threads),
+            # sd.cpp computes on its CPU backend whatever the accelerator: its threads are the CPU's
+            "threads": resolve_threads(hardware.replace(vendor="cpu") if engine.value == "sdcpp" else hardware,
+                                       request.threads),
             "lora": resolve_lora(
                 request.loras,
                 quantised=scheme.value or ("GGUF" if model.gguf_transformer_gb is not None else None),

@@ -53,7 +53,8 @@ def fall_back(
 ) -> Any:
     """The model loaded on diffusers after sd.cpp's ``failure``, with the reason recorded."""
     if diffusers_refusal is None and not plan.diffusers_fits:
-        diffusers_refusal = EngineError(plan["engine"].reason.rsplit("; ", 1)[-1], code="insufficient_memory")
+        diffusers_refusal = EngineError(f"it would not fit this machine ({plan['engine'].reason})",
+                                        code="insufficient_memory")
     if diffusers_refusal is not None:
         raise type(failure)(f"{failure.message}; diffusers cannot take this model over either: "
                             f"{diffusers_refusal.message}") from failure

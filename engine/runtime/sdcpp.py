@@ -70,7 +70,7 @@ class SdcppSession:
         self.plan = plan
         self.request = request
         self.files = dict(plan.sdcpp.files)
-        self.threads = int(plan.value("threads") or max(1, (os.cpu_count() or 2) // 2))
+        self.threads = int(plan.value("threads") or 1)  # the plan's: logical cores // 2 (engine.policy.speed)
         #: Why this session replaced another (unused here; diffusers sessions record their fallback).
         self.fallback: dict[str, object] | None = None
         self.loras: Any = None
@@ -88,6 +88,8 @@ class SdcppSession:
     def load(self, progress: Progress | None = None) -> None:
         """Start the worker and load the files into its context."""
         read_fd, write_fd = os.pipe()
+        if self._log is not None:  # a restart: the last worker's log is not needed any more
+            self._log.close()
         self._log = tempfile.TemporaryFile(mode="w+")
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         self._worker = subprocess.Popen(

@@ -40,11 +40,11 @@ def main(argv: list[str]) -> int:
         request = json.loads(line)
         try:
             if request["op"] == "load":
-                context = _load(request)
+                context, seconds = _load(request)
                 if context is None:
                     send("error", message="sd.cpp could not load these files (its log says which tensor)")
                 else:
-                    send("loaded", seconds=request["_seconds"])
+                    send("loaded", seconds=seconds)
             elif request["op"] == "generate":
                 if context is None:
                     send("error", message="no model is loaded in the sd.cpp worker")
@@ -55,13 +55,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _load(request: dict[str, Any]) -> Any:
+def _load(request: dict[str, Any]) -> tuple[Any, float]:
+    """The context (None where the library refused the files: a NULL context) and the seconds it took."""
     from stable_diffusion_cpp import StableDiffusion
 
     started = time.perf_counter()
     context = StableDiffusion(**request["files"], n_threads=int(request["threads"]), verbose=False)
-    request["_seconds"] = round(time.perf_counter() - started, 3)
-    return context if context._model.model else None  # a NULL context: the files were refused
+    return (context if context._model.model else None), round(time.perf_counter() - started, 3)
 
 
 def _generate(context: Any, request: dict[str, Any], send: Any) -> list[dict[str, object]]:

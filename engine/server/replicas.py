@@ -45,7 +45,7 @@ from engine.server.settings import ServerSettings
 #: A job's routes: ``/v1/images/jobs/{id}`` and below; the id ends with ``.REPLICA``.
 JOB_PATH = re.compile(r"^/v1/images/jobs/(?P<id>[^/]+?)(?:/events)?$")
 #: Routes that would change one replica's state: refused on a replicated service.
-REPLICA_LOCAL = re.compile(r"^/v1/(images/(load|unload)|training/(start|stop|cancel)|datasets/.*/(upload|delete))$")
+REPLICA_LOCAL = re.compile(r"^/v1/(images/(load|unload)|training/(start|stop|cancel)|datasets/.+)$")
 #: Routes answered as a stream of events.
 STREAMS = re.compile(r"/events$")
 #: Headers that belong to one hop, not to the request (``Host`` is kept: the replica's
@@ -87,37 +87,40 @@ class EngineReplica:
                                                    timeout_graceful_shutdown=2))
         threading.Thread(target=self.server.run, daemon=True, name="replica-server").start()
         self.url = f"http://127.0.0.1:{port}"
+        self._client: Any = None  # one connection pool, made in Ray Serve's event loop on first use
         deadline = time.monotonic() + 30
         while not self.server.started and time.monotonic() < deadline:
             time.sleep(0.05)
 
     async def handle(self, message: dict[str, Any], owner: str | None = None, avoid: tuple[str, ...] = ()) -> dict[str, Any]:
         """Answer one HTTP request (``method``, ``path``, ``query``, ``headers``, ``body``)."""
-        import httpx
-
         if owner is not None and owner != self.name:
             return {**_lost(message["path"], owner), "replica": self.name}
-        async with httpx.AsyncClient(base_url=self.url, timeout=None) as client:
-            response = await client.request(message["method"], message["path"], params=message["query"],
-                                            headers=message["headers"], content=message["body"])
+        response = await self.client().request(message["method"], message["path"], params=message["query"],
+                                               headers=message["headers"], content=message["body"])
         return {"status": response.status_code, "headers": kept_headers(response.headers), "body": response.content,
                 "replica": self.name}
 
     async def stream(self, message: dict[str, Any], owner: str | None = None) -> AsyncIterator[Any]:
         """An event route: its status and headers first, then its chunks as they come."""
-        import httpx
-
         if owner is not None and owner != self.name:
             lost = _lost(message["path"], owner)
             yield {"status": 200, "headers": [("content-type", "text/event-stream")]}
-            yield f"event: job\ndata: {lost['body'].decode()}\n\n".encode()
+            yield f"event: failed\ndata: {lost['body'].decode()}\n\n".encode()  # as a failed job's stream ends
             return
-        async with httpx.AsyncClient(base_url=self.url, timeout=None) as client:
-            async with client.stream(message["method"], message["path"], params=message["query"],
-                                     headers=message["headers"]) as response:
-                yield {"status": response.status_code, "headers": kept_headers(response.headers)}
-                async for chunk in response.aiter_raw():
-                    yield chunk
+        async with self.client().stream(message["method"], message["path"], params=message["query"],
+                                        headers=message["headers"]) as response:
+            yield {"status": response.status_code, "headers": kept_headers(response.headers)}
+            async for chunk in response.aiter_raw():
+                yield chunk
+
+    def client(self) -> Any:
+        """The replica's HTTP client to its own app (kept: one connection pool for every request)."""
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(base_url=self.url, timeout=None)
+        return self._client
 
     def check_health(self) -> None:
         """Ray Serve's health check: the replica's server thread must be serving."""

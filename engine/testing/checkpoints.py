@@ -35,25 +35,12 @@ def write_single_file(pipeline_dir: Path, denoiser: str, target: Path) -> Path:
 
 
 def write_gguf(pipeline_dir: Path, denoiser: str, target: Path, arch: str = "diffusion") -> Path:
-    """A GGUF of the denoiser: Q8_0 for 2-D weights whose inner dim is a
-    multiple of 32 (the Q8_0 block), F32 for everything else."""
-    import gguf
-    import numpy as np
+    """A GGUF of the denoiser (see :func:`engine.testing.gguf_files.write_gguf_arrays`)."""
+    from engine.testing.gguf_files import write_gguf_arrays
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(target), arch)
-    for name, tensor in denoiser_state_dict(pipeline_dir, denoiser).items():
-        data = tensor.detach().to(torch.float32).numpy()
-        if data.ndim == 2 and data.shape[1] % 32 == 0:
-            quantised = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, quantised, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
+    arrays = {name: tensor.detach().to(torch.float32).numpy()
+              for name, tensor in denoiser_state_dict(pipeline_dir, denoiser).items()}
+    return write_gguf_arrays(arrays, target, arch)
 
 
 def write_sized_pipeline(tiny_dir: Path, spec: FamilySpec, target: Path) -> Path:

@@ -201,17 +201,6 @@ def _save_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
 
 def _save_gguf(tensors: dict[str, np.ndarray], path: Path) -> None:
     """Matrices as Q8_0 (the GGUF people run on CPUs), vectors as f32, as city96's files do."""
-    import gguf
+    from engine.testing.gguf_files import write_gguf_arrays
 
-    writer = gguf.GGUFWriter(str(path), arch="flux")
-    for name, array in tensors.items():
-        if array.ndim == 2 and array.shape[1] % 32 == 0:
-            kind = gguf.GGMLQuantizationType.Q8_0
-            data = gguf.quants.quantize(array.astype(np.float32), kind)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
-        else:
-            writer.add_tensor(name, array.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf_arrays(tensors, path, arch="flux")
