@@ -149,6 +149,8 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("no_checkpoint", 409, "The run to resume wrote no checkpoint."),
     ErrorCode("run_in_progress", 409, "A training run is in progress (in this engine, or another process holds "
               "the runs folder's lock)."),
+    ErrorCode("run_not_removable", 409, "The run's folder is a symlink, or holds the runs folder itself; it "
+              "is not deleted."),
     ErrorCode("not_training", 409, "No training run is in progress to stop, cancel or wait for."),
     ErrorCode("trainer_machine_mismatch", 400, "The trainer child found another machine than the plan was made "
               "for.", _RUN),

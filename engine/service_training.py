@@ -9,7 +9,9 @@ then eviction, then the child.
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -245,8 +247,9 @@ class TrainingJobs:
 
     def run_files(self, run_id: str, *, by_path: bool = True) -> list[str]:
         """The files in a run's folder, relative to it (LoRAs, checkpoints, samples, record)."""
-        folder = self._named_run(run_id, by_path).folder
-        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        from engine.training.records import run_files
+
+        return sorted(name for name, _ in run_files(self._named_run(run_id, by_path).folder))
 
     def remove_run(self, run_id: str, *, by_path: bool = True) -> dict[str, object]:
         """Delete a finished run's folder; a run still going is refused (``run_in_progress``)."""
@@ -256,7 +259,13 @@ class TrainingJobs:
         if not record.finished:
             raise EngineError(f"run {record.run_id} is still {record.status} (PID {record.pid}); stop it first",
                               code="run_in_progress")
-        shutil.rmtree(record.folder)
+        folder = Path(record.folder)
+        real = Path(os.path.realpath(folder))
+        if folder.is_symlink() or real == Path(os.path.realpath(self.runs_dir)) or real in Path(
+                os.path.realpath(self.runs_dir)).parents or real == Path(real.anchor):
+            raise EngineError(f"refusing to delete {folder}: it is a symlink, or holds the runs folder "
+                              f"{self.runs_dir}; remove it by hand if it really is a run", code="run_not_removable")
+        shutil.rmtree(folder)
         return {"run_id": record.run_id, "folder": str(record.folder), "removed": True}
 
     def resume_point(self, run_id: str) -> dict[str, object]:

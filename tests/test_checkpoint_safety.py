@@ -227,17 +227,36 @@ def test_the_checkpoint_state_reads_back_through_load_checkpoint(finished: dict[
 UNSAFE = re.compile(
     r"torch\.load\((?![^)]*weights_only=True)|pickle\.loads?\(|\bcPickle\b|(?<![.\w])eval\(|(?<![.\w])exec\(|yaml\.load\(|"
     r"yaml\.unsafe_load|marshal\.loads?\(|shelve\.open|dill\.|joblib\.load|numpy\.load\([^)]*allow_pickle=True|"
-    r"np\.load\([^)]*allow_pickle=True|Unpickler\("
+    r"np\.load\([^)]*allow_pickle=True|Unpickler\(|"
+    # Library calls that unpickle what they are handed: torch's compile caches, packages, TorchScript.
+    r"load_cache_artifacts\(|populate_caches\(|PackageImporter\(|torch\.jit\.load\(|torch\.package\.|"
+    r"_write_to_local_cache\(|weights_only=False"
 )
+#: The few calls that must unpickle, each behind its check (the test below proves the check).
+CHECKED = {
+    # Only artifacts authenticated by the user's key, every name checked (checked_artifacts):
+    # tests/test_compile_cache.py plants files and crafted names.
+    ("engine/runtime/compile_cache.py", "info = CacheArtifactManager.populate_caches(artifacts)"),
+}
 
 
 def test_no_code_in_the_tree_deserialises_anything_that_can_execute() -> None:
-    """Every ``torch.load`` passes ``weights_only=True``; no pickle, eval, exec or ``yaml.load`` anywhere."""
+    """Every ``torch.load`` passes ``weights_only=True``; no pickle, eval, exec or ``yaml.load``
+    anywhere; a library call that unpickles runs only behind its check (:data:`CHECKED`)."""
     found = []
     for top in ("engine", "families", "examples", "bench"):
         for path in (ROOT / top).rglob("*.py"):
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 code = line.split("#", 1)[0]
-                if UNSAFE.search(code):
+                if UNSAFE.search(code) and (path.relative_to(ROOT).as_posix(), code.strip()) not in CHECKED:
                     found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert found == []
+
+
+def test_the_compile_cache_checks_before_torch_unpickles() -> None:
+    """The one populate call reads only what ``checked_artifacts`` returned, after the HMAC compare."""
+    source = (ROOT / "engine/runtime/compile_cache.py").read_text(encoding="utf-8")
+    restore = source[source.index("    def restore(self)"):source.index("    def store(self")]
+    assert restore.index("hmac.compare_digest") < restore.index("checked_artifacts(data)") < restore.index(
+        "populate_caches(artifacts)")
+    assert "load_cache_artifacts(" not in source.split('"""', 2)[2]

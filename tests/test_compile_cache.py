@@ -139,3 +139,107 @@ def test_a_compiling_session_restores_before_it_compiles_and_reports_it(
         assert off.status()["compile_cache"] is None
     finally:
         off.unload()
+
+
+# -- nothing planted in the cache folder runs, nothing escapes it ---------------------------------
+
+
+def artifacts_file(kind: str, name: str, content: object) -> bytes:
+    """A mega-cache file as torch writes one, holding one artifact ``name`` of ``kind``."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    with CacheArtifactManager.with_fresh_cache():
+        CacheArtifactManager._ensure_cache_artifacts_registered()
+        CacheArtifactManager.record_artifact(kind, name, content)
+        saved = CacheArtifactManager.serialize()
+    assert saved is not None
+    return saved[0]
+
+
+def command_pickle(marker: Path) -> bytes:
+    """A pickle that creates ``marker`` when anything unpickles it."""
+    return b"cposix\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."
+
+
+@pytest.mark.slow
+def test_a_planted_artifacts_file_never_runs_on_a_real_compiled_generate(tmp_path: Path) -> None:
+    """``generate --compile on`` twice, for real (inductor): between the two, the saved
+    artifacts are replaced by a file that runs a command when torch unpickles it (what
+    ``torch.compiler.load_cache_artifacts`` does). The second generate drops it unread,
+    compiles afresh and writes its image; the marker never appears."""
+    home, marker = tmp_path / "home", tmp_path / "marker"
+    env = {**os.environ, "DIFFUSION_ENGINE_HOME": str(home), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "OMP_NUM_THREADS": "1"}
+
+    def generate(out: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "engine", "generate", "--tiny", "flux", "--prompt", "a box",
+                               "--steps", "1", "--compile", "on", "-o", str(tmp_path / out)],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    generate("first.png")
+    [saved] = (home / "compile-cache").glob("*.bin")
+    saved.write_bytes(artifacts_file("inductor", "fplanted", command_pickle(marker)))
+    generate("second.png")
+    assert not marker.exists(), "a planted compile-cache file ran"
+    assert (tmp_path / "second.png").is_file()
+    assert json.loads(saved.with_suffix(".json").read_text(encoding="utf-8"))["shapes"]  # rebuilt and signed anew
+
+
+def signed_cache(tmp_path: Path, data: bytes) -> CompileCache:
+    """A cache whose file is ``data``, signed with this user's key (as if this user's torch wrote it)."""
+    from engine.runtime.compile_cache import signature, user_key
+
+    cache = CompileCache.for_model(str(tmp_path), {}, folder=tmp_path / "cache")
+    assert cache is not None
+    key = user_key(cache.folder)
+    (cache.folder / f"{cache.key}.bin").write_bytes(data)
+    (cache.folder / f"{cache.key}.json").write_text(
+        json.dumps({"shapes": ["64x64x1"], "hmac": signature(key, cache.key, data)}), encoding="utf-8")
+    return cache
+
+
+def test_an_unsigned_or_resigned_file_is_dropped_before_torch_reads_it(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    cache = signed_cache(tmp_path, artifacts_file("inductor", "fplanted", command_pickle(marker)))
+    (cache.folder / f"{cache.key}.json").write_text(json.dumps({"shapes": [], "hmac": "0" * 64}), encoding="utf-8")
+    restored = cache.restore()
+    assert restored["restored"] is False and "not signed" in str(restored["reason"])
+    assert not marker.exists() and not (cache.folder / f"{cache.key}.bin").exists()
+    # Signed under another cache key's name (a file copied between keys): refused the same.
+    other = signed_cache(tmp_path, artifacts_file("inductor", "fplanted", command_pickle(marker)))
+    (other.folder / f"{other.key}.bin").rename(other.folder / "moved.bin")
+    moved = CompileCache(other.folder, "moved")
+    (other.folder / "moved.json").write_text((other.folder / f"{other.key}.json").read_text(), encoding="utf-8")
+    assert moved.restore()["restored"] is False and not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["../../../escaped", "/tmp/escaped-absolute", "a/../../escaped", ".hidden"])
+def test_an_artifact_name_that_leaves_the_cache_drops_the_whole_file(tmp_path: Path, name: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even a file this user's key signed: an autotune artifact is written at
+    ``os.path.join(cache_dir(), name)``; a name with ``..`` or a leading ``/`` is refused
+    before torch joins it, and nothing of the file is restored."""
+    inductor = tmp_path / "inductor" / "deep" / "er"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    cache = signed_cache(tmp_path, artifacts_file("autotune", name, {"XBLOCK": 8}))
+    restored = cache.restore()
+    assert restored["restored"] is False and "not a plain relative name" in str(restored["reason"])
+    assert not list(tmp_path.rglob("escaped*")) and not Path("/tmp/escaped-absolute").exists()
+
+
+def test_a_folder_others_can_write_is_not_used(tmp_path: Path) -> None:
+    cache = signed_cache(tmp_path, artifacts_file("autotune", "ab/plain.best_config", {"XBLOCK": 8}))
+    cache.folder.chmod(0o777)
+    restored = cache.restore()
+    assert restored["restored"] is False and "writable by others" in str(restored["reason"])
+    assert cache.store("64x64x1") is False
+    cache.folder.chmod(0o700)
+
+
+def test_a_signed_file_of_plain_names_is_restored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check lets through what torch writes itself (an autotune entry under a two-level name)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    cache = signed_cache(tmp_path, artifacts_file("autotune", "ab/abcdef.best_config", {"XBLOCK": 8}))
+    restored = cache.restore()
+    assert restored["restored"] is True and restored["artifacts"] == {"autotune": 1}

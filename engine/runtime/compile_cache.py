@@ -15,20 +15,34 @@ compile's graphs cover the shapes it met); the key's manifest lists the
 shapes already saved, so a new shape saves the grown set once and a shape
 seen before writes nothing. ``DIFFUSION_ENGINE_COMPILE_CACHE=0`` turns it off.
 A cache that cannot be read is dropped and rebuilt; nothing here can fail a
-generate. torch deserialises these artifacts as it does its own inductor
-cache (``/tmp/torchinductor_$USER``): they are trusted as the user's own
-files, so they live only in the user's data folder, which no route of the
-server writes to.
+generate.
+
+torch unpickles these artifacts while it fills its caches, so a file planted
+in the cache folder (a shared or copied data folder) would run code. Nothing
+from disk reaches torch unchecked:
+
+* every ``.bin`` is authenticated: its HMAC-SHA256, under a random per-user key
+  kept beside the cache (``.key``, mode 0600), is in the key's manifest, and
+  the file is handed to torch only when it matches (a planted or edited file
+  is dropped and the model compiles afresh);
+* the folder and the key must be this user's and writable by no one else
+  (else the cache is off for the process, with the reason in the status);
+* every artifact name is checked before torch joins it into a path (a
+  relative path of plain names, no ``..``, no absolute path); one bad name
+  drops the whole file, so a cache is never half-restored.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import os
 import platform
+import re
 import secrets
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +50,87 @@ from typing import Any
 import torch
 
 KILL_SWITCH = "DIFFUSION_ENGINE_COMPILE_CACHE"
+#: The per-user key that signs every artifact file this user's processes write.
+KEY_NAME = ".key"
+#: One component of an artifact's name: torch joins these under its cache folders.
+_NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
+#: The most artifacts (and bytes) one file may hold before it is refused unread.
+MAX_ARTIFACTS = 100_000
+MAX_BYTES = 4 * 2**30
+
+
+class Untrusted(Exception):
+    """A cache folder, key or file that this process must not hand to torch."""
+
+
+def private_folder(folder: Path) -> Path:
+    """``folder``, created 0700 when missing; refused when it is a symlink, another
+    user's, or writable by its group or others (anyone else could plant a file)."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = os.lstat(folder)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise Untrusted(f"{folder} is not a plain folder")
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise Untrusted(f"{folder} belongs to another user (uid {info.st_uid})")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise Untrusted(f"{folder} is writable by others (mode {stat.S_IMODE(info.st_mode):o}); chmod go-w it")
+    return folder
+
+
+def user_key(folder: Path) -> bytes:
+    """The per-user signing key in ``folder`` (made once, 0600); refused if anyone else could read or write it."""
+    path = private_folder(folder) / KEY_NAME
+    try:
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(handle, "wb") as out:
+            out.write(secrets.token_bytes(32))
+    handle = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(handle, "rb") as source:
+        info = os.fstat(source.fileno())
+        if hasattr(os, "getuid") and info.st_uid != os.getuid():
+            raise Untrusted(f"{path} belongs to another user")
+        if info.st_mode & 0o077:
+            raise Untrusted(f"{path} is readable or writable by others (mode {stat.S_IMODE(info.st_mode):o})")
+        key = source.read(64)
+    if len(key) < 32:
+        raise Untrusted(f"{path} is not a key this engine wrote")
+    return key
+
+
+def signature(key: bytes, name: str, data: bytes) -> str:
+    """HMAC-SHA256 of an artifact file under the user's key, bound to its cache key's name."""
+    return hmac.new(key, name.encode() + b"\0" + data, hashlib.sha256).hexdigest()
+
+
+def safe_artifact_name(name: object) -> bool:
+    """A name torch may join under its cache folder: a relative path of plain parts."""
+    if not isinstance(name, str) or not name or len(name) > 1024 or name.startswith(("/", "\\")):
+        return False
+    return all(_NAME_PART.fullmatch(part) for part in name.split("/"))
+
+
+def checked_artifacts(data: bytes) -> Any:
+    """The artifacts in ``data``, read without filling any cache, every name checked.
+
+    torch's reader builds plain (type, name, bytes) records here; nothing is
+    unpickled until ``populate_caches``, which runs only on what this returns.
+    """
+    from torch.compiler._cache import CacheArtifactManager
+
+    artifacts = CacheArtifactManager.deserialize(data)
+    if not artifacts:
+        raise Untrusted("the file holds no artifacts this torch can read")
+    count = 0
+    for kind, items in artifacts.items():
+        for artifact in items:
+            count += 1
+            if count > MAX_ARTIFACTS or not safe_artifact_name(getattr(artifact, "key", None)):
+                raise Untrusted(f"a {kind} artifact's name is not a plain relative name: "
+                                f"{str(getattr(artifact, 'key', ''))[:80]!r}")
+    return artifacts
 
 
 def cache_folder() -> Path:
@@ -100,12 +195,29 @@ class CompileCache:
         return self.folder / f"{self.key}.json"
 
     def restore(self) -> dict[str, object]:
-        """Hand torch the saved artifacts before compiling; what was loaded (or why nothing)."""
+        """Hand torch the saved artifacts before compiling, once they are authenticated
+        and every name is checked; what was loaded (or why nothing)."""
         if not self._artifacts.is_file():
             self.last = {"restored": False, "reason": "no saved artifacts for this model and machine yet"}
             return self.last
         try:
-            info = torch.compiler.load_cache_artifacts(self._artifacts.read_bytes())
+            key = user_key(self.folder)
+            manifest = json.loads(self._manifest.read_text(encoding="utf-8"))
+            if self._artifacts.stat().st_size > MAX_BYTES:
+                raise Untrusted("the artifacts file is larger than any this engine writes")
+            data = self._artifacts.read_bytes()
+            signed = manifest.get("hmac") if isinstance(manifest, dict) else None
+            if not isinstance(signed, str) or not hmac.compare_digest(signed, signature(key, self.key, data)):
+                raise Untrusted("the artifacts file is not signed with this user's key (planted, copied or edited)")
+            artifacts = checked_artifacts(data)
+        except (Untrusted, OSError, ValueError, TypeError, RecursionError, ImportError) as exc:
+            self._drop()
+            self.last = {"restored": False, "reason": f"the saved artifacts were not used ({exc}); dropped"}
+            return self.last
+        try:
+            from torch.compiler._cache import CacheArtifactManager
+
+            info = CacheArtifactManager.populate_caches(artifacts)
         except Exception as exc:  # noqa: BLE001 - a stale or torn cache is dropped, never fatal
             self._drop()
             self.last = {"restored": False, "reason": f"the saved artifacts could not be loaded ({exc}); dropped"}
@@ -118,7 +230,7 @@ class CompileCache:
         return self.last
 
     def store(self, shape: str) -> bool:
-        """Save what this process compiled, once per new ``shape``; True when written."""
+        """Save what this process compiled, signed, once per new ``shape``; True when written."""
         if shape in self.shapes:
             return False
         try:
@@ -128,19 +240,22 @@ class CompileCache:
         if saved is None:  # nothing compiled by a caching backend (the eager test backend, say)
             return False
         data, info = saved
-        self.shapes.add(shape)
+        shapes = sorted(self.shapes | {shape})
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            key = user_key(self.folder)
             _atomic_write(self._artifacts, data)
-            _atomic_write(self._manifest, json.dumps({"shapes": sorted(self.shapes)}).encode())
-        except OSError:
+            _atomic_write(self._manifest, json.dumps({"shapes": shapes, "hmac": signature(key, self.key, data)}).encode())
+        except (OSError, Untrusted) as exc:
+            self.last = {**self.last, "stored": False, "reason": str(exc)}
             return False
-        self.last = {**self.last, "stored": True, "artifacts": _count(info), "shapes": sorted(self.shapes)}
+        self.shapes = set(shapes)
+        self.last = {**self.last, "stored": True, "artifacts": _count(info), "shapes": shapes}
         return True
 
     def _drop(self) -> None:
         for path in (self._artifacts, self._manifest):
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # another user's folder keeps its files; they are not read
+                path.unlink(missing_ok=True)
         self.shapes = set()
 
 
@@ -152,5 +267,7 @@ def _count(info: Any) -> dict[str, int]:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    temporary.write_bytes(data)
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(handle, "wb") as out:
+        out.write(data)
     os.replace(temporary, path)

@@ -22,6 +22,7 @@ from engine.errors import EngineError
 from engine import Engine
 from engine.requests import IMAGE_EXTENSIONS, RUN_ADAPTER_FILES
 from engine.server.settings import ServerSettings
+from engine.training.records import run_files as files_of_run
 
 #: The most entries one listing returns (per root, per kind).
 MAX_ENTRIES = 500
@@ -63,12 +64,7 @@ def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:
     @api.get("/training/runs/{run_id}/files")
     def run_files(run_id: str) -> list[dict[str, Any]]:
         """Every file the run wrote (its LoRA, checkpoints, samples, charts), relative to its folder."""
-        folder = _run_folder(engine, run_id)
-        found = []
-        for path in sorted(folder.rglob("*")):
-            if path.is_file() and not path.is_symlink() and len(found) < MAX_ENTRIES:
-                found.append({"path": path.relative_to(folder).as_posix(), "bytes": path.stat().st_size})
-        return found
+        return [{"path": name, "bytes": size} for name, size in files_of_run(_run_folder(engine, run_id), MAX_ENTRIES)]
 
     @api.get("/training/runs/{run_id}/files/{name:path}")
     def run_file(run_id: str, name: str) -> FileResponse:

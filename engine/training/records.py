@@ -188,7 +188,7 @@ class RunRecord:
             return not ProcessId(self.pid, self.pid_started).alive()
         if self.owner_pid is not None:
             return not ProcessId(self.owner_pid, self.owner_started).alive()
-        return False
+        return True
 
     def fail(self, code: str, message: str) -> None:
         self.status = "failed"
@@ -212,8 +212,13 @@ class RunRecord:
         fails for a read-only or full disk).
         """
         data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} is not a run record")
         limit = int(data.get("history_limit", 500))
-        data["folder"] = Path(data["folder"])
+        # A run is where its record was found: a ``folder`` written inside the record (a
+        # copied or planted run) never sends a delete, a listing or a resume anywhere else.
+        data.pop("folder", None)
+        data["folder"] = Path(os.path.abspath(path.parent))
         data["metrics"] = {
             name: MetricHistory(limit, [(int(s), float(v)) for s, v in points])
             for name, points in data.get("metrics", {}).items()
@@ -254,24 +259,72 @@ def default_runs_dir() -> Path:
     return base / "diffusion-engine" / "runs"
 
 
+def inside(root: Path, path: Path) -> bool:
+    """Whether ``path``, symlinks resolved, lies strictly below ``root`` (resolved too)."""
+    real_root, real = os.path.realpath(root), os.path.realpath(path)
+    return real != real_root and real.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
 def find_run(root: Path, name: str, *, paths: bool = True) -> RunRecord | None:
     """The run ``name`` names: an id in ``root`` (or a folder there), or (with
-    ``paths``) a run folder's path; a server passes ``paths=False`` and a plain name."""
-    for folder in (Path(root) / name, Path(name)) if paths else (Path(root) / name,):
+    ``paths``) a run folder's path; a server passes ``paths=False`` and a plain name.
+
+    A folder looked up in ``root`` must stay inside it once symlinks are resolved;
+    an unreadable record there names no run.
+    """
+    candidates = [(Path(root) / name, True)] + ([(Path(name), False)] if paths else [])
+    for folder, in_root in candidates:
+        if in_root and not inside(root, folder):
+            continue
         if (folder / RECORD_NAME).is_file():
-            return RunRecord.load(folder / RECORD_NAME)
+            try:
+                return RunRecord.load(folder / RECORD_NAME)
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
+                return None
     return next((r for r in list_runs(root) if r.run_id == name), None)  # a run with its own --output name
 
 
-def list_runs(root: Path) -> list[RunRecord]:
-    """Every readable run record under ``root``, newest first."""
+#: The most runs a listing reads (newest names first), and the most files one run lists.
+MAX_RUNS = 1000
+MAX_RUN_FILES = 500
+
+
+def list_runs(root: Path, limit: int = MAX_RUNS) -> list[RunRecord]:
+    """Every readable run record directly under ``root``, newest first; a folder that is
+    a symlink leading out of ``root`` is not a run of it."""
     records = []
-    for path in sorted(Path(root).glob(f"*/{RECORD_NAME}")):
+    try:
+        folders = sorted((entry for entry in os.scandir(root) if not entry.name.startswith(".")),
+                         key=lambda entry: entry.name, reverse=True)
+    except OSError:
+        return []
+    for entry in folders:
+        path = Path(entry.path) / RECORD_NAME
+        if len(records) >= limit or not inside(root, Path(entry.path)) or not path.is_file():
+            continue
         try:
             records.append(RunRecord.load(path))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             continue  # a record being written for the first time, or foreign
     return sorted(records, key=lambda r: r.created_at, reverse=True)
+
+
+def run_files(folder: Path, limit: int = MAX_RUN_FILES) -> list[tuple[str, int]]:
+    """``(relative path, bytes)`` of the plain files in a run's folder, symlinks never
+    followed nor listed; the walk stops at ``limit`` files, so a huge folder costs no more."""
+    found: list[tuple[str, int]] = []
+    for top, dirs, files in os.walk(folder, followlinks=False):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(top) / name
+            with contextlib.suppress(OSError):
+                stat = path.lstat()
+                if path.is_symlink() or not path.is_file():
+                    continue
+                found.append((path.relative_to(folder).as_posix(), stat.st_size))
+                if len(found) >= limit:
+                    return found
+    return found
 
 
 def write_charts(record: RunRecord) -> dict[str, str]:
