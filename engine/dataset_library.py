@@ -11,7 +11,11 @@ a root, and an image a path inside that dataset whose real path stays there
 (``..``, absolute paths and symlinks leading out are refused). An upload is
 written beside its final name, decoded in full (a bomb or a corrupt file is
 refused), and then linked into place without replacing anything: two
-uploads of one name cannot overwrite each other. A dataset a training run
+uploads of one name cannot overwrite each other. Decoding (an upload's check,
+a thumbnail) takes the image inputs' header cap, one image at a time in the
+process, and a thumbnail once made is kept (keyed by the file's size and
+modification time): a page of thumbnails, or a cross-site ``<img>`` flood,
+costs one decode per image, never many at once. A dataset a training run
 is using (in this engine or in another process) is not changed
 (``dataset_in_use``, 409): the run has already checked and cached its files.
 """
@@ -23,12 +27,15 @@ import json
 import os
 import re
 import secrets
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
 
 from PIL import Image
 
 from engine.errors import EngineError
+from engine.preflight.images import MAX_INPUT_PIXELS
 from engine.preflight.dataset import (
     CAPTION_EXTENSIONS,
     DEFAULT_MAX_PIXELS,
@@ -47,6 +54,14 @@ THUMBNAIL_SIZES = range(16, 1025)
 #: The most images one listing returns.
 MAX_LISTED = 2000
 
+#: The longest file name most file systems take (bytes); a longer one is refused, not a 500.
+MAX_NAME_BYTES = 255
+#: Thumbnails kept in memory, newest used last.
+THUMBNAILS_KEPT = 512
+#: One image decoded at a time in this process (uploads' checks and thumbnails).
+_DECODE = threading.Lock()
+_THUMBNAILS: OrderedDict[tuple[str, int, int, int], bytes] = OrderedDict()
+
 #: Who is training on a folder: its run id, or None.
 InUse = Callable[[Path], "str | None"]
 
@@ -58,7 +73,8 @@ class DatasetChangeRefused(EngineError):
 class DatasetLibrary:
     """The datasets under ``roots`` (the first root takes new datasets)."""
 
-    def __init__(self, roots: Sequence[Path | str], in_use: InUse, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    def __init__(self, roots: Sequence[Path | str], in_use: InUse, *,
+                 max_pixels: int = min(DEFAULT_MAX_PIXELS, MAX_INPUT_PIXELS)) -> None:
         self.roots = tuple(Path(root).expanduser() for root in roots)
         self._in_use = in_use
         self.max_pixels = max_pixels
@@ -98,15 +114,24 @@ class DatasetLibrary:
             raise EngineError(f"size must be {THUMBNAIL_SIZES.start}-{THUMBNAIL_SIZES.stop - 1} px (got {size})",
                               code="invalid_request")
         path = self._image(self._folder(name), image)
-        problem, _ = decode_image(path, self.max_pixels)
-        if problem:
-            raise EngineError(f"{name}/{image}: {problem}", code="invalid_image")
-        with Image.open(path) as opened:
-            upright = ImageOps.exif_transpose(opened)
-            upright.thumbnail((size, size))
-            out = io.BytesIO()
-            upright.convert("RGBA" if upright.mode in ("RGBA", "LA", "P") else "RGB").save(out, "PNG")
-        return out.getvalue()
+        info = path.stat()
+        key = (os.path.realpath(path), info.st_mtime_ns, info.st_size, size)
+        with _DECODE:
+            if key in _THUMBNAILS:
+                _THUMBNAILS.move_to_end(key)
+                return _THUMBNAILS[key]
+            problem, _ = decode_image(path, self.max_pixels)
+            if problem:
+                raise EngineError(f"{name}/{image}: {problem}", code="invalid_image")
+            with Image.open(path) as opened:
+                upright = ImageOps.exif_transpose(opened)
+                upright.thumbnail((size, size))
+                out = io.BytesIO()
+                upright.convert("RGBA" if upright.mode in ("RGBA", "LA", "P") else "RGB").save(out, "PNG")
+            _THUMBNAILS[key] = out.getvalue()
+            while len(_THUMBNAILS) > THUMBNAILS_KEPT:
+                _THUMBNAILS.popitem(last=False)
+            return _THUMBNAILS[key]
 
     # -- changing -----------------------------------------------------------------------
 
@@ -134,7 +159,8 @@ class DatasetLibrary:
                 temporary = folder / f".upload-{secrets.token_hex(8)}.tmp"
                 temporary.write_bytes(data)
                 staged.append((temporary, folder / target))
-                problem, _ = decode_image(temporary, self.max_pixels)
+                with _DECODE:
+                    problem, _ = decode_image(temporary, self.max_pixels)
                 if problem:
                     raise EngineError(f"{target}: {problem}; nothing was added", code="invalid_image")
             for temporary, final in staged:
@@ -177,10 +203,13 @@ class DatasetLibrary:
         self._refuse_if_in_use(folder)
         path = self._image(folder, image)
         relative = path.relative_to(folder).as_posix()
+        # Every check before the first removal: a refusal never comes after a file is gone.
+        sidecars = [_confined(folder, path.with_suffix(extension)) for extension in CAPTION_EXTENSIONS]
+        captioned = relative in _metadata(folder)
         path.unlink()
-        for extension in CAPTION_EXTENSIONS:
-            _confined(folder, path.with_suffix(extension)).unlink(missing_ok=True)
-        if relative in _metadata(folder):
+        for sidecar in sidecars:
+            sidecar.unlink(missing_ok=True)
+        if captioned:
             _rewrite_metadata(folder, relative, None)
         return {"name": name, "removed": relative, "count": len(self._images(folder))}
 
@@ -202,11 +231,16 @@ class DatasetLibrary:
             raise EngineError(f"no dataset {name!r} under {', '.join(map(str, self.roots))}",
                               code="dataset_not_found")
         folder = self.roots[0] / name
-        folder.mkdir(parents=True, exist_ok=True)
+        if folder.exists() or folder.is_symlink():  # a plain file, a symlink (dangling or leading anywhere)
+            raise EngineError(f"{name!r} under {self.roots[0]} is not a dataset folder (a file or a symlink); "
+                              "pick another name", code="path_outside_roots")
+        folder.mkdir(parents=True)
         return folder.resolve()
 
     def _image(self, folder: Path, image: str) -> Path:
         relative = PurePosixPath(image.replace("\\", "/"))
+        if any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for part in relative.parts):
+            raise EngineError(f"{image[:80]!r}...: a name longer than {MAX_NAME_BYTES} bytes", code="invalid_request")
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:
             raise EngineError(f"{image!r} is not an image path inside the dataset", code="path_outside_roots")
         path = folder / relative
@@ -219,6 +253,9 @@ class DatasetLibrary:
 
     def _upload_name(self, filename: str) -> str:
         name = filename.replace("\\", "/")
+        if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            raise EngineError(f"upload name {filename[:80]!r}... is longer than {MAX_NAME_BYTES} bytes",
+                              code="invalid_request")
         if "/" in name or name in ("", ".", "..") or name.startswith(".") or "\x00" in name:
             raise EngineError(f"upload name {filename!r} must be a plain file name (no folders, not hidden)",
                               code="path_outside_roots")

@@ -162,3 +162,51 @@ def test_an_upload_over_the_upload_cap_is_refused_before_it_is_read(tmp_path: Pa
                          files=[("files", ("big.png", png(400, 400, "green") + os.urandom(4000), "image/png"))])
         assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
     assert not (tmp_path / "datasets" / "d").exists()
+
+
+def test_a_dataset_name_that_is_a_symlink_file_or_dangling_link_is_refused(site: Site, tmp_path: Path) -> None:
+    """An upload into ``root/name`` never writes through a symlink to outside the roots, and a
+    name that is a plain file or a dangling link is a 4xx, never a 500."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (site.root / "escape").symlink_to(outside)
+    (site.root / "dangling").symlink_to(tmp_path / "gone")
+    (site.root / "plain").write_text("not a folder", encoding="utf-8")
+    for name in ("escape", "dangling", "plain"):
+        response = call(site, "POST", f"/{name}/images", files=[("files", ("new.png", png(), "image/png"))])
+        assert response.status_code == 400 and response.json()["error"]["code"] == "path_outside_roots", response.text
+    assert list(outside.iterdir()) == []
+    assert (site.root / "plain").read_text(encoding="utf-8") == "not a folder"
+
+
+def test_an_overlong_file_name_is_a_4xx(site: Site) -> None:
+    long = "a" * 300 + ".png"
+    response = call(site, "POST", "/shapes/images", files=[("files", (long, png(), "image/png"))])
+    assert response.status_code == 422 and response.json()["error"]["code"] == "invalid_request", response.text
+    for method, path in (("GET", f"/shapes/thumbnails/{long}"), ("DELETE", f"/shapes/images/{long}")):
+        response = call(site, method, path)
+        assert response.status_code == 422 and response.json()["error"]["code"] == "invalid_request", response.text
+
+
+def test_a_refused_delete_removes_nothing(site: Site, tmp_path: Path) -> None:
+    """A caption sidecar that is a symlink leading out refuses the delete before the image goes."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("keep", encoding="utf-8")
+    (site.root / "shapes" / "image_002.txt").symlink_to(secret)
+    response = call(site, "DELETE", "/shapes/images/image_002.png")
+    assert response.status_code == 400 and response.json()["error"]["code"] == "path_outside_roots", response.text
+    assert (site.root / "shapes" / "image_002.png").is_file() and secret.read_text(encoding="utf-8") == "keep"
+
+
+def test_thumbnails_decode_once_and_take_the_input_header_cap(site: Site, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.dataset_library as library
+
+    decoded: list[Path] = []
+    real = library.decode_image
+    monkeypatch.setattr(library, "decode_image", lambda path, cap: decoded.append(path) or real(path, cap))
+    for _ in range(3):
+        assert call(site, "GET", "/shapes/thumbnails/image_001.png", params={"size": 48}).status_code == 200
+    assert len(decoded) == 1  # kept after the first
+    from engine.preflight.images import MAX_INPUT_PIXELS
+
+    assert library.DatasetLibrary((site.root,), lambda _: None).max_pixels == MAX_INPUT_PIXELS
