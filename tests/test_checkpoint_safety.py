@@ -47,7 +47,7 @@ def real_state() -> dict[str, object]:
     """The state the trainer writes, from a real optimizer step, scheduler and RNGs."""
     from diffusers.optimization import get_scheduler
 
-    weight = torch.nn.Parameter(torch.randn(4, 3))
+    weight = torch.nn.Parameter(torch.randn(2, 3))  # rank 2, as the runs below
     optimizer = torch.optim.AdamW([weight], lr=1e-3)
     weight.sum().backward()
     optimizer.step()
@@ -69,7 +69,7 @@ def test_the_state_round_trips_without_a_pickle(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.safetensors"]
     assert b"\x80" not in (tmp_path / "state.json").read_bytes()  # JSON text, no pickle opcodes
     back = read_state(tmp_path)
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4, 3))], lr=1e-3)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2, 3))], lr=1e-3)
     optimizer.load_state_dict(back["optimizer"])  # keys come back as ints, betas as a tuple
     assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])  # type: ignore[index]
@@ -101,6 +101,65 @@ def test_tampered_states_are_refused_by_name(tmp_path: Path) -> None:
         assert refused.value.code == "checkpoint_unreadable" and words in refused.value.message
     with pytest.raises(EngineError, match="not a checkpoint folder"):
         check_checkpoint(tmp_path / "dangling")
+
+
+def _deep(levels: int) -> object:
+    value: object = 0
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda st: st.update(order=_deep(600)), "deeper"),
+    (lambda st: st.update(step="abc"), "step"),
+    (lambda st: st.update(step=-5), "step"),
+    (lambda st: st.update(step=10**30), "step"),
+    (lambda st: st.update(step=True), "step"),
+    (lambda st: st["optimizer"].update(state={"$items": [[0]]}), "$items"),
+    (lambda st: st["optimizer"].update(state={"$items": [[[1, 2], {}]]}), "$items"),
+    (lambda st: st.update(order=[["a"]]), "batch order"),
+    (lambda st: st.update(trainable={"block.lora_A.weight": 3}), "not a tensor"),
+])
+def test_tampered_state_contents_are_refused_torch_free(tmp_path: Path, change: Callable[[dict], None],
+                                                         words: str) -> None:
+    """The contents a trainer would crash on, refused by the header-only check that runs
+    before anything is evicted (a 600-deep nesting, a step that is no int in range, a bad
+    ``$items``, a trainable weight that is no tensor)."""
+    folder = tmp_path / "run" / "checkpoints" / "step-00000001"
+    folder.mkdir(parents=True)
+    write_state(folder, real_state())
+    data = json.loads((folder / "state.json").read_text())
+    change(data["state"])
+    (folder / "state.json").write_text(json.dumps(data))
+    with pytest.raises(EngineError) as refused:
+        check_checkpoint(folder)
+    assert refused.value.code == "checkpoint_unreadable" and words in refused.value.message, refused.value.message
+
+
+def test_a_state_of_another_rank_or_moment_shape_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "run" / "checkpoints" / "step-00000001"
+    folder.mkdir(parents=True)
+    write_state(folder, real_state())  # rank 2
+    check_checkpoint(folder, rank=2)
+    with pytest.raises(EngineError, match="rank 8"):
+        check_checkpoint(folder, rank=8)
+    state = real_state()
+    state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(5, 5)  # type: ignore[index]
+    write_state(folder, state)
+    with pytest.raises(EngineError, match="exp_avg has shape"):
+        check_checkpoint(folder)
+
+
+def test_an_http_resume_of_a_tampered_state_evicts_nothing(finished: dict[str, Path]) -> None:
+    data = json.loads((finished["checkpoint"] / "state.json").read_text())
+    data["state"]["step"] = "abc"
+    (finished["checkpoint"] / "state.json").write_text(json.dumps(data))
+    before = finished["record"].read_bytes()
+    _, host, (response,) = serve_starts(finished, {"resume": "planted"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "checkpoint_unreadable", response.text
+    assert host.evicted == 0
+    assert_refused_untouched(finished, before)
 
 
 # -- a planted pickle, on every route -------------------------------------------------------------

@@ -22,7 +22,6 @@ from engine.errors import EngineError
 from engine import Engine
 from engine.requests import IMAGE_EXTENSIONS, RUN_ADAPTER_FILES
 from engine.server.settings import ServerSettings
-from engine.training.records import run_files as files_of_run
 
 #: The most entries one listing returns (per root, per kind).
 MAX_ENTRIES = 500
@@ -64,7 +63,14 @@ def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:
     @api.get("/training/runs/{run_id}/files")
     def run_files(run_id: str) -> list[dict[str, Any]]:
         """Every file the run wrote (its LoRA, checkpoints, samples, charts), relative to its folder."""
-        return [{"path": name, "bytes": size} for name, size in files_of_run(_run_folder(engine, run_id), MAX_ENTRIES)]
+        folder = _run_folder(engine, run_id)
+        found = []
+        for name in engine.run_files(run_id, by_path=False)[:MAX_ENTRIES]:  # bounded before it walks
+            try:
+                found.append({"path": name, "bytes": (folder / name).lstat().st_size})
+            except OSError:
+                continue  # removed since it was listed
+        return found
 
     @api.get("/training/runs/{run_id}/files/{name:path}")
     def run_file(run_id: str, name: str) -> FileResponse:

@@ -90,7 +90,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return read_state(Path(path))
 
 
-def check_checkpoint(path: Path) -> Path:
+def check_checkpoint(path: Path, rank: int | None = None) -> Path:
     """``path`` as a checkpoint a run can resume from: named ``step-N``, its state readable.
 
     Torch-free for the engine's own format (headers only), so a resume is
@@ -104,5 +104,5 @@ def check_checkpoint(path: Path) -> Path:
             f"{path} is not a checkpoint folder ({CHECKPOINTS}/{PREFIX}N of a run); "
             "resume a run by its id (train --resume RUN) to continue from its newest checkpoint"
         )
-    check_state(path)
+    check_state(path, rank)
     return path

@@ -131,6 +131,7 @@ def check_resume(config: TrainingConfig) -> tuple[tuple[str, object, object], ..
         return ()
     checkpoint = check_checkpoint(Path(config.resume_from))
     record = checkpoint_run(checkpoint)
-    if record is None:  # a checkpoint folder without its run's record: nothing to compare with
-        return ()
-    return tuple((name, before, after) for name, (before, after) in resume_changes(record.config, config).items())
+    # A checkpoint folder without its run's record has nothing to compare with.
+    changes = resume_changes(record.config, config) if record is not None else {}
+    check_checkpoint(checkpoint, rank=config.lora_rank)  # the rank the resume trains at (the run's, checked above)
+    return tuple((name, before, after) for name, (before, after) in changes.items())

@@ -44,6 +44,10 @@ REQUIRED = ("trainable", "optimizer", "scheduler", "torch_rng", "generator", "or
 #: The most bytes of ``state.json`` read (the batch order of a large dataset is the bulk: 64 MB is millions of images).
 MAX_STRUCTURE_BYTES = 64 * 1024 * 1024
 FORMAT = 1
+#: The deepest nesting a state holds (the optimizer's per-parameter state is 5 deep); deeper is refused.
+MAX_DEPTH = 32
+#: The largest step a state may claim.
+MAX_STEP = 10**9
 
 
 class CheckpointUnreadable(EngineError):
@@ -99,14 +103,24 @@ def _encode(value: Any, tensors: dict[str, Any]) -> Any:
 # -- checking (torch-free) ----------------------------------------------------------------------
 
 
-def check_state(folder: Path) -> None:
+def check_state(folder: Path, rank: int | None = None) -> None:
     """Refuse a checkpoint whose state cannot be read safely and completely; reads headers only.
+
+    Beyond the files' formats, the contents are validated torch-free (so a tampered
+    state is refused before anything is evicted, not in the trainer): nesting depth,
+    ``step`` an int in range, the batch order of ints, ``$items`` pairs with plain keys,
+    every trainable weight a tensor of the recorded LoRA ``rank`` (when given), and the
+    optimizer's moments shaped like the trainable weights.
 
     :raises CheckpointUnreadable: naming the file and what is wrong.
     """
     folder = Path(folder)
     if (folder / STRUCTURE).is_file() or (folder / TENSORS).is_file():
-        _structure_and_tensors(folder)
+        state, header = _structure_and_tensors(folder)
+        try:
+            _validate(state, header, rank)
+        except ValueError as exc:
+            raise CheckpointUnreadable(f"{folder / STRUCTURE} is not a state this engine wrote: {exc}") from None
         return
     if (folder / LEGACY).is_file():
         _legacy(folder / LEGACY)  # torch's restricted unpickler: it refuses before anything runs
@@ -146,6 +160,64 @@ def _structure_and_tensors(folder: Path) -> tuple[dict[str, Any], dict[str, dict
             f"{structure_file} refers to tensors {', '.join(dangling[:3])} that {tensor_file.name} does not hold"
         )
     return state, header
+
+
+def _validate(state: dict[str, Any], header: Mapping[str, Mapping[str, object]], rank: int | None) -> None:
+    """Contents a trainer could crash on, checked on the JSON and the tensor header alone."""
+    stack: list[tuple[Any, int]] = [(state, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"it nests deeper than {MAX_DEPTH} levels")
+        if isinstance(item, dict):
+            if "$items" in item:
+                pairs = item["$items"]
+                if set(item) != {"$items"} or not isinstance(pairs, list) or not all(
+                        isinstance(p, list) and len(p) == 2 and isinstance(p[0], (str, int, float, bool)) for p in pairs):
+                    raise ValueError("an '$items' entry is not a list of [plain key, value] pairs")
+            if "$tuple" in item and (set(item) != {"$tuple"} or not isinstance(item["$tuple"], list)):
+                raise ValueError("a '$tuple' entry is not a list")
+            if "$tensor" in item and (set(item) != {"$tensor"} or not isinstance(item["$tensor"], str)):
+                raise ValueError("a '$tensor' entry is not a tensor name")
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    step = state["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"its step is {str(step)[:40]!r}, not a whole number from 0 to {MAX_STEP}")
+    order = state["order"]
+    if not isinstance(order, list) or not all(
+            (isinstance(b, int) and not isinstance(b, bool) and b >= 0)
+            or (isinstance(b, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in b))
+            for b in order):
+        raise ValueError("its batch order is not a list of image indices")
+    trainable = state["trainable"]
+    if not isinstance(trainable, dict) or not trainable:
+        raise ValueError("it holds no trainable weights")
+    shapes = []
+    for name, ref in trainable.items():
+        shape = _shape(ref, header)
+        if shape is None:
+            raise ValueError(f"trainable weight {name[:80]!r} is not a tensor")
+        if rank is not None and ("lora_A" in name and shape[0] != rank or "lora_B" in name and shape[-1] != rank):
+            raise ValueError(f"trainable weight {name[:80]!r} has shape {shape}, not of the run's LoRA rank {rank}")
+        shapes.append(shape)
+    moments = state["optimizer"].get("state") if isinstance(state["optimizer"], dict) else None
+    entries = moments.get("$items", []) if isinstance(moments, dict) and "$items" in moments else (
+        list(moments.items()) if isinstance(moments, dict) else [])
+    for _, per_parameter in entries:
+        for kind in ("exp_avg", "exp_avg_sq"):
+            if isinstance(per_parameter, dict) and kind in per_parameter:
+                shape = _shape(per_parameter[kind], header)
+                if shape not in shapes:
+                    raise ValueError(f"an optimizer {kind} has shape {shape}, which no trainable weight has")
+
+
+def _shape(ref: Any, header: Mapping[str, Mapping[str, object]]) -> list[int] | None:
+    if isinstance(ref, dict) and set(ref) == {"$tensor"} and ref["$tensor"] in header:
+        shape = header[ref["$tensor"]].get("shape")
+        return list(shape) if isinstance(shape, list) else None
+    return None
 
 
 def _references(value: Any) -> set[str]:
@@ -190,6 +262,7 @@ def read_state(folder: Path) -> dict[str, Any]:
     folder = Path(folder)
     if not (folder / STRUCTURE).is_file() and (folder / LEGACY).is_file():
         return _legacy(folder / LEGACY)
+    check_state(folder)
     state, _ = _structure_and_tensors(folder)
     from safetensors import SafetensorError
     from safetensors.torch import load_file
