@@ -137,7 +137,7 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("image_not_found", 404, "No image of this name in the dataset."),
     ErrorCode("small_images", 400, "`--strict`: images under half the training resolution."),
     ErrorCode("lora_unreadable", 400, "A LoRA file's header cannot be read (truncated, not safetensors)."),
-    ErrorCode("lora_not_finite", 400, "A LoRA file holds NaN or infinite weights."),
+    ErrorCode("lora_not_finite", 400, "A LoRA file holds NaN, infinite or overflowing (2**64 or more) weights."),
     ErrorCode("lora_mismatch", 400, "A LoRA's keys do not land on the model's modules (a LoRA for another "
               "model; the message says which family it looks like)."),
     ErrorCode("unknown_lora_target", 400, "A LoRA target names no layer of the denoiser."),

@@ -242,6 +242,8 @@ def test_a_node_config_that_cannot_meet_is_refused_before_any_eviction(dataset: 
     base = {"base_model": str(Path(__file__).parent / "no-base-needed"), "dataset_dir": str(dataset)}
     for extra, words in (({"nodes": 2}, "main_address HOST:PORT"),
                          ({"nodes": 2, "node_rank": 2, "main_address": "h:1"}, "is not below nodes 2"),
+                         ({"nodes": 2, "main_address": "127.0.0.1:99999"}, "not a TCP port"),
+                         ({"nodes": 2, "main_address": "127.0.0.1:0"}, "not a TCP port"),
                          ({"node_rank": 1}, "only with nodes > 1")):
         with pytest.raises(EngineError) as raised:
             engine.start_training({**base, **extra})

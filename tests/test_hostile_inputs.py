@@ -67,6 +67,9 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str
     weights.write_bytes(weights.read_bytes()[:-100])
     shutil.copytree(tiny_pipeline("sdxl"), w.models / "bomb")
     header_bomb(next((w.models / "bomb" / "unet").glob("*.safetensors")))
+    # GGUF headers claiming 2**62 tensors, and 2**62 metadata entries, in 24 bytes.
+    (w.models / "bomb.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 2**62, 0))
+    (w.models / "entries.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 2**62) + b"\0" * 64)
     # LoRAs: truncated, a header bomb, NaN weights, infinite bf16 weights.
     good = {"unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, 32),
             "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.weight": torch.zeros(32, 2)}
@@ -76,6 +79,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str
     save_file({**good, next(iter(good)): torch.full((2, 32), float("nan"))}, str(w.loras / "nan.safetensors"))
     save_file({k: v.to(torch.bfloat16) for k, v in {**good, next(iter(good)): torch.full((2, 32), float("inf"))}.items()},
               str(w.loras / "inf.safetensors"))
+    save_file({**good, next(iter(good)): torch.full((2, 32), 3e38)}, str(w.loras / "huge.safetensors"))
     # Images: a bomb, a truncated PNG, a good one; outside the roots, and a symlink that leads out.
     (w.inputs / "bomb.png").write_bytes(bomb_png())
     (w.inputs / "truncated.png").write_bytes(small_png()[:60])
@@ -168,6 +172,8 @@ def test_a_malformed_multipart_body_is_422(world: tuple[str, Engine, World, Host
 @pytest.mark.parametrize(("model", "status", "code"), [
     ("truncated", 400, "corrupt_checkpoint"),
     ("bomb", 400, "corrupt_checkpoint"),
+    ("bomb.gguf", 400, "corrupt_checkpoint"),
+    ("entries.gguf", 400, "corrupt_checkpoint"),
     ("../outside", 400, "path_outside_roots"),
     ("/etc", 400, "path_outside_roots"),
 ])
@@ -181,6 +187,7 @@ def test_model_paths(world: tuple[str, Engine, World, HostModel], route: str, mo
     ("bomb.safetensors", "lora_unreadable"),
     ("nan.safetensors", "lora_not_finite"),
     ("inf.safetensors", "lora_not_finite"),
+    ("huge.safetensors", "lora_not_finite"),
     ("../outside/secret.png", "path_outside_roots"),
     ("escape.safetensors", "path_outside_roots"),
 ])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 
@@ -135,9 +136,14 @@ def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
 _NONFINITE = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
               "BF16": ("<u2", 0x7F80), "F8_E5M2": ("u1", 0x7C), "F8_E4M3": ("u1", 0x7F)}
 
+#: ``(shift, exponent mask, exponent)`` of a value of magnitude 2**64 or more, per float type that can hold
+#: one: the product of two such weights (B @ A) overflows every float type a pipeline runs in.
+_HUGE = {"F64": (52, 0x7FF, 1023 + 64), "F32": (23, 0xFF, 127 + 64), "BF16": (7, 0xFF, 127 + 64)}
+
 
 def nonfinite_tensors(file: Path, header: dict[str, dict[str, object]], data_start: int) -> list[str]:
-    """The names of the float tensors in ``file`` holding NaN or infinity (a complete file's header).
+    """The names of the float tensors in ``file`` holding NaN or infinity, or values of
+    magnitude 2**64 or more (applied, B @ A overflows to infinity: a black image, as NaN).
 
     Reads the data through a memory map with numpy, by bit pattern (numpy
     has no bfloat16 or fp8), so it needs neither torch nor a copy of the file.
@@ -152,7 +158,8 @@ def nonfinite_tensors(file: Path, header: dict[str, dict[str, object]], data_sta
     bad = []
     for name, (view, mask), (begin, end) in floats:  # type: ignore[misc]
         bits = data[data_start + int(begin):data_start + int(end)].view(view)
-        if np.any((bits & mask) == mask):
+        huge = _HUGE.get(str(header[name].get("dtype")))
+        if np.any((bits & mask) == mask) or huge is not None and np.any(((bits >> huge[0]) & huge[1]) >= huge[2]):
             bad.append(str(name))
     return bad
 
@@ -176,13 +183,34 @@ def _data_end(header: dict[str, object]) -> int:
     return end
 
 
+#: The most tensors and metadata entries a GGUF header may claim (a real FLUX file has about 800).
+MAX_GGUF_ENTRIES = 1_000_000
+
+
+def check_gguf_counts(file: Path) -> None:
+    """Refuse a GGUF whose fixed header claims more tensors or entries than could fit in it
+    (a header bomb: ``2**62`` tensors), before any reader allocates for them."""
+    import struct
+
+    with open(file, "rb") as source:
+        head = source.read(24)
+        size = os.fstat(source.fileno()).st_size
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise ValueError("it does not start with a GGUF header")
+    _version, tensors, entries = struct.unpack("<IQQ", head[4:24])
+    # Each tensor's record takes at least 24 bytes and each entry at least 12: a claim the file cannot hold is false.
+    if tensors > MAX_GGUF_ENTRIES or entries > MAX_GGUF_ENTRIES or tensors * 24 + entries * 12 > size:
+        raise ValueError(f"its header claims {tensors:,} tensors and {entries:,} entries in {size:,} bytes")
+
+
 def gguf_tensor_names(file: Path) -> tuple[str, ...]:
     """The tensor names of a GGUF file, to tell its family (no weights read)."""
     from gguf import GGUFReader  # numpy only; no torch
 
     try:
+        check_gguf_counts(file)
         return tuple(t.name for t in GGUFReader(str(file)).tensors)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, OverflowError, MemoryError, IndexError, KeyError, TypeError) as exc:
         raise NotAPipeline(f"{file} is not a readable GGUF file ({exc})", code="corrupt_checkpoint") from None
 
 

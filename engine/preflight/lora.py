@@ -221,7 +221,7 @@ def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     bad = nonfinite_tensors(path, header, start)
     if bad:
         raise PreflightError(
-            f"LoRA {path} holds NaN or infinite values in {len(bad)} tensor(s) (e.g. {', '.join(bad[:3])}); "
+            f"LoRA {path} holds NaN, infinite or overflowing (2**64 or more) values in {len(bad)} tensor(s) (e.g. {', '.join(bad[:3])}); "
             "it would turn every image black. Use an earlier checkpoint of the run, or retrain with a lower "
             "learning rate",
             code="lora_not_finite",

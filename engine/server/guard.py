@@ -57,7 +57,10 @@ def _hostname(host: bytes) -> str:
     """``127.0.0.1:8000`` -> ``127.0.0.1``; ``[::1]:8000`` -> ``::1``; lower case."""
     text = host.decode("latin-1").strip().lower()
     if text.startswith("["):
-        return text[1:text.find("]")] if "]" in text else text
+        # ``[::1]`` or ``[::1]:PORT`` only: ``[::1]evil:PORT`` names no host of ours, so it is kept whole
+        # (and matches no allowed name).
+        match = re.fullmatch(r"\[([0-9a-f:.]+)\](?::\d{1,5})?", text)
+        return match.group(1) if match else text
     return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 

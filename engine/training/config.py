@@ -159,6 +159,9 @@ class TrainingConfig(BaseModel):
         if self.nodes > 1:
             if not self.main_address or not re.fullmatch(r"[^\s:]+:\d{1,5}", self.main_address):
                 raise ValueError("nodes > 1 needs main_address HOST:PORT: node 0's address, where the ranks meet")
+            port = int(self.main_address.rsplit(":", 1)[1])
+            if not 1 <= port <= 65535:
+                raise ValueError(f"main_address's port {port} is not a TCP port (1-65535)")
             if self.node_rank >= self.nodes:
                 raise ValueError(f"node_rank {self.node_rank} is not below nodes {self.nodes} (ranks are 0-based)")
         elif self.node_rank:
@@ -216,6 +219,8 @@ def read_config_file(path: Path) -> dict[str, object]:
         data = json.loads(text) if as_json else tomllib.loads(text)  # type: ignore[union-attr]
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidConfig(f"cannot read the config file {path}: {exc}; give a readable TOML file") from None
+    except RecursionError:
+        raise InvalidConfig(f"the config file {path} nests too deep to be a table of fields") from None
     except ValueError as exc:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
         raise InvalidConfig(f"the config file {path} is not valid TOML/JSON: {exc}") from None
     if not isinstance(data, dict):

@@ -231,7 +231,8 @@ class RunRecord:
         return record
 
     def _gone_message(self) -> str:
-        who = f"trainer process {self.pid}" if self.pid is not None else f"engine process {self.owner_pid}"
+        who = (f"trainer process {self.pid}" if self.pid is not None else f"engine process {self.owner_pid}"
+               if self.owner_pid is not None else "writer (the record names no process)")
         return (
             f"the record said {self.status} at step {self.step} of {self.steps}, but its {who} is gone "
             "(the engine or CLI was killed, or the machine restarted); start the run again"
