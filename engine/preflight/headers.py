@@ -183,7 +183,7 @@ def _data_end(header: dict[str, object]) -> int:
     return end
 
 
-#: The most tensors and metadata entries a GGUF header may claim (a real FLUX file has about 800).
+#: The most tensors and metadata entries a GGUF header may claim (a real 12B denoiser has about 800).
 MAX_GGUF_ENTRIES = 1_000_000
 
 
