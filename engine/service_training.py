@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from engine.errors import Busy, EngineError
@@ -249,7 +249,7 @@ class TrainingJobs:
         """The files in a run's folder, relative to it (LoRAs, checkpoints, samples, record)."""
         from engine.training.records import run_files
 
-        return sorted(name for name, _ in run_files(self._named_run(run_id, by_path).folder))
+        return sorted(run_files(self._named_run(run_id, by_path).folder))
 
     def remove_run(self, run_id: str, *, by_path: bool = True) -> dict[str, object]:
         """Delete a finished run's folder; a run still going is refused (``run_in_progress``)."""
@@ -259,10 +259,8 @@ class TrainingJobs:
         if not record.finished:
             raise EngineError(f"run {record.run_id} is still {record.status} (PID {record.pid}); stop it first",
                               code="run_in_progress")
-        folder = Path(record.folder)
-        real = Path(os.path.realpath(folder))
-        if folder.is_symlink() or real == Path(os.path.realpath(self.runs_dir)) or real in Path(
-                os.path.realpath(self.runs_dir)).parents or real == Path(real.anchor):
+        folder, runs = Path(record.folder), Path(os.path.realpath(self.runs_dir))
+        if folder.is_symlink() or Path(os.path.realpath(folder)) in (runs, *runs.parents):
             raise EngineError(f"refusing to delete {folder}: it is a symlink, or holds the runs folder "
                               f"{self.runs_dir}; remove it by hand if it really is a run", code="run_not_removable")
         shutil.rmtree(folder)

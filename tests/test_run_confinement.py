@@ -150,7 +150,7 @@ def test_a_listing_stops_before_it_walks_a_huge_folder(tmp_path: Path) -> None:
         (sub / f"f{index:04}").write_bytes(b"x")
     (folder / "escape").symlink_to(tmp_path)
     listed = run_files(folder)
-    assert len(listed) == MAX_RUN_FILES and all(not name.startswith("escape") for name, _ in listed)
+    assert len(listed) == MAX_RUN_FILES and all(not name.startswith("escape") for name in listed)
 
 
 # -- resume: the run continues in its own folder, never the one its record names --------------------

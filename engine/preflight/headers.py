@@ -190,8 +190,6 @@ MAX_GGUF_ENTRIES = 1_000_000
 def check_gguf_counts(file: Path) -> None:
     """Refuse a GGUF whose fixed header claims more tensors or entries than could fit in it
     (a header bomb: ``2**62`` tensors), before any reader allocates for them."""
-    import struct
-
     with open(file, "rb") as source:
         head = source.read(24)
         size = os.fstat(source.fileno()).st_size

@@ -65,7 +65,7 @@ def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:
         """Every file the run wrote (its LoRA, checkpoints, samples, charts), relative to its folder."""
         folder = _run_folder(engine, run_id)
         found = []
-        for name in engine.run_files(run_id, by_path=False)[:MAX_ENTRIES]:  # bounded before it walks
+        for name in engine.run_files(run_id, by_path=False)[:MAX_ENTRIES]:  # bounded before it walks; names only
             try:
                 found.append({"path": name, "bytes": (folder / name).lstat().st_size})
             except OSError:

@@ -231,8 +231,12 @@ class RunRecord:
         return record
 
     def _gone_message(self) -> str:
-        who = (f"trainer process {self.pid}" if self.pid is not None else f"engine process {self.owner_pid}"
-               if self.owner_pid is not None else "writer (the record names no process)")
+        if self.pid is not None:
+            who = f"trainer process {self.pid}"
+        elif self.owner_pid is not None:
+            who = f"engine process {self.owner_pid}"
+        else:
+            who = "writer (the record names no process)"
         return (
             f"the record said {self.status} at step {self.step} of {self.steps}, but its {who} is gone "
             "(the engine or CLI was killed, or the machine restarted); start the run again"
@@ -262,8 +266,7 @@ def default_runs_dir() -> Path:
 
 def inside(root: Path, path: Path) -> bool:
     """Whether ``path``, symlinks resolved, lies strictly below ``root`` (resolved too)."""
-    real_root, real = os.path.realpath(root), os.path.realpath(path)
-    return real != real_root and real.startswith(real_root.rstrip(os.sep) + os.sep)
+    return Path(os.path.realpath(root)) in Path(os.path.realpath(path)).parents
 
 
 def find_run(root: Path, name: str, *, paths: bool = True) -> RunRecord | None:
@@ -310,19 +313,16 @@ def list_runs(root: Path, limit: int = MAX_RUNS) -> list[RunRecord]:
     return sorted(records, key=lambda r: r.created_at, reverse=True)
 
 
-def run_files(folder: Path, limit: int = MAX_RUN_FILES) -> list[tuple[str, int]]:
-    """``(relative path, bytes)`` of the plain files in a run's folder, symlinks never
-    followed nor listed; the walk stops at ``limit`` files, so a huge folder costs no more."""
-    found: list[tuple[str, int]] = []
+def run_files(folder: Path, limit: int = MAX_RUN_FILES) -> list[str]:
+    """The plain files in a run's folder, relative to it; symlinks are never followed nor
+    listed, and the walk stops at ``limit`` files, so a huge folder costs no more."""
+    found: list[str] = []
     for top, dirs, files in os.walk(folder, followlinks=False):
         dirs.sort()
         for name in sorted(files):
             path = Path(top) / name
-            with contextlib.suppress(OSError):
-                stat = path.lstat()
-                if path.is_symlink() or not path.is_file():
-                    continue
-                found.append((path.relative_to(folder).as_posix(), stat.st_size))
+            if not path.is_symlink() and path.is_file():
+                found.append(path.relative_to(folder).as_posix())
                 if len(found) >= limit:
                     return found
     return found

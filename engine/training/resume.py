@@ -129,9 +129,9 @@ def check_resume(config: TrainingConfig) -> tuple[tuple[str, object, object], ..
     """
     if config.resume_from is None:
         return ()
-    checkpoint = check_checkpoint(Path(config.resume_from))
-    record = checkpoint_run(checkpoint)
-    # A checkpoint folder without its run's record has nothing to compare with.
+    record = checkpoint_run(Path(config.resume_from))
+    # A checkpoint folder without its run's record has nothing to compare with. The settings
+    # first: a resume at another rank is a mismatch, not an unreadable checkpoint.
     changes = resume_changes(record.config, config) if record is not None else {}
-    check_checkpoint(checkpoint, rank=config.lora_rank)  # the rank the resume trains at (the run's, checked above)
+    check_checkpoint(Path(config.resume_from), rank=config.lora_rank)
     return tuple((name, before, after) for name, (before, after) in changes.items())

@@ -116,11 +116,7 @@ def check_state(folder: Path, rank: int | None = None) -> None:
     """
     folder = Path(folder)
     if (folder / STRUCTURE).is_file() or (folder / TENSORS).is_file():
-        state, header = _structure_and_tensors(folder)
-        try:
-            _validate(state, header, rank)
-        except ValueError as exc:
-            raise CheckpointUnreadable(f"{folder / STRUCTURE} is not a state this engine wrote: {exc}") from None
+        _checked_state(folder, rank)
         return
     if (folder / LEGACY).is_file():
         _legacy(folder / LEGACY)  # torch's restricted unpickler: it refuses before anything runs
@@ -160,6 +156,16 @@ def _structure_and_tensors(folder: Path) -> tuple[dict[str, Any], dict[str, dict
             f"{structure_file} refers to tensors {', '.join(dangling[:3])} that {tensor_file.name} does not hold"
         )
     return state, header
+
+
+def _checked_state(folder: Path, rank: int | None = None) -> dict[str, Any]:
+    """The state's JSON, its files complete and its contents validated (:func:`_validate`)."""
+    state, header = _structure_and_tensors(folder)
+    try:
+        _validate(state, header, rank)
+    except ValueError as exc:
+        raise CheckpointUnreadable(f"{folder / STRUCTURE} is not a state this engine wrote: {exc}") from None
+    return state
 
 
 def _validate(state: dict[str, Any], header: Mapping[str, Mapping[str, object]], rank: int | None) -> None:
@@ -262,8 +268,7 @@ def read_state(folder: Path) -> dict[str, Any]:
     folder = Path(folder)
     if not (folder / STRUCTURE).is_file() and (folder / LEGACY).is_file():
         return _legacy(folder / LEGACY)
-    check_state(folder)
-    state, _ = _structure_and_tensors(folder)
+    state = _checked_state(folder)
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
