@@ -186,6 +186,9 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("sdcpp_failed", 500, "stable-diffusion.cpp refused the files, crashed or ran out of memory, and "
               "diffusers could not take the model over (a single file without `--base`); the message holds the "
               "library's last log lines.", _RUNTIME),
+    ErrorCode("sdcpp_stalled", 504, "The stable-diffusion.cpp worker said nothing for its step timeout (a load, or "
+              "one step: the library stuck, the process stopped) and was killed; the next generate starts a new one. "
+              "`DIFFUSION_ENGINE_SDCPP_STEP_TIMEOUT` sets the seconds (default 900).", _RUNTIME),
     ErrorCode("placement_failed", 500, "The memory plan could not be applied to the loaded pipeline.", _RUNTIME),
     ErrorCode("quantisation_failed", 500, "The quantised build failed and no fallback was possible.", _RUNTIME),
     ErrorCode("canary_failed", 400, "A quantised slice of the model produced non-finite or wrong output on this "

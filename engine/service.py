@@ -329,10 +329,10 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
                     raise Cancelled("the generate was cancelled before it started")
                 call = GenerateRequest(prompt=prompt, loras=files, **options)  # type: ignore[arg-type]
                 try:
-                    return session.generate(call, progress)
+                    return session.generate(call, progress, cancel)
                 except SdcppFailed as exc:  # the CPU engine failed: diffusers takes the model over
                     self._session = fall_back_from(session, exc)
-                    return self._session.generate(call, progress)
+                    return self._session.generate(call, progress, cancel)
             finally:
                 self._generation_cancel = None
                 self._release_job("generating")

@@ -9,8 +9,11 @@ here is faked but the hardware of the planning tests (presets).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -215,3 +218,81 @@ def test_a_file_the_library_refuses_falls_back_to_diffusers_with_the_reason(
     with pytest.raises(EngineError) as failed:  # without a base, diffusers cannot take it over: said so
         Engine().load(str(model), request=SDCPP)
     assert failed.value.code == "sdcpp_failed" and "base" in failed.value.message
+
+
+# -- a worker that stops answering ----------------------------------------------------
+
+
+def _stop_at_first_step(engine: Engine, stopped: threading.Event) -> Callable[[int, int], None]:
+    """A progress callback that freezes the worker after step 1, as a library stuck in a call."""
+
+    def on_step(step: int, total: int) -> None:
+        if not stopped.is_set():
+            os.kill(engine.status()["pipeline"]["sdcpp"]["worker_pid"], signal.SIGSTOP)
+            stopped.set()
+
+    return on_step
+
+
+def test_an_unload_with_cancel_kills_a_worker_stuck_in_a_step(sdcpp_model: Path) -> None:
+    engine = Engine()
+    engine.load(str(sdcpp_model), request=SDCPP)
+    pid = engine.status()["pipeline"]["sdcpp"]["worker_pid"]
+    stopped = threading.Event()
+    outcome: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            engine.generate("a fox", seed=1, progress=_stop_at_first_step(engine, stopped), **{**SMALL, "steps": 6})
+        except BaseException as exc:  # noqa: BLE001 - the thread's outcome, asserted below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    assert stopped.wait(60)
+    started = time.monotonic()
+    assert engine.unload(cancel=True) is True  # the generate lock came back: the stuck worker did not hold it
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - started < 5
+    assert [type(e) for e in outcome] == [Cancelled]
+    assert _gone(pid) and engine.status()["pipeline"] is None and engine.status()["job"] is None
+
+
+def test_a_worker_silent_past_its_step_timeout_is_killed_and_the_next_generate_restarts_it(
+    sdcpp_model: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DIFFUSION_ENGINE_SDCPP_STEP_TIMEOUT", "2")
+    engine = Engine()
+    engine.load(str(sdcpp_model), request=SDCPP)
+    pid = engine.status()["pipeline"]["sdcpp"]["worker_pid"]
+    started = time.monotonic()
+    with pytest.raises(EngineError) as stalled:
+        engine.generate("a fox", seed=1, progress=_stop_at_first_step(engine, threading.Event()), **SMALL)
+    assert stalled.value.code == "sdcpp_stalled" and stalled.value.status == 504
+    assert "DIFFUSION_ENGINE_SDCPP_STEP_TIMEOUT" in stalled.value.message
+    assert time.monotonic() - started < 30 and _gone(pid)
+    assert engine.status()["job"] is None and engine.status()["pipeline"]["engine"] == "sdcpp"  # no fallback
+    image = engine.generate("a fox", seed=1, **SMALL)[0]  # a new worker, reloaded
+    assert image.size == (32, 32) and engine.status()["pipeline"]["sdcpp"]["restarts"] == 1
+    engine.unload()
+
+
+def test_a_step_timeout_that_is_not_a_number_of_seconds_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.runtime.sdcpp import step_timeout
+
+    for given in ("abc", "0", "-3", "inf", "nan"):
+        monkeypatch.setenv("DIFFUSION_ENGINE_SDCPP_STEP_TIMEOUT", given)
+        with pytest.raises(EngineError) as refused:
+            step_timeout()
+        assert refused.value.code == "invalid_request" and given in refused.value.message
+    monkeypatch.setenv("DIFFUSION_ENGINE_SDCPP_STEP_TIMEOUT", "1.5")
+    assert step_timeout() == 1.5
+
+
+def _gone(pid: int) -> bool:
+    """The process ended (a zombie reaped by the session's wait counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False

@@ -91,10 +91,13 @@ class Generation:
     _images: int
     _store_compile_cache: Any
 
-    def generate(self, request: GenerateRequest, progress: Progress | None = None) -> list[Image.Image]:
+    def generate(self, request: GenerateRequest, progress: Progress | None = None,
+                 cancel: threading.Event | None = None) -> list[Image.Image]:
         """The request's images: its workflow's pipeline (built over the loaded
         components), its inputs fitted, one generator per image, in chunks
-        (halved on out-of-memory; see :mod:`engine.runtime.batching`)."""
+        (halved on out-of-memory; see :mod:`engine.runtime.batching`).
+        ``cancel`` is honoured through ``progress`` (the caller's step callback
+        raises at the next step end: a torch step cannot be stopped midway)."""
         with self._lock:
             family = self.source.family
             control = request.control_image is not None

@@ -9,8 +9,13 @@ generate, stopped at unload. A one-shot CLI generate is the same path, run
 once.
 
 - threads: the plan's ``threads`` control (logical cores // 2);
-- cancel: honoured after the step the worker reported: the worker is stopped
-  (the library has no cancel) and restarted, reloading, at the next generate;
+- cancel: honoured after the step the worker reported, or at once while it
+  computes one: the worker is stopped (the library has no cancel) and
+  restarted, reloading, at the next generate;
+- watchdog: a worker that reports nothing for ``step_timeout`` seconds (a
+  load, or one step: the library stuck in a call, the process stopped) is
+  killed and the call raises :class:`SdcppStalled`; nothing waits on it for
+  ever, so an unload or the next generate always gets the engine back;
 - failure: a file the library refuses, a crash or an out-of-memory raise
   :class:`SdcppFailed` with the library's last log lines; ``Engine`` then
   falls back to diffusers where the model loads there, with the reason kept.
@@ -20,13 +25,16 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import io
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,11 +52,25 @@ from engine.runtime.generation import GenerateRequest
 
 Progress = Callable[[int, int], None]
 
+#: Seconds a worker may go without a word (a load, or one denoising step) before it is
+#: killed: far above a 1024 px FLUX step on two cores, far below "for ever".
+STEP_TIMEOUT_S = 900.0
+#: Where a user with a slower machine (or a test) sets it.
+STEP_TIMEOUT_ENV = "DIFFUSION_ENGINE_SDCPP_STEP_TIMEOUT"
+#: How often a wait looks at the cancel event and the clock.
+_POLL_S = 0.1
+
 
 class SdcppFailed(EngineError):
     """stable-diffusion.cpp refused the files, crashed or ran out of memory."""
 
     code = "sdcpp_failed"
+
+
+class SdcppStalled(EngineError):
+    """The sd.cpp worker said nothing within its step timeout; it was killed."""
+
+    code = "sdcpp_stalled"
 
 
 class UnsupportedOnSdcpp(EngineError):
@@ -78,8 +100,9 @@ class SdcppSession:
         self.diffusers_refusal: EngineError | None = None
         self.load_seconds: float | None = None
         self.restarts = 0
+        self.step_timeout = step_timeout()
         self._worker: subprocess.Popen[str] | None = None
-        self._events: Any = None
+        self._events: _EventPipe | None = None
         self._log: Any = None
         self._lock = threading.Lock()
 
@@ -98,9 +121,9 @@ class SdcppSession:
             pass_fds=(write_fd,), env=env,
         )
         os.close(write_fd)
-        self._events = os.fdopen(read_fd, "r")
+        self._events = _EventPipe(read_fd)
         self._send({"op": "load", "files": self.files, "threads": self.threads})
-        event = self._next_event()
+        event = self._next_event("loading the files")
         if event["event"] != "loaded":
             self.unload()
             raise SdcppFailed(f"stable-diffusion.cpp could not load {self.source.location}: {event['message']}")
@@ -114,6 +137,9 @@ class SdcppSession:
         if self._events is not None:
             self._events.close()
             self._events = None
+        if worker is not None and worker.stdin is not None:
+            with contextlib.suppress(OSError):
+                worker.stdin.close()
 
     @property
     def loaded(self) -> bool:
@@ -138,9 +164,11 @@ class SdcppSession:
 
     # -- generate -----------------------------------------------------------------
 
-    def generate(self, request: GenerateRequest, progress: Progress | None = None) -> list[Image.Image]:
+    def generate(self, request: GenerateRequest, progress: Progress | None = None,
+                 cancel: threading.Event | None = None) -> list[Image.Image]:
         """The request's images: one sd.cpp call per prompt/seed pair (``count`` images of a
-        prompt use seeds ``seed, seed + 1...`` as the diffusers path does)."""
+        prompt use seeds ``seed, seed + 1...`` as the diffusers path does). ``cancel``, set
+        from any thread, stops the worker at once, even in the middle of a step."""
         arguments, init_image = self._arguments(request)
         with self._lock:
             if not self.loaded:  # stopped by a cancel (or a crash): start it again
@@ -153,7 +181,7 @@ class SdcppSession:
                 self._send({"op": "generate", "arguments": {**arguments, "prompt": item.prompt, "seed": item.seed},
                             "init_image": init_image})
                 while True:
-                    event = self._next_event()
+                    event = self._next_event("computing a step", cancel)
                     if event["event"] == "step":
                         try:
                             if progress is not None:
@@ -208,19 +236,50 @@ class SdcppSession:
     # -- the worker's pipes -------------------------------------------------------
 
     def _send(self, message: dict[str, object]) -> None:
+        """Write one request; a worker that stops reading (its pipe full) is a stall like any other."""
         worker = self._worker
         if worker is None or worker.stdin is None:
             raise SdcppFailed("the sd.cpp worker is not running")
-        worker.stdin.write(json.dumps(message) + "\n")
-        worker.stdin.flush()
+        fd = worker.stdin.fileno()
+        os.set_blocking(fd, False)
+        data = memoryview((json.dumps(message) + "\n").encode())
+        deadline = time.monotonic() + self.step_timeout
+        while data:
+            self._check_clock(deadline, "reading a request")
+            _, writable, _ = select.select([], [fd], [], _POLL_S)
+            if writable:
+                try:
+                    data = data[os.write(fd, data):]
+                except BlockingIOError:
+                    continue
+                except BrokenPipeError:
+                    break  # it died: the next event says how
 
-    def _next_event(self) -> dict[str, Any]:
-        line = self._events.readline() if self._events is not None else ""
-        if line:
-            return json.loads(line)
+    def _next_event(self, doing: str, cancel: threading.Event | None = None) -> dict[str, Any]:
+        """The worker's next event, within ``step_timeout`` seconds; ``cancel`` looked at meanwhile."""
+        events = self._events
+        deadline = time.monotonic() + self.step_timeout
+        while events is not None:
+            if cancel is not None and cancel.is_set():
+                self.unload()  # the library has no cancel: its process goes
+                raise Cancelled("the generate was cancelled while sd.cpp computed a step")
+            self._check_clock(deadline, doing)
+            line = events.line(_POLL_S)
+            if line is not None:
+                if line:
+                    return json.loads(line)
+                break  # end of file: the worker exited
         code = self._worker.wait() if self._worker is not None else None
         self.unload()
         raise SdcppFailed(f"the sd.cpp worker stopped (exit status {code}): {self.log_tail()}")
+
+    def _check_clock(self, deadline: float, doing: str) -> None:
+        if time.monotonic() < deadline:
+            return
+        self.unload()
+        raise SdcppStalled(
+            f"the sd.cpp worker said nothing for {self.step_timeout:g} s while {doing} and was stopped; "
+            f"set {STEP_TIMEOUT_ENV} to a larger number of seconds if this machine needs longer per step")
 
     def log_tail(self, lines: int = 6) -> str:
         """The library's last log lines (what it said before failing)."""
@@ -229,6 +288,59 @@ class SdcppSession:
         self._log.seek(0)
         tail = collections.deque((line.rstrip() for line in self._log if line.strip()), maxlen=lines)
         return " | ".join(tail)
+
+
+def step_timeout() -> float:
+    """:data:`STEP_TIMEOUT_S`, or the positive number of seconds in :data:`STEP_TIMEOUT_ENV`."""
+    given = os.environ.get(STEP_TIMEOUT_ENV, "").strip()
+    if not given:
+        return STEP_TIMEOUT_S
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise EngineError(f"{STEP_TIMEOUT_ENV}={given!r} is not a positive number of seconds",
+                          code="invalid_request")
+    return seconds
+
+
+class _EventPipe:
+    """The worker's event lines, read from the raw descriptor so that a wait can time out
+    (a buffered file's ``readline`` would block, and hide buffered lines from ``select``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._pending = bytearray()
+        self._eof = False
+
+    def line(self, timeout: float) -> str | None:
+        """The next line; ``""`` at end of file; None when none came within ``timeout``."""
+        while True:
+            end = self._pending.find(b"\n")
+            if end >= 0:
+                line = bytes(self._pending[:end + 1])
+                del self._pending[:end + 1]
+                return line.decode()
+            if self._eof:
+                return ""
+            ready, _, _ = select.select([self.fd], [], [], timeout)
+            if not ready:
+                return None
+            chunk = os.read(self.fd, 1 << 16)
+            if chunk:
+                self._pending += chunk
+            else:
+                self._eof = True
+                if self._pending:  # a last line without its newline
+                    line = bytes(self._pending)
+                    self._pending.clear()
+                    return line.decode()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _encode(image: Any) -> str:
