@@ -94,6 +94,11 @@ _ROWS: tuple[ErrorCode, ...] = (
               "checkpoint, or a training base that is not a pipeline."),
     ErrorCode("corrupt_checkpoint", 400, "A weights file is truncated or its header is broken "
               "(an interrupted download)."),
+    ErrorCode("base_mismatch", 400, "A single-file or GGUF denoiser whose width is not its base's: the base is "
+              "another model's; give the pipeline the file was made from."),
+    ErrorCode("sdcpp_files_refused", 400, "stable-diffusion.cpp could not read the model's files (it refused "
+              "them or crashed reading them) and diffusers could not take the model over; the message names the "
+              "files and holds the library's last log lines."),
     ErrorCode("family_unknown", 400, "The model's family cannot be told from its files or name; give `--family`."),
     ErrorCode("family_mismatch", 400, "The family given disagrees with the model's own files."),
     ErrorCode("gguf_unsupported", 400, "The family cannot load a GGUF transformer (the message says why)."),

@@ -98,6 +98,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str
     run.mkdir()
     RunRecord(run_id="done", folder=run, family="sdxl", base_model="x", config={}, plan={}, status="completed").save()
     (run / "leak.png").symlink_to(w.outside / "secret.png")
+    gguf_companions(w, tiny_pipeline("flux"))
     engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=w.outputs)
     host = HostModel(engine, name="host.llm", size_gb=0.0)
     engine.load(str(w.models / "tiny-sdxl"))
@@ -106,6 +107,30 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str
                               lora_roots=(w.loras,), input_roots=(w.inputs,), token=TOKEN, max_body_bytes=8 * 2**20)
     with LiveServer(create_app(engine, settings)) as url:
         yield url, engine, w, host
+
+
+def gguf_companions(w: World, flux: Path) -> None:
+    """GGUF transformers (sd.cpp's kind) beside broken companions: an empty autoencoder, a
+    truncated one, a header bomb, CLIP-L as a symlink to /etc/passwd and to a good file
+    outside the roots; and a good GGUF with a base of another width (the tiny diffusers FLUX)."""
+    from families.flux.sdcpp_files import write_tiny
+
+    good = write_tiny(w.outside / "flux-files", gguf=True)
+    small = w.outside / "small.safetensors"
+    save_file({"weight": torch.zeros(4, 4)}, str(small))
+    for name in ("ae-empty", "ae-cut", "ae-bomb", "clip-passwd", "clip-out", "wide"):
+        folder = w.models / name
+        folder.mkdir()
+        shutil.copy(good["diffusion_model_path"], folder / "flux-tiny.gguf")
+        shutil.copy(small, folder / "ae.safetensors")
+        shutil.copy(small, folder / "clip_l.safetensors")
+    (w.models / "ae-empty" / "ae.safetensors").write_bytes(b"")
+    (w.models / "ae-cut" / "ae.safetensors").write_bytes(small.read_bytes()[:-10])
+    header_bomb(w.models / "ae-bomb" / "ae.safetensors")
+    for name, target in (("clip-passwd", Path("/etc/passwd")), ("clip-out", small)):
+        (w.models / name / "clip_l.safetensors").unlink()
+        (w.models / name / "clip_l.safetensors").symlink_to(target)
+    shutil.copytree(flux, w.models / "tiny-flux")
 
 
 def post(url: str, path: str, body: dict[str, object]) -> httpx.Response:
@@ -180,6 +205,35 @@ def test_a_malformed_multipart_body_is_422(world: tuple[str, Engine, World, Host
 def test_model_paths(world: tuple[str, Engine, World, HostModel], route: str, model: str, status: int, code: str) -> None:
     url, *_ = world
     assert_refused(post(url, route, {"model": model}), status, code, world)
+
+
+@pytest.mark.parametrize("route", ["/v1/images/plan", "/v1/images/load"])
+@pytest.mark.parametrize(("folder", "says"), [
+    ("ae-empty", "ae.safetensors is not a complete safetensors file"),
+    ("ae-cut", "truncated or padded"),
+    ("ae-bomb", "header too large"),
+    ("clip-passwd", "leads to /etc/passwd, outside the model's folder"),
+    ("clip-out", "small.safetensors, outside the model's folder"),
+])
+def test_gguf_companions_are_checked_before_sdcpp_reads_them(
+    world: tuple[str, Engine, World, HostModel], route: str, folder: str, says: str,
+) -> None:
+    """sd.cpp trusts its files (it crashed on these, after the eviction): each is refused from its
+    header or its link, naming the file, and the pipeline that was loaded stays."""
+    url, *_ = world
+    response = post(url, route, {"model": f"{folder}/flux-tiny.gguf", "engine": "sdcpp"})
+    assert_refused(response, 400, "sdcpp_unavailable", world)
+    assert says in response.json()["error"]["message"], response.text
+
+
+@pytest.mark.parametrize("route", ["/v1/images/plan", "/v1/images/load"])
+def test_a_gguf_with_the_base_of_another_model_is_refused_before_eviction(
+    world: tuple[str, Engine, World, HostModel], route: str,
+) -> None:
+    url, *_ = world
+    response = post(url, route, {"model": "wide/flux-tiny.gguf", "base": "tiny-flux", "engine": "diffusers"})
+    assert_refused(response, 400, "base_mismatch", world)
+    assert "256 wide" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("lora", "code"), [

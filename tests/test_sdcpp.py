@@ -217,7 +217,8 @@ def test_a_file_the_library_refuses_falls_back_to_diffusers_with_the_reason(
     engine.unload()
     with pytest.raises(EngineError) as failed:  # without a base, diffusers cannot take it over: said so
         Engine().load(str(model), request=SDCPP)
-    assert failed.value.code == "sdcpp_failed" and "base" in failed.value.message
+    assert failed.value.code == "sdcpp_files_refused" and failed.value.status == 400  # the file's fault: a 4xx
+    assert "base" in failed.value.message and str(model.parent / "clip_l.safetensors") in failed.value.message
 
 
 # -- a worker that stops answering ----------------------------------------------------

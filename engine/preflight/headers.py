@@ -10,12 +10,14 @@ tensor names the same way (through the ``gguf`` reader, numpy only).
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
 import struct
 from pathlib import Path
 
+from engine.errors import PreflightError
 from engine.policy.quant_filter import LAYOUTS, dense_gb, quantised_gb
 from engine.preflight.source import NotAPipeline
 from engine.types import ComponentSizes, FamilySpec
@@ -201,15 +203,42 @@ def check_gguf_counts(file: Path) -> None:
         raise ValueError(f"its header claims {tensors:,} tensors and {entries:,} entries in {size:,} bytes")
 
 
-def gguf_tensor_names(file: Path) -> tuple[str, ...]:
-    """The tensor names of a GGUF file, to tell its family (no weights read)."""
+def gguf_shapes(file: Path) -> Shapes:
+    """(name, shape) of every tensor of a complete GGUF file (each tensor's bytes inside the
+    file; names tell its family), through the ``gguf`` reader (numpy, a memory map: no weights read)."""
     from gguf import GGUFReader  # numpy only; no torch
 
     try:
         check_gguf_counts(file)
-        return tuple(t.name for t in GGUFReader(str(file)).tensors)
+        size = file.stat().st_size
+        shapes: Shapes = []
+        for tensor in GGUFReader(str(file)).tensors:
+            if int(tensor.data_offset) + int(tensor.n_bytes) > size:
+                raise ValueError(f"tensor {tensor.name!r} runs past the end of the {size:,}-byte file")
+            shapes.append((tensor.name, tuple(int(d) for d in reversed(tensor.shape))))
+        return shapes
     except (OSError, ValueError, OverflowError, MemoryError, IndexError, KeyError, TypeError) as exc:
         raise NotAPipeline(f"{file} is not a readable GGUF file ({exc})", code="corrupt_checkpoint") from None
+
+
+def main_width(shapes: Shapes) -> int | None:
+    """The width that most of a denoiser's tensors share (its hidden size), whatever the
+    layout names them: the same weights in diffusers' or the original layout, or a GGUF's."""
+    counts = collections.Counter(d for _, shape in shapes for d in shape if d > 1)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def check_same_model(file: Path, shapes: Shapes, base: str, base_shapes: Shapes) -> None:
+    """Refuse a denoiser file whose main width is not its base denoiser's: another model's
+    base, which would fail mid-load, after the eviction. (A layout fuses or splits some
+    projections, which moves counts, never which width most tensors share.)"""
+    mine, theirs = main_width(shapes), main_width(base_shapes)
+    if mine is not None and theirs is not None and mine != theirs:
+        raise PreflightError(
+            f"{file} is a denoiser {mine} wide but the denoiser of base {base} is {theirs} wide: they are "
+            "different models; give the base pipeline this file was made from",
+            code="base_mismatch",
+        )
 
 
 def whole_pipeline_sizes(spec: FamilySpec, shapes: Shapes) -> ComponentSizes | None:

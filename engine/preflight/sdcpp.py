@@ -7,11 +7,19 @@ family's table (:class:`~engine.types.SdcppSupport`) says which kinds it reads
 and which companions, by file-name pattern; this module looks for them beside
 the model file (a directory listing, no weights read) and sizes them from the
 disk, which is what sd.cpp holds in RAM (it keeps a GGUF's quantised types).
+
+The library trusts its files: an empty, truncated or foreign companion
+aborts or crashes its process mid-load. So each companion's header is read
+here first (a complete safetensors file, a GGUF whose header fits in it), and
+a companion found through a symlink must lead back to the model's own place
+(its folder, or where the model file itself lives: a hub cache's blobs), never
+elsewhere on the disk. A companion that fails is a refusal naming the file.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 from pathlib import Path
 
 from engine.policy.runtime_engine import SdcppFiles
@@ -44,6 +52,9 @@ def sdcpp_files(family: FamilySpec, kind: str, location: str) -> SdcppFiles:
         found = next((n for pattern in companion.patterns for n in names if fnmatch.fnmatch(n.lower(), pattern)),
                      None)
         if found is not None:
+            problem = companion_problem(model, model.parent / found)
+            if problem:
+                return SdcppFiles(refusal=f"{companion.label} {model.parent / found} {problem}")
             files.append((companion.argument, str(model.parent / found)))
         elif companion.required:
             return SdcppFiles(refusal=f"sd.cpp needs {companion.label} beside {model.name} "
@@ -52,3 +63,26 @@ def sdcpp_files(family: FamilySpec, kind: str, location: str) -> SdcppFiles:
             degraded.append(f"no {companion.label} beside the model: {companion.missing}")
     gb = sum(Path(path).stat().st_size for _, path in files) / 1e9
     return SdcppFiles(files=tuple(files), gb=gb, degraded=tuple(degraded))
+
+
+def companion_problem(model: Path, companion: Path) -> str:
+    """Why sd.cpp must not read ``companion`` beside ``model`` ("" when it may): it leads out of
+    the model's place through a symlink, or its header is not that of a complete file."""
+    from engine.errors import EngineError
+    from engine.preflight.headers import gguf_shapes, read_safetensors_header
+
+    real = Path(os.path.realpath(companion))
+    places = {Path(os.path.realpath(model.parent)), Path(os.path.realpath(model)).parent}
+    if not any(place == real.parent or place in real.parents for place in places):
+        return (f"leads to {real}, outside the model's folder; put the file itself beside "
+                f"{model.name} (or link the whole folder)")
+    try:
+        if real.suffix.lower() == ".gguf":
+            gguf_shapes(real)
+        else:
+            read_safetensors_header(real)
+    except EngineError as exc:  # the GGUF reader's refusal names the file already
+        return f"is not usable: {exc.message}"
+    except (OSError, ValueError) as exc:
+        return f"is not a complete safetensors file ({exc}); re-download it"
+    return ""

@@ -19,7 +19,8 @@ from engine.policy.quant_filter import dense_gb
 from engine.preflight.folder import pipeline_source
 from engine.preflight.headers import (
     Shapes,
-    gguf_tensor_names,
+    check_same_model,
+    gguf_shapes,
     sizes_by_scheme,
     tensor_shapes,
     whole_pipeline_sizes,
@@ -41,15 +42,15 @@ def single_file_source(
             f"{file} is neither .safetensors nor .gguf; point at a pipeline folder or a "
             "single-file checkpoint"
         )
-    shapes = [] if suffix == ".gguf" else tensor_shapes([file])  # the one header read
-    keys = gguf_tensor_names(file) if suffix == ".gguf" else tuple(name for name, _ in shapes)
+    shapes = gguf_shapes(file) if suffix == ".gguf" else tensor_shapes([file])  # the one header read
+    keys = tuple(name for name, _ in shapes)
     spec = forced or family_from_keys(registry, keys) or registry.family_for_model_id(file.name)
     if spec is None:
         raise unknown_family(registry, str(file))
     checkpoint = spec.checkpoint(file.name) or spec.checkpoint(file.parent.name)
     if suffix == ".gguf" and spec.single_file.gguf_refused_reason:
         raise PreflightError(f"{file}: {spec.single_file.gguf_refused_reason}", code="gguf_unsupported")
-    whole = whole_pipeline_sizes(spec, shapes)
+    whole = None if suffix == ".gguf" else whole_pipeline_sizes(spec, shapes)
     if whole is not None:
         return whole_file_source(file, spec, checkpoint, base, whole, shapes)
     base_id = str(base) if base else (checkpoint or spec.default_checkpoint).repo
@@ -62,6 +63,7 @@ def single_file_source(
             )
         base_source = pipeline_source(registry, Path(base_id).expanduser(), spec)
         base_id = base_source.location
+        check_same_model(file, shapes, base_id, list(base_source.denoiser_shapes))
         others = base_source.measured_sizes or others
         checkpoint = checkpoint or base_source.checkpoint
     elif base:

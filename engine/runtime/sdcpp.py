@@ -67,6 +67,12 @@ class SdcppFailed(EngineError):
     code = "sdcpp_failed"
 
 
+class SdcppFilesRefused(SdcppFailed):
+    """stable-diffusion.cpp refused the model's files, or crashed reading them: the files are at fault."""
+
+    code = "sdcpp_files_refused"
+
+
 class SdcppStalled(EngineError):
     """The sd.cpp worker said nothing within its step timeout; it was killed."""
 
@@ -123,11 +129,21 @@ class SdcppSession:
         os.close(write_fd)
         self._events = _EventPipe(read_fd)
         self._send({"op": "load", "files": self.files, "threads": self.threads})
-        event = self._next_event("loading the files")
+        try:
+            event = self._next_event("loading the files")
+        except SdcppFailed as exc:
+            if "exit status -9" in exc.message:  # killed: out of memory, not the files' fault
+                raise
+            raise self._refused(exc.message) from None
         if event["event"] != "loaded":
             self.unload()
-            raise SdcppFailed(f"stable-diffusion.cpp could not load {self.source.location}: {event['message']}")
+            raise self._refused(event["message"])
         self.load_seconds = float(event["seconds"])
+
+    def _refused(self, why: str) -> SdcppFilesRefused:
+        named = ", ".join(f"{argument}={path}" for argument, path in self.files.items())
+        return SdcppFilesRefused(f"stable-diffusion.cpp could not read the files of {self.source.location} "
+                                 f"({named}): {why}")
 
     def unload(self) -> None:
         worker, self._worker = self._worker, None
