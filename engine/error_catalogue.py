@@ -166,6 +166,9 @@ _ROWS: tuple[ErrorCode, ...] = (
               "machine restarted).", _RUN),
     ErrorCode("trainer_died", 500, "The trainer process ended without finishing (killed by a signal, or "
               "an exit code); the last checkpoint is kept.", _RUN),
+    ErrorCode("nodes_not_joined", 504, "Not every rank of a multi-node run came to node 0's `--main-address` "
+              "within `--join-timeout` seconds (default 600): another node was never started, or cannot reach "
+              "node 0.", _RUN),
     ErrorCode("node_lost", 500, "A run over several machines (`train --nodes`) lost another node's ranks: that "
               "node died or the link to it broke; this node's ranks were stopped and nothing was saved "
               "after the last checkpoint.", _RUN),

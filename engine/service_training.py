@@ -202,12 +202,14 @@ class TrainingJobs:
 
         ``now``: do not wait for the step (a second Ctrl-C): the trainer is
         ended mid-step, the partial step is lost, and the run is stopped
-        with its last checkpoint as its output (``save`` does not apply).
+        with its last checkpoint as its output (``save`` does not apply). A run over
+        several machines still waiting for its nodes stops at once the same way:
+        nothing is trained yet, and its ranks wait where no request reaches them.
         """
         run = self._run
         if run is None or run.record.finished:
             raise EngineError("no training run is in progress", code="not_training")
-        if now:
+        if now or run.awaiting_nodes:
             self._halt.set()
         else:
             run.stop(save=save)

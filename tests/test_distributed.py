@@ -222,6 +222,7 @@ def test_a_killed_node_fails_the_run_with_a_true_record_and_frees_every_rank(
     runs = start_nodes(tiny_pipeline(FAMILY), dataset, tmp_path, steps=1000)
     records = [wait_for(run, lambda r: r.ranks is not None) for run in runs]
     pids = [int(pid) for record in records for pid in record.ranks["pids"]]  # type: ignore[index]
+    assert_listening_on_loopback_only([*pids, *(int(r.pid) for r in records)])  # type: ignore[arg-type]
     os.kill(int(records[1].pid), signal.SIGKILL)  # type: ignore[arg-type]  # node 1's trainer; its rank dies with it
     record = runs[0].wait(timeout=120)
     assert record.status == "failed" and record.error is not None
@@ -235,6 +236,70 @@ def test_a_killed_node_fails_the_run_with_a_true_record_and_frees_every_rank(
     assert not (Path(record.folder) / "pytorch_lora_weights.safetensors").exists()
 
 
+def assert_listening_on_loopback_only(pids: list[int]) -> None:
+    """Every socket these processes (and their children) listen on is bound to loopback: a
+    run meeting at 127.0.0.1 is not reachable from the network (its store, gloo's pairs)."""
+    import ipaddress
+
+    import psutil
+
+    processes = [psutil.Process(pid) for pid in pids]
+    processes += [child for process in processes for child in process.children(recursive=True)]
+    listening = [(process.pid, c.laddr) for process in set(processes)
+                 for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening, "the run listens nowhere: the check would prove nothing"
+    assert all(ipaddress.ip_address(address.ip).is_loopback for _, address in listening), listening
+
+
+def test_a_node_whose_peers_never_come_fails_with_nodes_not_joined(
+    tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path,
+) -> None:
+    """Node 0 alone, and node 1 alone: each waits its --join-timeout, then fails with a true record."""
+    address = f"127.0.0.1:{free_port()}"
+    for rank in (0, 1):
+        plan = make_plan(tiny_pipeline(FAMILY), dataset, batch_size=1, nodes=2, node_rank=rank, main_address=address,
+                         join_timeout=3, steps=2)
+        run = TrainingRun(plan, tmp_path / f"alone{rank}")
+        started = time.monotonic()
+        run.start()
+        record = run.wait(timeout=120)
+        assert record.status == "failed" and record.error is not None, record.to_dict()
+        assert record.error["code"] == "nodes_not_joined", record.error
+        assert address in record.error["message"] and "--join-timeout" in record.error["message"]
+        assert time.monotonic() - started < 90
+        assert RunRecord.load(Path(record.folder) / "run.json").status == "failed"  # on disk too, not pending
+
+
+def test_ctrl_c_while_the_nodes_have_not_joined_stops_the_run_at_once(
+    tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path,
+) -> None:
+    """The real CLI on node 0 with no node 1: Ctrl-C is honoured in the rendezvous (it was ignored),
+    the command ends 130 and the record says stopped."""
+    import subprocess
+    import sys
+
+    runs = tmp_path / "runs"
+    command = [sys.executable, "-m", "engine", "train", "--base", str(tiny_pipeline(FAMILY)), "--data", str(dataset),
+               "--device", "cpu", "--resolution", "64", "--steps", "2", "--nodes", "2", "--node-rank", "0",
+               "--main-address", f"127.0.0.1:{free_port()}", "--runs-dir", str(runs), "--no-prompt-cache"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (records := list(runs.glob("*/run.json"))) or RunRecord.load(records[0]).pid is None:
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.2)
+        time.sleep(3)  # into the rendezvous
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, (out, err)
+    record = RunRecord.load(records[0])
+    assert record.status == "stopped" and record.step == 0, record.to_dict()
+    assert "Traceback" not in err
+
+
 def test_a_node_config_that_cannot_meet_is_refused_before_any_eviction(dataset: Path, tmp_path: Path) -> None:
     """The 0-eviction rows of the nodes fields: no rendezvous address, a rank past the nodes."""
     engine = Engine(registry=REGISTRY, hardware=preset("h100"), runs_dir=tmp_path / "runs")
@@ -244,7 +309,8 @@ def test_a_node_config_that_cannot_meet_is_refused_before_any_eviction(dataset: 
                          ({"nodes": 2, "node_rank": 2, "main_address": "h:1"}, "is not below nodes 2"),
                          ({"nodes": 2, "main_address": "127.0.0.1:99999"}, "not a TCP port"),
                          ({"nodes": 2, "main_address": "127.0.0.1:0"}, "not a TCP port"),
-                         ({"node_rank": 1}, "only with nodes > 1")):
+                         ({"node_rank": 1}, "only with nodes > 1"),
+                         ({"nodes": 2, "main_address": "h:1", "join_timeout": 0}, "join_timeout")):
         with pytest.raises(EngineError) as raised:
             engine.start_training({**base, **extra})
         assert raised.value.code == "invalid_config" and words in raised.value.message, raised.value.message

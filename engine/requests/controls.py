@@ -194,6 +194,8 @@ TRAIN_CONTROLS: tuple[Control, ...] = (
             "writes the run)", TRAIN, type=int, metavar="R"),
     Control("main_address", "--main-address", "HOST:PORT of node 0, where every node's ranks meet",
             TRAIN, metavar="HOST:PORT"),
+    Control("join_timeout", "--join-timeout", "seconds the ranks wait for every node to join before the "
+            "run fails with nodes_not_joined (default 600)", TRAIN, type=float, metavar="SECONDS"),
     Control("seed", "--seed", "random seed (default 0)", TRAIN, type=int),
     Control("export_kohya", "--export-kohya", "also write the LoRA in the kohya / ComfyUI key layout", TRAIN,
             action="store_true"),

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.errors import EngineError
+from engine.training.rendezvous import JOIN_TIMEOUT_S
 
 
 class InvalidConfig(EngineError):
@@ -95,6 +96,9 @@ class TrainingConfig(BaseModel):
     node_rank: int = Field(0, ge=0, lt=MAX_NODES)
     #: ``HOST:PORT`` of node 0, where the ranks meet (torch's rendezvous); needed with ``nodes`` > 1.
     main_address: str | None = Field(None, max_length=300)
+    #: Seconds every rank waits for the others to join (the other machines to start) before
+    #: the run fails with ``nodes_not_joined``.
+    join_timeout: float = Field(JOIN_TIMEOUT_S, gt=0, le=86_400)
     export_kohya: bool = False
     #: Points kept per metric in the run record (older points are thinned).
     metric_history: int = Field(500, ge=10, le=100_000)

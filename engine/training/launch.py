@@ -188,7 +188,7 @@ def _rank(plan: Any, folder: str, channel: Any, errors: str, launcher_pid: int) 
             import torch
 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(plan.config.gpus)))
-        replicas = join(plan.device)
+        replicas = join(plan.device, plan.config.join_timeout)
         with replicas.collective():
             pids = [int(p) for p in gather_object([os.getpid()])]
         nodes = int(getattr(plan.config, "nodes", 1))

@@ -49,7 +49,11 @@ def main(argv: list[str]) -> int:
     except EngineError as exc:
         print(f"error[{exc.code}]: {exc.message}", file=sys.stderr)
         return 2
-    replicas = join(plan.device)
+    try:
+        replicas = join(plan.device, plan.config.join_timeout)
+    except EngineError as exc:  # the other nodes never came: said, not a traceback
+        print(f"error[{exc.code}]: {exc.message}", file=sys.stderr)
+        return 1
     plan = _for_world(plan, replicas.world)
     folder = Path(plan.config.output_dir or Path("runs") / _run_id(plan))
     emit = _recorder(plan, folder) if replicas.main else (lambda event: None)

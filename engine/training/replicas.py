@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from engine.training.rendezvous import JOIN_TIMEOUT_S
 
 #: Returns None to go on, or "save", "discard" or "cancel": how a trainer asks whether to stop.
 StopCheck = Callable[[], "str | None"]
@@ -162,9 +165,11 @@ class Replicas:
 SOLO = Replicas()
 
 
-def join(device: str) -> Replicas:
-    """This rank's :class:`Replicas`: an ``Accelerator`` built from the launcher's environment
-    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), which sets up the process group and the device.
+def join(device: str, join_timeout: float = JOIN_TIMEOUT_S) -> Replicas:
+    """This rank's :class:`Replicas`: the process group joined within ``join_timeout`` seconds
+    on the main address only (:mod:`engine.training.rendezvous`), then an ``Accelerator`` built
+    from the launcher's environment (``RANK``, ``WORLD_SIZE``...), which takes that group and
+    sets up the device.
 
     accelerate keeps out of precision (the trainer owns dtypes and loss
     scaling) and DDP does not sync buffers at each forward: the base is
@@ -173,8 +178,14 @@ def join(device: str) -> Replicas:
     """
     import warnings
 
+    import torch.distributed as dist
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
+
+    from engine.training.rendezvous import rendezvous
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        rendezvous("gloo" if device == "cpu" else "nccl", join_timeout)
 
     # torch 2.13 renames the flag; accelerate 1.15 only passes the old name, which means the same here.
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)

@@ -52,6 +52,7 @@ def resumable_run(runs_dir: Path, name: str) -> tuple[RunRecord, Path]:
 RESUMABLE_CHANGES = frozenset({
     "steps", "epochs", "save_every", "keep_checkpoints", "sample_prompts", "sample_every", "sample_steps",
     "metric_history", "export_kohya", "strict", "prompt_cache", "prompt_cache_dir", "compile", "gradient_checkpointing",
+    "join_timeout",
 })
 #: Fields that belong to one start of a run, never compared.
 _THIS_START = frozenset({"output_dir", "resume_from"})

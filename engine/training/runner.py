@@ -147,6 +147,12 @@ class TrainingRun:
             raise EngineError(self._write_failed_message(exc), code=write_error_code(exc)) from exc
         self.record.outputs["config"] = str(path)
 
+    @property
+    def awaiting_nodes(self) -> bool:
+        """A run over several machines whose ranks have not all joined yet: nothing is trained,
+        and its ranks wait in the rendezvous, where no stop request is read."""
+        return int(self.plan.config.nodes) > 1 and self.record.ranks is None and not self.record.finished
+
     def stop(self, *, save: bool = True) -> None:
         """Ask the child to stop after the current step (or phase), saving the LoRA or not."""
         if self._process is not None:
