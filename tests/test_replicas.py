@@ -1,5 +1,6 @@
 """Serving replicas on Ray Serve, for real: a local Ray, two CPU replicas of a tiny pipeline,
-the HTTP API on loopback, concurrent jobs, 429s, events, cancel, and a replica killed mid-job."""
+the HTTP API on loopback, concurrent jobs, 429s, events, cancel, and a replica killed mid-job;
+the front guarded as the single server is, and nothing of it listening beyond loopback."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ import ray
 from engine.server.settings import ServerSettings
 
 
+TOKEN = "replica-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+MAX_BODY = 1 << 20
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -28,7 +34,8 @@ def service(tiny_pipeline: Callable[[str], Path], tmp_path_factory: pytest.TempP
 
     model = tiny_pipeline("zimage")
     outputs = tmp_path_factory.mktemp("outputs")
-    settings = ServerSettings(model_roots=(model.parent,), output_roots=(outputs,), queue_size=1)
+    settings = ServerSettings(model_roots=(model.parent,), output_roots=(outputs,), queue_size=1, token=TOKEN,
+                              max_body_bytes=MAX_BODY)
     port = free_port()
     replicas.deploy(settings, load=str(model), replicas=2, port=port,
                     ray_init={"num_cpus": 2, "object_store_memory": 80 * 1024 * 1024, "include_dashboard": False,
@@ -57,7 +64,7 @@ def finish(client: httpx.Client, job_id: str, timeout: float = 120) -> dict[str,
 
 def test_concurrent_jobs_complete_or_get_429_none_lost_and_both_replicas_serve(service: str) -> None:
     body = {"prompt": "a fox", "width": 128, "height": 128, "steps": 6}  # long enough that the burst overlaps
-    with httpx.Client(base_url=service, timeout=60) as client:
+    with httpx.Client(base_url=service, timeout=60, headers=AUTH) as client:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda i: client.post("/v1/images/jobs", json={**body, "seed": i}), range(10)))
         assert {a.status_code for a in answers} <= {202, 429}, [a.text for a in answers if a.status_code not in (202, 429)]
@@ -85,7 +92,7 @@ def test_concurrent_jobs_complete_or_get_429_none_lost_and_both_replicas_serve(s
 
 
 def test_a_killed_replica_fails_its_job_with_the_reason_and_the_service_keeps_answering(service: str) -> None:
-    with httpx.Client(base_url=service, timeout=60) as client:
+    with httpx.Client(base_url=service, timeout=60, headers=AUTH) as client:
         job = client.post("/v1/images/jobs", json={"prompt": "a slow fox", "width": 256, "height": 256,
                                                     "steps": 200}).json()  # still running when killed
         deadline = time.monotonic() + 60
@@ -102,3 +109,55 @@ def test_a_killed_replica_fails_its_job_with_the_reason_and_the_service_keeps_an
         assert after.status_code == 202 and owner(after.json()["id"]) != victim
         assert finish(client, after.json()["id"])["state"] == "done"
         assert client.get("/v1/images/status").status_code == 200  # while Ray Serve replaces the replica
+
+
+def test_the_front_guards_before_it_reads_a_body(service: str) -> None:
+    """The front is the door: no token is a 401 (a load too, not a 409), a foreign Host a 403, a body
+    past the cap a 413, declared or streamed; the token passes, as ?token= on an event route does."""
+    big = b"x" * (3 * MAX_BODY)
+    with httpx.Client(base_url=service, timeout=60) as anonymous:
+        for method, path in (("POST", "/v1/images/load"), ("POST", "/v1/images/jobs"), ("GET", "/v1/images/status")):
+            answer = anonymous.request(method, path, content=big if method == "POST" else None,
+                                       headers={"content-type": "application/json"})
+            assert answer.status_code == 401 and answer.json()["error"]["code"] == "unauthorized", answer.text
+        foreign = anonymous.get("/v1/images/status", headers={**AUTH, "Host": "evil.example"})
+        assert foreign.status_code == 403 and foreign.json()["error"]["code"] == "host_not_allowed"
+        declared = anonymous.post("/v1/images/jobs", content=big, headers={**AUTH, "content-type": "application/json"})
+        assert declared.status_code == 413 and declared.json()["error"]["code"] == "body_too_large"
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it streams in
+            for _ in range(3):
+                yield b"x" * MAX_BODY
+
+        streamed = anonymous.post("/v1/images/jobs", content=chunks(), headers={**AUTH, "content-type": "application/json"})
+        assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "body_too_large"
+        assert anonymous.get("/v1/images/status", headers=AUTH).status_code == 200
+        refused_load = anonymous.post("/v1/images/load", json={"model": "x"}, headers=AUTH)
+        assert refused_load.status_code == 409  # with the token: the replicated service's own refusal
+        with anonymous.stream("GET", "/v1/training/events", params={"token": TOKEN}) as events:
+            assert events.status_code == 200, events.read()
+
+
+def test_nothing_of_the_service_listens_beyond_loopback(service: str) -> None:
+    """Ray's own servers (GCS, raylet, workers, agents), the Serve proxy and the replicas' apps: every
+    listening socket of every process of this Ray is on loopback (they were on every interface)."""
+    import ipaddress
+
+    import psutil
+
+    node = ray._private.worker.global_worker.node
+    roots = [psutil.Process(int(p.process.pid)) for infos in node.all_processes.values() for p in infos]
+    processes = {p for root in roots for p in [root, *root.children(recursive=True)]}
+    processes |= {psutil.Process(), *psutil.Process().children(recursive=True)}
+    listening = []
+    for process in processes:
+        try:
+            listening += [(process.name(), c.laddr) for c in process.net_connections(kind="inet")
+                          if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            continue
+    names = {name for name, _ in listening}
+    assert any("gcs" in n for n in names) and any("raylet" in n for n in names), names  # the check sees Ray
+    outside = [(name, address) for name, address in listening
+               if not (getattr(a := ipaddress.ip_address(address.ip), "ipv4_mapped", None) or a).is_loopback]
+    assert not outside, outside

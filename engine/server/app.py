@@ -73,6 +73,18 @@ class ErrorResponse(BaseModel):
 # -- the app -------------------------------------------------------------------
 
 
+def guard_options(settings: ServerSettings, app: FastAPI | None = None) -> dict[str, Any]:
+    """The :class:`Guard`'s settings for this server: its token, hosts and caps, and the paths
+    that are public (``app``'s schema and docs; FastAPI's default paths without one). One
+    place, so the single server and a replicated service's front refuse alike."""
+    app = app or FastAPI()
+    public = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url, *PUBLIC_PATHS} - {None}
+    return dict(token=settings.token, max_body_bytes=settings.max_body_bytes, public_paths=public,
+                public_prefixes=PUBLIC_PREFIXES, query_token_paths=EVENT_PATHS,
+                allowed_hosts=allowed_hosts(settings), form_paths=FORM_PATHS,
+                upload_paths=UPLOAD_PATHS, max_upload_bytes=settings.max_upload_bytes)
+
+
 def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     app = FastAPI(
         title="diffusion-engine",
@@ -84,13 +96,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     app.add_exception_handler(RequestValidationError, responses.validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, responses.http_error)  # type: ignore[arg-type]
     app.add_exception_handler(QueueFull, queue_full)  # type: ignore[arg-type]
-    public = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url, *PUBLIC_PATHS} - {None}
-    app.add_middleware(
-        Guard, token=settings.token, max_body_bytes=settings.max_body_bytes, public_paths=public,  # type: ignore[arg-type]
-        public_prefixes=PUBLIC_PREFIXES, query_token_paths=EVENT_PATHS,
-        allowed_hosts=allowed_hosts(settings), form_paths=FORM_PATHS,
-        upload_paths=UPLOAD_PATHS, max_upload_bytes=settings.max_upload_bytes,
-    )
+    app.add_middleware(Guard, **guard_options(settings, app))  # type: ignore[arg-type]
     queue = JobQueue(engine, size=settings.queue_size, owner=settings.replica)
     hosted = HostedImages(settings.output_roots[0] / "images" if settings.output_roots else None)
     api = APIRouter(prefix="/v1")

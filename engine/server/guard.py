@@ -99,15 +99,21 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        raw = list(scope.get("headers", ()))
-        headers = {name.lower(): value for name, value in raw}
-        query_token = self._take_query_token(scope)
-        refusal = (self._duplicate(raw) or self._foreign(scope, headers) or self._unauthorised(scope, headers, query_token)
-                   or self._too_large(headers, self._limit(scope)))
+        refusal = self.refusal(scope)
         if refusal is not None:
             await _answer(send, *refusal)
             return
         await self._serve(scope, receive, send)
+
+    def refusal(self, scope: Scope) -> Refusal | None:
+        """Why this request is refused before a byte of its body is read (steps 0 to 2), or None.
+        A ``token`` in the query is taken out of ``scope`` here. Also how a replicated service's
+        front (:mod:`engine.server.replica_front`) guards itself before it reads a body."""
+        raw = list(scope.get("headers", ()))
+        headers = {name.lower(): value for name, value in raw}
+        query_token = self._take_query_token(scope)
+        return (self._duplicate(raw) or self._foreign(scope, headers) or self._unauthorised(scope, headers, query_token)
+                or self._too_large(headers, self.limit(scope)))
 
     @staticmethod
     def _take_query_token(scope: Scope) -> list[str] | None:
@@ -175,7 +181,7 @@ class Guard:
                 "'Authorization: Bearer <token>' with the token the server was started with",
                 [(b"www-authenticate", b"Bearer")])
 
-    def _limit(self, scope: Scope) -> int:
+    def limit(self, scope: Scope) -> int:
         """The body cap of this request: the upload cap on an upload route's POST."""
         upload = (self.upload_paths is not None and scope.get("method") == "POST"
                   and self.upload_paths.fullmatch(str(scope.get("path", ""))))
@@ -214,7 +220,7 @@ class Guard:
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         received = 0
         started = False
-        limit = self._limit(scope)
+        limit = self.limit(scope)
 
         async def counting_receive() -> Message:
             nonlocal received

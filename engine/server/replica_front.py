@@ -5,6 +5,12 @@ Ray Serve's HTTP proxy hands each request to :class:`Front`, which passes it to 
 for the design). Kept in a module of its own, without postponed annotations: Ray
 Serve turns the class's routes into methods at import, and FastAPI must see the
 real ``Request`` class in their signatures, not its name.
+
+The front is the service's door, so it is guarded as the single server is, by the
+same :class:`~engine.server.guard.Guard` settings, before it reads a body: a request
+without the token is a 401 (not a 409, nor a body read first), a foreign ``Host`` or a
+cross-site state change a 403, a body past the cap a 413 as soon as it passes it.
+Each replica's app checks the request again.
 """
 
 import asyncio
@@ -16,7 +22,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from engine.server.replicas import REPLICA_LOCAL, RETRY_S, STREAMS, job_owner, kept_headers
+from engine.server.guard import Guard, Refusal
+from engine.server.replicas import REPLICA_LOCAL, RETRY_S, STREAMS, job_owner, keep_serve_grpc_local, kept_headers
+from engine.server.responses import error_bytes
+from engine.server.settings import ServerSettings
 
 front_app = FastAPI(title="diffusion-engine (replicas)")
 
@@ -25,19 +34,31 @@ front_app = FastAPI(title="diffusion-engine (replicas)")
 class Front:
     """Every HTTP request, handed to a replica (see the module docstring)."""
 
-    def __init__(self, replicas: Any) -> None:
+    def __init__(self, replicas: Any, settings: ServerSettings) -> None:
+        from engine.server.app import guard_options
+
+        keep_serve_grpc_local()
         self.replicas = replicas
+        self.guard = Guard(front_app, **guard_options(settings))  # its checks only: Ray Serve runs the app
 
     @front_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     async def forward(self, path: str, request: Request) -> Response:
         path = request.url.path
+        scope = dict(request.scope)  # a copy: the guard takes a ?token= out of it, and the replica checks it too
+        refusal = self.guard.refusal(scope)
+        if refusal is not None:
+            return self._refused(refusal)
+        body = await self._capped_body(request, self.guard.limit(scope))
+        if body is None:
+            return self._refused((413, "body_too_large", "the request body is larger than this server accepts "
+                             f"({self.guard.limit(scope)} bytes)", []))
         if REPLICA_LOCAL.match(path) and request.method != "GET":
             return JSONResponse({"error": {"code": "not_with_replicas", "message": (
                 f"{request.method} {path} would change one replica of a replicated service; it serves its "
                 "--load model (restart `serve --replicas` to change it), and training runs with `train`")}},
                 status_code=409)
         message = {"method": request.method, "path": path, "query": str(request.url.query),
-                   "headers": kept_headers(request.headers), "body": await request.body()}
+                   "headers": kept_headers(request.headers), "body": body}
         owner = job_owner(path)
         if STREAMS.search(path):
             chunks = self.replicas.options(stream=True).stream.remote(message, owner=owner)
@@ -70,3 +91,22 @@ class Front:
                     raise
                 await asyncio.sleep(0.2)
 
+    # Methods, not module functions: Ray Serve ships the class, not this module.
+
+    @staticmethod
+    async def _capped_body(request: Request, limit: int) -> "bytes | None":
+        """The body, read as it streams in; None as soon as it passes ``limit`` bytes."""
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @staticmethod
+    def _refused(refusal: Refusal) -> Response:
+        status, code, message, headers = refusal
+        return Response(error_bytes(code, message), status_code=status, media_type="application/json",
+                        headers={name.decode("latin-1"): value.decode("latin-1") for name, value in headers})

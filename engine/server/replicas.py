@@ -24,12 +24,21 @@ it owned is answered by another replica: the job failed with its replica
 Routes that would change one replica's state and split the service (loading or
 unloading a model, training) are refused with ``not_with_replicas``: a replicated
 service serves its ``--load`` model; train with ``train`` (``--nodes`` across machines).
+
+Local means local: a Ray that ``serve`` starts itself for a loopback ``--host``
+runs as Ray runs on a laptop, its node address the loopback one, so its own
+servers (GCS, raylet, workers, agents) listen on loopback only and the dashboard
+is off. Joined to a cluster (``--ray-address``) or serving beyond loopback, Ray's
+ports (GCS 6379, the raylet's, the object manager's and one per worker; see
+Ray's security docs) listen on the node's address: a trusted network only,
+since Ray authenticates nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import socket
 import threading
@@ -40,7 +49,12 @@ from typing import Any
 from ray import serve
 from ray.serve.request_router import RequestRouter
 
+from engine.network import is_loopback
 from engine.server.settings import ServerSettings
+
+#: Ray's switch for a machine that is not part of a cluster: its node address is then the
+#: loopback one, and every server Ray starts binds that address (read by each Ray process).
+RAY_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 #: A job's routes: ``/v1/images/jobs/{id}`` and below; the id ends with ``.REPLICA``.
 JOB_PATH = re.compile(r"^/v1/images/jobs/(?P<id>[^/]+?)(?:/events)?$")
@@ -73,6 +87,7 @@ class EngineReplica:
     def __init__(self, settings: ServerSettings, load: str | None) -> None:
         import uvicorn
 
+        keep_serve_grpc_local()
         from engine import Engine
         from engine.server.app import create_app
 
@@ -173,7 +188,11 @@ def deploy(
 
     global _own_ray
     if not ray.is_initialized():
-        ray.init(address=address, **(ray_init or {}))
+        options = dict(ray_init or {})
+        if address is None and is_loopback(host):
+            _ray_on_loopback()
+            options.setdefault("include_dashboard", False)
+        ray.init(address=address, **options)
         _own_ray = address is None
     serve.start(http_options={"host": host, "port": port})
     per_replica = {"num_gpus": 1} if ray.cluster_resources().get("GPU", 0) >= 1 else {"num_cpus": 1}
@@ -187,7 +206,38 @@ def deploy(
 
     front = serve.deployment(Front, name="Front", num_replicas=1,
                              ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING)
-    serve.run(front.bind(replica.bind(settings, load)), name="diffusion-engine", route_prefix="/")
+    serve.run(front.bind(replica.bind(settings, load), settings), name="diffusion-engine", route_prefix="/")
+
+
+def keep_serve_grpc_local() -> None:
+    """On a loopback-only Ray, bind this replica's inter-deployment gRPC server to loopback.
+
+    Ray Serve binds that server to ``[::]:0`` (every interface) whatever the node
+    address is; each replica calls this from its ``__init__``, which Ray Serve runs
+    before it starts that server. Where Ray Serve changes and the name is gone,
+    nothing is patched (``tests/test_replicas.py`` reads the listening sockets)."""
+    if os.environ.get(RAY_LOCAL_ONLY_ENV) != "0":
+        return
+    from ray.serve._private import replica
+
+    bind = getattr(replica, "add_port_to_grpc_server", None)
+    if bind is None or getattr(bind, "loopback_only", False):
+        return
+
+    def bind_on_loopback(server: Any, address: str) -> Any:
+        return bind(server, address.replace("[::]", "127.0.0.1", 1))
+
+    bind_on_loopback.loopback_only = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = bind_on_loopback
+
+
+def _ray_on_loopback() -> None:
+    """Make the Ray about to start here a loopback-only one (see the module docstring): the
+    switch in the environment for the processes Ray starts, and in this process's Ray."""
+    from ray._private import ray_constants
+
+    os.environ[RAY_LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 #: Ray was started here by :func:`deploy` (not joined): stopping it stops the deployments too.

@@ -7,11 +7,11 @@ of a second, before anything heavy is imported or any port is opened.
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import EngineError
+from engine.network import is_loopback
 
 #: Default cap on a request body. The largest legitimate body (a generate
 #: request with two 4000-character prompts, every character escaped) is
@@ -118,13 +118,3 @@ def allowed_hosts(settings: ServerSettings) -> frozenset[str] | None:
     if is_loopback(settings.bind_host) or extra:
         return frozenset({*LOOPBACK_NAMES, settings.bind_host.lower().strip("[]"), *extra})
     return None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` binds only loopback interfaces (names other than localhost are not assumed)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -26,11 +26,11 @@ authenticated).
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
 import socket
 
 from engine.errors import EngineError
+from engine.network import is_loopback
 
 #: Seconds every rank of a run gets to join, by default: time to start the other machines.
 JOIN_TIMEOUT_S = 600.0
@@ -66,16 +66,6 @@ def rendezvous(backend: str, join_timeout: float) -> None:
     except (OSError, RuntimeError) as exc:
         raise NodesNotJoined(_why(rank, world, host, port, join_timeout, exc)) from None
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
-
-
-def is_loopback(host: str) -> bool:
-    """``host`` names this machine only (``localhost``, ``127.x``, ``::1``)."""
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def loopback_interface() -> str | None:
