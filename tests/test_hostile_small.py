@@ -45,3 +45,46 @@ def test_a_running_record_that_names_no_process_reads_failed(tmp_path: Path) -> 
     assert data["owner_pid"] is None and data["pid"] is None
     record = RunRecord.load(folder / "run.json")
     assert record.status == "failed" and record.error is not None and record.error["code"] == "trainer_gone"
+
+
+def test_kept_url_images_expire_and_are_removed(tmp_path: Path) -> None:
+    """Images kept for response_format=url were never removed: now each lives --keep-url-images
+    seconds, then is a 404 and gone from the disk (a real server on loopback serves them)."""
+    import base64
+    import io
+    import os
+    import time
+
+    import httpx
+    from PIL import Image
+
+    from engine import Engine
+    from engine.server.app import create_app
+    from engine.server.hosted import HostedImages
+    from engine.server.settings import ServerSettings
+    from tests.support import LiveServer
+
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(png, format="PNG")
+    folder = tmp_path / "outputs" / "images"
+    old, fresh = HostedImages(folder, keep_seconds=60).keep([base64.b64encode(png.getvalue()).decode()] * 2)
+    hour_ago = time.time() - 3600
+    os.utime(folder / old, (hour_ago, hour_ago))
+    settings = ServerSettings(output_roots=(tmp_path / "outputs",), keep_url_images_s=60)
+    with LiveServer(create_app(Engine(runs_dir=tmp_path / "outputs"), settings)) as url:
+        gone = httpx.get(f"{url}/v1/images/files/{old}")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "image_not_found"
+        assert "kept 60 s" in gone.json()["error"]["message"]
+        served = httpx.get(f"{url}/v1/images/files/{fresh}")
+        assert served.status_code == 200 and served.content == png.getvalue()
+    assert sorted(p.name for p in folder.iterdir()) == [fresh]
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", "inf"])
+def test_a_keep_url_images_that_is_not_a_positive_time_is_refused(
+    seconds: str, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+) -> None:
+    from engine.cli import main
+
+    assert main(["serve", "--keep-url-images", seconds, "--port", "0", "--outputs", str(tmp_path / "o")]) == 2
+    assert "error[invalid_config]" in (err := capsys.readouterr().err) and "--keep-url-images" in err, err

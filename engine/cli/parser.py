@@ -15,6 +15,7 @@ from engine import __version__
 from engine.cli import images, machine, training
 from engine.cli.common import DOWNLOAD_HELP, Parser, add_controls, add_json, add_verbose
 from engine.requests import GENERATE_CONTROLS, MODEL_CONTROLS, PLAN_CONTROLS
+from engine.server.settings import KEEP_URL_IMAGES_S
 
 RUNS_DIR_HELP = ("where runs live (default: $DIFFUSION_ENGINE_HOME/runs, else the per-user data folder, "
                  "e.g. ~/.local/share/diffusion-engine/runs)")
@@ -123,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-size", type=int, default=128, metavar="N",
                        help="generate jobs that may wait behind the running one; one more is refused "
                             "with 429 and Retry-After")
+    serve.add_argument("--keep-url-images", type=float, default=KEEP_URL_IMAGES_S, metavar="SECONDS",
+                       help="how long an image kept for a response_format=url answer is served before it is "
+                            "removed (default 3600, as OpenAI's URLs)")
     serve.add_argument("--replicas", type=int, default=1, metavar="N",
                        help="serve through N replicas on Ray Serve, one engine each (one GPU each on a GPU "
                             "machine); needs the ray extra")

@@ -98,7 +98,8 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     app.add_exception_handler(QueueFull, queue_full)  # type: ignore[arg-type]
     app.add_middleware(Guard, **guard_options(settings, app))  # type: ignore[arg-type]
     queue = JobQueue(engine, size=settings.queue_size, owner=settings.replica)
-    hosted = HostedImages(settings.output_roots[0] / "images" if settings.output_roots else None)
+    hosted = HostedImages(settings.output_roots[0] / "images" if settings.output_roots else None,
+                          keep_seconds=settings.keep_url_images_s)
     api = APIRouter(prefix="/v1")
 
     checkpoint_names = frozenset(str(name).lower() for family in engine.families()

@@ -23,6 +23,8 @@ DEFAULT_MAX_UPLOAD_BYTES = 64 * 1024 * 1024
 #: Default bound on waiting generate jobs: 128 lets a burst of 32 clients with
 #: 4 requests each queue whole, and bounds what clients can make the server hold.
 DEFAULT_QUEUE_SIZE = 128
+#: Seconds a URL image is served (OpenAI's own image URLs last an hour).
+KEEP_URL_IMAGES_S = 3600.0
 
 
 class InsecureServer(EngineError):
@@ -61,6 +63,9 @@ class ServerSettings:
     #: public name); ``*`` turns the check off.
     extra_hosts: tuple[str, ...] = ()
     extra: dict[str, str] = field(default_factory=dict)
+    #: Seconds an image kept for a ``response_format=url`` answer is served, then removed
+    #: (``serve --keep-url-images``).
+    keep_url_images_s: float = KEEP_URL_IMAGES_S
     #: The name of a serving replica (``serve --replicas``): the suffix of its job ids. Empty: one server.
     replica: str = ""
 
@@ -78,6 +83,12 @@ class ServerSettings:
             raise EngineError(
                 f"the generate queue size must be at least 1 (got {self.queue_size}); "
                 "set --queue-size to a positive number",
+                code="invalid_config",
+            )
+        if not 0 < self.keep_url_images_s < float("inf"):
+            raise EngineError(
+                f"URL images must be kept a positive number of seconds (got {self.keep_url_images_s}); "
+                "set --keep-url-images SECONDS",
                 code="invalid_config",
             )
         if self.max_body_bytes < 1:
