@@ -58,6 +58,8 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("unsupported_on_sdcpp", 400, "A generate input the sd.cpp engine does not run for the loaded model "
               "(a mask, a ControlNet image, LoRAs); load with `engine=diffusers`."),
     ErrorCode("overridden", 400, "`--strict`: the engine would override a value given explicitly."),
+    ErrorCode("output_not_writable", 400, "A run's `output_dir` cannot be written (no folder can be made "
+              "there); found at the dry run, before anything loads."),
     ErrorCode("output_exists", 400, "The output file or run folder already holds something; choose another or "
               "pass `--overwrite`."),
     ErrorCode("base_required", 400, "A single denoiser file or GGUF needs a base pipeline for its text encoders "
@@ -120,6 +122,8 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("no_safe_dtype", 400, "No compute dtype this device runs is safe for this family."),
     ErrorCode("no_native_bf16", 400, "The family trains in bf16 and the device has no native bf16."),
     ErrorCode("needs_cuda", 400, "The request needs a CUDA GPU (pass `--device cpu` to train slowly on the CPU)."),
+    ErrorCode("not_enough_cores", 400, "`--gpus N --device cpu` asks for more CPU processes than the machine has "
+              "cores."),
     ErrorCode("not_enough_gpus", 400, "`--gpus N` asks for more GPUs than the machine has."),
     ErrorCode("quant_denied", 400, "The family's table denies this quantisation scheme for this purpose, "
               "with the measured reason."),

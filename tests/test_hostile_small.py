@@ -88,3 +88,24 @@ def test_a_keep_url_images_that_is_not_a_positive_time_is_refused(
 
     assert main(["serve", "--keep-url-images", seconds, "--port", "0", "--outputs", str(tmp_path / "o")]) == 2
     assert "error[invalid_config]" in (err := capsys.readouterr().err) and "--keep-url-images" in err, err
+
+
+@pytest.mark.parametrize(("flags", "code", "says"), [
+    (["--gpus", "64"], "not_enough_cores", "has 2 cores" if __import__("os").cpu_count() == 2 else "core"),
+    (["--output", "/proc/1/nope"], "output_not_writable", "/proc/1"),
+    (["--output", "{file}/run"], "output_not_writable", "making a folder"),
+])
+def test_a_dry_run_refuses_what_the_run_could_not_do(
+    flags: list[str], code: str, says: str, tiny_pipeline: object, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each passed --dry-run and failed later (64 CPU processes on 2 cores, a folder no one can write)."""
+    from engine.cli import main
+    from engine.testing.datasets import write_dataset
+
+    data = write_dataset(tmp_path / "data", count=2)
+    (tmp_path / "file").write_text("a file, not a folder")
+    flags = [f.replace("{file}", str(tmp_path / "file")) for f in flags]
+    status = main(["train", "--base", str(tiny_pipeline("flux")), "--data", str(data), "--dry-run",  # type: ignore[operator]
+                   "--device", "cpu", "--resolution", "64", "--runs-dir", str(tmp_path / "runs"), *flags])
+    err = capsys.readouterr().err
+    assert status == 2 and f"error[{code}]" in err and says in err and "Traceback" not in err, err

@@ -10,9 +10,10 @@ every other device must then pass the same gates with the mode chosen for
 it, and one that does not is refused by name (``GPU 2 (Tesla T4): ...``),
 so a mixed box is never half-trained.
 
-On CPU (``device=cpu``), ``gpus=N`` is allowed for any N: N CPU processes
-synchronised over gloo. That is how the distributed trainer is tested
-without a GPU, and how a many-core host can split a small run.
+On CPU (``device=cpu``), ``gpus=N`` runs N CPU processes synchronised over
+gloo, up to one per core: that is how the distributed trainer is tested
+without a GPU, and how a many-core host can split a small run (64 processes
+on 2 cores would only thrash, and are refused).
 """
 
 from __future__ import annotations
@@ -31,14 +32,28 @@ class NotEnoughGpus(PreflightError):
     code = "not_enough_gpus"
 
 
+class NotEnoughCores(PreflightError):
+    """``--gpus N --device cpu`` asks for more CPU processes than the machine has cores."""
+
+    code = "not_enough_cores"
+
+
 def rank_devices(config: TrainingConfig, hardware: HardwareProfile) -> tuple[HardwareProfile, ...]:
     """The device profile of each rank (device ``i`` for rank ``i``); empty when there is
     nothing to check per device: one process, or CPU processes.
 
     :raises NotEnoughGpus: ``gpus`` exceeds the devices present (or there is
         no GPU and ``device`` is not ``cpu``).
+    :raises NotEnoughCores: ``device`` is ``cpu`` and ``gpus`` exceeds the cores.
     """
-    if config.gpus <= 1 or config.device == "cpu":
+    if config.gpus <= 1:
+        return ()
+    if config.device == "cpu":
+        cores = hardware.cpu_count or 1
+        if config.gpus > cores:
+            raise NotEnoughCores(
+                f"--gpus {config.gpus} with --device cpu starts {config.gpus} CPU processes, but this machine "
+                f"has {cores} core{'s' if cores != 1 else ''}; give --gpus {cores} or less")
         return ()
     devices = device_profiles(probed_devices(hardware))
     if config.gpus > len(devices):

@@ -8,6 +8,8 @@ never re-decides anything.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,9 +209,13 @@ def _anchored(config: TrainingConfig, base: ModelSource) -> TrainingConfig:
 
 
 def _output_check(config: TrainingConfig) -> None:
-    """Refuse an ``output_dir`` that holds anything: a run never overwrites another's record or LoRA."""
+    """Refuse an ``output_dir`` that holds anything (a run never overwrites another's record or
+    LoRA), or that cannot be written (``/proc/1/nope``: found at the dry run, not at the first save)."""
     folder = config.output_dir
-    if folder is None or not (folder.exists() or folder.is_symlink()):
+    if folder is None:
+        return
+    _check_writable(folder)
+    if not (folder.exists() or folder.is_symlink()):
         return
     if not folder.is_dir():
         raise PreflightError(
@@ -230,6 +236,22 @@ def _output_check(config: TrainingConfig) -> None:
             "Give a new (or empty) folder, or move that one away",
             code="output_exists",
         )
+
+
+def _check_writable(folder: Path) -> None:
+    """Make (and remove) an empty folder where ``folder`` is or would be made: permission bits
+    do not say it (root passes every ``access`` check, and ``/proc`` refuses even root)."""
+    place = folder
+    while not os.path.lexists(place) and place != place.parent:
+        place = place.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".diffusion-engine-probe-", dir=place))
+    except OSError as exc:
+        raise PreflightError(
+            f"output_dir {folder} cannot be written: making a folder in {place} failed "
+            f"({exc.strerror or type(exc).__name__}); give a folder you can write",
+            code="output_not_writable",
+        ) from None
 
 
 def _shape(config: TrainingConfig) -> TrainingShape:
