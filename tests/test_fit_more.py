@@ -98,6 +98,40 @@ def test_a_second_load_takes_prompt_embeddings_from_disk_and_streamed_encoders_s
     assert encoder_calls == [] and np.array_equal(streamed, uncached)
 
 
+@pytest.mark.parametrize("poison", ["wrong shape", "nan", "bad list", "garbage"])
+def test_a_poisoned_prompt_cache_entry_is_encoded_again_not_a_crash(
+    tiny_pipeline: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    encoder_calls: list[str], poison: str,
+) -> None:
+    """A cache entry replaced by another writer (a shared cache folder): the generate encodes the
+    prompts again, gives the same pixels, and rewrites the entry (it crashed, or drew from NaN)."""
+    from safetensors.torch import load_file as read, save_file as write
+
+    monkeypatch.setenv("DIFFUSION_ENGINE_PROMPT_CACHE", str(tmp_path / "cache"))
+    folder = tiny_pipeline("flux")
+    clean, session = generate(folder)
+    session.unload()
+    [entry] = (tmp_path / "cache").glob("*.safetensors")
+    good = {k: v.clone() for k, v in read(entry).items()}  # not a view of the file we overwrite
+    if poison == "wrong shape":
+        bad = {k: torch.zeros(*v.shape[:-1], v.shape[-1] + 3) for k, v in good.items()}
+    elif poison == "nan":
+        bad = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in good.items()}
+    elif poison == "bad list":
+        bad = {**good, "prompt_embeds#x": torch.zeros(1)}
+    if poison == "garbage":
+        entry.write_bytes(b"not a safetensors file")
+    else:
+        write(bad, str(entry))
+    encoder_calls.clear()
+    again, session = generate(folder)
+    session.unload()
+    assert encoder_calls, "the poisoned entry was used instead of encoding again"
+    assert np.array_equal(again, clean)
+    rewritten = read(entry)
+    assert rewritten.keys() == good.keys() and all(torch.equal(rewritten[k], good[k]) for k in good)
+
+
 @pytest.fixture(scope="module")
 def fp8_flux(tiny_pipeline: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny FLUX pipeline with its T5 saved as people download T5-XXL fp8:

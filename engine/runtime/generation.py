@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +31,8 @@ from engine.runtime import batching, prompt_cache, text_encoders, workflows
 from engine.runtime.inputs import FittedInputs, ImageLike, fit_inputs, paste_unmasked, vae_dtype
 from engine.runtime.loading import Progress
 from engine.runtime.vae import apply_vae_tiling
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,16 +164,20 @@ class Generation:
         planned = effective * -(-len(items) // size)
 
         def forward(chunk: list[batching.BatchItem]) -> list[Image.Image]:
-            kwargs = self._call_kwargs(pipe, request, steps, chunk, fitted, strength)
-            if progress is not None:
-                before = done[0]
+            before = done[0]
 
-                def on_step(_pipe: Any, step: int, _t: Any, _kw: dict[str, Any]) -> dict[str, Any]:
-                    done[0] = before + step + 1
-                    progress(done[0], max(done[0], planned))
-                    return {}
+            def call_kwargs() -> dict[str, Any]:  # fresh generators each time: a retry draws the same noise
+                kwargs = self._call_kwargs(pipe, request, steps, chunk, fitted, strength)
+                if progress is not None:
+                    def on_step(_pipe: Any, step: int, _t: Any, _kw: dict[str, Any]) -> dict[str, Any]:
+                        done[0] = before + step + 1
+                        progress(done[0], max(done[0], planned))
+                        return {}
 
-                kwargs["callback_on_step_end"] = on_step
+                    kwargs["callback_on_step_end"] = on_step
+                return kwargs
+
+            kwargs = call_kwargs()
             self.vae_tiled = apply_vae_tiling(pipe, self.plan, kwargs.get("width"), kwargs.get("height"))
             stream = self.encoder_stream
             brought = [False]
@@ -181,15 +188,29 @@ class Generation:
                     brought[0] = True
 
             cached = self._cached_prompts(pipe, kwargs, bring)
+            call = kwargs
             if cached is not None:
-                kwargs, hit = cached
+                call, hit = cached
                 if hit and stream is not None:
                     stream.release_now(pipe)  # from disk: the encoders are not needed
             else:
+                hit = False
                 bring()
             try:
-                with torch.inference_mode():
-                    result = pipe(**kwargs)
+                try:
+                    with torch.inference_mode():
+                        result = pipe(**call)
+                except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as exc:
+                    if not hit or isinstance(exc, torch.OutOfMemoryError):
+                        raise
+                    # The embeddings came from disk and the call failed with them: a planted or stale
+                    # entry. It is encoded again (and rewritten), and the call made once more.
+                    log.warning("generate failed with cached prompt embeddings (%s); encoding them again", exc)
+                    done[0] = before
+                    kwargs = call_kwargs()
+                    again = self._cached_prompts(pipe, kwargs, bring, refresh=True)
+                    with torch.inference_mode():
+                        result = pipe(**(again[0] if again is not None else kwargs))
             finally:
                 if stream is not None:
                     stream.after_call()
@@ -201,7 +222,7 @@ class Generation:
         return batching.run_chunked(items, size, forward, on_split)
 
     def _cached_prompts(
-        self, pipe: Any, kwargs: dict[str, Any], before_encode: Callable[[], None],
+        self, pipe: Any, kwargs: dict[str, Any], before_encode: Callable[[], None], *, refresh: bool = False,
     ) -> tuple[dict[str, Any], bool] | None:
         """``kwargs`` with its prompts replaced by embeddings from the on-disk
         cache (encoded and written on a miss), and whether they came from disk;
@@ -221,7 +242,7 @@ class Generation:
             loras=self.loras.applied if self.loras is not None else (),
             identity=self._encoder_identity,
         )
-        return prompts.replace(pipe, kwargs, before_encode)
+        return prompts.replace(pipe, kwargs, before_encode, refresh=refresh)
 
     @functools.cached_property
     def _encoder_identity(self) -> str:

@@ -94,14 +94,16 @@ class PromptCache:
 
     def get_or_encode(
         self, identity: str, prompts: Sequence[str], settings: Mapping[str, object], encode: Encode,
-        fits: Callable[[Mapping[str, torch.Tensor]], bool] | None = None,
+        fits: Callable[[Mapping[str, torch.Tensor]], bool] | None = None, *, refresh: bool = False,
     ) -> tuple[dict[str, torch.Tensor], bool]:
         """The embeddings of ``prompts`` (on the CPU), and whether they came from disk.
 
         ``fits``: whether a cached entry has the shape its user needs; one that
-        does not (a file replaced, an older writer) is encoded again and rewritten."""
+        does not (a file replaced, an older writer) is encoded again and rewritten.
+        ``refresh``: encode again and rewrite whatever is on disk (an entry its
+        call failed with)."""
         path = self.folder / f"{self.key(identity, prompts, settings)}.safetensors"
-        cached = self._read(path)
+        cached = None if refresh else self._read(path)
         if cached is not None and (fits is None or fits(cached)):
             return cached, True
         if cached is not None:
@@ -117,10 +119,14 @@ class PromptCache:
         if not path.is_file():
             return None
         try:
-            tensors = load_file(str(path))
+            # Copied out of the file's memory map: a writer truncating it meanwhile would be a SIGBUS.
+            tensors = {name: tensor.clone() for name, tensor in load_file(str(path)).items()}
+            problem = _entry_problem(tensors)
+            if problem:
+                raise ValueError(problem)
             os.utime(path)  # recently used: the last to be evicted
-        except (OSError, SafetensorError) as exc:
-            log.warning("prompt cache entry %s is unreadable (%s); encoding again", path.name, exc)
+        except (OSError, SafetensorError, ValueError) as exc:
+            log.warning("prompt cache entry %s is unusable (%s); encoding again", path.name, exc)
             return None
         return tensors
 
@@ -171,6 +177,26 @@ class PromptCache:
 PROMPT_ARGUMENTS = ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2")
 #: Separates a list-valued argument's name from the item's index in an entry.
 _ITEM = "#"
+
+
+def _entry_problem(tensors: Mapping[str, torch.Tensor]) -> str:
+    """What makes an entry unusable whoever wrote it ("" when nothing): no tensors, a name
+    :func:`unpack` cannot read, a list item out of order, a float that is not finite."""
+    if not tensors:
+        return "it holds no tensors"
+    items: dict[str, set[int]] = {}
+    for key, tensor in tensors.items():
+        name, _, index = key.partition(_ITEM)
+        if index:
+            if not index.isdigit() or int(index) >= len(tensors):
+                return f"{key!r} is not a list item"
+            items.setdefault(name, set()).add(int(index))
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"{key!r} holds NaN or infinity"
+    for name, indices in items.items():
+        if indices != set(range(len(indices))) or name in tensors:
+            return f"the list {name!r} has gaps or is also a tensor"
+    return ""
 
 
 def one_row_per_prompt(count: int) -> Callable[[Mapping[str, torch.Tensor]], bool]:
@@ -239,13 +265,14 @@ class CallPrompts:
         )
 
     def replace(
-        self, pipe: object, kwargs: Mapping[str, object], before_encode: Callable[[], None]
+        self, pipe: object, kwargs: Mapping[str, object], before_encode: Callable[[], None], *, refresh: bool = False,
     ) -> tuple[dict[str, object], bool] | None:
         """``kwargs`` with the prompts replaced by their embeddings, and whether
         they came from disk; None when this call keeps its prompts.
 
         ``before_encode`` runs only on a miss, right before the encoders are
         needed (streamed encoders are brought in there, never on a hit).
+        ``refresh``: encode again, replacing the entry on disk (the call failed with it).
         """
         if not self.supported():
             return None
@@ -259,7 +286,8 @@ class CallPrompts:
             return pack(self.runtime.encode_prompt_inputs(pipe, inputs, device))  # type: ignore[attr-defined]
 
         prompts = [str(p) for p in inputs.get("prompt", [])]
-        flat, hit = self.cache.get_or_encode(self.identity, prompts, {**self.settings, "inputs": inputs}, encode)
+        flat, hit = self.cache.get_or_encode(self.identity, prompts, {**self.settings, "inputs": inputs}, encode,
+                                             refresh=refresh)
         replaced = {k: v for k, v in kwargs.items() if k not in PROMPT_ARGUMENTS}
         replaced.update(unpack(flat, device))
         return replaced, hit
