@@ -38,13 +38,13 @@ REGISTRY = load_registry()
 FAMILY = "flux"
 
 
-def make_plan(base: Path, data: Path, **overrides: object) -> TrainingPlan:
+def make_plan(base: Path, data: Path, hardware: object = None, **overrides: object) -> TrainingPlan:
     config = TrainingConfig.from_data({
         "base_model": str(base), "dataset_dir": str(data), "resolution": 64, "lora_rank": 4,
         "learning_rate": 1e-3, "lr_scheduler": "constant", "warmup_steps": 0, "device": "cpu",
         "prompt_cache": False, **overrides,
     })
-    return preflight_training(REGISTRY, config, probe(verify=False))
+    return preflight_training(REGISTRY, config, hardware or probe(verify=False))  # type: ignore[arg-type]
 
 
 def gone(pid: int) -> bool:
@@ -167,8 +167,12 @@ def test_each_device_is_checked_and_cpu_ranks_need_no_gpu(
         engine.start_training({**config, "gpus": 3})
     assert raised.value.message.startswith("GPU 2 (Tesla T4)")
     assert host.evicted == 0 and engine.residency.owner is None
-    plan = make_plan(tiny_pipeline(FAMILY), dataset, gpus=8)  # device=cpu: 8 gloo processes, no GPU needed
+    sixteen_cores = probe(verify=False).replace(cpu_count=16)
+    plan = make_plan(tiny_pipeline(FAMILY), dataset, sixteen_cores, gpus=8)  # device=cpu: 8 gloo processes, no GPU
     assert plan.device == "cpu" and plan.to_dict()["gpus"] == 8
+    with pytest.raises(EngineError) as raised:  # one process per core at most: 64 on 16 would only thrash
+        make_plan(tiny_pipeline(FAMILY), dataset, sixteen_cores, gpus=64)
+    assert raised.value.code == "not_enough_cores" and "has 16 cores" in raised.value.message
 
 
 # -- several machines: two nodes on loopback ---------------------------------------------

@@ -98,6 +98,18 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str
     run.mkdir()
     RunRecord(run_id="done", folder=run, family="sdxl", base_model="x", config={}, plan={}, status="completed").save()
     (run / "leak.png").symlink_to(w.outside / "secret.png")
+    # Planted runs: records whose "folder" names the outside folder, the outputs root and "/",
+    # and a run folder that is a symlink leading out.
+    (w.outside / "victim.txt").write_text("must survive")
+    for name, folder in (("planted-out", w.outside), ("planted-root", w.outputs), ("planted-slash", Path("/"))):
+        (w.outputs / name).mkdir()
+        record = {"run_id": name, "folder": str(folder), "family": "sdxl", "base_model": "x", "config": {},
+                  "plan": {}, "status": "completed"}
+        (w.outputs / name / "run.json").write_text(json.dumps(record), encoding="utf-8")
+    (w.outside / "run.json").write_text(json.dumps({"run_id": "linked", "folder": str(w.outside), "family": "sdxl",
+                                                    "base_model": "x", "config": {}, "plan": {},
+                                                    "status": "completed"}), encoding="utf-8")
+    (w.outputs / "linked").symlink_to(w.outside)
     gguf_companions(w, tiny_pipeline("flux"))
     engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=w.outputs)
     host = HostModel(engine, name="host.llm", size_gb=0.0)
@@ -282,6 +294,37 @@ def test_run_files_stay_inside_the_run(world: tuple[str, Engine, World, HostMode
     assert b"secret" not in response.content or response.json()["error"]["code"] in ("unknown_run_file", "not_found")
     listed = httpx.get(f"{url}/v1/training/runs/done/files", headers=AUTH).json()
     assert [f["path"] for f in listed] == ["run.json"]
+
+
+@pytest.mark.parametrize("run", ["planted-out", "planted-root", "planted-slash"])
+def test_a_planted_run_record_points_nowhere_but_its_own_folder(
+    world: tuple[str, Engine, World, HostModel], run: str,
+) -> None:
+    """A record's "folder" is ignored: its files are its own folder's, a file named through it is a
+    404, and nothing outside (nor the runs beside it) is listed or read."""
+    url, _, w, _ = world
+    listed = httpx.get(f"{url}/v1/training/runs/{run}/files", headers=AUTH)
+    assert listed.status_code == 200 and [f["path"] for f in listed.json()] == ["run.json"], listed.text
+    for name in ("victim.txt", "passwd", "etc/passwd", "done/run.json"):
+        assert httpx.get(f"{url}/v1/training/runs/{run}/files/{name}", headers=AUTH).status_code == 404
+    shown = httpx.get(f"{url}/v1/training/runs/{run}", headers=AUTH).json()
+    assert Path(shown["folder"]) == (w.outputs / run).resolve(), shown["folder"]
+    assert (w.outside / "victim.txt").read_text() == "must survive"
+
+
+def test_deleting_planted_runs_deletes_only_their_own_folders(world: tuple[str, Engine, World, HostModel]) -> None:
+    url, engine, w, host = world
+    for run in ("planted-root", "planted-slash"):
+        response = httpx.delete(f"{url}/v1/training/runs/{run}", headers=AUTH)
+        assert response.status_code == 200, response.text
+        assert not (w.outputs / run).exists()
+    linked = httpx.delete(f"{url}/v1/training/runs/linked", headers=AUTH)
+    assert linked.status_code in (404, 409), linked.text  # a symlink that leads out is not a run to remove
+    assert (w.outside / "victim.txt").read_text() == "must survive" and (w.outside / "run.json").exists()
+    assert (w.outputs / "done" / "run.json").exists() and (w.outputs / "planted-out" / "run.json").exists()
+    assert host.evicted == 1 and engine.status()["pipeline"] is not None
+    ids = {r["run_id"] for r in httpx.get(f"{url}/v1/training/runs", headers=AUTH).json()}
+    assert "linked" not in ids and {"done", "planted-out"} <= ids, ids
 
 
 def test_roots_never_list_a_symlink_that_leads_out(world: tuple[str, Engine, World, HostModel]) -> None:

@@ -53,7 +53,7 @@ from engine.runtime.generation import GenerateRequest
 Progress = Callable[[int, int], None]
 
 #: Seconds a worker may go without a word (a load, or one denoising step) before it is
-#: killed: far above a 1024 px FLUX step on two cores, far below "for ever".
+#: killed: far above a 1024 px step of a 12B model on two cores, far below "for ever".
 STEP_TIMEOUT_S = 900.0
 #: Where a user with a slower machine (or a test) sets it.
 STEP_TIMEOUT_ENV = "DIFFUSION_ENGINE_SDCPP_STEP_TIMEOUT"

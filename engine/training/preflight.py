@@ -214,9 +214,13 @@ def _output_check(config: TrainingConfig) -> None:
     folder = config.output_dir
     if folder is None:
         return
+    if folder.exists() or folder.is_symlink():
+        _check_empty_folder(folder)
     _check_writable(folder)
-    if not (folder.exists() or folder.is_symlink()):
-        return
+
+
+def _check_empty_folder(folder: Path) -> None:
+    """An ``output_dir`` that exists must be an empty folder."""
     if not folder.is_dir():
         raise PreflightError(
             f"output_dir {folder} is a file, not a folder; give a new folder for the run",
