@@ -327,6 +327,29 @@ def test_deleting_planted_runs_deletes_only_their_own_folders(world: tuple[str, 
     assert "linked" not in ids and {"done", "planted-out"} <= ids, ids
 
 
+@pytest.mark.parametrize(("dataset", "files", "status", "code"), [
+    ("escape", {"files": ("a.png", small_png(), "image/png")}, 400, "path_outside_roots"),
+    ("fine", {"files": ("a.png", bomb_png(), "image/png")}, 400, "invalid_image"),
+    ("fine", {"files": ("a.png", small_png()[:60], "image/png")}, 400, "invalid_image"),
+    ("fine", {"files": ("../../outside/a.png", small_png(), "image/png")}, 400, "path_outside_roots"),
+])
+def test_dataset_uploads(world: tuple[str, Engine, World, HostModel], dataset: str, files: dict[str, object],
+                         status: int, code: str) -> None:
+    """A symlinked dataset name, a bomb, a truncation, a traversal: refused, nothing written anywhere."""
+    url, _, w, _ = world
+    before = sorted(p.name for p in w.outside.rglob("*")), sorted(p.name for p in (w.datasets / "fine").iterdir())
+    response = httpx.post(f"{url}/v1/datasets/{dataset}/images", headers=AUTH, files=files, timeout=60)
+    assert_refused(response, status, code, world)
+    assert (sorted(p.name for p in w.outside.rglob("*")), sorted(p.name for p in (w.datasets / "fine").iterdir())) == before
+
+
+def test_a_thumbnail_of_a_bomb_is_refused_from_its_header(world: tuple[str, Engine, World, HostModel]) -> None:
+    url, *_ = world
+    response = httpx.get(f"{url}/v1/datasets/bombed/thumbnails/odd.png", headers=AUTH, timeout=60)
+    assert_refused(response, 400, "invalid_image", world)
+    assert "144000000 pixels" in response.json()["error"]["message"]  # its header's size: never decoded
+
+
 def test_roots_never_list_a_symlink_that_leads_out(world: tuple[str, Engine, World, HostModel]) -> None:
     url, _, w, _ = world
     roots = httpx.get(f"{url}/v1/roots", headers=AUTH).json()

@@ -62,7 +62,11 @@ def site(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str]
     write_dataset(datasets / "shapes", count=2, size=64)
     corrupt = write_dataset(datasets / "corrupt", count=2, size=64)
     (corrupt / "zero.png").write_bytes(b"")
-    engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=outputs)
+    # This machine, as when idle: what the page offers must not hang on what another test holds
+    # at the moment the fixture probes (the CPU int8 mode of FLUX needs about 21 GB free).
+    machine = probe(verify=False)
+    engine = Engine(registry=load_registry(), hardware=machine.replace(free_memory_gb=machine.total_memory_gb),
+                    runs_dir=outputs)
     host = HostModel(engine, name="host.llm", size_gb=0.0)
     settings = ServerSettings(model_roots=(models,), dataset_roots=(datasets,), output_roots=(outputs,), token=TOKEN)
     with LiveServer(create_app(engine, settings)) as url:
