@@ -86,11 +86,13 @@ def cli_json(capsys: pytest.CaptureFixture[str]) -> Callable[..., object]:
 
 #: The files that take longest, run first: xdist (``--dist loadfile``) hands whole files to the
 #: two workers in collection order, so a long file collected last leaves one worker alone at the
-#: end. Measured on 2 cores; the rest keep their order.
+#: end. Ordered by each file's measured total on 2 cores (``--durations=0``); the rest keep their order.
 SLOW_FIRST = (
-    "test_replicas.py", "test_sdcpp.py", "test_training_runs.py", "test_training_resume.py", "test_web.py", "test_server.py", "test_training.py", "test_distributed.py",
-    "test_training_reliability.py", "test_gpu_check.py", "test_service.py", "test_compile_cache.py",
-    "test_server_fuzz.py", "test_runs_folder.py", "test_readme.py", "test_lora_export.py", "test_server_jobs.py",
+    "test_distributed.py", "test_compile_cache.py", "test_training_runs.py", "test_web.py", "test_replicas.py",
+    "test_lora.py", "test_training_reliability.py", "test_server.py", "test_generate.py", "test_readme.py",
+    "test_sdcpp.py", "test_training_resume.py", "test_server_fuzz.py", "test_service.py", "test_run_confinement.py",
+    "test_training.py", "test_training_preflight.py", "test_gpu_check.py", "test_runs_folder.py",
+    "test_lora_export.py", "test_server_jobs.py",
 )
 
 
