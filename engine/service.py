@@ -37,6 +37,7 @@ from engine.training.records import default_runs_dir
 from engine.requests import default_datasets_dir
 from engine.requests.machine import MachineRequest
 from engine.residency import Residency, Resident
+from engine.runtime.protocol import Session
 from engine.service_catalog import CatalogQuestions
 from engine.service_datasets import DatasetJobs
 from engine.service_training import TRAINER, TrainingJobs
@@ -80,7 +81,7 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
         #: Serialises generates (see :meth:`generate`); never held while reserving other jobs.
         self._generate_lock = threading.Lock()
         self._job: str | None = None
-        self._session: Any = None
+        self._session: Session | None = None
         self._run: Any = None
         self._watcher: threading.Thread | None = None
         #: Set by ``stop_training(now=True)``; the run's watcher ends the trainer (see :meth:`_watch`).

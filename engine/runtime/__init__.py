@@ -1,5 +1,6 @@
 """Applying a plan with the real libraries: torch, diffusers, torchao, bitsandbytes.
 
-Everything here imports torch; nothing below ``engine.runtime`` is imported
-by the policy layer or the light CLI commands.
+Everything here imports torch but :mod:`engine.runtime.protocol` (the
+``Session`` protocol the facade types against); nothing else below
+``engine.runtime`` is imported by the policy layer or the light CLI commands.
 """

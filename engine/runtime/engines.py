@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.errors import EngineError
 from engine.plugins import Registry
@@ -21,13 +21,17 @@ from engine.policy.plan import InferenceRequest, Plan
 from engine.policy.resolved import auto
 from engine.preflight.lora import LoraFile
 from engine.preflight.source import ModelSource
+from engine.runtime.protocol import Session
+
+if TYPE_CHECKING:
+    from engine.runtime.sdcpp import SdcppSession
 
 
 def start_session(
     registry: Registry, source: ModelSource, plan: Plan, request: InferenceRequest, *,
     loras: Sequence[LoraFile] = (), controlnet: str | None = None,
     diffusers_refusal: EngineError | None = None,
-) -> Any:
+) -> Session:
     """A loaded session for ``plan``; ``diffusers_refusal``: why diffusers could not load
     this model (then an sd.cpp failure is not fallen back from)."""
     if plan.value("engine") == "sdcpp":
@@ -50,7 +54,7 @@ def start_session(
 def fall_back(
     registry: Registry, source: ModelSource, plan: Plan, request: InferenceRequest,
     failure: EngineError, diffusers_refusal: EngineError | None,
-) -> Any:
+) -> Session:
     """The model loaded on diffusers after sd.cpp's ``failure``, with the reason recorded."""
     if diffusers_refusal is None and not plan.diffusers_fits:
         diffusers_refusal = EngineError(f"it would not fit this machine ({plan['engine'].reason})",
@@ -69,7 +73,7 @@ def fall_back(
     return session
 
 
-def fall_back_from(session: Any, failure: EngineError) -> Any:
+def fall_back_from(session: SdcppSession, failure: EngineError) -> Session:
     """A failed sd.cpp ``session``'s model, loaded on diffusers (a generate's fallback)."""
     session.unload()
     return fall_back(session.registry, session.source, session.plan, session.request, failure,
