@@ -35,6 +35,7 @@ from pathlib import Path, PurePosixPath
 from PIL import Image
 
 from engine.errors import EngineError
+from engine.places import within
 from engine.preflight.images import MAX_INPUT_PIXELS
 from engine.preflight.dataset import (
     CAPTION_EXTENSIONS,
@@ -299,8 +300,7 @@ class DatasetLibrary:
 
 def _confined(folder: Path, path: Path) -> Path:
     """``path`` if its real path stays in ``folder``; else ``path_outside_roots``."""
-    real = Path(os.path.realpath(path))
-    if real != folder and folder not in real.parents:
+    if not within(folder, path):
         raise EngineError(f"{path.name} leads outside dataset {folder.name} (a symlink?)", code="path_outside_roots")
     return path
 

@@ -19,9 +19,9 @@ elsewhere on the disk. A companion that fails is a refusal naming the file.
 from __future__ import annotations
 
 import fnmatch
-import os
 from pathlib import Path
 
+from engine.places import real, within
 from engine.policy.runtime_engine import SdcppFiles
 from engine.types import FamilySpec
 
@@ -71,16 +71,15 @@ def companion_problem(model: Path, companion: Path) -> str:
     from engine.errors import EngineError
     from engine.preflight.headers import gguf_shapes, read_safetensors_header
 
-    real = Path(os.path.realpath(companion))
-    places = {Path(os.path.realpath(model.parent)), Path(os.path.realpath(model)).parent}
-    if not any(place == real.parent or place in real.parents for place in places):
-        return (f"leads to {real}, outside the model's folder; put the file itself beside "
+    target = real(companion)
+    if not any(within(place, target) for place in (model.parent, real(model).parent)):
+        return (f"leads to {target}, outside the model's folder; put the file itself beside "
                 f"{model.name} (or link the whole folder)")
     try:
-        if real.suffix.lower() == ".gguf":
-            gguf_shapes(real)
+        if target.suffix.lower() == ".gguf":
+            gguf_shapes(target)
         else:
-            read_safetensors_header(real)
+            read_safetensors_header(target)
     except EngineError as exc:  # the GGUF reader's refusal names the file already
         return f"is not usable: {exc.message}"
     except (OSError, ValueError) as exc:

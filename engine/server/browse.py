@@ -19,6 +19,7 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 from engine.errors import EngineError
+from engine.places import within
 from engine import Engine
 from engine.requests import IMAGE_EXTENSIONS, RUN_ADAPTER_FILES
 from engine.server.settings import ServerSettings
@@ -98,14 +99,12 @@ def _children(root: Path) -> list[Path]:
     """The visible entries of ``root`` that stay inside it: a symlink that leads out is
     neither listed nor its real path shown (the API would refuse it anyway)."""
     try:
-        real_root = Path(os.path.realpath(root))
         entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
     except OSError:
         return []  # a root that is gone or unreadable lists nothing; using it names the problem
     inside = []
     for path in entries:
-        real = Path(os.path.realpath(path))
-        if real == real_root or real_root in real.parents:
+        if within(root, path):
             inside.append(path)
         if len(inside) == MAX_ENTRIES:
             break

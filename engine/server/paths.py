@@ -17,6 +17,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path, PurePath
 
 from engine.errors import EngineError
+from engine.places import real, within
 from engine.requests import is_hub_id
 
 #: Linux limits: bytes in one path component, bytes in a whole path.
@@ -82,14 +83,11 @@ def check_form(value: str, what: str) -> None:
 
 
 def _inside(value: str, roots: Sequence[Path], what: str) -> Path:
-    real_roots = [Path(os.path.realpath(root)) for root in roots]
+    real_roots = [real(root) for root in roots]
     candidate = Path(value).expanduser()
     bases = [candidate] if candidate.is_absolute() else [root / candidate for root in real_roots]
-    inside = [
-        resolved
-        for resolved in (Path(os.path.realpath(base)) for base in bases)
-        if any(resolved == root or root in resolved.parents for root in real_roots)
-    ]
+    inside = [resolved for resolved in (real(base) for base in bases)
+              if any(within(root, resolved) for root in real_roots)]
     if inside:  # with several roots, the one where the path exists wins
         return next((p for p in inside if p.exists()), inside[0])
     raise PathRefused(

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from engine.places import within
 from engine.training.lock import ProcessId
 
 Status = Literal["pending", "running", "completed", "stopped", "cancelled", "failed"]
@@ -266,7 +267,7 @@ def default_runs_dir() -> Path:
 
 def inside(root: Path, path: Path) -> bool:
     """Whether ``path``, symlinks resolved, lies strictly below ``root`` (resolved too)."""
-    return Path(os.path.realpath(root)) in Path(os.path.realpath(path)).parents
+    return within(root, path, strictly=True)
 
 
 def find_run(root: Path, name: str, *, paths: bool = True) -> RunRecord | None:
