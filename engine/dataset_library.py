@@ -35,7 +35,7 @@ from pathlib import Path, PurePosixPath
 from PIL import Image
 
 from engine.errors import EngineError
-from engine.places import within
+from engine.places import NAME_MAX, within
 from engine.preflight.images import MAX_INPUT_PIXELS
 from engine.preflight.dataset import (
     CAPTION_EXTENSIONS,
@@ -55,8 +55,6 @@ THUMBNAIL_SIZES = range(16, 1025)
 #: The most images one listing returns.
 MAX_LISTED = 2000
 
-#: The longest file name most file systems take (bytes); a longer one is refused, not a 500.
-MAX_NAME_BYTES = 255
 #: Thumbnails kept in memory, newest used last.
 THUMBNAILS_KEPT = 512
 #: One image decoded at a time in this process (uploads' checks and thumbnails).
@@ -240,8 +238,8 @@ class DatasetLibrary:
 
     def _image(self, folder: Path, image: str) -> Path:
         relative = PurePosixPath(image.replace("\\", "/"))
-        if any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for part in relative.parts):
-            raise EngineError(f"{image[:80]!r}...: a name longer than {MAX_NAME_BYTES} bytes", code="invalid_request")
+        if any(len(part.encode("utf-8", "surrogatepass")) > NAME_MAX for part in relative.parts):
+            raise EngineError(f"{image[:80]!r}...: a name longer than {NAME_MAX} bytes", code="invalid_request")
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:
             raise EngineError(f"{image!r} is not an image path inside the dataset", code="path_outside_roots")
         path = folder / relative
@@ -254,8 +252,8 @@ class DatasetLibrary:
 
     def _upload_name(self, filename: str) -> str:
         name = filename.replace("\\", "/")
-        if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
-            raise EngineError(f"upload name {filename[:80]!r}... is longer than {MAX_NAME_BYTES} bytes",
+        if len(name.encode("utf-8", "surrogatepass")) > NAME_MAX:
+            raise EngineError(f"upload name {filename[:80]!r}... is longer than {NAME_MAX} bytes",
                               code="invalid_request")
         if "/" in name or name in ("", ".", "..") or name.startswith(".") or "\x00" in name:
             raise EngineError(f"upload name {filename!r} must be a plain file name (no folders, not hidden)",

@@ -13,6 +13,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+#: The longest file name (one path component, in bytes) most file systems take: a longer
+#: name is refused as malformed wherever it comes in, never left to fail as a 500.
+NAME_MAX = 255
+#: The longest whole path (bytes) Linux takes.
+PATH_MAX = 4096
+
 
 def real(path: str | os.PathLike[str]) -> Path:
     """``path`` with every symlink followed and ``..`` removed (it need not exist)."""

@@ -17,12 +17,9 @@ from collections.abc import Collection, Sequence
 from pathlib import Path, PurePath
 
 from engine.errors import EngineError
-from engine.places import real, within
+from engine.places import NAME_MAX, PATH_MAX, real, within
 from engine.requests import is_hub_id
 
-#: Linux limits: bytes in one path component, bytes in a whole path.
-NAME_MAX = 255
-PATH_MAX = 4096
 #: Characters of a refused path a message repeats.
 ECHO = 120
 
