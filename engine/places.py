@@ -1,16 +1,18 @@
-"""Whether a path lies under a root, symlinks resolved: the one confinement test.
+"""Where the engine's things are: its per-user data folder, and the one confinement test.
 
 A run is known by the runs root it was found in, a dataset by its dataset root,
 a model's companion by the model's folder, a request's path by the server's
 roots: each asks "does this path, once every symlink is followed, stay under
 that root?". It is answered here, once, so a check cannot drift between them
 (``..``, absolute paths and symlinks that lead out all fail the same way).
+The runs, datasets and compile cache share one data folder (:func:`data_home`).
 Standard library only.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 #: The longest file name (one path component, in bytes) most file systems take: a longer
@@ -30,3 +32,20 @@ def within(root: str | os.PathLike[str], path: str | os.PathLike[str], *, strict
     resolved too."""
     top, where = real(root), real(path)
     return top in where.parents or (not strictly and where == top)
+
+
+def data_home() -> Path:
+    """The engine's per-user data folder (runs, datasets, the compile cache), wherever a
+    command is run from: ``$DIFFUSION_ENGINE_HOME`` when set; else ``diffusion-engine`` in
+    the platform's data folder: ``%LOCALAPPDATA%`` on Windows, ``~/Library/Application
+    Support`` on macOS, ``$XDG_DATA_HOME`` (``~/.local/share``) elsewhere."""
+    home = os.environ.get("DIFFUSION_ENGINE_HOME")
+    if home:
+        return Path(home).expanduser()
+    if sys.platform == "win32":
+        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Application Support"
+    else:
+        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "diffusion-engine"

@@ -97,7 +97,7 @@ class TrainingJobs:
             if config.resume_from is None:
                 config = config.model_copy(update={"resume_from": checkpoint})
         plan = self._preflight(config, fetch=True)
-        from engine.runtime.canary import training_canary
+        from engine.training.canary import training_canary
 
         canary = training_canary(plan)  # a scheme that breaks a real slice is refused here, before eviction
         if previous is not None:

@@ -17,7 +17,8 @@ from engine.hardware.probe import probe
 from engine.plugins import load_registry
 from engine.policy.inference import InferenceRequest, plan_inference
 from engine.preflight.model import resolve_model
-from engine.runtime.canary import CANARY_MIN_STEPS, TrainingCanaryFailed, run_linear, training_canary
+from engine.runtime.canary import run_linear
+from engine.training.canary import CANARY_MIN_STEPS, TrainingCanaryFailed, training_canary
 from engine.runtime.session import InferenceSession
 from engine.testing.datasets import write_dataset
 from engine.training.config import TrainingConfig

@@ -14,36 +14,29 @@ way the job will run it, can: its output must be finite and not constant.
   load is refused with them.
 - nf4 (bitsandbytes) is checked in the run's compute dtype, not through the
   4-bit kernel: the canary reads the dense weight from the files.
-- Training: before anything is evicted, the same Linear is read from the
-  base's safetensors, set up in the run's base precision on the run's device
-  and run; a failure refuses the start (:class:`TrainingCanaryFailed`).
+- Training (:mod:`engine.training.canary`): before anything is evicted, the
+  same Linear is read from the base's safetensors (:func:`read_linear`), set
+  up in the run's base precision on the run's device and run; a failure
+  refuses the start.
 
 Its cost is one read of one weight and one forward of
 :data:`CANARY_ROWS` rows: milliseconds, well under 2% of a long run; it is
-reported with the result, and skipped (with the reason) for runs shorter than
-:data:`CANARY_MIN_STEPS`, which fail fast on their own.
+reported with the result.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine.errors import PreflightError
 from engine.runtime.quantize import QuantisationFailed
-
-if TYPE_CHECKING:
-    from engine.training.preflight import TrainingPlan
 
 #: Rows of the canary's input: enough for a spread of outputs, cheap anywhere.
 CANARY_ROWS = 16
-#: Runs shorter than this skip the canary: a broken scheme fails their first step anyway.
-CANARY_MIN_STEPS = 20
 #: A weight larger than this is not read for the canary (the next candidate is).
 MAX_SLICE_ELEMENTS = 64 * 2**20
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -79,19 +72,6 @@ class CanaryFailed(QuantisationFailed):
     def __init__(self, result: CanaryResult) -> None:
         super().__init__(result.reason)
         self.result = result
-
-
-class TrainingCanaryFailed(PreflightError):
-    """A training start refused: its base precision broke a real slice of the model."""
-
-    code = "canary_failed"
-
-    def __init__(self, result: CanaryResult) -> None:
-        super().__init__(result.reason)
-        self.result = result
-
-    def to_dict(self) -> dict[str, object]:  # type: ignore[override]
-        return {**super().to_dict(), "canary": self.result.to_dict()}
 
 
 def measure(output: torch.Tensor) -> dict[str, float]:
@@ -154,50 +134,7 @@ def inference_canary(
     return result
 
 
-def training_canary(plan: TrainingPlan) -> CanaryResult:
-    """Run the canary for a training plan before anything is evicted; raise
-    :class:`TrainingCanaryFailed` when the run's base precision breaks it."""
-    from engine.training.precision import CONVERTED_MODES, base_transform
-
-    scheme = plan.base_precision.value
-    dtype_name = plan.weight_dtype.value
-    skip = _skip_reason(plan)
-    if skip:
-        return CanaryResult(True, scheme, dtype_name, plan.device, skipped=True, reason=skip)
-    keep: ModuleFilter
-    if scheme in CONVERTED_MODES:
-        transform, keep = base_transform(scheme)
-    else:
-        transform, keep = None, lambda module, _: isinstance(module, torch.nn.Linear)
-    layer_and_name = _read_linear(Path(plan.base.location) / plan.family.denoiser, keep)
-    if layer_and_name is None:
-        return CanaryResult(True, scheme, dtype_name, plan.device, skipped=True,
-                            reason="no Linear weight the scheme converts was found in the base's files")
-    name, layer = layer_and_name
-    dtype = TORCH_DTYPES[dtype_name]
-    layer = layer.to(dtype=dtype)
-    if transform is not None:
-        holder = torch.nn.Module()
-        holder.add_module("layer", layer)
-        transform(holder, lambda module, child: keep(module, name) if child == "layer" else False)
-        layer = holder.layer
-    layer = layer.to(plan.device)
-    result = run_linear(layer, name, scheme=scheme, dtype=dtype, device=plan.device)
-    if not result.ok:
-        advice = "Choose another base_precision or check the base's weights; nothing was evicted"
-        raise TrainingCanaryFailed(replace(result, reason=f"{result.reason}. {advice}"))
-    return result
-
-
-def _skip_reason(plan: TrainingPlan) -> str | None:
-    if plan.steps < CANARY_MIN_STEPS:
-        return f"a {plan.steps}-step run (< {CANARY_MIN_STEPS}) fails fast on its own; no canary"
-    if plan.base.kind != "pipeline":
-        return "the base is not a local pipeline folder; its weights are not read before the start"
-    return None
-
-
-def _read_linear(folder: Path, keep: ModuleFilter) -> tuple[str, torch.nn.Linear] | None:
+def read_linear(folder: Path, keep: ModuleFilter) -> tuple[str, torch.nn.Linear] | None:
     """The canary's Linear, rebuilt from the denoiser's safetensors (one weight read)."""
     from safetensors import safe_open
 

@@ -134,10 +134,10 @@ def checked_artifacts(data: bytes) -> Any:
 
 
 def cache_folder() -> Path:
-    """``compile-cache`` beside the runs folder (``$DIFFUSION_ENGINE_HOME``, else the per-user data folder)."""
-    from engine.training.records import default_runs_dir
+    """``compile-cache`` in the engine's data folder, beside the runs (:func:`engine.places.data_home`)."""
+    from engine.places import data_home
 
-    return default_runs_dir().parent / "compile-cache"
+    return data_home() / "compile-cache"
 
 
 def environment() -> dict[str, object]:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from engine.places import within
+from engine.places import data_home, within
 from engine.training.lock import ProcessId
 
 Status = Literal["pending", "running", "completed", "stopped", "cancelled", "failed"]
@@ -245,24 +245,9 @@ class RunRecord:
 
 
 def default_runs_dir() -> Path:
-    """One runs folder per user, wherever the command is run from.
-
-    ``$DIFFUSION_ENGINE_HOME/runs`` when set; else the platform's data folder:
-    ``%LOCALAPPDATA%`` on Windows, ``~/Library/Application Support`` on macOS,
-    ``$XDG_DATA_HOME`` (``~/.local/share``) elsewhere.
-    """
-    import sys
-
-    home = os.environ.get("DIFFUSION_ENGINE_HOME")
-    if home:
-        return Path(home).expanduser() / "runs"
-    if sys.platform == "win32":
-        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
-    elif sys.platform == "darwin":
-        base = Path.home() / "Library" / "Application Support"
-    else:
-        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    return base / "diffusion-engine" / "runs"
+    """One runs folder per user, wherever the command is run from: ``runs`` in the engine's
+    data folder (:func:`engine.places.data_home`)."""
+    return data_home() / "runs"
 
 
 def inside(root: Path, path: Path) -> bool:

@@ -1,0 +1,114 @@
+"""The rooms of the engine and the arrows allowed between them: imports go down, never up.
+
+Every ``import engine...`` in ``engine/`` (top-level and lazy, at any depth) is read
+with ``ast`` and mapped to its room; an arrow the table does not allow fails here,
+naming the file and line. The faces' own rule (they reach only the facade, the
+vocabulary and the errors) is ``tests/test_one_door.py``; this is the same rule below
+them: the runtime never imports the trainer, the policy never the runtime, the
+plugin contract nothing that loads a model.
+
+``DEBT`` lists the upward arrows that exist today and are to go (the request
+vocabulary still takes its records from the policy, the preflight and the trainer;
+the LoRA loader reads kohya files through the trainer's converter; the registry
+builds a table-only family through an adapter over the runtime). It may only
+shrink: an arrow listed there that no import makes any more fails too, so the entry
+is removed with the import.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "engine"
+PACKAGES = {"cli", "server", "requests", "policy", "preflight", "runtime", "training", "hardware", "testing"}
+#: Top-level modules, by room.
+MODULES = {
+    # below everything: errors and their catalogue, log quieting, where things are
+    "base": {"errors", "error_catalogue", "generated_docs", "logs", "places", "network"},
+    # the plugin contract: hooks, the registry, the family types and their sections
+    "contract": {"types", "hookspecs", "plugins", "plugin_api", "schemes", "family_sections", "family_helpers",
+                 "family_runtime"},
+    # the facade and its parts
+    "service": {"service", "service_catalog", "service_datasets", "service_training", "residency",
+                "dataset_library", "doctor"},
+    # a family whose table is its whole plugin: the contract's adapter over the runtime
+    "table_plugin": {"table_plugin"},
+    "facade": {"__init__"},
+    "main": {"__main__"},
+}
+BELOW_SERVICE = {"requests", "runtime", "training", "policy", "preflight", "hardware", "contract", "base"}
+#: room -> the rooms it may import.
+ALLOWED = {
+    "base": set(),
+    "hardware": {"base"},
+    "contract": {"hardware", "base"},
+    "policy": {"contract", "hardware", "base"},
+    "preflight": {"policy", "contract", "hardware", "base"},
+    "requests": {"hardware", "contract", "base"},
+    "runtime": {"policy", "preflight", "contract", "hardware", "base"},
+    "training": {"runtime", "policy", "preflight", "contract", "hardware", "base", "requests"},
+    "table_plugin": {"runtime", "contract", "hardware", "base"},
+    "service": BELOW_SERVICE | {"testing"},
+    "testing": BELOW_SERVICE | {"service"},
+    "server": {"facade", "requests", "base"},
+    "cli": {"facade", "requests", "server", "base"},
+    "facade": {"service"},
+    "main": {"cli"},
+}
+#: Upward arrows that exist today, to be removed (and then removed from here).
+DEBT = {
+    ("requests", "policy"), ("requests", "preflight"), ("requests", "training"),
+    ("runtime", "training"),
+    ("contract", "table_plugin"),
+}
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "facade"
+    if parts[1] in PACKAGES:
+        return parts[1]
+    # ``from engine import Engine, __version__``: a name the package itself exports
+    return next((name for name, members in MODULES.items() if parts[1] in members), "facade")
+
+
+def arrows() -> dict[tuple[str, str], list[str]]:
+    found: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        relative = path.relative_to(ROOT.parent).with_suffix("")
+        module = ".".join(relative.parts).removesuffix(".__init__")
+        if module == "engine":
+            module = "engine.__init__"
+        source = room(module)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] if node.module != "engine" else [f"engine.{a.name}" for a in node.names]
+            for name in names:
+                if name.split(".")[0] != "engine" or name == "engine":
+                    continue
+                target = room(name)
+                if target != source:
+                    found.setdefault((source, target), []).append(f"{relative}.py:{node.lineno} imports {name}")
+    return found
+
+
+def test_every_module_is_in_a_room() -> None:
+    listed = set().union(*MODULES.values())
+    assert {path.stem for path in ROOT.glob("*.py")} == listed  # a new top-level module is given its room
+    assert {path.name for path in ROOT.iterdir() if (path / "__init__.py").exists()} == PACKAGES
+
+
+def test_imports_only_go_down() -> None:
+    wrong = {arrow: where for arrow, where in arrows().items()
+             if arrow[1] not in ALLOWED[arrow[0]] and arrow not in DEBT}
+    assert not wrong, "\n".join(line for where in wrong.values() for line in where)
+
+
+def test_the_debt_only_shrinks() -> None:
+    paid = DEBT - set(arrows())
+    assert not paid, f"no import makes {sorted(paid)} any more: remove it from DEBT"
