@@ -8,8 +8,7 @@ them: the runtime never imports the trainer, the policy never the runtime, the
 plugin contract nothing that loads a model.
 
 ``DEBT`` lists the upward arrows that exist today and are to go (the request
-vocabulary still takes its records from the policy, the preflight and the trainer;
-the LoRA loader reads kohya files through the trainer's converter; the registry
+vocabulary still takes its records from the policy, the preflight and the trainer; the registry
 builds a table-only family through an adapter over the runtime). It may only
 shrink: an arrow listed there that no import makes any more fails too, so the entry
 is removed with the import.
@@ -59,7 +58,6 @@ ALLOWED = {
 #: Upward arrows that exist today, to be removed (and then removed from here).
 DEBT = {
     ("requests", "policy"), ("requests", "preflight"), ("requests", "training"),
-    ("runtime", "training"),
     ("contract", "table_plugin"),
 }
 

@@ -52,13 +52,13 @@ def converted_state_dict(
     """``file`` in diffusers' keys (``<component>.<module>...``), converted by
     ``pipeline_cls.lora_state_dict`` exactly as ``load_lora_weights`` does; a kohya file
     of ``family`` with fused modules is split with ``denoiser``'s own widths first
-    (:func:`engine.training.export.diffusers_from_kohya`: diffusers' converter assumes
+    (:func:`engine.runtime.kohya.diffusers_from_kohya`: diffusers' converter assumes
     the full-size model's)."""
     from safetensors.torch import load_file
 
     state = load_file(str(file.path))
     if family is not None and denoiser is not None and family.lora.kohya_map:
-        from engine.training.export import diffusers_from_kohya
+        from engine.runtime.kohya import diffusers_from_kohya
 
         linears = {name: int(getattr(getattr(m, "base_layer", m), "out_features"))
                    for name, m in denoiser.named_modules()
