@@ -49,3 +49,14 @@ def data_home() -> Path:
     else:
         base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
     return base / "diffusion-engine"
+
+
+def default_runs_dir() -> Path:
+    """The one runs folder every face uses by default: ``runs`` in :func:`data_home`
+    (``train``, ``runs`` and ``serve`` all read and write here)."""
+    return data_home() / "runs"
+
+
+def default_datasets_dir() -> Path:
+    """Where datasets live by default: ``datasets`` in :func:`data_home`, beside the runs."""
+    return data_home() / "datasets"

@@ -33,11 +33,10 @@ from engine.preflight.lora import plan_input as lora_plan_input
 from engine.preflight.hub import diffusers_refusal
 from engine.preflight.model import resolve_model
 from engine.requests.bodies import GenerateBody
-from engine.training.records import default_runs_dir
-from engine.requests import default_datasets_dir
+from engine.places import default_datasets_dir, default_runs_dir
 from engine.requests.machine import MachineRequest
 from engine.residency import Residency, Resident
-from engine.runtime.protocol import Session
+from engine.runtime.protocol import Session, cancellable
 from engine.service_catalog import CatalogQuestions
 from engine.service_datasets import DatasetJobs
 from engine.service_training import TRAINER, TrainingJobs
@@ -313,7 +312,7 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
                 loras = [{"path": lo.path, "scale": lo.scale} for lo in prompt.loras]
             prompt = prompt.prompt
         cancel = cancel or threading.Event()
-        progress = _cancellable(progress, cancel)
+        progress = cancellable(progress, cancel)
         for name in ("prompts", "seeds"):
             if name in options:  # a request model's list (or None: unset)
                 options[name] = tuple(options[name] or ())  # type: ignore[call-overload]
@@ -434,18 +433,3 @@ def _held_gb(plan: Plan) -> float:
     if plan.value("memory_mode") == "resident" or plan.device == "cpu":
         return plan.estimate.resident_gb
     return 0.0
-
-
-def _cancellable(
-    progress: Callable[[int, int], None] | None, cancel: threading.Event
-) -> Callable[[int, int], None]:
-    """``progress`` that first raises :class:`Cancelled` once ``cancel`` is set;
-    the session calls it after every denoising step, so the pipeline stops there."""
-
-    def step(done: int, total: int) -> None:
-        if cancel.is_set():
-            raise Cancelled(f"the generate was cancelled after step {done} of {total}")
-        if progress is not None:
-            progress(done, total)
-
-    return step

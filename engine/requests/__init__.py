@@ -15,8 +15,7 @@ means one thing whichever door it came in by.
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from engine.places import default_datasets_dir, default_runs_dir
 from engine.preflight.hub import ALLOW_DOWNLOAD_ENV, download_allowed_by_env
 
 from engine.requests.bodies import (
@@ -69,20 +68,6 @@ from engine.requests.training import InvalidConfig, LossWeighting, Optimizer, Tr
 def download_allowed(flag: bool = False) -> bool:
     """The user's consent to a hub download: the flag, or ``DIFFUSION_ENGINE_ALLOW_DOWNLOAD=1``."""
     return flag or download_allowed_by_env()
-
-
-def default_runs_dir() -> Path:
-    """The one runs folder every face uses by default: ``$DIFFUSION_ENGINE_HOME/runs``, else the
-    per-user data folder (``train``, ``runs`` and ``serve`` all read and write here)."""
-    from engine.training.records import default_runs_dir as runs_dir
-
-    return runs_dir()
-
-
-def default_datasets_dir() -> Path:
-    """Where datasets live by default: ``datasets`` beside the runs folder
-    (``$DIFFUSION_ENGINE_HOME/datasets``, else the per-user data folder)."""
-    return default_runs_dir().parent / "datasets"
 
 
 __all__ = [

@@ -35,6 +35,22 @@ from engine.runtime.vae import apply_vae_tiling
 log = logging.getLogger(__name__)
 
 
+def _call_pipe(pipe: Any, call: dict[str, Any], encoded_again: Callable[[], dict[str, Any]] | None) -> Any:
+    """``pipe(**call)``; where its prompt embeddings came from disk (``encoded_again`` given) and
+    the call fails with them (a planted or stale cache entry), the call is made once more with
+    the prompts encoded again (the entry rewritten). Out of memory is the batching's to handle."""
+    try:
+        with torch.inference_mode():
+            return pipe(**call)
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as exc:
+        if encoded_again is None or isinstance(exc, torch.OutOfMemoryError):
+            raise
+        log.warning("generate failed with cached prompt embeddings (%s); encoding them again", exc)
+        retry = encoded_again()
+        with torch.inference_mode():
+            return pipe(**retry)
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
     """One generate call's inputs, as the service builds them from an HTTP or
@@ -187,30 +203,20 @@ class Generation:
                     stream.before_call(pipe)
                     brought[0] = True
 
-            cached = self._cached_prompts(pipe, kwargs, bring)
-            call = kwargs
-            if cached is not None:
-                call, hit = cached
-                if hit and stream is not None:
-                    stream.release_now(pipe)  # from disk: the encoders are not needed
-            else:
-                hit = False
+            call, hit = self._cached_prompts(pipe, kwargs, bring) or (kwargs, False)
+            if hit and stream is not None:
+                stream.release_now(pipe)  # from disk: the encoders are not needed
+            elif call is kwargs:
                 bring()
+
+            def encoded_again() -> dict[str, Any]:  # the call made anew, its prompts encoded afresh
+                done[0] = before
+                fresh = call_kwargs()
+                again = self._cached_prompts(pipe, fresh, bring, refresh=True)
+                return again[0] if again is not None else fresh
+
             try:
-                try:
-                    with torch.inference_mode():
-                        result = pipe(**call)
-                except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as exc:
-                    if not hit or isinstance(exc, torch.OutOfMemoryError):
-                        raise
-                    # The embeddings came from disk and the call failed with them: a planted or stale
-                    # entry. It is encoded again (and rewritten), and the call made once more.
-                    log.warning("generate failed with cached prompt embeddings (%s); encoding them again", exc)
-                    done[0] = before
-                    kwargs = call_kwargs()
-                    again = self._cached_prompts(pipe, kwargs, bring, refresh=True)
-                    with torch.inference_mode():
-                        result = pipe(**(again[0] if again is not None else kwargs))
+                result = _call_pipe(pipe, call, encoded_again if hit else None)
             finally:
                 if stream is not None:
                     stream.after_call()

@@ -32,6 +32,11 @@ _A, _B = ".lora_A.weight", ".lora_B.weight"
 OutFeatures = Callable[[str], int]
 
 
+def _template(name: str) -> re.Pattern[str]:
+    """A ``kohya_map`` module name (``blocks.{i}.attn``) as a pattern whose group is the block index."""
+    return re.compile("^" + re.escape(name).replace(r"\{i\}", r"(\d+)") + "$")
+
+
 @dataclass(frozen=True)
 class _Rule:
     target: str
@@ -40,8 +45,7 @@ class _Rule:
     def match(self, module: str) -> tuple[int, str] | None:
         """(which source, block index) when ``module`` is one of this rule's sources."""
         for position, source in enumerate(self.sources):
-            pattern = "^" + re.escape(source).replace(r"\{i\}", r"(\d+)") + "$"
-            found = re.match(pattern, module)
+            found = _template(source).match(module)
             if found:
                 return position, (found.group(1) if found.groups() else "")
         return None
@@ -106,7 +110,7 @@ def diffusers_from_kohya(
     rules = [_Rule(target, sources) for target, sources in family.lora.kohya_map]
     prefix, down_key = "lora_unet_", ".lora_down.weight"
     modules = sorted(k[len(prefix):-len(down_key)] for k in kohya if k.startswith(prefix) and k.endswith(down_key))
-    targets = [(re.compile("^" + re.escape(rule.target).replace(r"\{i\}", r"(\d+)") + "$"), rule) for rule in rules]
+    targets = [(_template(rule.target), rule) for rule in rules]
     underscored = {name.replace(".", "_"): name for name in linears}
     converted: dict[str, torch.Tensor] = {}
     fused_seen = False

@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from engine.errors import Cancelled
+
 if TYPE_CHECKING:
     from PIL import Image
 
@@ -57,3 +59,16 @@ class Session(Protocol):
 
     def unload(self) -> None:
         """Release the model and everything the runtime holds for it."""
+
+
+def cancellable(progress: Progress | None, cancel: threading.Event) -> Progress:
+    """``progress`` that first raises :class:`~engine.errors.Cancelled` once ``cancel`` is set:
+    every session calls it after each denoising step, so a torch pipeline stops there."""
+
+    def step(done: int, total: int) -> None:
+        if cancel.is_set():
+            raise Cancelled(f"the generate was cancelled after step {done} of {total}")
+        if progress is not None:
+            progress(done, total)
+
+    return step

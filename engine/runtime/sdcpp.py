@@ -30,6 +30,7 @@ import io
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,6 +66,8 @@ class SdcppFailed(EngineError):
     """stable-diffusion.cpp refused the files, crashed or ran out of memory."""
 
     code = "sdcpp_failed"
+    #: The worker's exit status when it died (negative: the signal), else None.
+    exit_status: int | None = None
 
 
 class SdcppFilesRefused(SdcppFailed):
@@ -132,7 +135,7 @@ class SdcppSession:
         try:
             event = self._next_event("loading the files")
         except SdcppFailed as exc:
-            if "exit status -9" in exc.message:  # killed: out of memory, not the files' fault
+            if exc.exit_status == -signal.SIGKILL:  # killed: out of memory, not the files' fault
                 raise
             raise self._refused(exc.message) from None
         if event["event"] != "loaded":
@@ -287,7 +290,9 @@ class SdcppSession:
                 break  # end of file: the worker exited
         code = self._worker.wait() if self._worker is not None else None
         self.unload()
-        raise SdcppFailed(f"the sd.cpp worker stopped (exit status {code}): {self.log_tail()}")
+        failed = SdcppFailed(f"the sd.cpp worker stopped (exit status {code}): {self.log_tail()}")
+        failed.exit_status = code
+        raise failed
 
     def _check_clock(self, deadline: float, doing: str) -> None:
         if time.monotonic() < deadline:

@@ -8,8 +8,8 @@ checked against that one shape, so a request can never name another file.
 
 They are kept ``keep_seconds`` (``serve --keep-url-images SECONDS``; 3600 by
 default, as long as OpenAI keeps its own image URLs), then removed: an expired
-name is a 404, and every keep or read sweeps what has expired, so the folder
-never grows past an hour's images.
+name is a 404 (and goes when it is asked for), and every keep sweeps what has
+expired, so the folder never grows past an hour's images.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import contextlib
 import os
 import re
 import secrets
+import stat
 import time
 from pathlib import Path
 
@@ -58,8 +59,10 @@ class HostedImages:
         return names
 
     def read(self, name: str) -> bytes:
-        self.sweep()
         path = self.folder / name if self.folder is not None and NAME.fullmatch(name) else None
+        if path is not None and self._expired(path):
+            with contextlib.suppress(OSError):
+                path.unlink()
         if path is None or not path.is_file():
             raise ImageNotFound(f"no image {name[:80]!r} is kept here (URL images are kept "
                                 f"{self.keep_seconds:g} s); its URL came from a response_format=url call",
@@ -71,17 +74,22 @@ class HostedImages:
         how many went."""
         if self.folder is None:
             return 0
-        cutoff = time.time() - self.keep_seconds
         removed = 0
         try:
             entries = list(os.scandir(self.folder))
         except OSError:
             return 0
         for entry in entries:
-            if not (NAME.fullmatch(entry.name) or entry.name.endswith(".png.tmp")):
-                continue
-            with contextlib.suppress(OSError):
-                if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+            if (NAME.fullmatch(entry.name) or entry.name.endswith(".png.tmp")) and self._expired(Path(entry.path)):
+                with contextlib.suppress(OSError):
                     os.unlink(entry.path)
                     removed += 1
         return removed
+
+    def _expired(self, path: Path) -> bool:
+        """A plain file kept longer than ``keep_seconds`` (a missing one is not: it is just gone)."""
+        try:
+            info = path.lstat()
+        except OSError:
+            return False
+        return stat.S_ISREG(info.st_mode) and info.st_mtime < time.time() - self.keep_seconds

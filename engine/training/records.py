@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from engine.places import data_home, within
+from engine.places import within
 from engine.training.lock import ProcessId
 
 Status = Literal["pending", "running", "completed", "stopped", "cancelled", "failed"]
@@ -242,12 +242,6 @@ class RunRecord:
             f"the record said {self.status} at step {self.step} of {self.steps}, but its {who} is gone "
             "(the engine or CLI was killed, or the machine restarted); start the run again"
         )
-
-
-def default_runs_dir() -> Path:
-    """One runs folder per user, wherever the command is run from: ``runs`` in the engine's
-    data folder (:func:`engine.places.data_home`)."""
-    return data_home() / "runs"
 
 
 def inside(root: Path, path: Path) -> bool:

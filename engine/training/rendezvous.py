@@ -60,9 +60,10 @@ def rendezvous(backend: str, join_timeout: float) -> None:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     timeout = datetime.timedelta(seconds=join_timeout)
     try:
-        listener = listen_on(host, port) if rank == 0 else None
+        # The store owns the listening socket from here (a failed rank exits with it).
+        fd = listen_on(host, port).detach() if rank == 0 else None
         store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout, wait_for_workers=True,
-                              master_listen_fd=listener.detach() if listener is not None else None)
+                              master_listen_fd=fd)
     except (OSError, RuntimeError) as exc:
         raise NodesNotJoined(_why(rank, world, host, port, join_timeout, exc)) from None
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
@@ -94,12 +95,9 @@ def listen_on(host: str, port: int) -> socket.socket:
 
 def _why(rank: int, world: int, host: str, port: int, seconds: float, exc: BaseException) -> str:
     said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if rank == 0:
-        where = f"rank 0 waited at {host}:{port}"
-        if isinstance(exc, OSError):
-            return (f"rank 0 could not listen at {host}:{port} ({said}); give --main-address an address of "
-                    "this machine and a free port")
-    else:
-        where = f"rank {rank} could not reach node 0 at {host}:{port}"
+    if rank == 0 and isinstance(exc, OSError):
+        return (f"rank 0 could not listen at {host}:{port} ({said}); give --main-address an address of "
+                "this machine and a free port")
+    where = f"rank 0 waited at {host}:{port}" if rank == 0 else f"rank {rank} could not reach node 0 at {host}:{port}"
     return (f"{where} for {seconds:g} s and not all {world} ranks joined ({said}); start the same `train` "
             "on every node (each with its --node-rank) or give a longer --join-timeout")
