@@ -1025,7 +1025,7 @@ def _sync(device: str) -> None:
 def run_training_case(case: Case, bench: BenchModel, settings: Settings, row: Row) -> None:
     from engine.policy.training import training_memory_error
     from engine.training import trainer
-    from engine.training.config import TrainingConfig
+    from engine.requests.training import TrainingConfig
     from engine.training.preflight import preflight_training
 
     registry, family = bench.registry, bench.family

@@ -27,8 +27,10 @@ from engine.errors import Busy, Cancelled, EngineError, UnknownName
 from engine.hardware.profile import HardwareProfile
 from engine.plugins import Registry, load_registry
 from engine.policy.available import AvailableMemory, Releasable, available_memory
-from engine.policy.inference import InferenceRequest, ModelFacts, Plan, plan_inference
-from engine.preflight.lora import LoraLike, lora_choices, read_loras
+from engine.policy.inference import ModelFacts, Plan, plan_inference
+from engine.requests.inference import InferenceRequest
+from engine.preflight.lora import read_loras
+from engine.requests.loras import LoraLike, lora_choices
 from engine.preflight.lora import plan_input as lora_plan_input
 from engine.preflight.hub import diffusers_refusal
 from engine.preflight.model import resolve_model

@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.errors import EngineError
 from engine.policy.info import images_info, training_info
-from engine.policy.plan import InferenceRequest
+from engine.requests.inference import InferenceRequest
 from engine.preflight.model import resolve_model
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import Busy, EngineError
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.lock import RunLock
 from engine.training.preflight import preflight_training
 from engine.training.records import RunRecord, list_runs, write_error_code

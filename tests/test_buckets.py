@@ -23,7 +23,7 @@ from engine.testing.datasets import write_dataset
 from engine.training.buckets import MAX_ASPECT, bucket_size, epoch_batches, fit, plan_buckets
 from engine.training.captions import CaptionOptions, choose, prompt_table, shuffled, with_trigger
 from engine.training.checkpoints import latest_checkpoint
-from engine.training.config import InvalidConfig, TrainingConfig
+from engine.requests.training import InvalidConfig, TrainingConfig
 from engine.training.preflight import TrainingPlan, preflight_training
 
 REGISTRY = load_registry()

@@ -21,7 +21,7 @@ from engine.runtime.canary import run_linear
 from engine.training.canary import CANARY_MIN_STEPS, TrainingCanaryFailed, training_canary
 from engine.runtime.session import InferenceSession
 from engine.testing.datasets import write_dataset
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.preflight import preflight_training
 from tests.support import HostModel
 

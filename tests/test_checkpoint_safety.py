@@ -24,7 +24,7 @@ from engine.server.app import ServerSettings, create_app
 from engine.service import Engine
 from engine.testing.datasets import write_dataset
 from engine.training.checkpoints import check_checkpoint, load_checkpoint
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.records import RECORD_NAME, RunRecord
 from engine.training.state_file import read_state, write_state
 from tests.support import HostModel, LiveServer

@@ -27,7 +27,7 @@ from engine.hardware.probe import probe
 from engine.hardware.profile import DeviceFacts
 from engine.plugins import load_registry
 from engine.testing.datasets import write_dataset
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.preflight import TrainingPlan, preflight_training
 from engine.training.records import RunRecord
 from engine.training.runner import TrainingRun

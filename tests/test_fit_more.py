@@ -28,7 +28,7 @@ from engine.runtime.generation import GenerateRequest
 from engine.runtime.session import InferenceSession
 from engine.testing.datasets import write_dataset
 from engine.training.checkpoints import checkpoint_dirs, load_checkpoint
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.preflight import preflight_training
 from engine.training.trainer import run_training
 

@@ -42,7 +42,7 @@ SAMPLED = "zimage"
 def trained(tiny_pipeline: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``trained(family)``: the folder of a real one-step training run on the family's tiny pipeline."""
     from engine.testing.datasets import write_dataset
-    from engine.training.config import TrainingConfig
+    from engine.requests.training import TrainingConfig
     from engine.training.preflight import preflight_training
     from engine.training.trainer import run_training
 

@@ -120,7 +120,7 @@ def test_activations_grow_with_pixels_and_batch_and_shrink_with_checkpointing(fa
 
 
 def test_a_tiny_pipeline_is_sized_from_its_own_headers(tiny_pipeline: Callable[[str], Path]) -> None:
-    from engine.training.config import TrainingConfig
+    from engine.requests.training import TrainingConfig
     from engine.training.preflight import memory_request
 
     source = resolve_model(REGISTRY, tiny_pipeline("flux"))
@@ -277,7 +277,7 @@ def test_zimage_auto_on_a_4090_is_the_same_with_an_evictable_resident(
     idle = Engine(hardware=preset("rtx4090"), runs_dir=tmp_path / "runs")
     busy = Engine(hardware=preset("rtx4090").replace(free_memory_gb=14.0, source="probe"), runs_dir=tmp_path / "runs")
     host = HostModel(busy, size_gb=10.8)
-    from engine.training.config import TrainingConfig
+    from engine.requests.training import TrainingConfig
     from engine.training.preflight import preflight_training
 
     def chosen(engine: Engine) -> tuple[str, dict[str, object]]:

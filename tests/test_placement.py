@@ -23,7 +23,7 @@ from engine.runtime.quantize import PlacementFailed, placing, quantize_on_host_t
 from engine.runtime.session import GenerateRequest, InferenceSession
 from engine.service import Engine
 from engine.testing.datasets import write_dataset
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.preflight import preflight_training
 from engine.training.trainer import run_training
 

@@ -31,7 +31,7 @@ from engine.residency import Residency, Resident
 from engine.server.app import ServerSettings, create_app
 from engine.service import Busy
 from engine.testing.datasets import write_dataset
-from engine.training.config import InvalidConfig, TrainingConfig
+from engine.requests.training import InvalidConfig, TrainingConfig
 from engine.training.preflight import preflight_training
 from engine.types import model_name
 from tests.support import HostModel, LiveServer

@@ -23,7 +23,7 @@ from engine.plugins import load_registry
 from engine.server.app import ServerSettings, create_app
 from engine.service import Engine
 from engine.testing.datasets import write_dataset
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.records import MAX_RUN_FILES, RECORD_NAME, RunRecord, list_runs, run_files
 from engine.training.state_file import write_state
 from tests.support import HostModel, LiveServer

@@ -24,7 +24,7 @@ from engine.testing.checkpoints import write_single_file
 from engine.testing.datasets import write_dataset
 from engine.types import TRAINING_PRECISIONS
 from tests.test_preflight_hardening import escaping_dataset, truncated_pipeline
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.records import RunRecord
 from engine.training.state_file import write_state
 from tests.support import HostModel

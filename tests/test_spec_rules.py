@@ -31,7 +31,7 @@ from engine.runtime.attention import DIFFUSERS_BACKENDS, pip_command, pip_instal
 from engine.runtime.session import InferenceSession
 from engine.testing.checkpoints import write_gguf
 from engine.testing.datasets import write_dataset
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.precision import MachineMismatch, base_transform, machine_error, pinned_sdpa
 from engine.training.preflight import TrainingPlan, preflight_training
 

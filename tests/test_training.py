@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from engine.hardware.probe import probe
 from engine.plugins import load_registry
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.preflight import TrainingPlan, preflight_training
 from engine.training.records import RunRecord
 from engine.training.runner import TrainingRun
@@ -145,7 +145,7 @@ def test_record_history_is_bounded_and_utf8(tmp_path: Path) -> None:
 
 
 def test_dict_built_config_coerces_strings_and_names_bad_fields(tmp_path: Path) -> None:
-    from engine.training.config import InvalidConfig
+    from engine.requests.training import InvalidConfig
 
     config = TrainingConfig.from_data({"base_model": "x", "dataset_dir": str(tmp_path), "epochs": "3", "batch_size": "2"})
     assert config.epochs == 3 and config.total_steps(images=5) == 8

@@ -19,7 +19,7 @@ from engine.plugins import load_registry
 from engine.runtime.prompt_cache import PromptCache
 from engine.testing.datasets import write_dataset
 from engine.training import levers
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.preflight import TrainingPlan, preflight_training
 from engine.training.trainer import run_training
 

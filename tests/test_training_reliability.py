@@ -26,7 +26,7 @@ from engine.plugins import load_registry
 from engine.service import Busy
 from engine.testing.datasets import write_dataset
 from engine.training import records
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.lock import LOCK_NAME, ProcessId, RunLock
 from engine.training.preflight import preflight_training
 from engine.training.records import TERMINAL, RunRecord, list_runs

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from engine.hardware.profile import GIB_IN_GB
 from engine.policy.resolved import Resolved, auto, explicit
+from engine.requests.choices import VAE_TILING_REQUESTS
 from engine.types import FamilySpec
 
 #: An image token is one 16x16-pixel patch (see ActivationFigures).
@@ -33,7 +34,6 @@ CONTEXT_GB = 1 * GIB_IN_GB
 #: The side of one VAE tile: the session caps the VAE's tile at this size when
 #: it engages tiling, so this bounds a tiled decode's peak.
 VAE_TILE_PX = 512
-VAE_TILING_REQUESTS: tuple[str, ...] = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from engine.hardware.profile import HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
+from engine.requests.choices import ATTENTION_BACKENDS
 from engine.types import ATTENTION_KERNELS
 
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", *ATTENTION_KERNELS)
 ATTENTION_INSTALL_ENV = "DIFFUSION_ENGINE_ATTENTION_INSTALL"
 #: cuDNN's fused SDPA kernel: Ampere (sm80) and newer, half-precision inputs.
 CUDNN_ATTENTION_MIN_CAPABILITY = (8, 0)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
+from engine.requests.choices import DTYPES
 from engine.types import FamilySpec
 
-DTYPES: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32")
 
 #: Bytes per parameter relative to bf16.
 DTYPE_FACTOR = {"bf16": 1.0, "fp16": 1.0, "fp32": 2.0}

@@ -43,12 +43,9 @@ from engine.hardware.profile import HardwareProfile
 from engine.policy.memory import Components, MemoryEstimate, MemoryThresholds, plan_memory
 from engine.policy.quant import scheme_unsupported_reason
 from engine.policy.resolved import Resolved, auto, explicit
+from engine.requests.choices import TEXT_ENCODER_MEMORY_REQUESTS, TEXT_ENCODER_QUANT_REQUESTS
 from engine.schemes import ENCODER_SCHEME_ROWS, ENCODER_SCHEMES
 from engine.types import FamilySpec
-
-#: Text-encoder schemes (``none`` keeps the compute dtype), from the scheme table.
-TEXT_ENCODER_QUANT_REQUESTS: tuple[str, ...] = ("auto", *ENCODER_SCHEMES)
-TEXT_ENCODER_MEMORY_REQUESTS: tuple[str, ...] = ("auto", "resident", "streamed")
 
 #: ``auto`` leaves encoders below this many bf16 GB dense: quantising saves
 #: too little to be worth the load-time cost (a knob; a config may override).

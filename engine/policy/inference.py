@@ -46,14 +46,16 @@ from engine.policy.encoders import (
     resolve_text_encoder_memory,
     resolve_text_encoder_quant,
 )
-from engine.policy.lora import LoraPlanInput, resolve_lora
+from engine.policy.lora import resolve_lora
+from engine.requests.inference import LoraPlanInput
 from engine.policy.memory import (
     Components,
     MemoryEstimate,
     MemoryThresholds,
     plan_memory,
 )
-from engine.policy.plan import CONTROLS, InferenceRequest, ModelFacts, Plan, requested_by_control
+from engine.policy.plan import CONTROLS, ModelFacts, Plan, requested_by_control
+from engine.requests.inference import InferenceRequest
 from engine.policy.quant import lift_denials, lifted_denials, resolve_quant_request
 from engine.policy.runtime_engine import resolve_engine, torch_is_faster
 from engine.policy.resolved import Resolved, auto, explicit, with_requests

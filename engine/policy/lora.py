@@ -13,19 +13,7 @@ from dataclasses import dataclass
 
 from engine.policy.compatibility import pair_refusal
 from engine.policy.resolved import Resolved, auto
-
-
-@dataclass(frozen=True)
-class LoraPlanInput:
-    """The LoRAs a load applies, as the planner sees them (read from headers)."""
-
-    count: int = 0
-    #: The largest rank among them (the hot-swap slot size under compile).
-    max_rank: int = 0
-    #: Parameters in their LoRA matrices, all together.
-    params: int = 0
-    #: The caller will change LoRAs or scales on the loaded pipeline.
-    switching: bool = False
+from engine.requests.inference import LoraPlanInput
 
 
 def resolve_lora(loras: LoraPlanInput, *, quantised: str | None, compiled: bool) -> Resolved[str]:

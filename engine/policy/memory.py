@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 from engine.errors import PreflightError
 from engine.hardware.profile import GIB_IN_GB, HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
+from engine.requests.choices import MEMORY_MODES
 
-MEMORY_MODES: tuple[str, ...] = ("resident", "model_offload", "group_offload", "sequential_offload")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The plan's records: what was asked, what is known of the model, what was decided.
 
 Torch-free. :class:`InferenceRequest` is the user's request (``auto`` leaves a
-control to the engine), :class:`ModelFacts` what the planner knows of the
+control to the engine; it is the request vocabulary's, :mod:`engine.requests.inference`),
+:class:`ModelFacts` what the planner knows of the
 model without loading it, and :class:`Plan` the result: every control
 resolved with its reason, keyed by the names UIs and the HTTP API use
 (:data:`CONTROLS`). The decisions themselves are made in
@@ -18,10 +19,10 @@ from types import MappingProxyType
 
 from engine.policy.available import AvailableMemory
 from engine.policy.encoders import PrecastEncoders
-from engine.policy.lora import LoraPlanInput
 from engine.policy.memory import MemoryEstimate
 from engine.policy.resolved import Resolved
 from engine.policy.runtime_engine import SdcppFiles
+from engine.requests.inference import InferenceRequest, LoraPlanInput
 from engine.types import Checkpoint, ComponentSizes, FamilySpec
 
 #: The controls of a plan, in display order; these names are the JSON keys.
@@ -45,34 +46,6 @@ CONTROLS: tuple[str, ...] = (
     "vae_slicing",
     "eager_fusions",
 )
-
-
-@dataclass(frozen=True)
-class InferenceRequest:
-    """What the user asked for; ``auto`` leaves a control to the engine."""
-
-    #: ``diffusers``, ``sdcpp`` (stable-diffusion.cpp, the CPU engine) or ``auto``.
-    engine: str = "auto"
-    dtype: str = "auto"
-    quant: str = "auto"
-    memory: str = "auto"
-    attention: str = "auto"
-    step_cache: str = "auto"
-    compile: str = "auto"
-    speed: str = "auto"
-    steps: int | None = None
-    threads: int | None = None
-    loras: LoraPlanInput = LoraPlanInput()
-    text_encoder_quant: str = "auto"
-    text_encoder_memory: str = "auto"
-    vae_tiling: str = "auto"
-    #: Reuse prompt embeddings from the on-disk cache across loads (see
-    #: :mod:`engine.runtime.prompt_cache`); False encodes every call.
-    prompt_cache: bool = True
-    #: The image size and batch the activation guard sizes for (None: 1024 px).
-    width: int | None = None
-    height: int | None = None
-    count: int = 1
 
 
 @dataclass(frozen=True)

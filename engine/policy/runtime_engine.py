@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
+from engine.requests.choices import ENGINES
 
-ENGINES: tuple[str, ...] = ("auto", "diffusers", "sdcpp")
 #: What installs the binding (the package's extra).
 SDCPP_INSTALL = "pip install 'diffusion-engine[cpu]' (stable-diffusion-cpp-python)"
 

@@ -31,12 +31,8 @@ from engine.policy.attention import (  # noqa: F401 - re-exported: the attention
 )
 from engine.policy.compatibility import pair_refusal
 from engine.policy.resolved import Resolved, Source, auto, explicit
+from engine.requests.choices import COMPILE_REQUESTS, SPEED_REQUESTS, SPEED_TIERS, STEP_CACHES
 
-SPEED_TIERS: tuple[str, ...] = ("off", "eager", "default", "max")
-#: What ``speed`` takes: a tier, or ``auto`` (off for a dense transformer, default for a quantised one).
-SPEED_REQUESTS: tuple[str, ...] = ("auto", *SPEED_TIERS)
-STEP_CACHES: tuple[str, ...] = ("auto", "off", "fbcache")
-COMPILE_REQUESTS: tuple[str, ...] = ("auto", "on", "off")
 
 FP16_ACCUM_KILL_SWITCH = "DIFFUSION_ENGINE_DISABLE_FP16_ACCUM"
 #: Set to 0 to run the denoiser's blocks as diffusers wrote them (no eager fusions).

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Literal
 
 from engine.hardware.profile import HardwareProfile
+from engine.requests.choices import DEVICES  # noqa: F401 - re-exported: the devices a run may name
 
 Device = Literal["auto", "cuda", "cpu"]
-DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
 #: Accelerators other than CUDA / ROCm that a LoRA run may use: they clear the
 #: "no accelerator" gate and load a 4-bit base (bitsandbytes' multi-backend),
 #: while the dense modes (bf16 / int8 / fp8 / mxfp8 kernels) stay CUDA-only.

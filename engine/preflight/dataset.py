@@ -35,8 +35,8 @@ from pathlib import Path, PurePosixPath
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from engine.errors import PreflightError
+from engine.requests.references import IMAGE_EXTENSIONS
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 CAPTION_EXTENSIONS = (".txt", ".caption")
 METADATA = "metadata.jsonl"
 #: PIL's own decompression-bomb limit (about 89 megapixels).

@@ -10,43 +10,23 @@ reaches the network.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from engine.errors import PreflightError
 from engine.preflight.source import ModelSource
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_TRUTHY = {"1", "ON", "YES", "TRUE"}
-#: Set to 1 to allow downloads of hub models that are not cached (as ``--allow-download``).
-ALLOW_DOWNLOAD_ENV = "DIFFUSION_ENGINE_ALLOW_DOWNLOAD"
-
-
-def looks_like_path(text: str) -> bool:
-    """Whether ``text`` is written as a filesystem path, not a hub repo id.
-
-    A repo id is exactly ``org/name``. Anything anchored (``/``, ``./``,
-    ``../``, ``~``), with a backslash, with no slash or more than one, or with a
-    ``.``/``..`` component is a path; a path that does not exist is missing,
-    and is never sent to a hub.
-    """
-    if text.startswith(("/", "~")) or "\\" in text or os.sep in text.replace("/", ""):
-        return True
-    parts = text.split("/")
-    return len(parts) != 2 or any(part in ("", ".", "..") for part in parts)
-
-
-def is_hub_id(text: str) -> bool:
-    """``text`` is written as a hub repo id (``org/name``), not as a path.
-
-    Syntax only: the caller checks first that no such local path exists.
-    """
-    return not looks_like_path(text) and ".." not in text and bool(_HUB_ID.match(text))
+# How a reference is written, and the download consent: the request vocabulary's (re-exported).
+from engine.requests.references import (  # noqa: F401
+    ALLOW_DOWNLOAD_ENV,
+    TRUTHY,
+    download_allowed_by_env,
+    is_hub_id,
+    looks_like_path,
+)
 
 
 def hub_offline() -> bool:
     """Whether ``HF_HUB_OFFLINE`` is set (read now, not at import time)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in _TRUTHY
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in TRUTHY
 
 
 def hub_access_error(source: ModelSource, *, allow_download: bool = True) -> PreflightError | None:
@@ -124,11 +104,6 @@ def hub_repo(source: ModelSource) -> str | None:
     if source.base and not Path(source.base).expanduser().is_dir():
         return source.base
     return None
-
-
-def download_allowed_by_env() -> bool:
-    """Whether ``DIFFUSION_ENGINE_ALLOW_DOWNLOAD`` says downloads are allowed."""
-    return os.environ.get(ALLOW_DOWNLOAD_ENV, "").strip().upper() in _TRUTHY
 
 
 def hub_download_gb(repo: str, timeout_s: float = 10.0) -> float:

@@ -12,25 +12,21 @@ module of the model is checked against the model's own module tree by
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 from engine.errors import EngineError, PreflightError
 from engine.plugins import Registry
-from engine.policy.lora import LoraPlanInput
+from engine.requests.inference import LoraPlanInput
 from engine.preflight.headers import nonfinite_tensors, read_safetensors_header
+# How a request names a LoRA: the request vocabulary's (re-exported for older imports).
+from engine.requests.loras import MAX_SCALE, LoraChoice, LoraLike, lora_choices, parse_lora_arg  # noqa: F401
+from engine.requests.references import RUN_LORA_FILE
 from engine.types import FamilySpec
-
-#: The file a training run (and diffusers' ``save_lora_weights``) writes.
-RUN_LORA_FILE = "pytorch_lora_weights.safetensors"
 
 #: Key suffixes of the "down" (A) matrix in the spellings diffusers converts.
 _DOWN = (".lora_A.weight", ".lora_down.weight", ".lora.down.weight", "_lora.down.weight")
-
-#: Scales outside this range are almost surely a typo (``:10`` for ``:1.0``).
-MAX_SCALE = 8.0
 
 
 class LoraNotFound(EngineError, FileNotFoundError):
@@ -43,22 +39,6 @@ class LoraMismatch(PreflightError):
     """A LoRA whose keys do not all land on the model: refused, never half-applied."""
 
     code = "lora_mismatch"
-
-
-@dataclass(frozen=True)
-class LoraChoice:
-    """A LoRA the caller asked for: where it is and how strongly to apply it."""
-
-    path: str
-    scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.scale) or abs(self.scale) > MAX_SCALE:
-            raise PreflightError(
-                f"LoRA scale {self.scale} for {self.path} is outside -{MAX_SCALE}..{MAX_SCALE}; "
-                "give a scale such as 0.8 (PATH:0.8)",
-                code="invalid_request",
-            )
 
 
 @dataclass(frozen=True)
@@ -80,45 +60,6 @@ class LoraFile:
 
     def to_dict(self) -> dict[str, object]:
         return {"path": str(self.path), "name": self.name, "scale": self.scale, "rank": self.rank}
-
-
-def parse_lora_arg(text: str) -> LoraChoice:
-    """``PATH[:SCALE]`` -> a :class:`LoraChoice` (scale 1.0 when none is given).
-
-    The scale is the part after the last ``:`` only when it reads as a number,
-    so a path that itself holds a colon still works."""
-    path, sep, tail = text.rpartition(":")
-    if sep and path:
-        try:
-            return LoraChoice(path, float(tail))
-        except ValueError:
-            pass
-    return LoraChoice(text, 1.0)
-
-
-#: What callers may give for a LoRA: ``"PATH[:SCALE]"``, ``{"path", "scale"}``,
-#: ``(path, scale)`` or a :class:`LoraChoice`.
-LoraLike = Union[str, Path, LoraChoice, Mapping[str, object], tuple]
-
-
-def lora_choices(items: Iterable[LoraLike]) -> tuple[LoraChoice, ...]:
-    """Every way a caller may name a LoRA, as :class:`LoraChoice` values."""
-    choices = []
-    for item in items:
-        if isinstance(item, LoraChoice):
-            choices.append(item)
-        elif isinstance(item, (str, Path)):
-            choices.append(parse_lora_arg(str(item)))
-        elif isinstance(item, Mapping) and "path" in item:
-            choices.append(LoraChoice(str(item["path"]), float(item.get("scale", 1.0))))  # type: ignore[arg-type]
-        elif isinstance(item, tuple) and len(item) == 2:
-            choices.append(LoraChoice(str(item[0]), float(item[1])))
-        else:
-            raise PreflightError(
-                f"cannot read {item!r} as a LoRA; give 'PATH[:SCALE]' or {{'path': ..., 'scale': ...}}",
-                code="invalid_request",
-            )
-    return tuple(choices)
 
 
 def read_lora(choice: LoraChoice) -> LoraFile:

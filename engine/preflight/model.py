@@ -41,9 +41,10 @@ from engine.errors import EngineError, PreflightError
 from engine.plugins import Registry
 from engine.types import Checkpoint
 from engine.preflight.folder import pipeline_source
-from engine.preflight.hub import hub_access_error, hub_offline, is_hub_id, looks_like_path
+from engine.preflight.hub import hub_access_error, hub_offline
 from engine.preflight.single_file import single_file_source
 from engine.preflight.source import ModelKind, ModelNotFound, ModelSource, NotAPipeline, unknown_family
+from engine.requests.references import is_hub_id, looks_like_path
 
 #: Imported from here by the service, the CLI and the tests.
 __all__ = [

@@ -25,8 +25,8 @@ from engine.preflight.headers import (
     tensor_shapes,
     whole_pipeline_sizes,
 )
-from engine.preflight.hub import is_hub_id
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline, unknown_family
+from engine.requests.references import is_hub_id
 from engine.types import Checkpoint, ComponentSizes, FamilySpec
 
 

@@ -5,8 +5,15 @@
   models' plan fields, the docs' tables and a refusal's words come;
 - :mod:`engine.requests.bodies`: the strict request models (plan, load,
   generate with its image inputs and LoRAs) and their shared limits;
+- :mod:`engine.requests.choices`: what each control may be set to;
+- :mod:`engine.requests.inference`: the inference request the policy decides from;
+- :mod:`engine.requests.loras` and :mod:`engine.requests.references`: how a
+  request names a LoRA, a model, a run's files (syntax only);
 - :mod:`engine.requests.training`: the training run's config;
 - :mod:`engine.requests.machine`: the machine a request is decided for.
+
+A leaf over the plugin contract: it imports no policy, preflight, runtime or
+trainer module (``tests/test_layers.py``); those import their records from here.
 
 The CLI and the HTTP server import the engine only through this package,
 :mod:`engine.errors` and the facade (:class:`engine.Engine`), so one request
@@ -16,7 +23,6 @@ means one thing whichever door it came in by.
 from __future__ import annotations
 
 from engine.places import default_datasets_dir, default_runs_dir
-from engine.preflight.hub import ALLOW_DOWNLOAD_ENV, download_allowed_by_env
 
 from engine.requests.bodies import (
     MAX_COUNT,
@@ -60,22 +66,27 @@ from engine.requests.controls import (
     markdown_table,
 )
 from engine.requests.machine import MachineRequest
-from engine.requests.references import IMAGE_EXTENSIONS, RUN_ADAPTER_FILES, is_hub_id, looks_like_path
+from engine.requests.inference import InferenceRequest, LoraPlanInput
+from engine.requests.loras import LoraChoice, LoraLike, lora_choices, parse_lora_arg
+from engine.requests.references import (
+    ALLOW_DOWNLOAD_ENV,
+    IMAGE_EXTENSIONS,
+    RUN_ADAPTER_FILES,
+    download_allowed,
+    download_allowed_by_env,
+    is_hub_id,
+    looks_like_path,
+)
 from engine.requests.training import InvalidConfig, LossWeighting, Optimizer, TrainingConfig, read_config_file
 
 
 
-def download_allowed(flag: bool = False) -> bool:
-    """The user's consent to a hub download: the flag, or ``DIFFUSION_ENGINE_ALLOW_DOWNLOAD=1``."""
-    return flag or download_allowed_by_env()
-
-
 __all__ = [
     "ALLOW_DOWNLOAD_ENV", "default_datasets_dir", "ALL_CONTROLS", "IMAGE_EXTENSIONS", "RUN_ADAPTER_FILES", "is_hub_id", "looks_like_path", "Body", "Control", "Count", "FIELD_FLAGS", "GENERATE_CONTROLS",
-    "GenerateBody", "Guidance", "InvalidConfig", "LoadBody", "LoraBody", "Loras", "LossWeighting",
+    "GenerateBody", "Guidance", "InferenceRequest", "InvalidConfig", "LoraChoice", "LoraLike", "LoraPlanInput", "LoadBody", "LoraBody", "Loras", "LossWeighting",
     "MAX_COUNT", "MAX_LORAS", "MAX_PLAN_STEPS", "MAX_SEED", "MAX_SIDE", "MAX_STEPS", "MIN_SIDE",
     "MODEL_CONTROLS", "MachineRequest", "Name", "Optimizer", "PLAN_CONTROLS", "PLAN_FIELDS", "PLAN_KEY_FLAGS",
     "PathText", "PlanBody", "PlanControls", "Prompt", "SIDE_MULTIPLE", "Seed", "Side", "Steps",
     "TRAIN_CONTROLS", "TrainingConfig", "default_runs_dir", "describe_problems", "download_allowed",
-    "in_flag_words", "lora_bodies", "markdown_table", "read_config_file", "refuse_lone_surrogates",
+    "download_allowed_by_env", "in_flag_words", "lora_bodies", "lora_choices", "parse_lora_arg", "markdown_table", "read_config_file", "refuse_lone_surrogates",
 ]

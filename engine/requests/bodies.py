@@ -10,7 +10,7 @@ and bounds every string.
 
 :class:`GenerateBody` is THE generate request (prompt, sizes, steps, seed,
 count, LoRAs and any later image inputs); :class:`PlanControls` the plan's
-controls; training uses :class:`engine.training.config.TrainingConfig`.
+controls; training uses :class:`engine.requests.training.TrainingConfig`.
 :func:`describe_problems` turns a validation error into one sentence per
 problem, naming each field the way the caller's face spells it (a flag at
 the terminal, a JSON field over HTTP).
@@ -23,7 +23,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from engine.policy.plan import InferenceRequest
+from engine.requests.inference import InferenceRequest
+from engine.requests.loras import lora_choices
+from engine.requests.batch import batch_items
 from engine.requests.controls import PLAN_CONTROLS, Control
 
 # -- the shared limits ------------------------------------------------------------
@@ -194,9 +196,7 @@ class GenerateBody(Body):
 
     def images(self) -> list[Any]:
         """The images this request makes, each with its own prompt and seed
-        (:class:`~engine.policy.batch.BatchItem`, as the engine runs them)."""
-        from engine.policy.batch import batch_items
-
+        (:class:`~engine.requests.batch.BatchItem`, as the engine runs them)."""
         return batch_items(self.prompt, prompts=self.prompts or (), seeds=self.seeds or (), seed=self.seed,
                            count=self.count, negative_prompt=self.negative_prompt)
 
@@ -207,8 +207,6 @@ class GenerateBody(Body):
 
 def lora_bodies(texts: list[str]) -> list[dict[str, object]]:
     """``PATH[:SCALE]`` strings (the CLI's ``--lora``) as ``{"path", "scale"}`` request items."""
-    from engine.preflight.lora import lora_choices
-
     return [{"path": c.path, "scale": c.scale} for c in lora_choices(texts)]
 
 

@@ -19,14 +19,21 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from engine.policy.activations import VAE_TILING_REQUESTS
-from engine.policy.dtype import DTYPES
-from engine.policy.encoders import TEXT_ENCODER_MEMORY_REQUESTS, TEXT_ENCODER_QUANT_REQUESTS
-from engine.policy.memory import MEMORY_MODES
-from engine.policy.quant import QUANT_REQUESTS
-from engine.policy.runtime_engine import ENGINES
-from engine.policy.speed import ATTENTION_BACKENDS, COMPILE_REQUESTS, SPEED_REQUESTS, STEP_CACHES
-from engine.policy.training import DEVICES, TRAINING_PRECISIONS
+from engine.requests.choices import (
+    ATTENTION_BACKENDS,
+    COMPILE_REQUESTS,
+    DEVICES,
+    DTYPES,
+    ENGINES,
+    MEMORY_MODES,
+    QUANT_REQUESTS,
+    SPEED_REQUESTS,
+    STEP_CACHES,
+    TEXT_ENCODER_MEMORY_REQUESTS,
+    TEXT_ENCODER_QUANT_REQUESTS,
+    TRAINING_PRECISIONS,
+    VAE_TILING_REQUESTS,
+)
 
 #: Which request a control belongs to.
 PLAN, GENERATE, TRAIN, MODEL = "plan", "generate", "train", "model"

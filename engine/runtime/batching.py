@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine.policy.batch import BatchItem, batch_items
+from engine.requests.batch import BatchItem, batch_items
 from engine.runtime.quantize import first_line
 
 __all__ = ["BatchItem", "SplitEvent", "batch_items", "chunk_size", "generators", "run_chunked"]

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from engine.errors import EngineError
 from engine.plugins import Registry
-from engine.policy.plan import InferenceRequest, Plan
+from engine.policy.plan import Plan
+from engine.requests.inference import InferenceRequest
 from engine.policy.resolved import auto
 from engine.preflight.lora import LoraFile
 from engine.preflight.source import ModelSource

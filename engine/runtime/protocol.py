@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from engine.plugins import Registry
-    from engine.policy.plan import InferenceRequest, Plan
+    from engine.policy.plan import Plan
+    from engine.requests.inference import InferenceRequest
     from engine.preflight.lora import LoraFile
     from engine.preflight.source import ModelSource
     from engine.runtime.generation import GenerateRequest

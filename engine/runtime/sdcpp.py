@@ -44,8 +44,9 @@ from PIL import Image
 from engine.errors import Cancelled, EngineError
 from engine.plugins import Registry
 from engine.policy.activations import DEFAULT_SIDE_PX
-from engine.policy.batch import batch_items
-from engine.policy.plan import InferenceRequest, Plan
+from engine.requests.batch import batch_items
+from engine.policy.plan import Plan
+from engine.requests.inference import InferenceRequest
 from engine.preflight.images import decode_image
 from engine.preflight.lora import LoraFile
 from engine.preflight.source import ModelSource

@@ -28,7 +28,8 @@ import torch
 from engine.errors import EngineError
 from engine.plugins import Registry
 from engine.policy.compatibility import plan_refusals
-from engine.policy.plan import InferenceRequest, Plan
+from engine.policy.plan import Plan
+from engine.requests.inference import InferenceRequest
 from engine.preflight.lora import LoraFile
 from engine.preflight.source import ModelSource
 from engine.runtime import capabilities, flags, text_encoders, workflows

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from engine.plugins import Registry
-from engine.policy.plan import InferenceRequest, Plan
+from engine.policy.plan import Plan
+from engine.requests.inference import InferenceRequest
 from engine.policy.resolved import Resolved, explicit
 from engine.policy.speed import resolve_step_cache, step_cache_unsupported
 from engine.preflight.source import ModelSource

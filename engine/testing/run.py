@@ -75,7 +75,7 @@ def _load_and_generate(
     registry: Registry, folder: Path, family: FamilySpec, size: int, steps: int
 ) -> tuple[object, bytes]:
     from engine.hardware.probe import probe
-    from engine.policy.plan import InferenceRequest
+    from engine.requests.inference import InferenceRequest
     from engine.service import Engine
 
     engine = Engine(registry=registry, hardware=probe(verify=False))
@@ -93,7 +93,7 @@ def _load_and_generate(
 def _train(registry: Registry, family: FamilySpec, folder: Path, workdir: Path, report: RunReport) -> Path:
     from engine.hardware.probe import probe
     from engine.testing.datasets import write_dataset
-    from engine.training.config import TrainingConfig
+    from engine.requests.training import TrainingConfig
     from engine.training.preflight import preflight_training
     from engine.training.trainer import run_training
 

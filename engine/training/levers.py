@@ -18,6 +18,7 @@ from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.policy.training_memory import PATCH_PIXELS
+from engine.requests.references import EMA_FILE
 from engine.types import FamilySpec, TrainingDefaults, TrainingObjective
 
 #: The engine's defaults where neither the config nor the family says.
@@ -27,7 +28,6 @@ ENGINE_WARMUP_STEPS = 0
 MIN_SNR_GAMMA = 5.0
 #: The bell weighting: a Gaussian over sigma (or t/T) centred mid-schedule.
 BELL_CENTRE, BELL_WIDTH = 0.5, 0.25
-EMA_FILE = "pytorch_lora_weights_ema.safetensors"
 
 
 @dataclass(frozen=True)

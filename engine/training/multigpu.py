@@ -23,7 +23,7 @@ from collections.abc import Callable
 from engine.errors import PreflightError
 from engine.hardware.devices import device_profiles, probed_devices
 from engine.hardware.profile import HardwareProfile
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 
 
 class NotEnoughGpus(PreflightError):

@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
 def _plan(registry, config_path: Path):  # type: ignore[no-untyped-def]
     """This machine's plan for one rank (``gpus=1``: one device per rank, checked here)."""
     from engine.hardware.probe import probe
-    from engine.training.config import TrainingConfig, read_config_file
+    from engine.requests.training import TrainingConfig, read_config_file
     from engine.training.preflight import preflight_training
 
     config = TrainingConfig.from_data({**read_config_file(config_path), "gpus": 1})

@@ -31,7 +31,7 @@ from engine.preflight.dataset import DatasetReport, discover_dataset
 from engine.preflight.hub import weights_report
 from engine.preflight.model import ModelSource, hub_access_error, lora_target_error, resolve_model
 from engine.training.buckets import BucketPlan, plan_buckets
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.levers import TrainingLevers, resolve_levers
 from engine.training.resume import check_resume
 from engine.training.multigpu import check_each_device, rank_devices

@@ -31,9 +31,7 @@ import socket
 
 from engine.errors import EngineError
 from engine.network import is_loopback
-
-#: Seconds every rank of a run gets to join, by default: time to start the other machines.
-JOIN_TIMEOUT_S = 600.0
+from engine.requests.training import JOIN_TIMEOUT_S  # the default wait, as the request names it
 
 
 class NodesNotJoined(EngineError):

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from engine.errors import EngineError
-from engine.training.config import TrainingConfig
+from engine.requests.training import TrainingConfig
 from engine.training.checkpoints import check_checkpoint, latest_checkpoint
 from engine.training.records import RECORD_NAME, RunRecord, find_run
 

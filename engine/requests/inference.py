@@ -1,0 +1,55 @@
+"""The inference request as the policy reads it: one record, whichever door it came in by.
+
+:class:`InferenceRequest` is what a face's request body (:class:`engine.requests.PlanControls`)
+becomes, and what :func:`engine.policy.inference.plan_inference` decides from; ``auto``
+leaves a control to the engine. :class:`LoraPlanInput` is the LoRAs of a load as the
+planner sees them (counted and sized from their headers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoraPlanInput:
+    """The LoRAs a load applies, as the planner sees them (read from headers)."""
+
+    count: int = 0
+    #: The largest rank among them (the hot-swap slot size under compile).
+    max_rank: int = 0
+    #: Parameters in their LoRA matrices, all together.
+    params: int = 0
+    #: The caller will change LoRAs or scales on the loaded pipeline.
+    switching: bool = False
+
+
+@dataclass(frozen=True)
+class InferenceRequest:
+    """What the user asked for; ``auto`` leaves a control to the engine."""
+
+    #: ``diffusers``, ``sdcpp`` (stable-diffusion.cpp, the CPU engine) or ``auto``.
+    engine: str = "auto"
+    dtype: str = "auto"
+    quant: str = "auto"
+    memory: str = "auto"
+    attention: str = "auto"
+    step_cache: str = "auto"
+    compile: str = "auto"
+    speed: str = "auto"
+    steps: int | None = None
+    threads: int | None = None
+    loras: LoraPlanInput = LoraPlanInput()
+    text_encoder_quant: str = "auto"
+    text_encoder_memory: str = "auto"
+    vae_tiling: str = "auto"
+    #: Reuse prompt embeddings from the on-disk cache across loads (see
+    #: :mod:`engine.runtime.prompt_cache`); False encodes every call.
+    prompt_cache: bool = True
+    #: The image size and batch the activation guard sizes for (None: 1024 px).
+    width: int | None = None
+    height: int | None = None
+    count: int = 1
+
+
+__all__ = ["InferenceRequest", "LoraPlanInput"]
