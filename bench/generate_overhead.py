@@ -27,7 +27,7 @@ from diffusers import DiffusionPipeline  # noqa: E402
 from diffusers.utils import logging as diffusers_logging  # noqa: E402
 
 from engine.hardware.probe import probe  # noqa: E402
-from engine.plugins import load_registry  # noqa: E402
+from engine.contract.plugins import load_registry  # noqa: E402
 from engine.policy.inference import InferenceRequest, plan_inference  # noqa: E402
 from engine.preflight.model import resolve_model  # noqa: E402
 from engine.runtime.session import GenerateRequest, InferenceSession  # noqa: E402

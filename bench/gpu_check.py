@@ -74,11 +74,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine.errors import EngineError, PreflightError  # noqa: E402
 from engine.hardware.probe import probe  # noqa: E402
 from engine.hardware.profile import HardwareProfile  # noqa: E402
-from engine.plugins import Registry, load_registry  # noqa: E402
+from engine.contract.plugins import Registry, load_registry  # noqa: E402
 from engine.policy.inference import InferenceRequest, ModelFacts, Plan, plan_inference  # noqa: E402
 from engine.policy.training import MemoryRequest, training_precision_preflight_error  # noqa: E402
 from engine.policy.training_memory import BaseFacts, TrainingShape  # noqa: E402
-from engine.types import ComponentSizes, FamilySpec  # noqa: E402
+from engine.contract.types import ComponentSizes, FamilySpec  # noqa: E402
 from real_configs import SDXL_UNET  # noqa: E402  (bench/ is not a package)
 
 # -- what the spec measured (B200, LoRA training steps/s) ----------------------

@@ -59,7 +59,7 @@ def full_size_model(family: str, configs: dict[str, Path]) -> torch.nn.Module:
     """The family's full-size denoiser on the meta device (no weights)."""
     import diffusers
 
-    from engine.plugins import load_registry
+    from engine.contract.plugins import load_registry
 
     if family in MODELS and family not in configs:
         _, full, _ = MODELS[family]
@@ -133,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     configs = {k: Path(v).expanduser() for k, _, v in (c.partition("=") for c in args.config)}
     if args.factors:
-        from engine.plugins import load_registry
+        from engine.contract.plugins import load_registry
 
         full_size_factors(args.families or sorted(load_registry().families), configs)
     else:

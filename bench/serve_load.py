@@ -50,7 +50,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def build_tiny(folder: Path) -> Path:
-    from engine.plugins import load_registry
+    from engine.contract.plugins import load_registry
 
     registry = load_registry()
     return registry.build_tiny_pipeline(registry.family("sdxl"), folder / "models" / "tiny-sdxl")
@@ -196,7 +196,7 @@ def load_run(server: Server, clients: int, requests: int, steps: int, size: int,
 def batch_probe(pipeline: Path, steps: int, size: int, counts: tuple[int, ...] = (4, 8), repeats: int = 3) -> None:
     """Separate calls vs one merged call (as the engine runs it, and forced to one forward)."""
     from engine.hardware.probe import probe
-    from engine.service import Engine
+    from engine.service.facade import Engine
 
     engine = Engine(hardware=probe(verify=False), runs_dir=pipeline.parent / "probe-runs")
     engine.load(str(pipeline))

@@ -26,7 +26,7 @@ from diffusers.utils import logging as diffusers_logging  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
 from engine.hardware.probe import probe  # noqa: E402
-from engine.plugins import load_registry  # noqa: E402
+from engine.contract.plugins import load_registry  # noqa: E402
 from engine.testing.datasets import write_dataset  # noqa: E402
 from engine.training.config import TrainingConfig  # noqa: E402
 from engine.training.preflight import preflight_training  # noqa: E402

@@ -16,12 +16,12 @@ __version__ = "0.1.0"
 __all__ = ["Engine", "__version__"]
 
 if TYPE_CHECKING:
-    from engine.service import Engine
+    from engine.service.facade import Engine
 
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":  # imported on first use, so `import engine` stays light
-        from engine.service import Engine
+        from engine.service.facade import Engine
 
         return Engine
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

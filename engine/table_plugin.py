@@ -2,7 +2,7 @@
 
 Every implementation here is ``trylast``: a family plugin (or a third-party
 plugin overriding one) answers first when it has something to say, and the
-registered :class:`~engine.types.FamilySpec` answers otherwise. This is why a
+registered :class:`~engine.contract.types.FamilySpec` answers otherwise. This is why a
 family's hooks module is usually one function long.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from engine.errors import PluginError
 from engine.hardware.profile import HardwareProfile
-from engine.hookspecs import hookimpl
-from engine.types import (
+from engine.contract.hookspecs import hookimpl
+from engine.contract.types import (
     ATTENTION_KERNELS,
     TRAINING_PRECISIONS,
     Checkpoint,

@@ -24,7 +24,7 @@ OUT = Path("out")
 def main() -> int:
     quiet_library_logs(progress_bars=False)
     with tempfile.TemporaryDirectory(prefix="diffusion-engine-demo-") as scratch:
-        from engine.plugins import load_registry
+        from engine.contract.plugins import load_registry
 
         registry = load_registry()
         tiny = registry.build_tiny_pipeline(registry.family("flux"), Path(scratch) / "tiny-flux")

@@ -21,8 +21,8 @@ import torch
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from engine.hookspecs import hookimpl
-from engine.types import Checkpoint, FamilySpec, LoraLayout
+from engine.contract.hookspecs import hookimpl
+from engine.contract.types import Checkpoint, FamilySpec, LoraLayout
 from tests.support import EXAMPLE_PLUGIN
 
 if str(EXAMPLE_PLUGIN) not in sys.path:  # the example's tiny SD3 parts, imported as a user would

@@ -54,7 +54,7 @@ def install_example(site: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[],
 @pytest.fixture(scope="session")
 def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Build (once per session) and return a family's tiny pipeline folder."""
-    from engine.plugins import load_registry
+    from engine.contract.plugins import load_registry
 
     registry = load_registry()
     built: dict[str, Path] = {}

@@ -14,9 +14,9 @@ import torch
 
 from engine.errors import EngineError
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.runtime.batching import batch_items, chunk_size
-from engine.service import Cancelled, Engine
+from engine.service.facade import Cancelled, Engine
 
 REGISTRY = load_registry()
 SIZE = {"width": 64, "height": 64}

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.testing.datasets import write_dataset
 from engine.training.buckets import MAX_ASPECT, bucket_size, epoch_batches, fit, plan_buckets
 from engine.training.captions import CaptionOptions, choose, prompt_table, shuffled, with_trigger

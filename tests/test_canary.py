@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import Engine
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.inference import InferenceRequest, plan_inference
 from engine.preflight.model import resolve_model
 from engine.runtime.canary import run_linear

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 
 from engine.hardware.probe import probe
-from engine.plugins import Registry, load_registry
+from engine.contract.plugins import Registry, load_registry
 from engine.policy.inference import InferenceRequest, plan_inference
-from engine.types import ATTENTION_KERNELS
+from engine.contract.types import ATTENTION_KERNELS
 from engine.policy.info import training_info
 from engine.policy.resolved import explicit
 from engine.preflight.model import resolve_model
 from engine.runtime.session import GenerateRequest, InferenceSession
 from engine.testing.run import RunReport, run_model
-from engine.types import Capabilities
+from engine.contract.types import Capabilities
 from tests.capability_families import BARE, BareDenoiser, FixturePlugin
 
 

@@ -19,8 +19,8 @@ import pytest
 
 from engine.cli import main
 from engine.cli.parser import build_parser
-from engine.plugins import Registry
-from engine.service import Engine
+from engine.contract.plugins import Registry
+from engine.service.facade import Engine
 from engine.testing.checkpoints import write_single_file
 
 GEN = ["generate", "--tiny", "sdxl", "--prompt", "x"]
@@ -181,7 +181,7 @@ def test_ctrl_c_exits_130_quietly(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     def interrupted(*_args: object, **_kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("engine.service.load_registry", interrupted)
+    monkeypatch.setattr("engine.service.facade.load_registry", interrupted)
     assert main(["families"]) == 130
     assert "Traceback" not in capsys.readouterr().err
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.errors import EngineError, PreflightError
 from engine.hardware.presets import PRESETS
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy import compatibility
 from engine.policy.compatibility import AXES, pair_refusal, plan_combination, plan_refusals
 from engine.policy.inference import InferenceRequest, LoraPlanInput, ModelFacts, Plan, plan_inference

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.plugins import Registry, load_registry
+from engine.contract.plugins import Registry, load_registry
 from engine.testing import FamilyContract
 from engine.testing.contract import build_tiny_or_fail
 from engine.testing.run import run_model
-from engine.types import TrainingObjective
+from engine.contract.types import TrainingObjective
 from tests.capability_families import BROKEN, BrokenDenoiser, FixturePlugin
 
 
@@ -52,7 +52,7 @@ def test_kit_accepts_an_epsilon_predicting_dit() -> None:
     dit = dataclasses.replace(flux, training=dataclasses.replace(flux.training, objective=epsilon))
 
     class Epsilon:
-        from engine.hookspecs import hookimpl
+        from engine.contract.hookspecs import hookimpl
 
         @hookimpl
         def engine_training_objective(self, family: object) -> TrainingObjective:
@@ -78,7 +78,7 @@ def test_kit_catches_lora_markers_that_claim_another_familys_lora(tmp_path: Path
     import numpy as np
     from safetensors.numpy import save_file
 
-    from engine.types import LoraLayout
+    from engine.contract.types import LoraLayout
 
     registry = load_registry()
     flux = registry.family("flux")

@@ -131,7 +131,7 @@ def test_the_dry_run_plan_carries_the_dataset_report_and_strict_refuses_before_e
     from engine import Engine
     from engine.errors import EngineError
     from engine.hardware.presets import PRESETS
-    from engine.plugins import load_registry
+    from engine.contract.plugins import load_registry
     from tests.support import HostModel
 
     engine = Engine(registry=load_registry(), hardware=PRESETS["h100"], runs_dir=tmp_path / "runs")

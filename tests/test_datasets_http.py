@@ -199,7 +199,7 @@ def test_a_refused_delete_removes_nothing(site: Site, tmp_path: Path) -> None:
 
 
 def test_thumbnails_decode_once_and_take_the_input_header_cap(site: Site, monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.dataset_library as library
+    import engine.service.dataset_library as library
 
     decoded: list[Path] = []
     real = library.decode_image

@@ -25,7 +25,7 @@ from engine.hardware.devices import device_profiles
 from engine.hardware.presets import preset
 from engine.hardware.probe import probe
 from engine.hardware.profile import DeviceFacts
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.testing.datasets import write_dataset
 from engine.requests.training import TrainingConfig
 from engine.training.preflight import TrainingPlan, preflight_training

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 from engine import Engine
-from engine.doctor import PACKAGES, doctor_report, format_doctor
+from engine.service.doctor import PACKAGES, doctor_report, format_doctor
 from engine.hardware.presets import preset
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 
 REGISTRY = load_registry()
 

@@ -20,7 +20,7 @@ from engine.errors import PreflightError
 from engine.hardware import probe as probe_module
 from engine.hardware.presets import PRESETS, preset
 from engine.hardware.profile import GIB_IN_GB, HardwareProfile
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.inference import CONTROLS, InferenceRequest, ModelFacts, Plan, plan_inference
 from engine.policy.memory import budget_gb
 from engine.policy.quant import quant_ladder

@@ -15,7 +15,7 @@ import pytest
 from engine.errors import PreflightError
 from engine.hardware import probe as probe_module
 from engine.hardware.presets import PRESETS, preset
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.inference import CONTROLS, Plan
 from engine.policy.quant import quant_ladder
 from engine.policy.speed import install_requirement

@@ -17,7 +17,7 @@ import torch
 
 from engine.hardware.presets import PRESETS
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.encoders import encoder_gb
 from engine.policy.inference import InferenceRequest, ModelFacts, Plan, plan_inference
 from engine.preflight.model import resolve_model

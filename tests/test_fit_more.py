@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from engine.errors import PreflightError
 from engine.hardware.presets import preset
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.encoders import precast_encoders
 from engine.policy.inference import plan_inference
 from engine.policy.plan import InferenceRequest

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.family_sections import FusionSite
-from engine.plugins import load_registry
+from engine.contract.family_sections import FusionSite
+from engine.contract.plugins import load_registry
 from engine.policy.plan import InferenceRequest
 from engine.runtime.fusions import fuse, fused_method, unfuse
 from tests.test_generate import pixels, session_for

@@ -14,7 +14,7 @@ import torch
 
 from engine.errors import EngineError
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.inference import InferenceRequest, Plan, plan_inference
 from engine.policy.resolved import explicit
 from engine.preflight.model import resolve_model

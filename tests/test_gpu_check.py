@@ -48,7 +48,7 @@ def test_tiny_check_reports_every_path_and_survives_a_crashing_case(tmp_path: Pa
     rows = rows_by_id(report)
     assert report["mode"] == "tiny (CPU)"
     # One row per (family, path), each with the columns the GPU report has.
-    from engine.plugins import load_registry
+    from engine.contract.plugins import load_registry
 
     planned = [c.id for c in load_bench().all_cases(load_registry(), list(FAMILIES))]
     assert [r["id"] for r in report["rows"]] == planned
@@ -122,7 +122,7 @@ def test_real_size_configs_are_the_published_models() -> None:
     import diffusers
     import torch
 
-    from engine.plugins import load_registry
+    from engine.contract.plugins import load_registry
 
     bench = load_bench()
     registry = load_registry()
@@ -164,7 +164,7 @@ def test_gpu_cases_are_planned_by_the_engine_for_the_gpu_found(
     """What a GPU run would do on an H200 and a B200 (presets: the hardware is
     the only fake), with the plan made from the real-size denoiser's shapes."""
     from engine.hardware.presets import preset
-    from engine.plugins import load_registry
+    from engine.contract.plugins import load_registry
     from engine.policy.inference import plan_inference
 
     bench = load_bench()

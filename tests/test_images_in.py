@@ -15,7 +15,7 @@ from PIL import Image
 
 from engine.errors import EngineError
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.inference import InferenceRequest, plan_inference
 from engine.preflight.model import resolve_model
 from engine.runtime.inputs import fit_inputs, fitted_size
@@ -149,7 +149,7 @@ def test_http_inputs_come_from_the_inputs_root_and_openai_edits_take_uploads(
 
     from engine.server.app import create_app
     from engine.server.settings import ServerSettings
-    from engine.service import Engine
+    from engine.service.facade import Engine
     from tests.support import LiveServer
 
     inputs, outside = tmp_path / "inputs", tmp_path / "outside"
@@ -189,7 +189,7 @@ def test_http_inputs_come_from_the_inputs_root_and_openai_edits_take_uploads(
 @pytest.mark.slow
 def test_sdxl_controlnet_generates_from_a_canny_map(tiny_pipeline: Callable[[str], Path], tmp_path: Path) -> None:
     from engine.runtime.inputs import canny_map
-    from engine.service import Engine
+    from engine.service.facade import Engine
     from families.sdxl.tiny import build_tiny_controlnet
 
     square = Image.new("RGB", (64, 64), (0, 0, 0))

@@ -12,7 +12,7 @@ from PIL import Image
 
 from engine.errors import EngineError
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 
 REGISTRY = load_registry()
 HARDWARE = probe(verify=False)
@@ -27,7 +27,7 @@ def box(corner: tuple[int, int, int, int] = (16, 12, 48, 36)) -> Image.Image:
 
 @pytest.mark.slow
 def test_flux_controlnet_generates_from_a_canny_map(tiny_pipeline: Callable[[str], Path], tmp_path: Path) -> None:
-    from engine.service import Engine
+    from engine.service.facade import Engine
     from families.flux.tiny import build_tiny_controlnet
 
     engine = Engine(registry=REGISTRY, hardware=HARDWARE)
@@ -57,7 +57,7 @@ def test_a_controlnet_is_planned_like_any_component_and_refused_before_eviction(
     pipeline alone fits resident, the ControlNet beside it does not."""
     from engine.hardware.presets import PRESETS
     from engine.policy.plan import InferenceRequest
-    from engine.service import Engine
+    from engine.service.facade import Engine
     from engine.testing.checkpoints import write_sized_controlnet, write_sized_pipeline
     from tests.support import HostModel
 
@@ -171,7 +171,7 @@ def test_a_qwen_image_edit_checkpoint_edits_at_the_requested_size(tmp_path: Path
     second) and draws at the requested size; text-to-image with the same seed
     (the base pipeline over the same parts) draws something else."""
     pytest.importorskip("torchvision", reason="transformers builds Qwen2VLProcessor (Qwen-Image-Edit's) only with torchvision")
-    from engine.service import Engine
+    from engine.service.facade import Engine
     from families.qwen_image.tiny import build_tiny_edit_pipeline
 
     folder = build_tiny_edit_pipeline(tmp_path / "tiny-qwen-image-edit")
@@ -200,7 +200,7 @@ def test_an_edit_checkpoint_whose_processor_cannot_be_built_is_refused_before_ev
     import shutil
 
     from engine.hardware.presets import PRESETS
-    from engine.service import Engine
+    from engine.service.facade import Engine
     from tests.support import HostModel
 
     if importlib.util.find_spec("torchvision") is not None:

@@ -13,7 +13,7 @@ import pytest
 from engine.errors import PreflightError
 from engine.hardware.presets import PRESETS, preset
 from engine.hardware.profile import HardwareProfile
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.inference import CONTROLS, InferenceRequest, ModelFacts, Plan, plan_inference
 from engine.policy.quant import QUANT_REQUESTS, lift_denials, quant_ladder
 from engine.policy.speed import ATTENTION_INSTALL_ENV, FP16_ACCUM_KILL_SWITCH
@@ -316,7 +316,7 @@ def test_planning_imports_no_torch() -> None:
         """
         import sys
         from engine.hardware.presets import PRESETS
-        from engine.plugins import load_registry
+        from engine.contract.plugins import load_registry
         from engine.policy.inference import ModelFacts, plan_inference
         from engine.errors import PreflightError
         r = load_registry()

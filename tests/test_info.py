@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.hardware.presets import PRESETS
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.info import images_info
 from tests.support import run_cli
 
@@ -24,7 +24,7 @@ def test_resolving_info_for_every_preset_and_family_imports_no_torch() -> None:
         """
         import json, sys
         from engine.hardware.presets import PRESETS
-        from engine.plugins import load_registry
+        from engine.contract.plugins import load_registry
         from engine.policy.info import images_info, training_info
         from engine.policy.training import training_precision_preflight_error
         registry = load_registry()

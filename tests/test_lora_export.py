@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.inference import InferenceRequest, plan_inference
 from engine.preflight.lora import LoraChoice, plan_input, read_loras
 from engine.preflight.model import resolve_model

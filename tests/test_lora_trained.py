@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from engine.cli import main
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.inference import InferenceRequest, plan_inference
 from engine.preflight.lora import RUN_LORA_FILE, LoraChoice, plan_input, read_loras
 from engine.preflight.model import resolve_model

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.testing import memory_figures
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from engine import Engine
 from engine.hardware.presets import PRESETS, preset
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.available import Releasable, available_memory
 from engine.policy.training import (
     InsufficientMemory,

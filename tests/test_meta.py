@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import hookspecs
+from engine.contract import hookspecs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import EngineError
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.preflight.model import ModelNotFound, NotAPipeline, resolve_model
 from engine.testing.checkpoints import write_gguf, write_single_file
 

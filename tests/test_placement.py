@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.inference import InferenceRequest, plan_inference
 from engine.preflight.model import resolve_model
 from engine.runtime import quantize
 from engine.runtime.quantize import PlacementFailed, placing, quantize_on_host_then_place
 from engine.runtime.session import GenerateRequest, InferenceSession
-from engine.service import Engine
+from engine.service.facade import Engine
 from engine.testing.datasets import write_dataset
 from engine.requests.training import TrainingConfig
 from engine.training.preflight import preflight_training

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.hookspecs import hookimpl
-from engine.plugin_api import PLUGIN_API_VERSION, PluginDeprecationWarning
-from engine.plugins import BLOCK_ENV, load_registry
+from engine.contract.hookspecs import hookimpl
+from engine.contract.plugin_api import PLUGIN_API_VERSION, PluginDeprecationWarning
+from engine.contract.plugins import BLOCK_ENV, load_registry
 from engine.testing import FamilyContract
-from engine.types import FamilySpec, LoraLayout, TrainingSpec
+from engine.contract.types import FamilySpec, LoraLayout, TrainingSpec
 from families.flux.table import FLUX
 from tests.support import write_distribution
 
@@ -69,7 +69,7 @@ def _example_steps_aside() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("_example_steps_aside")
-@pytest.mark.filterwarnings("ignore::engine.plugin_api.PluginDeprecationWarning")
+@pytest.mark.filterwarnings("ignore::engine.contract.plugin_api.PluginDeprecationWarning")
 class TestAPlugin0FamilyPassesTheKit(FamilyContract):
     """The whole contract kit (the model run included) on the plugin API 0 family."""
 
@@ -140,7 +140,7 @@ def test_sections_hash_and_compare() -> None:
 def test_the_migration_section_lists_every_move() -> None:
     from pathlib import Path
 
-    from engine.plugin_api import RENAMED, SPLIT
+    from engine.contract.plugin_api import RENAMED, SPLIT
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text(encoding="utf-8")
     section = docs[docs.index("## Migration"):docs.index("## Loading rules")]
@@ -157,7 +157,7 @@ def test_a_runtime_module_that_breaks_the_contract_is_named_before_a_run() -> No
     import types as pytypes
 
     from engine.errors import PluginError
-    from engine.family_runtime import FamilyRuntime, load_runtime, runtime_problems
+    from engine.contract.family_runtime import FamilyRuntime, load_runtime, runtime_problems
 
     broken = pytypes.ModuleType("broken_runtime")
     broken.encode_prompts = lambda pipe, prompts: {}  # type: ignore[attr-defined]  # no device, dtype
@@ -193,7 +193,7 @@ def test_fp16_safety_is_stated_per_component() -> None:
     from engine.errors import PreflightError
     from engine.hardware.presets import preset
     from engine.policy.dtype import resolve_dtype
-    from engine.types import PrecisionRules
+    from engine.contract.types import PrecisionRules
 
     encoder_only = dataclasses.replace(FLUX, precision=PrecisionRules(
         fp16_unsafe=(("text_encoders", "its T5 overflows to inf in fp16"),)))

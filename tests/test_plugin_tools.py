@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.hookspecs import hookimpl
-from engine.plugins import TRACE_ENV, load_registry
-from engine.types import ComponentSizes, FamilySpec
+from engine.contract.hookspecs import hookimpl
+from engine.contract.plugins import TRACE_ENV, load_registry
+from engine.contract.types import ComponentSizes, FamilySpec
 from tests.support import run_cli
 
 

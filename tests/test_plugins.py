@@ -10,11 +10,11 @@ from pathlib import Path
 import pluggy
 import pytest
 
-from engine import hookspecs
+from engine.contract import hookspecs
 from engine.errors import FamilyConflict, PluginError
-from engine.hookspecs import hookimpl
-from engine.plugins import BLOCK_ENV, STRICT_ENV, load_registry
-from engine.types import FamilySpec
+from engine.contract.hookspecs import hookimpl
+from engine.contract.plugins import BLOCK_ENV, STRICT_ENV, load_registry
+from engine.contract.types import FamilySpec
 from families.flux.table import FLUX
 from tests.support import example_installed, run_cli, write_distribution
 
@@ -29,7 +29,7 @@ raise RuntimeError("this plugin is broken on purpose")
 
 SECOND_FLUX = """
 import dataclasses
-from engine.hookspecs import hookimpl
+from engine.contract.hookspecs import hookimpl
 from families.flux.table import FLUX
 
 @hookimpl
@@ -154,7 +154,7 @@ def test_a_plugin_overrides_a_family_table_answer() -> None:
 
 
 def test_optimization_denies_from_several_plugins_are_unioned() -> None:
-    from engine.types import OptimizationDeny
+    from engine.contract.types import OptimizationDeny
 
     class NoSage:
         @hookimpl
@@ -226,6 +226,6 @@ def test_every_field_of_the_plugin_data_classes_has_a_doc_line() -> None:
         if not field_docs(cls)[field.name] or f"- `{field.name}`:" not in sections.get(cls.__name__, "")
     ]
     assert not missing, (
-        f"no doc line for {', '.join(missing)}: give each a #: comment in engine/types.py, "
+        f"no doc line for {', '.join(missing)}: give each a #: comment in engine/contract/types.py, "
         "then run python -m engine.testing.fieldref --write"
     )

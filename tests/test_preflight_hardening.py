@@ -24,16 +24,16 @@ from engine import Engine
 from engine.errors import EngineError
 from engine.hardware.presets import PRESETS
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.preflight.dataset import DatasetError, discover_dataset
 from engine.preflight.model import is_hub_id, looks_like_path, resolve_model
-from engine.residency import Residency, Resident
+from engine.service.residency import Residency, Resident
 from engine.server.app import ServerSettings, create_app
-from engine.service import Busy
+from engine.service.facade import Busy
 from engine.testing.datasets import write_dataset
 from engine.requests.training import InvalidConfig, TrainingConfig
 from engine.training.preflight import preflight_training
-from engine.types import model_name
+from engine.contract.types import model_name
 from tests.support import HostModel, LiveServer
 
 REGISTRY = load_registry()

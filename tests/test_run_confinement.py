@@ -19,9 +19,9 @@ import pytest
 
 from engine.errors import EngineError
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.server.app import ServerSettings, create_app
-from engine.service import Engine
+from engine.service.facade import Engine
 from engine.testing.datasets import write_dataset
 from engine.requests.training import TrainingConfig
 from engine.training.records import MAX_RUN_FILES, RECORD_NAME, RunRecord, list_runs, run_files

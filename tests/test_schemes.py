@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.policy.encoders import TEXT_ENCODER_QUANT_REQUESTS
 from engine.policy.schemes import SCHEME_SIZES
 from engine.requests import PLAN_CONTROLS, TRAIN_CONTROLS
-from engine.schemes import (
+from engine.contract.schemes import (
     ENCODER_SCHEMES,
     HOST_QUANTISED,
     QUANT_REQUESTS,
@@ -13,7 +13,7 @@ from engine.schemes import (
     TORCHAO_SCHEMES,
     TRAINING_PRECISIONS,
 )
-from engine.types import QUANT_SCHEMES
+from engine.contract.types import QUANT_SCHEMES
 
 
 def test_every_list_of_schemes_comes_from_the_table() -> None:

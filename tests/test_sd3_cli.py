@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from engine.cli import main
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.testing.datasets import write_dataset
 
 pytestmark = pytest.mark.skipif(

@@ -82,7 +82,7 @@ def test_sdcpp_is_sized_from_its_files_where_torch_would_not_fit(sdcpp_model: Pa
     """fp32 torch needs the 12 B transformer's table size; sd.cpp holds the files as stored."""
     from engine.policy.runtime_engine import resolve_engine
     from engine.preflight.model import resolve_model
-    from engine.plugins import load_registry
+    from engine.contract.plugins import load_registry
 
     facts = resolve_model(load_registry(), str(sdcpp_model)).facts(load_registry())
     short = resolve_engine("auto", cpu(free_memory_gb=facts.sdcpp.gb / 2, swap_free_gb=0.0), facts.sdcpp)

@@ -18,9 +18,9 @@ import pytest
 from PIL import Image
 
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.server.app import ServerSettings, create_app
-from engine.service import Engine
+from engine.service.facade import Engine
 from engine.testing.datasets import write_dataset
 from tests.support import HostModel, LiveServer
 

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from engine.hardware.presets import preset
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.server.app import ServerSettings, create_app
-from engine.service import Engine
+from engine.service.facade import Engine
 from tests.support import LiveServer
 
 TOKEN = "fuzz-token"

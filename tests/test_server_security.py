@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.server.app import ServerSettings, create_app
-from engine.service import Engine
+from engine.service.facade import Engine
 from tests.support import LiveServer
 
 TOKEN = "s3cret"

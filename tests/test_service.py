@@ -16,13 +16,13 @@ from engine import Engine
 from engine.errors import EngineError
 from engine.hardware.presets import PRESETS
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.inference import InferenceRequest
-from engine.residency import Residency
-from engine.service import Busy
+from engine.service.residency import Residency
+from engine.service.facade import Busy
 from engine.testing.checkpoints import write_single_file
 from engine.testing.datasets import write_dataset
-from engine.types import TRAINING_PRECISIONS
+from engine.contract.types import TRAINING_PRECISIONS
 from tests.test_preflight_hardening import escaping_dataset, truncated_pipeline
 from engine.requests.training import TrainingConfig
 from engine.training.records import RunRecord

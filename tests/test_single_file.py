@@ -12,7 +12,7 @@ import torch
 
 from engine.errors import EngineError
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.inference import InferenceRequest, plan_inference
 from engine.preflight.model import resolve_model
 from engine.runtime.session import GenerateRequest, InferenceSession

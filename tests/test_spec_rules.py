@@ -22,7 +22,7 @@ from engine import Engine
 from engine.errors import EngineError
 from engine.hardware.presets import preset
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.inference import InferenceRequest, plan_inference
 from engine.policy.info import training_info
 from engine.policy.resolved import auto
@@ -142,7 +142,7 @@ def test_images_info_route_is_torch_free_on_a_gpu_machine(tmp_path: Path) -> Non
         import json, sys
         from starlette.testclient import TestClient
         from engine.server.app import ServerSettings, create_app
-        from engine.service import Engine
+        from engine.service.facade import Engine
         client = TestClient(create_app(Engine(), ServerSettings(token="t")), base_url="http://localhost")
         response = client.get("/v1/images/info", headers={"Authorization": "Bearer t"})
         body = response.json()

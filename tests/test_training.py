@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.requests.training import TrainingConfig
 from engine.training.preflight import TrainingPlan, preflight_training
 from engine.training.records import RunRecord

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from engine.errors import PreflightError
 from engine.hardware.presets import preset
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.runtime.prompt_cache import PromptCache
 from engine.testing.datasets import write_dataset
 from engine.training import levers

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from engine.hardware.presets import PRESETS, preset
-from engine.plugins import Registry, load_registry
+from engine.contract.plugins import Registry, load_registry
 from engine.policy.info import training_info
 from engine.policy.training import (
     MemoryRequest,
@@ -15,7 +15,7 @@ from engine.policy.training import (
     training_precision_preflight_error,
 )
 from engine.policy.training_memory import TrainingShape
-from engine.types import TRAINING_PRECISIONS
+from engine.contract.types import TRAINING_PRECISIONS
 
 REGISTRY = load_registry()
 DIT = ("flux", "qwen_image", "zimage")

@@ -22,8 +22,8 @@ import pytest
 from engine import Engine
 from engine.errors import EngineError, PreflightError
 from engine.hardware.probe import probe
-from engine.plugins import load_registry
-from engine.service import Busy
+from engine.contract.plugins import load_registry
+from engine.service.facade import Busy
 from engine.testing.datasets import write_dataset
 from engine.training import records
 from engine.requests.training import TrainingConfig

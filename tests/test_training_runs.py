@@ -166,9 +166,9 @@ def test_http_cancel_lands_in_the_loading_phase_and_the_phase_ends_cancelled(
     import httpx
 
     from engine.hardware.probe import probe
-    from engine.plugins import load_registry
+    from engine.contract.plugins import load_registry
     from engine.server.app import ServerSettings, create_app
-    from engine.service import Engine
+    from engine.service.facade import Engine
     from tests.support import LiveServer
 
     token = "t0ken"

@@ -7,7 +7,7 @@ import torch
 from diffusers import AutoencoderKL
 
 from engine.hardware.presets import PRESETS
-from engine.plugins import load_registry
+from engine.contract.plugins import load_registry
 from engine.policy.activations import VAE_TILE_PX
 from engine.policy.inference import InferenceRequest, ModelFacts, Plan, plan_inference
 from engine.policy.resolved import auto

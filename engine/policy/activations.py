@@ -3,7 +3,7 @@
 The memory plan's overhead was a fixed 2 GiB at any size; a 2048 px image
 holds four times the activations of a 1024 px one. The guard reads the
 same measured per-token figures the training memory estimate uses
-(:class:`engine.types.ActivationFigures`): what one repeated block saves
+(:class:`engine.contract.types.ActivationFigures`): what one repeated block saves
 for backward per token bounds what it holds live at once in a forward, and
 inference holds one block's activations at a time, plus what lies outside
 the blocks. The VAE decoder's peak is the family's ``vae_decode_per_pixel``
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from engine.hardware.profile import GIB_IN_GB
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.requests.choices import VAE_TILING_REQUESTS
-from engine.types import FamilySpec
+from engine.contract.types import FamilySpec
 
 #: An image token is one 16x16-pixel patch (see ActivationFigures).
 PATCH_PX = 16

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from engine.hardware.profile import HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.requests.choices import ATTENTION_BACKENDS
-from engine.types import ATTENTION_KERNELS
+from engine.contract.types import ATTENTION_KERNELS
 
 ATTENTION_INSTALL_ENV = "DIFFUSION_ENGINE_ATTENTION_INSTALL"
 #: cuDNN's fused SDPA kernel: Ampere (sm80) and newer, half-precision inputs.

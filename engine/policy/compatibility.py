@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import TYPE_CHECKING
 
-from engine.schemes import TORCHAO_SCHEMES
-from engine.types import ATTENTION_KERNELS
+from engine.contract.schemes import TORCHAO_SCHEMES
+from engine.contract.types import ATTENTION_KERNELS
 
 if TYPE_CHECKING:  # the plan imports this module; only its type is needed here
     from engine.policy.plan import Plan

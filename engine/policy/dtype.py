@@ -11,7 +11,7 @@ from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.requests.choices import DTYPES
-from engine.types import FamilySpec
+from engine.contract.types import FamilySpec
 
 
 #: Bytes per parameter relative to bf16.

@@ -4,7 +4,7 @@ On the families this engine serves the text encoders are often as large as
 the denoiser (a 7B vision-language model, T5-XXL), and they run once per
 prompt. Two controls keep them from deciding whether a model fits:
 
-``text_encoder_quant`` (the rows of :data:`engine.schemes.ENCODER_SCHEME_ROWS`):
+``text_encoder_quant`` (the rows of :data:`engine.contract.schemes.ENCODER_SCHEME_ROWS`):
 ``fp8`` stores the Linear weights in fp8 and upcasts them layer by layer
 (plain tensors: it survives offload and streaming); the torchao modes
 ``fp8_dynamic`` (sm89+), ``int8`` (sm80+) and ``nvfp4`` (Blackwell) are
@@ -44,8 +44,8 @@ from engine.policy.memory import Components, MemoryEstimate, MemoryThresholds, p
 from engine.policy.quant import scheme_unsupported_reason
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.requests.choices import TEXT_ENCODER_MEMORY_REQUESTS, TEXT_ENCODER_QUANT_REQUESTS
-from engine.schemes import ENCODER_SCHEME_ROWS, ENCODER_SCHEMES
-from engine.types import FamilySpec
+from engine.contract.schemes import ENCODER_SCHEME_ROWS, ENCODER_SCHEMES
+from engine.contract.types import FamilySpec
 
 #: ``auto`` leaves encoders below this many bf16 GB dense: quantising saves
 #: too little to be worth the load-time cost (a knob; a config may override).

@@ -28,7 +28,7 @@ from types import MappingProxyType
 
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.available import AvailableMemory, available_memory
 from engine.policy.compatibility import plan_refusals
 from engine.policy.activations import (

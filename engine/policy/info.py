@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from engine.hardware.profile import HardwareProfile
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.encoders import encoder_denials, encoder_gb
-from engine.schemes import ENCODER_SCHEMES
+from engine.contract.schemes import ENCODER_SCHEMES
 from engine.policy.schemes import SCHEME_SIZES, transformer_gb
 from engine.policy.training import (
     Device,
@@ -24,7 +24,7 @@ from engine.policy.training import (
     training_precision_preflight_error,
 )
 from engine.policy.training_memory import TrainingShape
-from engine.types import TRAINING_PRECISIONS, ComponentSizes, FamilySpec
+from engine.contract.types import TRAINING_PRECISIONS, ComponentSizes, FamilySpec
 
 
 #: Base precisions the trainer runs eager: bitsandbytes 4-bit layers are not

@@ -23,7 +23,7 @@ from engine.policy.memory import MemoryEstimate
 from engine.policy.resolved import Resolved
 from engine.policy.runtime_engine import SdcppFiles
 from engine.requests.inference import InferenceRequest, LoraPlanInput
-from engine.types import Checkpoint, ComponentSizes, FamilySpec
+from engine.contract.types import Checkpoint, ComponentSizes, FamilySpec
 
 #: The controls of a plan, in display order; these names are the JSON keys.
 CONTROLS: tuple[str, ...] = (

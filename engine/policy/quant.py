@@ -14,8 +14,8 @@ from collections.abc import Mapping
 
 from engine.hardware.profile import NATIVE_BF16_MIN_CAPABILITY, HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
-from engine.schemes import QUANT_REQUESTS, SCHEMES, TORCHAO_SCHEMES  # noqa: F401  (re-exported)
-from engine.types import FamilySpec
+from engine.contract.schemes import QUANT_REQUESTS, SCHEMES, TORCHAO_SCHEMES  # noqa: F401  (re-exported)
+from engine.contract.types import FamilySpec
 
 
 

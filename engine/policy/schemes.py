@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from engine.schemes import HOST_QUANTISED, SCHEMES
+from engine.contract.schemes import HOST_QUANTISED, SCHEMES
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class SchemeSize:
     transient: float
 
 
-#: Each scheme's generic factors, from the scheme table (:data:`engine.schemes.SCHEMES`).
+#: Each scheme's generic factors, from the scheme table (:data:`engine.contract.schemes.SCHEMES`).
 SCHEME_SIZES: Mapping[str, SchemeSize] = MappingProxyType(
     {name: SchemeSize(steady=s.steady, transient=s.transient) for name, s in SCHEMES.items()}
 )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.policy.training_device import DEVICES, NON_CUDA_ACCELERATORS, Device, training_device  # noqa: F401
 from engine.policy.training_memory import (
@@ -24,8 +24,8 @@ from engine.policy.training_memory import (
     estimate_training_memory,
     usable_gb,
 )
-from engine.schemes import SCHEMES
-from engine.types import TRAINING_PRECISIONS, ComponentSizes, FamilySpec
+from engine.contract.schemes import SCHEMES
+from engine.contract.types import TRAINING_PRECISIONS, ComponentSizes, FamilySpec
 
 @dataclass(frozen=True)
 class TrainingThresholds:

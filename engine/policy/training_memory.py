@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 
 from engine.hardware.profile import GIB_IN_GB
 from engine.policy.schemes import SCHEME_SIZES
-from engine.types import ActivationFigures, FamilySpec, LoraTargetShape
+from engine.contract.types import ActivationFigures, FamilySpec, LoraTargetShape
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 #: Pixels per image token: a 2x2 patch of an 8x-downsampled latent.

@@ -15,7 +15,7 @@ from typing import Any
 from engine.errors import UnsupportedWorkflow
 from engine.policy.quant_filter import dense_gb
 from engine.preflight.headers import tensor_shapes
-from engine.types import FamilySpec
+from engine.contract.types import FamilySpec
 
 __all__ = ["check_controlnet", "controlnet_gb", "with_controlnet"]
 

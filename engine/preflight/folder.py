@@ -13,11 +13,11 @@ import json
 from pathlib import Path
 
 from engine.errors import PreflightError
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.encoders import precast_encoders
 from engine.preflight.headers import measured_sizes, sizes_by_scheme, tensor_storage
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline
-from engine.types import FamilySpec
+from engine.contract.types import FamilySpec
 
 
 def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None) -> ModelSource:

@@ -20,7 +20,7 @@ from pathlib import Path
 from engine.errors import PreflightError
 from engine.policy.quant_filter import LAYOUTS, dense_gb, quantised_gb
 from engine.preflight.source import NotAPipeline
-from engine.types import ComponentSizes, FamilySpec
+from engine.contract.types import ComponentSizes, FamilySpec
 
 #: (name, shape) of tensors, as read from a header.
 Shapes = list[tuple[str, tuple[int, ...]]]

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import EngineError, PreflightError
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.requests.inference import LoraPlanInput
 from engine.preflight.headers import nonfinite_tensors, read_safetensors_header
 # How a request names a LoRA: the request vocabulary's (re-exported for older imports).
 from engine.requests.loras import MAX_SCALE, LoraChoice, LoraLike, lora_choices, parse_lora_arg  # noqa: F401
 from engine.requests.references import RUN_LORA_FILE
-from engine.types import FamilySpec
+from engine.contract.types import FamilySpec
 
 #: Key suffixes of the "down" (A) matrix in the spellings diffusers converts.
 _DOWN = (".lora_A.weight", ".lora_down.weight", ".lora.down.weight", "_lora.down.weight")

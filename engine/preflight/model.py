@@ -38,8 +38,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from engine.errors import EngineError, PreflightError
-from engine.plugins import Registry
-from engine.types import Checkpoint
+from engine.contract.plugins import Registry
+from engine.contract.types import Checkpoint
 from engine.preflight.folder import pipeline_source
 from engine.preflight.hub import hub_access_error, hub_offline
 from engine.preflight.single_file import single_file_source

@@ -3,7 +3,7 @@
 sd.cpp reads what its users download: a GGUF or an original-layout
 ``.safetensors`` of the denoiser with its companions (the autoencoder, the
 text encoders) in the same folder, or a whole checkpoint in one file. The
-family's table (:class:`~engine.types.SdcppSupport`) says which kinds it reads
+family's table (:class:`~engine.contract.types.SdcppSupport`) says which kinds it reads
 and which companions, by file-name pattern; this module looks for them beside
 the model file (a directory listing, no weights read) and sizes them from the
 disk, which is what sd.cpp holds in RAM (it keeps a GGUF's quantised types).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from engine.places import real, within
 from engine.policy.runtime_engine import SdcppFiles
-from engine.types import FamilySpec
+from engine.contract.types import FamilySpec
 
 #: Why a kind of model argument cannot go to sd.cpp, whatever the family.
 KIND_REFUSALS = {

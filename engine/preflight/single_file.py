@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from engine.errors import PreflightError
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.quant_filter import dense_gb
 from engine.preflight.folder import pipeline_source
 from engine.preflight.headers import (
@@ -27,7 +27,7 @@ from engine.preflight.headers import (
 )
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline, unknown_family
 from engine.requests.references import is_hub_id
-from engine.types import Checkpoint, ComponentSizes, FamilySpec
+from engine.contract.types import Checkpoint, ComponentSizes, FamilySpec
 
 
 def single_file_source(

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from engine.errors import EngineError
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.encoders import PrecastEncoders
 from engine.policy.plan import ModelFacts
 from engine.preflight.sdcpp import sdcpp_files
-from engine.types import Checkpoint, ComponentSizes, FamilySpec
+from engine.contract.types import Checkpoint, ComponentSizes, FamilySpec
 
 #: ``single_file_pipeline``: one ``.safetensors`` holding the whole pipeline
 #: (its ``base`` is only where the component configs come from).

@@ -4,13 +4,13 @@ The request models, the CLI's ``choices=``, the docs' tables and the policy that
 decides each control all read these. They are the vocabulary, not a decision:
 ``auto`` leaves a control to the policy (:mod:`engine.policy`), which imports
 them from here. The quantisation schemes themselves are the plugin contract's
-(:mod:`engine.schemes`), since a family's deny lists name them.
+(:mod:`engine.contract.schemes`), since a family's deny lists name them.
 """
 
 from __future__ import annotations
 
-from engine.schemes import ENCODER_SCHEMES, QUANT_REQUESTS, TRAINING_PRECISIONS
-from engine.types import ATTENTION_KERNELS
+from engine.contract.schemes import ENCODER_SCHEMES, QUANT_REQUESTS, TRAINING_PRECISIONS
+from engine.contract.types import ATTENTION_KERNELS
 
 #: The runtime that runs a load: diffusers (torch), stable-diffusion.cpp (the CPU engine), or decided.
 ENGINES: tuple[str, ...] = ("auto", "diffusers", "sdcpp")

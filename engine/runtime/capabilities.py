@@ -1,6 +1,6 @@
 """What a loaded pipeline's classes can really do, checked against the table.
 
-A family's table may declare its capabilities (:class:`~engine.types.Capabilities`);
+A family's table may declare its capabilities (:class:`~engine.contract.types.Capabilities`);
 a declared ``False`` already turned the optimisation off in the plan. At load
 the runtime checks every capability on the real classes, whatever was
 declared, so a plan never relies on a method the class lacks: where a
@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.policy.plan import Plan
 from engine.policy.resolved import Resolved
-from engine.types import CAPABILITIES, FamilySpec
+from engine.contract.types import CAPABILITIES, FamilySpec
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine.errors import EngineError
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.plan import Plan
 from engine.requests.inference import InferenceRequest
 from engine.policy.resolved import auto

@@ -9,7 +9,7 @@ rewritten as an AST, compiled into a function over the block module's own
 globals; nothing is executed at module level): nothing of
 diffusers is copied here, and a block whose source changed is never patched
 blindly. The family's table names each block class, the methods to rewrite and
-how many rewrites it expects (:class:`~engine.family_sections.FusionSite`);
+how many rewrites it expects (:class:`~engine.contract.family_sections.FusionSite`);
 a different count means diffusers changed that block, so it stays as it is,
 with the reason.
 

@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from engine.errors import EngineError
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.plan import Plan
 from engine.preflight.lora import LoraFile
 from engine.preflight.source import ModelSource

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.types import FamilySpec
+from engine.contract.types import FamilySpec
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 

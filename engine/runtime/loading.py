@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from engine.errors import EngineError
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.plan import Plan
 from engine.policy.resolved import explicit
 from engine.preflight.source import ModelSource

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from engine.errors import EngineError
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.preflight.lora import LoraFile, LoraMismatch, mismatch_error
 from engine.preflight.source import ModelSource
 from engine.runtime.quantize import first_line
-from engine.types import FamilySpec
+from engine.contract.types import FamilySpec
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.family_helpers import call_value, prompt_list, true_cfg_prompt_inputs  # noqa: F401  (their home)
+from engine.contract.family_helpers import call_value, prompt_list, true_cfg_prompt_inputs  # noqa: F401  (their home)
 
 import torch
 

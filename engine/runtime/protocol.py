@@ -21,7 +21,7 @@ from engine.errors import Cancelled
 if TYPE_CHECKING:
     from PIL import Image
 
-    from engine.plugins import Registry
+    from engine.contract.plugins import Registry
     from engine.policy.plan import Plan
     from engine.requests.inference import InferenceRequest
     from engine.preflight.lora import LoraFile

@@ -42,7 +42,7 @@ from typing import Any
 from PIL import Image
 
 from engine.errors import Cancelled, EngineError
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.activations import DEFAULT_SIDE_PX
 from engine.requests.batch import batch_items
 from engine.policy.plan import Plan

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from engine.errors import EngineError
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.compatibility import plan_refusals
 from engine.policy.plan import Plan
 from engine.requests.inference import InferenceRequest

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.plan import Plan
 from engine.requests.inference import InferenceRequest
 from engine.policy.resolved import Resolved, explicit

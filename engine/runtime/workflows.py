@@ -1,6 +1,6 @@
 """Which pipeline serves a generate: text-to-image, img2img, inpaint or edit.
 
-The family's table (:meth:`engine.types.FamilySpec.workflows_of`) names the
+The family's table (:meth:`engine.contract.types.FamilySpec.workflows_of`) names the
 diffusers pipeline class serving each workflow of a checkpoint; this module
 picks the workflow from the request's inputs and builds that pipeline from
 the loaded one's components with diffusers' ``from_pipe`` (the weights are
@@ -14,7 +14,7 @@ import inspect
 from typing import Any
 
 from engine.errors import EngineError, UnsupportedWorkflow
-from engine.types import Checkpoint, FamilySpec, Workflow
+from engine.contract.types import Checkpoint, FamilySpec, Workflow
 
 
 def choose_workflow(

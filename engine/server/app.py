@@ -1,4 +1,4 @@
-"""The HTTP API: FastAPI over one :class:`~engine.service.Engine`.
+"""The HTTP API: FastAPI over one :class:`~engine.service.facade.Engine`.
 
 Routes mirror the Python facade (families, images info / plan / load /
 generate / status / unload, training info / start / status / stop / cancel / runs),

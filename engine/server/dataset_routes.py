@@ -1,7 +1,7 @@
 """``/v1/datasets``: the web page's dataset manager over HTTP.
 
 Thin: each route turns its path, query or body into one call of the
-engine's dataset methods (:mod:`engine.service_datasets`), in the server's
+engine's dataset methods (:mod:`engine.service.datasets`), in the server's
 dataset roots (``serve --datasets``). Uploads are multipart (field
 ``files``, one or more images), capped by the server's upload limit before a
 byte is read (:mod:`engine.server.guard`); captions are JSON

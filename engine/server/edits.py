@@ -6,7 +6,7 @@ whole body is capped by the server's body limit before a byte is read
 (:mod:`engine.server.guard`), so an upload can never exceed it; the scalar
 fields are held to the same limits as ``/v1/images/generations``
 (:class:`~engine.server.bodies.OpenAIImagesBody`). Both uploads are sized
-from their headers by the engine (:meth:`~engine.service.Engine.check_image`: a bomb is refused
+from their headers by the engine (:meth:`~engine.service.facade.Engine.check_image`: a bomb is refused
 before a pixel is decoded) and decoded only by the generate job, in the
 queue, like every other input. OpenAI's mask marks the area to edit by full
 transparency, which the engine's mask reader honours

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.types import FamilySpec
+from engine.contract.types import FamilySpec
 
 
 def denoiser_state_dict(pipeline_dir: Path, denoiser: str) -> dict[str, torch.Tensor]:

@@ -28,8 +28,8 @@ import pytest
 
 from engine.hardware.presets import PRESETS
 from engine.errors import PluginError
-from engine.plugins import Registry, load_registry
-from engine.types import PURPOSES, QUANT_SCHEMES, TRAINING_PRECISIONS, FamilySpec
+from engine.contract.plugins import Registry, load_registry
+from engine.contract.types import PURPOSES, QUANT_SCHEMES, TRAINING_PRECISIONS, FamilySpec
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -126,7 +126,7 @@ class FamilyContract:
             assert "bf16" not in denied, "the dense reference cannot be denied"
 
     def test_engine_optimization_deny(self, registry: Registry, family: FamilySpec) -> None:
-        from engine.types import OPTIMIZATIONS
+        from engine.contract.types import OPTIMIZATIONS
 
         denied = registry.optimization_deny(family)
         assert set(denied) <= set(OPTIMIZATIONS), denied
@@ -236,10 +236,10 @@ class FamilyContract:
 
     def test_runtime_module_keeps_the_contract(self, family: FamilySpec) -> None:
         """The runtime module has the functions the trainer calls, taking what it passes
-        (``engine.family_runtime.FamilyRuntime``), and optional ones take theirs too."""
+        (``engine.contract.family_runtime.FamilyRuntime``), and optional ones take theirs too."""
         import importlib
 
-        from engine.family_runtime import runtime_problems
+        from engine.contract.family_runtime import runtime_problems
 
         if not family.runtime_module:
             assert family.training.objective is None, "a trainable family names its runtime_module"

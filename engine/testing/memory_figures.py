@@ -91,7 +91,7 @@ from engine.testing.memory_models import (  # Denoiser and NoProbe: the tool's n
     count_blocks,
     full_lora_targets,
 )
-from engine.types import ActivationFigures, TrainingMemoryFigures
+from engine.contract.types import ActivationFigures, TrainingMemoryFigures
 
 #: Whether ActivationFigures carries its own outside figures under checkpointing.
 SEPARATE_CHECKPOINTED_OUTSIDE = any(
@@ -268,7 +268,7 @@ def validate(d: Denoiser, log: Callable[[str], None]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.plugins import load_registry
+    from engine.contract.plugins import load_registry
 
     registry = load_registry()
     probed = [name for name, spec in registry.families.items() if spec.training.probe is not None]

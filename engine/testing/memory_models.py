@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.policy.training_memory import lora_target_shapes
-from engine.types import FamilySpec, LoraTargetShape, MemoryProbe
+from engine.contract.types import FamilySpec, LoraTargetShape, MemoryProbe
 
 
 # ---------------------------------------------------------------------------
@@ -99,7 +99,7 @@ class Denoiser:
 
     @property
     def runtime(self) -> Any:
-        from engine.family_runtime import load_runtime
+        from engine.contract.family_runtime import load_runtime
 
         return load_runtime(self.spec)
 

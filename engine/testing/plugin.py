@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.testing.contract import fresh_registry
 from engine.testing.run import RunReport, run_model
 

@@ -1,6 +1,6 @@
 """Run a family's tiny model end to end through the engine (the kit's model check).
 
-Build the tiny pipeline, load it with :class:`~engine.service.Engine`,
+Build the tiny pipeline, load it with :class:`~engine.service.facade.Engine`,
 generate one image, train two LoRA steps with the engine's preflight and
 trainer (in this process: the registry, with any plugin a test registered,
 is the one the trainer's hooks go through), then generate again with the
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import EngineError
-from engine.plugins import Registry
-from engine.types import FamilySpec
+from engine.contract.plugins import Registry
+from engine.contract.types import FamilySpec
 
 #: Big enough that two steps of a rank-4 LoRA move 8-bit pixels.
 KIT_LEARNING_RATE = 5e-2
@@ -76,7 +76,7 @@ def _load_and_generate(
 ) -> tuple[object, bytes]:
     from engine.hardware.probe import probe
     from engine.requests.inference import InferenceRequest
-    from engine.service import Engine
+    from engine.service.facade import Engine
 
     engine = Engine(registry=registry, hardware=probe(verify=False))
     request = InferenceRequest(width=size, height=size, compile="off")

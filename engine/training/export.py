@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.runtime.kohya import OutFeatures, kohya_state_dict
-from engine.types import FamilySpec
+from engine.contract.types import FamilySpec
 
 if TYPE_CHECKING:
-    from engine.plugins import Registry
+    from engine.contract.plugins import Registry
     from engine.training.preflight import TrainingPlan
 
 #: The diffusers-format LoRA a run writes (the name ``load_lora_weights`` looks for).

@@ -19,7 +19,7 @@ from engine.hardware.profile import HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.policy.training_memory import PATCH_PIXELS
 from engine.requests.references import EMA_FILE
-from engine.types import FamilySpec, TrainingDefaults, TrainingObjective
+from engine.contract.types import FamilySpec, TrainingDefaults, TrainingObjective
 
 #: The engine's defaults where neither the config nor the family says.
 ENGINE_LEARNING_RATE = 1e-4

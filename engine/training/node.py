@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
 
     from engine.errors import EngineError
     from engine.logs import quiet_library_logs
-    from engine.plugins import load_registry
+    from engine.contract.plugins import load_registry
     from engine.training.replicas import join
     from engine.training.trainer import run_training
 

@@ -34,11 +34,11 @@ import torch
 from engine.errors import EngineError
 from engine.hardware.profile import NATIVE_BF16_MIN_CAPABILITY, Vendor, native_bf16
 from engine.policy.quant_filter import quantises
-from engine.schemes import SCHEMES, TORCHAO_SCHEMES
+from engine.contract.schemes import SCHEMES, TORCHAO_SCHEMES
 from engine.runtime.quantize import ModuleFilter, Placement, Transform, move_to, quantize_on_host_then_place
 
 #: Base precisions that change the frozen Linears after the adapter is added: the
-#: trainable schemes torchao builds (engine.schemes).
+#: trainable schemes torchao builds (engine.contract.schemes).
 CONVERTED_MODES = tuple(name for name in TORCHAO_SCHEMES if SCHEMES[name].trainable)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.policy.available import AvailableMemory, available_memory
 from engine.policy.training import (
@@ -35,7 +35,7 @@ from engine.requests.training import TrainingConfig
 from engine.training.levers import TrainingLevers, resolve_levers
 from engine.training.resume import check_resume
 from engine.training.multigpu import check_each_device, rank_devices
-from engine.types import FamilySpec, TrainingObjective
+from engine.contract.types import FamilySpec, TrainingObjective
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,12 @@ import torch
 from PIL import Image, ImageOps
 
 from engine.errors import EngineError
-from engine.family_runtime import load_runtime
+from engine.contract.family_runtime import load_runtime
 from engine.runtime import flags
 from engine.training.precision import check_this_machine, pinned_sdpa, place_base, rms_norm_patch
 from engine.training.buckets import Fit, epoch_batches, fit
 from engine.training.captions import CaptionOptions, choose, prompt_table
-from engine.plugins import Registry, load_registry
+from engine.contract.plugins import Registry, load_registry
 from engine.training import levers
 from engine.training.preflight import TrainingPlan
 from engine.training.export import save_lora

@@ -6,12 +6,12 @@ table plugin; this module adds code only where a table cannot say it.
 
 from collections.abc import Callable
 
-from engine.hookspecs import hookimpl
-from engine.types import FamilySpec
+from engine.contract.hookspecs import hookimpl
+from engine.contract.types import FamilySpec
 from families.flux.table import FLUX
 
 
-#: The plugin API this plugin is written for (engine.plugin_api).
+#: The plugin API this plugin is written for (engine.contract.plugin_api).
 ENGINE_PLUGIN_API = 1
 
 @hookimpl

@@ -67,7 +67,7 @@ def prompt_inputs(pipe, kwargs: dict) -> dict | None:
     inference prompt cache, :mod:`engine.runtime.prompt_cache`): the prompts,
     the negative prompts only when true CFG runs (``true_cfg_scale`` > 1 with a
     negative), and the T5 length. None: a call with a second prompt or no text."""
-    from engine.family_helpers import prompt_list, true_cfg_prompt_inputs
+    from engine.contract.family_helpers import prompt_list, true_cfg_prompt_inputs
 
     prompts = prompt_list(kwargs.get("prompt"))
     if prompts is None or kwargs.get("prompt_2") is not None or kwargs.get("negative_prompt_2") is not None:

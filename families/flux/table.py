@@ -4,7 +4,7 @@ Figures: bf16 sizes of the 12B MMDiT (23.8 GB), CLIP-L + T5-XXL (9.8 GB) and
 the 16-channel VAE (0.2 GB); sampling defaults per published checkpoint.
 """
 
-from engine.types import (
+from engine.contract.types import (
     FusionSite,
     ActivationFigures,
     Checkpoint,

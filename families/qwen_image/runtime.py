@@ -61,7 +61,7 @@ def prompt_inputs(pipe: DiffusionPipeline, kwargs: dict) -> dict | None:
     the negatives only when true CFG runs (``true_cfg_scale`` > 1 with a
     negative), and the maximum length. None for an edit call (its prompt is
     encoded with the input image) or a call without text."""
-    from engine.family_helpers import prompt_list, true_cfg_prompt_inputs
+    from engine.contract.family_helpers import prompt_list, true_cfg_prompt_inputs
 
     prompts = prompt_list(kwargs.get("prompt"))
     if prompts is None or "Edit" in type(pipe).__name__:

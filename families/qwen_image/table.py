@@ -5,7 +5,7 @@ encoder (16.6 GB) and its VAE (0.3 GB). The deny lists carry the same-seed
 A/B measurements against the dense bf16 reference that justify them.
 """
 
-from engine.types import (
+from engine.contract.types import (
     FusionSite,
     ActivationFigures,
     Checkpoint,

@@ -51,7 +51,7 @@ def prompt_inputs(pipe, kwargs: dict) -> dict | None:
     prompts, the negatives, whether classifier-free guidance runs (the pipeline's
     own rule: ``guidance_scale`` > 1 on a UNet without a guidance embedding), and
     ``clip_skip``. None: a call with second prompts or no text."""
-    from engine.family_helpers import call_value, prompt_list
+    from engine.contract.family_helpers import call_value, prompt_list
 
     prompts = prompt_list(kwargs.get("prompt"))
     if prompts is None or kwargs.get("prompt_2") is not None or kwargs.get("negative_prompt_2") is not None:

@@ -5,8 +5,8 @@ OpenCLIP-bigG (1.6 GB) and the VAE (0.2 GB). The UNet trainer runs in fp16
 mixed precision where bf16 is missing, so ``base_precision`` does not apply.
 """
 
-from engine.schemes import ENCODER_SCHEMES
-from engine.types import (
+from engine.contract.schemes import ENCODER_SCHEMES
+from engine.contract.types import (
     ActivationFigures,
     Checkpoint,
     ComponentSizes,

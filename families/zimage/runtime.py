@@ -66,7 +66,7 @@ def prompt_inputs(pipe: DiffusionPipeline, kwargs: dict) -> dict | None:
     inference prompt cache, :mod:`engine.runtime.prompt_cache`): the prompts,
     whether CFG runs (the pipeline's rule: ``guidance_scale`` > 0) with its
     negatives (empty ones when none is given), and the maximum length."""
-    from engine.family_helpers import call_value, prompt_list
+    from engine.contract.family_helpers import call_value, prompt_list
 
     prompts = prompt_list(kwargs.get("prompt"))
     if prompts is None:

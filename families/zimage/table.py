@@ -4,7 +4,7 @@ Figures: bf16 sizes of the 6B single-stream DiT (12.3 GB), the Qwen3-4B text
 encoder (8.0 GB) and the 16-channel VAE (0.2 GB).
 """
 
-from engine.types import (
+from engine.contract.types import (
     FusionSite,
     ActivationFigures,
     Checkpoint,

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable
 
 from diffusion_engine_sd3 import SD3
 
-from engine.hookspecs import hookimpl
-from engine.types import FamilySpec, QuantDeny, TrainingObjective
+from engine.contract.hookspecs import hookimpl
+from engine.contract.types import FamilySpec, QuantDeny, TrainingObjective
 
 OLD_SD3 = FamilySpec(
     name="sd3",

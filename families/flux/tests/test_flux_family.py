@@ -1,7 +1,7 @@
 """The flux plugin: the family contract, and its figures checked against the sources."""
 
 from engine.hardware.presets import preset
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.training import resolve_training_precision
 from engine.testing import FamilyContract
 

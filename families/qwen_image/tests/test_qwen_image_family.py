@@ -1,7 +1,7 @@
 """The qwen_image plugin: the contract, and the measured deny lists."""
 
 from engine.hardware.presets import PRESETS, preset
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.policy.info import training_info
 from engine.policy.training import training_precision_preflight_error
 from engine.testing import FamilyContract

@@ -1,6 +1,6 @@
 """The zimage plugin: the contract, and its table's specifics."""
 
-from engine.plugins import Registry
+from engine.contract.plugins import Registry
 from engine.testing import FamilyContract
 
 

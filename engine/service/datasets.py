@@ -1,8 +1,8 @@
-"""The dataset half of :class:`engine.service.Engine`: the datasets a run trains on.
+"""The dataset half of :class:`engine.service.facade.Engine`: the datasets a run trains on.
 
 Every face (the web page's dataset manager, ``/v1/datasets``, a Python app)
 lists, uploads, captions and deletes through these methods, over
-:class:`engine.dataset_library.DatasetLibrary`; the engine adds what only it
+:class:`engine.service.dataset_library.DatasetLibrary`; the engine adds what only it
 knows: which dataset a training run is using, here or in another process
 sharing the runs folder, so that one is not changed under it.
 """
@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.dataset_library import DatasetLibrary
+from engine.service.dataset_library import DatasetLibrary
 
 Roots = Sequence[Path | str] | None
 
 
 class DatasetJobs:
-    """Dataset methods of :class:`~engine.service.Engine` (a mixin). ``roots``: the
+    """Dataset methods of :class:`~engine.service.facade.Engine` (a mixin). ``roots``: the
     dataset roots to work in (a server passes its ``--datasets``); default the
     engine's own (``Engine(dataset_roots=...)``, else the per-user datasets folder)."""
 

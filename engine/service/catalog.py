@@ -1,4 +1,4 @@
-"""The questions half of :class:`engine.service.Engine`: what is installed, what a model
+"""The questions half of :class:`engine.service.facade.Engine`: what is installed, what a model
 reference is, what a family needs on this machine, and the tiny builders.
 
 None of these loads a model or touches the GPU; all of them are torch-free
@@ -20,7 +20,7 @@ from engine.preflight.model import resolve_model
 
 
 class CatalogQuestions:
-    """Light questions of :class:`~engine.service.Engine` (a mixin: the engine holds the registry)."""
+    """Light questions of :class:`~engine.service.facade.Engine` (a mixin: the engine holds the registry)."""
 
     # Provided by Engine.
     registry: Any
@@ -162,7 +162,7 @@ class CatalogQuestions:
 
     def doctor(self, *, as_json: bool = False) -> str:
         """Versions, then one verdict per family for inference and training (probes with torch)."""
-        from engine.doctor import run_doctor
+        from engine.service.doctor import run_doctor
 
         return run_doctor(self, as_json=as_json)
 

@@ -1,9 +1,9 @@
-"""The training half of :class:`engine.service.Engine`: plan, start, follow, stop and list runs.
+"""The training half of :class:`engine.service.facade.Engine`: plan, start, follow, stop and list runs.
 
 A run is a child process (:mod:`engine.training.runner`); one watcher thread
 per run folds its events into the run record and gives the job, the GPU and
 the run lock back when it ends. The checks and the order of a start are the
-engine's (see :mod:`engine.service`): every preflight, then the reservation,
+engine's (see :mod:`engine.service.facade`): every preflight, then the reservation,
 then eviction, then the child.
 """
 
@@ -25,7 +25,7 @@ TRAINER = "engine.trainer"
 
 
 class TrainingJobs:
-    """Training methods of :class:`~engine.service.Engine` (a mixin: the engine
+    """Training methods of :class:`~engine.service.facade.Engine` (a mixin: the engine
     holds the state, the lock and the job reservation they share)."""
 
     # Provided by Engine.

@@ -25,7 +25,7 @@ from typing import Any
 
 from engine.errors import Busy, Cancelled, EngineError, UnknownName
 from engine.hardware.profile import HardwareProfile
-from engine.plugins import Registry, load_registry
+from engine.contract.plugins import Registry, load_registry
 from engine.policy.available import AvailableMemory, Releasable, available_memory
 from engine.policy.inference import ModelFacts, Plan, plan_inference
 from engine.requests.inference import InferenceRequest
@@ -37,11 +37,11 @@ from engine.preflight.model import resolve_model
 from engine.requests.bodies import GenerateBody
 from engine.places import default_datasets_dir, default_runs_dir
 from engine.requests.machine import MachineRequest
-from engine.residency import Residency, Resident
+from engine.service.residency import Residency, Resident
 from engine.runtime.protocol import Session, cancellable
-from engine.service_catalog import CatalogQuestions
-from engine.service_datasets import DatasetJobs
-from engine.service_training import TRAINER, TrainingJobs
+from engine.service.catalog import CatalogQuestions
+from engine.service.datasets import DatasetJobs
+from engine.service.training import TRAINER, TrainingJobs
 
 PIPELINE = "engine.pipeline"
 __all__ = ["Busy", "Cancelled", "Engine", "PIPELINE", "TRAINER"]
@@ -69,7 +69,7 @@ class Engine(CatalogQuestions, TrainingJobs, DatasetJobs):
         ``datasets`` folder beside the runs folder)."""
         self.allow_download = allow_download
         self.registry = registry or load_registry()
-        # Engines of one process share the GPU: their arbiters hand it over (engine.residency).
+        # Engines of one process share the GPU: their arbiters hand it over (engine.service.residency).
         self.residency = residency or Residency(busy=lambda: self._job)
         #: One runs folder for every face: the CLI's ``--runs-dir`` and the server's ``--outputs`` default here.
         self.runs_dir = Path(runs_dir) if runs_dir is not None else default_runs_dir()

@@ -1,0 +1,251 @@
+"""The sections of a :class:`~engine.contract.types.FamilySpec`: the rules of one concern each.
+
+Frozen, hashable records (mappings an author writes are stored as sorted
+pairs): quantisation rules, the single-file layout, the LoRA layout, the
+training spec (with the memory tool's probe) and the precision rules. Named
+from :mod:`engine.contract.types`, as every other type of the plugin contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: engine.contract.types imports this module
+    from engine.contract.types import Purpose, QuantDeny, TrainingDefaults, TrainingMemoryFigures, TrainingObjective
+
+
+def _pairs(value: object) -> tuple[tuple[str, object], ...]:
+    """A mapping (as an author writes it) or pairs, as sorted pairs: hashable and comparable."""
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((str(k), v) for k, v in items))  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class QuantRules:
+    """How the family's weights may be quantised, and what each scheme costs it."""
+
+    #: Schemes denied for inference / for training, each with its measured reason.
+    deny_inference: tuple[QuantDeny, ...] = ()
+    deny_training: tuple[QuantDeny, ...] = ()
+    #: Steady size factors per scheme for this family's transformer, where they
+    #: differ from the generic ones (its layer mix, under the filter); a mapping
+    #: or ``(scheme, factor)`` pairs.
+    factors: tuple[tuple[str, float], ...] = ()
+    #: The inference build's factors where they differ from ``factors`` (the
+    #: trainer's), because ``int8_dense_modules`` keeps more dense there.
+    inference_factors: tuple[tuple[str, float], ...] = ()
+    #: Name fragments of Linears int8 keeps dense, beyond the engine's generic
+    #: norm / modulation / timestep rule (layers run at M = prompt tokens or batch).
+    int8_dense_modules: tuple[str, ...] = ()
+    #: Inference denials a machine capability lifts: ``(scheme, HardwareProfile
+    #: attribute)`` pairs (``("fp8", "fp8_activation_floor")``).
+    deny_lifted_by: tuple[tuple[str, str], ...] = ()
+    #: Text-encoder schemes the family must not use, with the reason.
+    text_encoder_deny: tuple[QuantDeny, ...] = ()
+    #: The family's keep-in-bf16 schedule for int8 text encoders: name fragments of
+    #: the encoder Linears int8 leaves dense. None: no schedule, so an int8 encoder
+    #: request runs as layerwise fp8 instead (the record says so).
+    text_encoder_int8_keep: tuple[str, ...] | None = None
+    #: Glob patterns naming a pre-quantised repo (``*bnb-4bit*``).
+    prequantised_patterns: tuple[str, ...] = ()
+    #: The dense base to use when a pre-quantised repo matches no checkpoint.
+    default_dense_base: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("factors", "inference_factors", "deny_lifted_by"):
+            object.__setattr__(self, name, _pairs(getattr(self, name)))
+
+    def deny(self, purpose: Purpose) -> tuple[QuantDeny, ...]:
+        return self.deny_inference if purpose == "inference" else self.deny_training
+
+    def factor(self, scheme: str, *, inference: bool = False) -> float | None:
+        """The family's own steady factor for ``scheme`` (None: the generic one applies)."""
+        own = dict(self.factors)
+        if inference:
+            own.update(self.inference_factors)
+        return own.get(scheme)
+
+
+@dataclass(frozen=True)
+class FusionSite:
+    """A denoiser block class whose elementwise glue the engine fuses (``torch.addcmul``):
+    the methods rewritten and how many fusible expressions they hold today. A different
+    count at load means diffusers changed the block: it is left unpatched, with the reason."""
+
+    block: str
+    rewrites: int
+    methods: tuple[str, ...] = ("forward",)
+
+
+@dataclass(frozen=True)
+class SingleFileLayout:
+    """What a single ``.safetensors`` (or ``.gguf``) file of this family holds."""
+
+    #: Substrings of state-dict keys that identify this family's denoiser in a
+    #: single-file checkpoint (diffusers or original key names).
+    markers: tuple[str, ...] = ()
+    #: Whether one file holds the whole pipeline (denoiser, text encoders, VAE),
+    #: loaded with ``from_single_file`` and no base; False: a file is the denoiser.
+    whole_pipeline: bool = False
+    #: Key prefixes of each part in such a file: ``(prefix, "denoiser" |
+    #: "text_encoders" | "vae")``.
+    parts: tuple[tuple[str, str], ...] = ()
+    #: Why a ``.gguf`` of this family cannot be loaded, when it cannot.
+    gguf_refused_reason: str = ""
+
+
+@dataclass(frozen=True)
+class SdcppCompanion:
+    """One file stable-diffusion.cpp reads beside the model file (a VAE, a text encoder)."""
+
+    #: The binding's argument for it (``vae_path``, ``clip_l_path``, ``t5xxl_path``, ``llm_path``).
+    argument: str
+    #: What the file is, for messages ("the autoencoder").
+    label: str
+    #: Glob patterns of its name, looked for beside the model file (first match wins).
+    patterns: tuple[str, ...]
+    #: Without it sd.cpp cannot run (True), or runs degraded (False; ``missing`` says how).
+    required: bool = True
+    missing: str = ""
+
+
+@dataclass(frozen=True)
+class SdcppSupport:
+    """What stable-diffusion.cpp (the CPU engine) runs of this family; ``kinds`` empty: nothing.
+
+    sd.cpp reads the files people download for it (a GGUF or an original-layout
+    ``.safetensors``), never a diffusers folder; the plan sends a supported file
+    there on a CPU machine (see :mod:`engine.policy.runtime_engine`)."""
+
+    #: Model kinds it reads: ``single_file`` / ``gguf`` (the denoiser alone, with
+    #: ``companions`` beside it) or ``single_file_pipeline`` (a whole checkpoint).
+    kinds: tuple[str, ...] = ()
+    companions: tuple[SdcppCompanion, ...] = ()
+    #: Workflows it runs for this family (``txt2img``, ``img2img``).
+    workflows: tuple[str, ...] = ("txt2img",)
+    #: The binding's argument the checkpoint's guidance goes to: ``cfg_scale``
+    #: (classifier-free) or ``guidance`` (a distilled-guidance model; cfg stays 1).
+    guidance_argument: str = "cfg_scale"
+    #: ``"module:function"`` writing tiny random files sd.cpp reads (tests, benchmarks).
+    tiny_files: str = ""
+    #: Why a kind it does not list is refused, when the family says (messages).
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """Which modules a LoRA adapts, and how its keys are spelled outside diffusers."""
+
+    #: Module names (or their last parts) a LoRA adapts by default.
+    targets: tuple[str, ...] = ()
+    #: Substrings of LoRA keys (diffusers, kohya, ComfyUI or ai-toolkit
+    #: spellings) typical of this family; the family whose markers match the
+    #: most keys is the one a foreign LoRA is said to look like.
+    key_markers: tuple[str, ...] = ()
+    #: How the kohya / ComfyUI export names the modules where the original
+    #: checkpoint's layout differs: ``(kohya module, (diffusers modules...))``
+    #: with ``{i}`` for a block index; several modules are fused in order.
+    kohya_map: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class MemoryProbe:
+    """How the training-memory tool builds and feeds the family's denoiser.
+
+    :mod:`engine.testing.memory_figures` builds the denoiser with its
+    diffusers class at the real widths and reduced depths, runs LoRA
+    training steps under fake tensors and derives the family's
+    :class:`ActivationFigures` (``--derive``), or checks the estimate against
+    what it measures. Config values are ``(key, value)`` pairs (a mapping is
+    accepted), over the class's own defaults.
+    """
+
+    #: The diffusers model class of the denoiser (``SD3Transformer2DModel``).
+    model_class: str
+    #: Classes of the repeated blocks ``ActivationFigures.blocks`` counts.
+    blocks: tuple[str, ...]
+    #: Prompt positions the trainer feeds the denoiser (the runtime's max sequence length).
+    text_tokens: int
+    #: The config key holding the prompt embedding width (``joint_attention_dim``).
+    text_dim: str
+    #: Two reduced depths: ``--derive`` differences them (what one more block adds).
+    derive: tuple[tuple[str, object], ...]
+    deeper: tuple[tuple[str, object], ...] | None
+    #: A third depth the accuracy check runs (empty: the check runs the full size only).
+    check: tuple[tuple[str, object], ...] = ()
+    #: Narrow widths for the real-tensor validation of the byte counter.
+    narrow: tuple[tuple[str, object], ...] = ()
+    #: The real checkpoint's config where the class's defaults are not it.
+    full: tuple[tuple[str, object], ...] = ()
+    latent_channels: int = 16
+    #: Width of the pooled prompt embedding the denoiser takes (0: none).
+    pooled_dim: int = 0
+    #: Blocks that see one stream only, each counted as half a block (a pair is one block's work).
+    half_blocks: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("derive", "check", "narrow", "full"):
+            object.__setattr__(self, name, _pairs(getattr(self, name)))
+        if self.deeper is not None:
+            object.__setattr__(self, "deeper", _pairs(self.deeper))
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """How the family trains: its objective, what it holds, its defaults and precision rules."""
+
+    #: What the trainer loop needs to know (None: the family is not trainable).
+    objective: TrainingObjective | None = None
+    #: bf16 GB of the denoiser a LoRA trainer holds dense.
+    dense_gb: float = 0.0
+    #: Activation and LoRA-shape figures for the memory estimate; None where
+    #: unmeasured (the estimate then says it cannot size the run).
+    memory: TrainingMemoryFigures | None = None
+    #: Trainer defaults (LR, warmup, flow shift); None: the engine's.
+    defaults: TrainingDefaults | None = None
+    #: Whether the trainer honours ``base_precision`` (DiT yes, UNet no).
+    base_precision_applies: bool = True
+    #: Whether the trainer computes in bf16 whatever the base precision.
+    requires_bf16: bool = False
+    #: How the training-memory tool builds the denoiser to derive ``memory`` (None: it cannot).
+    probe: MemoryProbe | None = None
+
+
+#: The pipeline components fp16 safety is stated for.
+COMPONENTS: tuple[str, ...] = ("denoiser", "text_encoders", "vae")
+
+
+@dataclass(frozen=True)
+class PrecisionRules:
+    """Where fp16 compute is unsafe, component by component.
+
+    The engine computes a pipeline in one dtype, so any unsafe component keeps
+    the whole pipeline off fp16 (bf16 where native, else fp32), and the
+    refusal names the component (``its text encoders: ...``).
+    """
+
+    #: ``(component, reason)`` for each component whose fp16 compute renders
+    #: black or fails (``denoiser``, ``text_encoders``, ``vae``).
+    fp16_unsafe: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [c for c, _ in self.fp16_unsafe if c not in COMPONENTS]
+        if unknown:
+            raise ValueError(f"fp16_unsafe names {unknown}; components are {', '.join(COMPONENTS)}")
+
+    def fp16_safe(self, component: str = "denoiser") -> bool:
+        return all(c != component for c, _ in self.fp16_unsafe)
+
+    def fp16_reason(self, component: str = "denoiser") -> str:
+        return next((reason for c, reason in self.fp16_unsafe if c == component), "")
+
+    def pipeline_fp16_safe(self) -> bool:
+        """Whether the whole pipeline may compute in fp16 (the engine runs one compute dtype)."""
+        return not self.fp16_unsafe
+
+    def pipeline_fp16_reason(self) -> str:
+        """Why it may not: the denoiser's reason as written, another component's named."""
+        return "; ".join(reason if component == "denoiser" else f"its {component.replace('_', ' ')}: {reason}"
+                         for component, reason in self.fp16_unsafe)

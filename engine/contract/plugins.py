@@ -1,0 +1,429 @@
+"""Loading family plugins into an immutable :class:`Registry`.
+
+``load_registry()`` is a factory: nothing happens at import time and there is
+no module-level registry. It loads each entry point of the
+``diffusion_engine.families`` group on its own, so one plugin that fails to
+import is reported (and listed by ``diffusion-engine families``) instead of
+taking the host down; ``DIFFUSION_ENGINE_STRICT_PLUGINS=1`` makes such a
+failure fatal. ``DIFFUSION_ENGINE_BLOCK_PLUGINS=a,b`` skips entry points by
+name or by distribution. Two plugins claiming one family name (or alias) is
+an error naming both packages.
+
+Core code never calls ``pm.hook.*`` itself: the :class:`Registry` exposes one
+typed method per hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import pluggy
+
+from engine.contract import hookspecs
+from engine.errors import FamilyConflict, PluginError, UnknownName
+from engine.contract.plugin_api import PluginDeprecationWarning, declared_api, shape_refusal, version_refusal
+from engine.contract.types import (
+    PURPOSES,
+    Checkpoint,
+    ComponentSizes,
+    FamilySpec,
+    PluginInfo,
+    PluginLoadError,
+    Purpose,
+    TrainingObjective,
+)
+
+if TYPE_CHECKING:
+    from engine.hardware.profile import HardwareProfile
+
+STRICT_ENV = "DIFFUSION_ENGINE_STRICT_PLUGINS"
+#: Set to 1 to log, on stderr, which plugin answered each hook call.
+TRACE_ENV = "DIFFUSION_ENGINE_TRACE_PLUGINS"
+BLOCK_ENV = "DIFFUSION_ENGINE_BLOCK_PLUGINS"
+TABLE_PLUGIN_NAME = "engine.table_plugin"
+
+
+@dataclass(frozen=True)
+class Registry:
+    """The loaded families and plugins, frozen. Pass it around; do not rebuild it per call."""
+
+    families: Mapping[str, FamilySpec]
+    plugins: tuple[PluginInfo, ...]
+    errors: tuple[PluginLoadError, ...]
+    _pm: pluggy.PluginManager
+    _aliases: Mapping[str, str]
+
+    # -- lookup -------------------------------------------------------------
+
+    def family(self, name: str) -> FamilySpec:
+        """The family called ``name`` (or an alias); :class:`UnknownName` otherwise."""
+        key = name.lower().replace("-", "_")
+        canonical = self._aliases.get(key, key)
+        try:
+            return self.families[canonical]
+        except KeyError:
+            raise UnknownName("family", name, self.families) from None
+
+    def hook_implementations(self, hook: str) -> list[dict[str, object]]:
+        """The plugins implementing ``hook``, in the order pluggy calls them (the first
+        that answers a ``firstresult`` hook wins); :class:`UnknownName` for no such hook."""
+        caller = getattr(self._pm.hook, hook, None)
+        if caller is None or not hook.startswith("engine_"):
+            names = [n for n in dir(self._pm.hook) if n.startswith("engine_")]
+            raise UnknownName("hook", hook, names)
+        packages = {p.name: (p.package, p.version) for p in self.plugins}
+        return [
+            {"plugin": impl.plugin_name, "package": packages.get(impl.plugin_name, ("?", ""))[0],
+             "version": packages.get(impl.plugin_name, ("?", ""))[1],
+             "order": "tryfirst" if impl.tryfirst else "trylast" if impl.trylast else "normal",
+             "firstresult": bool(caller.spec and caller.spec.opts.get("firstresult"))}
+            for impl in reversed(caller.get_hookimpls())
+        ]
+
+    def family_for_pipeline_class(self, class_name: str) -> FamilySpec | None:
+        """The family whose pipelines have ``model_index.json`` ``_class_name``."""
+        return next(
+            (f for f in self.families.values() if class_name in f.pipeline_class_names), None
+        )
+
+    def family_for_model_id(self, model_id: str) -> FamilySpec | None:
+        """The family whose checkpoint patterns match a repo id or folder name."""
+        return next((f for f in self.families.values() if f.matches_id(model_id)), None)
+
+    # -- one typed method per hook -----------------------------------------
+
+    def component_sizes(
+        self, family: FamilySpec, checkpoint: Checkpoint | None = None
+    ) -> ComponentSizes:
+        sizes = self._pm.hook.engine_component_sizes(family=family, checkpoint=checkpoint)
+        return sizes if sizes is not None else family.sizes
+
+    def quant_deny(self, family: FamilySpec, purpose: Purpose) -> Mapping[str, str]:
+        """Scheme -> reason for every scheme any plugin denies; reasons joined."""
+        if purpose not in PURPOSES:
+            raise ValueError(f"purpose must be one of {PURPOSES}, not {purpose!r}")
+        return _union(
+            (d.scheme, d.reason)
+            for answer in self._pm.hook.engine_quant_deny(family=family, purpose=purpose)
+            for d in answer or ()
+        )
+
+    def optimization_deny(self, family: FamilySpec) -> Mapping[str, str]:
+        """Optimisation -> reason for everything any plugin denies ``family``."""
+        return _union(
+            (d.optimization, d.reason)
+            for answer in self._pm.hook.engine_optimization_deny(family=family)
+            for d in answer or ()
+        )
+
+    def dense_base(self, family: FamilySpec, repo: str) -> str | None:
+        return self._pm.hook.engine_dense_base(family=family, repo=repo)
+
+    def training_precision_modes(
+        self, family: FamilySpec, hardware: HardwareProfile
+    ) -> tuple[str, ...]:
+        modes = self._pm.hook.engine_training_precision_modes(family=family, hardware=hardware)
+        return tuple(modes or ())
+
+    def compile_regions(self, family: FamilySpec) -> tuple[str, ...]:
+        return tuple(self._pm.hook.engine_compile_regions(family=family) or ())
+
+    def training_objective(self, family: FamilySpec) -> TrainingObjective | None:
+        return self._pm.hook.engine_training_objective(family=family)
+
+    # -- runtime hooks (torch objects pass through; the registry imports none) --
+
+    def lora_add(self, family: FamilySpec, denoiser: object, config: object, adapter_name: str = "default") -> str:
+        """Add a trainable LoRA to ``denoiser``; how it was added."""
+        return str(self._pm.hook.engine_lora_add(
+            family=family, denoiser=denoiser, config=config, adapter_name=adapter_name
+        ))
+
+    def lora_state_dict(self, family: FamilySpec, denoiser: object, adapter_name: str = "default") -> dict:
+        """The adapter's weights in peft's keys, for saving."""
+        return dict(self._pm.hook.engine_lora_state_dict(
+            family=family, denoiser=denoiser, adapter_name=adapter_name
+        ))
+
+    def lora_load(self, family: FamilySpec, pipeline: object, state_dict: dict, adapter_name: str) -> str:
+        """Load a LoRA into a pipeline without diffusers' LoRA loader; how it was loaded."""
+        return str(self._pm.hook.engine_lora_load(
+            family=family, pipeline=pipeline, state_dict=state_dict, adapter_name=adapter_name
+        ))
+
+    def generate_kwargs(self, family: FamilySpec, pipeline: object, kwargs: dict) -> dict:
+        """The arguments to call ``pipeline`` with for one generate."""
+        answer = self._pm.hook.engine_generate_kwargs(family=family, pipeline=pipeline, kwargs=dict(kwargs))
+        return dict(kwargs if answer is None else answer)
+
+    def build_tiny_pipeline(self, family: FamilySpec, path: Path) -> Path:
+        built = self._pm.hook.engine_build_tiny_pipeline(family=family, path=Path(path))
+        if built is None:
+            raise PluginError(
+                f"no plugin can build a tiny {family.name} pipeline",
+                code="no_tiny_pipeline",
+            )
+        return Path(built)
+
+
+def _union(pairs: Iterable[tuple[str, str]]) -> Mapping[str, str]:
+    """Name -> reasons joined, over every plugin's deny answers."""
+    denied: dict[str, list[str]] = {}
+    for name, reason in pairs:
+        reasons = denied.setdefault(name, [])
+        if reason not in reasons:
+            reasons.append(reason)
+    return MappingProxyType({name: "; ".join(r) for name, r in denied.items()})
+
+
+@dataclass
+class _Loading:
+    """Mutable state while one registry is being built; discarded after."""
+
+    pm: pluggy.PluginManager
+    strict: bool
+    errors: list[PluginLoadError]
+    packages: dict[str, tuple[str, str]]  # plugin name -> (package, version)
+    #: plugin name -> the earlier-API spellings it used (messages of the shims' warnings).
+    deprecations: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    #: plugin name -> the plugin API it declares.
+    apis: dict[str, int | None] = dataclasses.field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def noting_deprecations(self, plugin: str) -> Iterator[None]:
+        """Note the plugin-API shims' warnings ``plugin`` triggers, and let every warning through."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+        for warning in caught:
+            if issubclass(warning.category, PluginDeprecationWarning):
+                self.deprecations.setdefault(plugin, []).append(str(warning.message))
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+    def fail(self, plugin: str, package: str, error: BaseException | str) -> None:
+        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        if self.strict:
+            raise PluginError(
+                f"plugin {plugin!r} from {package}: {message} "
+                f"(unset {STRICT_ENV} to report it and go on)",
+                code="plugin_load_failed",
+            )
+        self.errors.append(PluginLoadError(plugin=plugin, package=package, error=message))
+
+
+def load_registry(
+    *,
+    plugins: Iterable[tuple[str, object]] = (),
+    entry_points: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> Registry:
+    """Load every family plugin and freeze the result.
+
+    :param plugins: extra ``(name, plugin)`` pairs registered directly (apps
+        and tests that do not ship an entry point).
+    :param entry_points: load the ``diffusion_engine.families`` entry points.
+    :param env: environment to read the strict and block switches from.
+    """
+    env = os.environ if env is None else env
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    from engine import table_plugin
+
+    pm.register(table_plugin, name=TABLE_PLUGIN_NAME)
+    loading = _Loading(
+        pm=pm,
+        strict=env.get(STRICT_ENV, "") not in ("", "0", "false"),
+        errors=[],
+        packages={TABLE_PLUGIN_NAME: ("diffusion-engine", _version("diffusion-engine"))},
+    )
+    blocked = {b.strip() for b in env.get(BLOCK_ENV, "").split(",") if b.strip()}
+    if entry_points:
+        for ep in importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+            package = ep.dist.name if ep.dist else "?"
+            if ep.name in blocked or package in blocked:
+                continue
+            try:
+                with loading.noting_deprecations(ep.name):
+                    plugin = ep.load()
+            except TypeError as exc:  # a plugin object of a shape no shim reads
+                loading.fail(ep.name, package, shape_refusal(None, exc))
+                continue
+            except Exception as exc:  # a broken plugin must not take the host down
+                loading.fail(ep.name, package, exc)
+                continue
+            version = ep.dist.version if ep.dist else "?"
+            _register(loading, ep.name, plugin, package, version)
+    for name, plugin in plugins:
+        module = getattr(plugin, "__module__", None) or getattr(plugin, "__name__", name)
+        _register(loading, name, plugin, module.split(".")[0], "")
+    _check_pending(loading)
+    families, owners = _collect_families(loading)
+    aliases = {
+        alias.lower().replace("-", "_"): spec.name
+        for spec in families.values()
+        for alias in spec.aliases
+    }
+    if env.get(TRACE_ENV, "") not in ("", "0", "false"):
+        _trace_answers(loading)
+    return Registry(
+        families=MappingProxyType(dict(sorted(families.items()))),
+        plugins=_plugin_infos(loading, owners),
+        errors=tuple(loading.errors),
+        _pm=pm,
+        _aliases=MappingProxyType(aliases),
+    )
+
+
+def _register(loading: _Loading, name: str, plugin: object, package: str, version: str) -> None:
+    declared = declared_api(plugin)
+    refusal = version_refusal(declared)
+    if refusal is not None:
+        loading.fail(name, package, refusal)
+        return
+    loading.apis[name] = declared
+    if loading.pm.has_plugin(name):
+        other = loading.packages.get(name, ("?", ""))[0]
+        loading.fail(name, package, f"plugin name {name!r} is already registered by {other}")
+        return
+    try:
+        loading.pm.register(plugin, name=name)
+    except (ValueError, pluggy.PluginValidationError) as exc:
+        loading.fail(name, package, exc)
+        return
+    loading.packages[name] = (package, version)
+
+
+def _check_pending(loading: _Loading) -> None:
+    """Hook implementations with no spec are typos: drop the plugin, report it."""
+    while True:
+        try:
+            loading.pm.check_pending()
+            return
+        except pluggy.PluginValidationError as exc:
+            name = loading.pm.get_name(exc.plugin) or "?"
+            loading.pm.unregister(exc.plugin)
+            package = loading.packages.pop(name, ("?", ""))[0]
+            loading.fail(name, package, exc)
+
+
+def _collect_families(loading: _Loading) -> tuple[dict[str, FamilySpec], dict[str, str]]:
+    families: dict[str, FamilySpec] = {}
+    owners: dict[str, str] = {}  # family name -> plugin name
+    claimed: dict[str, str] = {}  # family name or alias -> plugin name
+    caller = loading.pm.hook.engine_register_families
+    for impl in reversed(caller.get_hookimpls()):  # registration order
+        plugin_name = impl.plugin_name
+        package = loading.packages.get(plugin_name, ("?", ""))[0]
+
+        def register(spec: FamilySpec, _owner: str = plugin_name, _pkg: str = package) -> None:
+            if not isinstance(spec, FamilySpec):
+                raise PluginError(f"{_pkg} registered {spec!r}, which is not a FamilySpec")
+            for key in (spec.name, *spec.aliases):
+                key = key.lower().replace("-", "_")
+                if key in claimed:
+                    first = loading.packages.get(claimed[key], ("?", ""))[0]
+                    raise FamilyConflict(
+                        f"family {key!r} is claimed by two plugins: {first} "
+                        f"(plugin {claimed[key]!r}) and {_pkg} (plugin {_owner!r}); "
+                        f"uninstall one or block it with {BLOCK_ENV}"
+                    )
+            _check_runtime_module(spec, _pkg)
+            for key in (spec.name, *spec.aliases):
+                claimed[key.lower().replace("-", "_")] = _owner
+            owners[spec.name] = _owner
+            families[spec.name] = spec
+
+        try:
+            with loading.noting_deprecations(plugin_name):
+                impl.function(register=register)
+        except FamilyConflict:
+            raise
+        except TypeError as exc:  # a FamilySpec (or part) of a shape no shim reads
+            loading.fail(plugin_name, package, shape_refusal(loading.apis.get(plugin_name), exc))
+        except Exception as exc:  # a plugin's own bug is its error, not the host's
+            loading.fail(plugin_name, package, exc)
+    return families, owners
+
+
+def _check_runtime_module(spec: FamilySpec, package: str) -> None:
+    """A named runtime module must exist (found, not imported: it holds the family's torch code)."""
+    import importlib.util
+
+    if not spec.runtime_module:
+        return
+    try:
+        found = importlib.util.find_spec(spec.runtime_module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise PluginError(f"{package} registered {spec.name!r} with runtime_module {spec.runtime_module!r}, "
+                          "which is not an importable module (engine.contract.family_runtime)")
+
+
+def _trace_answers(loading: _Loading, write: Callable[[str], object] | None = None) -> None:
+    """Log every hook call's answer: which plugin (and package) returned it.
+
+    A ``firstresult`` hook is answered by the first implementation that
+    returns something (pluggy calls them newest-first, ``trylast`` ones
+    last), so a third-party plugin that overrides a table answer shows up
+    here by name; a collected hook lists every plugin that added to it.
+    """
+    out = write or (lambda line: print(line, file=sys.stderr))
+    for plugin in loading.pm.get_plugins():
+        for caller in loading.pm.get_hookcallers(plugin) or []:
+            for impl in caller.get_hookimpls():
+                if impl.plugin is not plugin or getattr(impl.function, "__traced__", False):
+                    continue
+                package, version = loading.packages.get(impl.plugin_name, ("?", ""))
+                impl.function = _traced(impl.function, caller.name, f"{impl.plugin_name} ({package} {version})".strip(), out)
+
+
+def _traced(function: Callable[..., object], hook: str, who: str,
+            write: Callable[[str], object]) -> Callable[..., object]:
+    def traced(*args: object, **kwargs: object) -> object:
+        result = function(*args, **kwargs)
+        if result is not None:
+            shown = repr(result)
+            write(f"trace[plugins]: {hook} answered by {who}: {shown[:120]}{'...' if len(shown) > 120 else ''}")
+        return result
+
+    traced.__traced__ = True  # type: ignore[attr-defined]
+    return traced
+
+
+def _plugin_infos(loading: _Loading, owners: Mapping[str, str]) -> tuple[PluginInfo, ...]:
+    infos = []
+    for name, plugin in loading.pm.list_name_plugin():
+        package, version = loading.packages.get(name, ("?", ""))
+        callers = loading.pm.get_hookcallers(plugin) or []
+        infos.append(
+            PluginInfo(
+                name=name,
+                package=package,
+                version=version,
+                hooks=tuple(sorted(c.name for c in callers)),
+                families=tuple(sorted(f for f, owner in owners.items() if owner == name)),
+                builtin=name == TABLE_PLUGIN_NAME,
+                api=loading.apis.get(name),
+                deprecations=tuple(dict.fromkeys(loading.deprecations.get(name, ()))),
+            )
+        )
+    return tuple(sorted(infos, key=lambda i: (i.builtin, i.name)))
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+

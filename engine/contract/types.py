@@ -1,0 +1,437 @@
+"""Plain data the plugin contract speaks in.
+
+A family plugin describes its model family with a :class:`FamilySpec`: a data
+sheet a reviewer can check line by line against published figures. Everything
+here is a frozen dataclass of builtins, so a table module imports nothing heavy
+and a spec can be hashed, compared and printed.
+
+Sizes are decimal gigabytes (1 GB = 10**9 bytes), the unit model cards use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass
+from typing import Literal
+
+Purpose = Literal["inference", "training"]
+PURPOSES: tuple[Purpose, ...] = ("inference", "training")
+
+#: Transformer weight schemes the engine knows how to plan for, and the base precisions a
+#: DiT LoRA trainer can hold its frozen base in: from the scheme table (engine.contract.schemes).
+from engine.contract.schemes import QUANT_SCHEMES, TRAINING_PRECISIONS  # noqa: E402  (re-exported)
+
+Architecture = Literal["dit", "unet"]
+
+#: What a generate does with its inputs: draw from text (``txt2img``), redraw
+#: an image (``img2img``, with a strength), redraw the masked part of it
+#: (``inpaint``), follow an instruction about it (``edit``), or draw from
+#: text guided by a control map through a loaded ControlNet (``controlnet``).
+Workflow = Literal["txt2img", "img2img", "inpaint", "edit", "controlnet"]
+WORKFLOWS: tuple[Workflow, ...] = ("txt2img", "img2img", "inpaint", "edit", "controlnet")
+
+
+@dataclass(frozen=True)
+class ComponentSizes:
+    """bf16 bytes of a pipeline's parts, in GB."""
+
+    transformer_gb: float
+    text_encoders_gb: float
+    vae_gb: float
+
+    @property
+    def total_gb(self) -> float:
+        return self.transformer_gb + self.text_encoders_gb + self.vae_gb
+
+
+@dataclass(frozen=True)
+class QuantDeny:
+    """A scheme a family must not use for a purpose, and the measured reason."""
+
+    scheme: str
+    reason: str
+
+
+#: The attention kernels beyond torch's SDPA, by the names requests and deny
+#: lists use (``--attention``, ``OptimizationDeny``).
+ATTENTION_KERNELS: tuple[str, ...] = ("cudnn", "flash", "flash3", "flash4", "sage", "xformers")
+#: What an ``OptimizationDeny`` may name.
+OPTIMIZATIONS: tuple[str, ...] = ("fp16_accumulation", "step_cache", "compile", *ATTENTION_KERNELS)
+
+
+@dataclass(frozen=True)
+class OptimizationDeny:
+    """A speed optimisation a family must not get, and the measured reason.
+
+    ``optimization`` is one of :data:`OPTIMIZATIONS`: ``fp16_accumulation``,
+    ``step_cache``, ``compile``, or an attention kernel (:data:`ATTENTION_KERNELS`).
+    """
+
+    optimization: str
+    reason: str
+
+
+def model_name(model_id: str) -> str:
+    """A model's own name: the last component of a repo id or a local path.
+
+    Rules keyed on names (pre-quantised patterns) read this and never the
+    folders above it: ``/data/checkpoint4/model-dev`` is called ``model-dev``,
+    and its parent's ``int4`` says nothing about the model.
+    """
+    parts = [part for part in model_id.replace("\\", "/").split("/") if part]
+    return parts[-1] if parts else model_id
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One published checkpoint of a family, with its sampling defaults.
+
+    ``matches`` are case-insensitive glob patterns over repo ids and folder
+    names (``*model-v2-turbo*``); the first checkpoint whose pattern matches
+    a model id is the one the engine assumes. ``sizes`` overrides the family's
+    sizes for checkpoints of another size.
+    """
+
+    name: str
+    label: str
+    repo: str
+    default_steps: int
+    default_guidance: float
+    matches: tuple[str, ...] = ()
+    sizes: ComponentSizes | None = None
+    #: The diffusers pipeline class this checkpoint loads as, where it is not
+    #: the family's ``pipeline_class`` (an edit / Kontext pipeline).
+    pipeline_class: str = ""
+    #: The image workflows this checkpoint serves and the diffusers pipeline
+    #: class that serves each, where they differ from the family's
+    #: ``workflows`` (an edit checkpoint: ``(("edit", "...EditPipeline"),)``).
+    workflows: tuple[tuple[Workflow, str], ...] | None = None
+
+    def match_score(self, model_id: str) -> int:
+        """Length of the longest pattern matching ``model_id`` (0: no match).
+
+        The most specific pattern wins, so ``Model-Edit`` is not taken for
+        ``Model`` when both patterns match.
+        """
+        lowered = model_id.lower()
+        return max(
+            (len(p) for p in self.matches if fnmatch.fnmatch(lowered, p.lower())), default=0
+        )
+
+
+Prediction = Literal["flow_matching", "epsilon", "v_prediction"]
+
+
+@dataclass(frozen=True, init=False)
+class TrainingObjective:
+    """What one generic LoRA trainer loop needs to know about a family.
+
+    The functions the loop calls (prompt encoding, latent encoding and
+    packing, the model call) live in the family's one runtime module,
+    :attr:`FamilySpec.runtime_module`, imported only when a run starts.
+    """
+
+    #: What the denoiser predicts: ``flow_matching`` (noise - x0 at a sigma),
+    #: ``epsilon`` or ``v_prediction`` (on the runtime's DDPM schedule).
+    prediction: Prediction
+    #: How training timesteps are drawn.
+    timestep_sampling: Literal["logit_normal", "uniform", "shifted_sigmoid"]
+
+    def __init__(self, prediction: Prediction,
+                 timestep_sampling: Literal["logit_normal", "uniform", "shifted_sigmoid"],
+                 runtime_module: str | None = None) -> None:
+        object.__setattr__(self, "prediction", prediction)
+        object.__setattr__(self, "timestep_sampling", timestep_sampling)
+        if runtime_module is not None:  # plugin API 0 named the runtime module here
+            from engine.contract.plugin_api import deprecate
+
+            deprecate("TrainingObjective(runtime_module=...)", "FamilySpec(runtime_module=...)")
+            object.__setattr__(self, "_legacy_runtime_module", runtime_module)
+
+
+@dataclass(frozen=True)
+class LoraTargetShape:
+    """One kind of Linear a LoRA adapts: its name suffix, shape and how many
+    the full-size denoiser holds (``to_q``, 3072 -> 3072, x 57)."""
+
+    target: str
+    in_features: int
+    out_features: int
+    count: int
+
+    def lora_params(self, rank: int) -> int:
+        """Parameters a rank-``rank`` adapter adds over every such layer (A and B)."""
+        return self.count * rank * (self.in_features + self.out_features)
+
+
+@dataclass(frozen=True)
+class ActivationFigures:
+    """Elements a LoRA training step keeps for backward, per token.
+
+    Measured (``bench/memory_accuracy.py --derive``) on a real-width,
+    reduced-depth denoiser and carried here as data, like ``quant_factors``:
+    never guessed. Multiply by the compute dtype's bytes. An *image token* is
+    one 16x16-pixel patch of the training resolution (a 2x2 patch of an
+    8x-downsampled latent), for every family, so one figure serves any
+    resolution. *Text tokens* are the encoded prompt positions the denoiser
+    attends over (``text_tokens`` of them at training time).
+    """
+
+    #: Saved per image / text token by one repeated block, no checkpointing.
+    block_per_image_token: float
+    block_per_text_token: float
+    #: Kept per image / text token by one block under gradient checkpointing
+    #: (its inputs, recomputed in backward).
+    checkpointed_block_per_image_token: float
+    checkpointed_block_per_text_token: float
+    #: Saved per token outside the repeated blocks (embedders, final layers).
+    outside_per_image_token: float
+    outside_per_text_token: float
+    #: Repeated blocks in the full-size denoiser.
+    blocks: int
+    #: Prompt positions the trainer encodes captions to.
+    text_tokens: int
+    #: Outside the blocks under gradient checkpointing, where it differs
+    #: (a UNet: diffusers recomputes its resnets too); None: as above.
+    checkpointed_outside_per_image_token: float | None = None
+    checkpointed_outside_per_text_token: float | None = None
+
+
+@dataclass(frozen=True)
+class TrainingMemoryFigures:
+    """What a family's LoRA training step holds besides its frozen weights."""
+
+    activations: ActivationFigures
+    #: Every Linear the default LoRA targets adapt, in the full-size model.
+    lora_targets: tuple[LoraTargetShape, ...]
+
+
+@dataclass(frozen=True)
+class TrainingDefaults:
+    """A family's trainer defaults where its published recipe differs from the engine's.
+
+    ``flow_shift``: the sigma shift of flow-matching timestep sampling
+    (``shift * s / (1 + (shift - 1) * s)``); 1.0 leaves sampling as is.
+    ``flow_shift_auto``: the shift follows the image token count the way the
+    family's scheduler shifts at inference (its ``base_shift`` / ``max_shift``
+    over ``base_seq_len`` .. ``max_seq_len`` tokens, exponential), so a
+    1328 px run trains on the sigmas it will sample with.
+    """
+
+    learning_rate: float | None = None
+    warmup_steps: int | None = None
+    flow_shift: float = 1.0
+    flow_shift_auto: bool = False
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    base_seq_len: int = 256
+    max_seq_len: int = 4096
+    #: Where the figures come from (the published recipe / scheduler config).
+    source: str = ""
+
+
+#: What a family's diffusers classes may or may not support; see :class:`Capabilities`.
+CAPABILITIES: tuple[str, ...] = (
+    "step_cache", "attention_dispatcher", "peft_adapters", "regional_compile", "pipeline_lora",
+)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the family's classes can do, as its table declares it.
+
+    None (the default) means undeclared: the runtime checks the loaded classes
+    and adapts the plan. False is a promise the class lacks it, so the plan
+    turns the optimisation off before anything loads (with this reason); True
+    says the author checked it. Whatever is declared, the runtime verifies it
+    at load and reports ``declared`` beside ``verified``.
+    """
+
+    #: The denoiser has diffusers' cache hooks (``enable_cache``,
+    #: ``CacheMixin``): First-Block-Cache can engage.
+    step_cache: bool | None = None
+    #: The denoiser's attention goes through diffusers' attention dispatcher
+    #: (``set_attention_backend`` reaches its processors): sage / flash /
+    #: xformers backends can be set.
+    attention_dispatcher: bool | None = None
+    #: The denoiser has diffusers' peft integration (``add_adapter``,
+    #: ``load_lora_adapter``); without it the engine's LoRA hooks use peft's
+    #: generic ``inject_adapter_in_model`` or the family's own hook.
+    peft_adapters: bool | None = None
+    #: The denoiser holds modules of the ``compile_regions`` classes.
+    regional_compile: bool | None = None
+    #: The pipeline class has diffusers' LoRA loader mixin
+    #: (``load_lora_weights``); without it LoRAs load through the
+    #: ``engine_lora_load`` hook, unfused.
+    pipeline_lora: bool | None = None
+
+    def declared(self) -> dict[str, bool | None]:
+        """Capability -> what the table says (None: undeclared)."""
+        return {name: getattr(self, name) for name in CAPABILITIES}
+
+
+# The sections of a FamilySpec live in their own module; named from here as ever.
+from engine.contract.family_sections import (  # noqa: E402
+    COMPONENTS,
+    FusionSite,
+    LoraLayout,
+    MemoryProbe,
+    PrecisionRules,
+    QuantRules,
+    SdcppCompanion,
+    SdcppSupport,
+    SingleFileLayout,
+    TrainingSpec,
+)
+
+
+@dataclass(frozen=True, init=False)
+class FamilySpec:
+    """Everything the engine may know about a model family without torch.
+
+    Registered through ``engine_register_families``. The per-concern hooks
+    (sizes, deny lists, dense base, training modes, compile regions) are
+    answered from these fields by the engine's built-in table plugin unless a
+    plugin answers them first. The identity and loading facts are fields of
+    their own; the rules of one concern live together in a section
+    (:class:`QuantRules`, :class:`SingleFileLayout`, :class:`LoraLayout`,
+    :class:`TrainingSpec`, :class:`PrecisionRules`, :class:`Capabilities`).
+    The flat spellings of plugin API 0 (``lora_targets=``, ``quant_deny=``...)
+    are still accepted, with a ``DeprecationWarning`` naming the new one
+    (:data:`engine.contract.plugin_api.RENAMED`).
+    """
+
+    name: str
+    label: str
+    architecture: Architecture
+    pipeline_class: str
+    #: ``model_index.json`` ``_class_name`` values that identify this family.
+    pipeline_class_names: tuple[str, ...]
+    checkpoints: tuple[Checkpoint, ...]
+    sizes: ComponentSizes
+    #: Dotted path of the family's one torch module (the trainer's
+    #: ``encode_prompts`` / ``encode_images`` / ``predict``), imported only
+    #: when a model loads or a run starts.
+    runtime_module: str = ""
+    aliases: tuple[str, ...] = ()
+    #: Class names of the repeated blocks that regional compile targets.
+    compile_regions: tuple[str, ...] = ()
+    #: Blocks whose modulation and gated residuals run fused (``torch.addcmul``).
+    eager_fusions: tuple[FusionSite, ...] = ()
+    #: ``"module:function"`` writing a tiny random-weight pipeline to a folder.
+    tiny_pipeline: str = ""
+    #: The pipeline component that denoises (``transformer`` or ``unet``).
+    denoiser: str = "transformer"
+    #: How messages name the denoiser ("transformer", "UNet").
+    denoiser_label: str = "transformer"
+    #: The pipeline call's guidance argument (``true_cfg_scale`` for real CFG).
+    guidance_kwarg: str = "guidance_scale"
+    optimization_deny: tuple[OptimizationDeny, ...] = ()
+    #: Pipeline classes whose call opens a cache context around the denoiser
+    #: (First-Block-Cache needs one); None when undeclared.
+    cache_context_pipelines: tuple[str, ...] | None = None
+    #: Elements the VAE decoder holds live per output pixel at its peak; 0: unknown.
+    vae_decode_per_pixel: float = 0.0
+    #: Image workflows of the family's checkpoints and the diffusers pipeline
+    #: class serving each; a checkpoint may override.
+    workflows: tuple[tuple[Workflow, str], ...] = ()
+    #: Image sides the denoiser takes are multiples of this (VAE stride x patch).
+    side_multiple: int = 16
+    #: diffusers ControlNet model classes this family's pipelines take.
+    controlnet_classes: tuple[str, ...] = ()
+    # -- the sections -------------------------------------------------------------
+    quantisation: QuantRules = QuantRules()
+    single_file: SingleFileLayout = SingleFileLayout()
+    #: What stable-diffusion.cpp runs of the family on a CPU machine (nothing by default).
+    sdcpp: SdcppSupport = SdcppSupport()
+    lora: LoraLayout = LoraLayout()
+    training: TrainingSpec = TrainingSpec()
+    precision: PrecisionRules = PrecisionRules()
+    #: What the family's diffusers classes support; undeclared ones are checked at load.
+    capabilities: Capabilities = Capabilities()
+
+    def __init__(self, name: str, label: str, architecture: Architecture, pipeline_class: str,
+                 pipeline_class_names: tuple[str, ...], checkpoints: tuple[Checkpoint, ...],
+                 sizes: ComponentSizes, **fields: object) -> None:
+        from engine.contract.plugin_api import sections_from_legacy
+
+        given = dict(name=name, label=label, architecture=architecture, pipeline_class=pipeline_class,
+                     pipeline_class_names=tuple(pipeline_class_names), checkpoints=tuple(checkpoints),
+                     sizes=sizes)
+        known = {f.name for f in dataclasses.fields(FamilySpec)}
+        current = {k: v for k, v in fields.items() if k in known}
+        legacy = {k: v for k, v in fields.items() if k not in known}
+        current = sections_from_legacy(current, legacy, family=name)
+        objective = current["training"].objective if "training" in current else None
+        if not current.get("runtime_module") and objective is not None:
+            current["runtime_module"] = getattr(objective, "_legacy_runtime_module", "")
+        for f in dataclasses.fields(FamilySpec):
+            if f.name in given:
+                value = given[f.name]
+            elif f.name in current:
+                value = current[f.name]
+            else:
+                value = f.default
+            object.__setattr__(self, f.name, value)
+
+    # -- plugin API 0's flat spellings, read (deprecated) -------------------------------
+
+    def __getattr__(self, name: str) -> object:
+        from engine.contract.plugin_api import legacy_read
+
+        return legacy_read(self, name)
+
+    def workflows_of(self, checkpoint: Checkpoint | None) -> dict[Workflow, str]:
+        """Workflow -> diffusers pipeline class for ``checkpoint`` (the family's
+        default checkpoint when None); ``txt2img`` only where declared."""
+        chosen = checkpoint or self.default_checkpoint
+        return dict(self.workflows if chosen.workflows is None else chosen.workflows)
+
+    @property
+    def default_checkpoint(self) -> Checkpoint:
+        return self.checkpoints[0]
+
+    def checkpoint(self, name: str) -> Checkpoint | None:
+        """The checkpoint called ``name``, or the one whose patterns match it."""
+        lowered = name.lower()
+        for checkpoint in self.checkpoints:
+            if lowered in (checkpoint.name.lower(), checkpoint.repo.lower()):
+                return checkpoint
+        best = max(self.checkpoints, key=lambda c: c.match_score(name))
+        return best if best.match_score(name) else None
+
+    def is_prequantised(self, model_id: str) -> bool:
+        """Whether the model's own name (:func:`model_name`) says it is stored
+        pre-quantised. The one test inference and training both use."""
+        lowered = model_name(model_id).lower()
+        return any(fnmatch.fnmatch(lowered, p.lower()) for p in self.quantisation.prequantised_patterns)
+
+    def matches_id(self, model_id: str) -> bool:
+        return any(c.match_score(model_id) for c in self.checkpoints)
+
+
+@dataclass(frozen=True)
+class PluginLoadError:
+    """A plugin that could not be loaded, reported instead of raised."""
+
+    plugin: str
+    package: str
+    error: str
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """What ``diffusion-engine families`` shows about one loaded plugin."""
+
+    name: str
+    package: str
+    version: str
+    hooks: tuple[str, ...]
+    families: tuple[str, ...]
+    builtin: bool = False
+    #: The plugin API the plugin says it targets (``ENGINE_PLUGIN_API``); None: it does not say.
+    api: int | None = None
+    #: The earlier-API spellings it uses (each still read, with a ``DeprecationWarning``).
+    deprecations: tuple[str, ...] = ()
+
