@@ -199,22 +199,22 @@ def batch_probe(pipeline: Path, steps: int, size: int, counts: tuple[int, ...] =
     from engine.service.facade import Engine
 
     engine = Engine(hardware=probe(verify=False), runs_dir=pipeline.parent / "probe-runs")
-    engine.load(str(pipeline))
+    engine.images.load(str(pipeline))
     options = {"steps": steps, "width": size, "height": size}
-    engine.generate("warm-up", **options)
+    engine.images.generate("warm-up", **options)
     for n in counts:
         prompts, seeds = [f"prompt {k}" for k in range(n)], list(range(n))
         rows: dict[str, list[float]] = {"separate": [], "merged": [], "merged, one forward": []}
         for _ in range(repeats):
             start = time.perf_counter()
             for prompt, seed in zip(prompts, seeds, strict=True):
-                engine.generate(prompt, seed=seed, **options)
+                engine.images.generate(prompt, seed=seed, **options)
             rows["separate"].append(time.perf_counter() - start)
             start = time.perf_counter()
-            engine.generate(prompts[0], prompts=prompts, seeds=seeds, **options)
+            engine.images.generate(prompts[0], prompts=prompts, seeds=seeds, **options)
             rows["merged"].append(time.perf_counter() - start)
             start = time.perf_counter()
-            engine.generate(prompts[0], prompts=prompts, seeds=seeds, batch=n, **options)
+            engine.images.generate(prompts[0], prompts=prompts, seeds=seeds, batch=n, **options)
             rows["merged, one forward"].append(time.perf_counter() - start)
         line = ", ".join(f"{name} {statistics.median(times):.3f} s" for name, times in rows.items())
         print(f"batch probe, {n} same-size jobs ({size} px, {steps} steps, median of {repeats}): {line}")

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from engine.version import __version__
+
 __all__ = ["Engine", "__version__"]
 
 if TYPE_CHECKING:

@@ -36,9 +36,9 @@ def test_batch_items_pair_prompts_and_seeds_and_chunks_fit_the_plan() -> None:
 @pytest.fixture(scope="module")
 def engine(tiny_pipeline: Callable[[str], Path]) -> Iterator[Engine]:
     engine = Engine(registry=REGISTRY, hardware=probe(verify=False))
-    engine.load(str(tiny_pipeline("sdxl")))
+    engine.images.load(str(tiny_pipeline("sdxl")))
     yield engine
-    engine.unload()
+    engine.images.unload()
 
 
 def pixels(images: list[Any]) -> list[np.ndarray]:
@@ -47,10 +47,10 @@ def pixels(images: list[Any]) -> list[np.ndarray]:
 
 @pytest.mark.slow
 def test_image_k_of_a_seed_list_is_the_single_image_of_seed_k(engine: Engine) -> None:
-    batch = pixels(engine.generate("a red barn", seeds=[11, 5, 7], steps=1, **SIZE))
-    alone = pixels(engine.generate("a red barn", seed=5, steps=1, **SIZE))[0]
-    counted = pixels(engine.generate("a red barn", seed=10, count=2, steps=1, **SIZE))  # seeds 10, 11
-    listed = pixels(engine.generate("unused", prompts=["a red barn", "a blue boat"], seeds=[7], steps=1, **SIZE))
+    batch = pixels(engine.images.generate("a red barn", seeds=[11, 5, 7], steps=1, **SIZE))
+    alone = pixels(engine.images.generate("a red barn", seed=5, steps=1, **SIZE))[0]
+    counted = pixels(engine.images.generate("a red barn", seed=10, count=2, steps=1, **SIZE))  # seeds 10, 11
+    listed = pixels(engine.images.generate("unused", prompts=["a red barn", "a blue boat"], seeds=[7], steps=1, **SIZE))
     assert len(batch) == 3 and np.array_equal(batch[1], alone)
     assert np.array_equal(counted[1], batch[0]) and not np.array_equal(batch[0], batch[2])
     assert np.array_equal(listed[0], batch[2]) and not np.array_equal(listed[1], batch[2])
@@ -60,8 +60,8 @@ def test_image_k_of_a_seed_list_is_the_single_image_of_seed_k(engine: Engine) ->
 def test_a_chunk_that_runs_out_of_memory_is_halved_and_recorded(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference = pixels(engine.generate("a mill", seeds=[1, 2, 3, 4], batch=2, steps=1, **SIZE))
-    pipeline_cls = type(engine._session.pipeline)  # noqa: SLF001 - the test plays the GPU running out
+    reference = pixels(engine.images.generate("a mill", seeds=[1, 2, 3, 4], batch=2, steps=1, **SIZE))
+    pipeline_cls = type(engine.images.session.pipeline)  # noqa: SLF001 - the test plays the GPU running out
     real_call = pipeline_cls.__call__
     sizes: list[int] = []
 
@@ -74,7 +74,7 @@ def test_a_chunk_that_runs_out_of_memory_is_halved_and_recorded(
         return real_call(self, *args, **kwargs)
 
     monkeypatch.setattr(pipeline_cls, "__call__", small_memory)
-    images = pixels(engine.generate("a mill", seeds=[1, 2, 3, 4], batch=4, steps=1, **SIZE))
+    images = pixels(engine.images.generate("a mill", seeds=[1, 2, 3, 4], batch=4, steps=1, **SIZE))
     assert sizes == [4, 2, 2]
     assert all(np.array_equal(a, b) for a, b in zip(images, reference, strict=True))
     [event] = engine.status()["pipeline"]["batch_events"]  # type: ignore[index]
@@ -89,7 +89,7 @@ def _start(engine: Engine, steps: int, seen: list[int], reached: threading.Event
 
     def run() -> None:
         try:
-            outcome["images"] = engine.generate("a long night", steps=steps, progress=progress, **SIZE)
+            outcome["images"] = engine.images.generate("a long night", steps=steps, progress=progress, **SIZE)
         except Cancelled as exc:
             outcome["cancelled"] = exc
 
@@ -105,11 +105,11 @@ def test_cancel_generation_stops_at_the_next_step(engine: Engine) -> None:
     thread = _start(engine, 200, seen, reached, outcome)
     assert reached.wait(120)
     cancelled_after = seen[-1]
-    assert engine.cancel_generation()
+    assert engine.images.cancel()
     thread.join(120)
     assert "cancelled" in outcome and outcome["cancelled"].code == "cancelled"
     assert seen[-1] <= cancelled_after + 1  # at most the step that was running when asked
-    assert engine.status()["job"] is None and not engine.cancel_generation()
+    assert engine.status()["job"] is None and not engine.images.cancel()
 
 
 @pytest.mark.slow
@@ -119,7 +119,7 @@ def test_unload_during_a_generate_waits_for_it_then_frees(engine: Engine) -> Non
     reached, outcome = threading.Event(), {}  # type: ignore[var-annotated]
     thread = _start(engine, 8, seen, reached, outcome)
     assert reached.wait(120)
-    assert engine.unload()  # blocks until the generate has finished
+    assert engine.images.unload()  # blocks until the generate has finished
     thread.join(120)
     assert len(outcome["images"]) == 1 and seen[-1] == 8
     assert engine.status()["pipeline"] is None and engine.residency.owner is None

@@ -102,11 +102,11 @@ def test_a_broken_scheme_refuses_the_training_start_before_eviction(
     engine = Engine(registry=REGISTRY, hardware=HARDWARE, runs_dir=tmp_path / "runs")
     host = HostModel(engine)
     with pytest.raises(TrainingCanaryFailed) as refused:
-        engine.start_training(config(poisoned, dataset, tmp_path, CANARY_MIN_STEPS))
+        engine.training.start(config(poisoned, dataset, tmp_path, CANARY_MIN_STEPS))
     assert refused.value.code == "canary_failed"
     assert "non-finite" in refused.value.message and "nothing was evicted" in refused.value.message
     assert refused.value.result.layer and "blocks.0." in refused.value.result.layer
-    assert host.evicted == 0 and engine.training_status() is None
+    assert host.evicted == 0 and engine.training.status() is None
 
 
 def test_the_training_canary_passes_a_sound_base_and_skips_tiny_runs(

@@ -236,9 +236,9 @@ def test_http_and_python_resumes_refuse_a_planted_pickle_before_eviction(planted
     for response in (by_id, by_path):
         assert response.status_code == 400 and response.json()["error"]["code"] == "checkpoint_unreadable", response.text
     with pytest.raises(EngineError) as refused:
-        engine.start_training(body, resume="planted")
+        engine.training.start(body, resume="planted")
     assert refused.value.code == "checkpoint_unreadable"
-    assert host.evicted == 0 and engine.training_status() is None
+    assert host.evicted == 0 and engine.training.status() is None
     assert_refused_untouched(planted, before)
 
 

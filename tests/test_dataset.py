@@ -138,11 +138,11 @@ def test_the_dry_run_plan_carries_the_dataset_report_and_strict_refuses_before_e
     host = HostModel(engine)
     config = {"base_model": str(tiny_pipeline("zimage")), "dataset_dir": str(report_folder(tmp_path / "data")),
               "resolution": 64}
-    plan = engine.plan_training(config).to_dict()
+    plan = engine.training.plan(config).to_dict()
     assert plan["dataset"]["small"] == [{"file": "tiny.png", "size": "20x20"}]
     assert plan["dataset"]["missing_images"] == ["gone/photo.jpg"]
     assert [(b["width"], b["height"], b["images"]) for b in plan["buckets"]["buckets"]] == [(64, 64, 4)]
     with pytest.raises(EngineError) as raised:
-        engine.start_training({**config, "strict": True})
+        engine.training.start({**config, "strict": True})
     assert raised.value.code == "small_images"
     assert host.evicted == 0 and engine.residency.owner is None

@@ -140,10 +140,10 @@ def test_gpus_over_the_device_count_is_refused_before_any_eviction(
     engine = Engine(registry=REGISTRY, hardware=preset("h100"), runs_dir=tmp_path / "runs")
     host = HostModel(engine)
     with pytest.raises(EngineError) as raised:
-        engine.start_training({"base_model": base, "dataset_dir": str(dataset), "gpus": 2})
+        engine.training.start({"base_model": base, "dataset_dir": str(dataset), "gpus": 2})
     assert raised.value.code == "not_enough_gpus"
     assert "--gpus 2" in raised.value.message and "1 GPU (H100 80GB HBM3)" in raised.value.message
-    assert host.evicted == 0 and engine.residency.owner is None and engine.training_status() is None
+    assert host.evicted == 0 and engine.residency.owner is None and engine.training.status() is None
     # The terminal's dry run gives the same refusal, in its flags.
     from engine.cli import main
 
@@ -162,9 +162,9 @@ def test_each_device_is_checked_and_cpu_ranks_need_no_gpu(
     engine = Engine(registry=REGISTRY, hardware=box, runs_dir=tmp_path / "runs")
     host = HostModel(engine)
     config = {"base_model": str(tiny_pipeline(FAMILY)), "dataset_dir": str(dataset), "resolution": 64}
-    assert engine.plan_training({**config, "gpus": 2}).config.gpus == 2  # devices 0 and 1 are fine
+    assert engine.training.plan({**config, "gpus": 2}).config.gpus == 2  # devices 0 and 1 are fine
     with pytest.raises(EngineError) as raised:
-        engine.start_training({**config, "gpus": 3})
+        engine.training.start({**config, "gpus": 3})
     assert raised.value.message.startswith("GPU 2 (Tesla T4)")
     assert host.evicted == 0 and engine.residency.owner is None
     sixteen_cores = probe(verify=False).replace(cpu_count=16)
@@ -316,6 +316,6 @@ def test_a_node_config_that_cannot_meet_is_refused_before_any_eviction(dataset: 
                          ({"node_rank": 1}, "only with nodes > 1"),
                          ({"nodes": 2, "main_address": "h:1", "join_timeout": 0}, "join_timeout")):
         with pytest.raises(EngineError) as raised:
-            engine.start_training({**base, **extra})
+            engine.training.start({**base, **extra})
         assert raised.value.code == "invalid_config" and words in raised.value.message, raised.value.message
-    assert host.evicted == 0 and engine.residency.owner is None and engine.training_status() is None
+    assert host.evicted == 0 and engine.residency.owner is None and engine.training.status() is None

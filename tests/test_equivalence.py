@@ -92,7 +92,7 @@ def _python(preset: str, model: dict[str, str], controls: dict[str, object]) -> 
     except Exception:  # the edge's refusal: the same model the other faces validate with
         return {"error": "invalid_request"}
     try:
-        plan = engine.plan(model.get("model"), family=model.get("family"), checkpoint=model.get("checkpoint"),
+        plan = engine.images.plan(model.get("model"), family=model.get("family"), checkpoint=model.get("checkpoint"),
                            request=request)
     except EngineError as error:
         return {"error": error.code}
@@ -181,7 +181,7 @@ def test_training_dry_runs_are_the_same_through_every_door(
         config = {**fields, "dataset_dir": str(data)}
         engine = Engine(hardware=MachineRequest(preset), allow_download=False)
         try:
-            python: dict[str, Any] = {"plan": engine.plan_training(config).to_dict()}
+            python: dict[str, Any] = {"plan": engine.training.plan(config).to_dict()}
         except EngineError as error:
             python = {"error": error.code}
         capsys.readouterr()

@@ -113,7 +113,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str
     gguf_companions(w, tiny_pipeline("flux"))
     engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=w.outputs)
     host = HostModel(engine, name="host.llm", size_gb=0.0)
-    engine.load(str(w.models / "tiny-sdxl"))
+    engine.images.load(str(w.models / "tiny-sdxl"))
     assert host.evicted == 1
     settings = ServerSettings(model_roots=(w.models,), dataset_roots=(w.datasets,), output_roots=(w.outputs,),
                               lora_roots=(w.loras,), input_roots=(w.inputs,), token=TOKEN, max_body_bytes=8 * 2**20)

@@ -159,7 +159,7 @@ def test_http_inputs_come_from_the_inputs_root_and_openai_edits_take_uploads(
     left_half_mask(64, 64).save(inputs / "mask.png")  # only referenced: refused without image
     gradient().save(outside / "in.png")
     engine = Engine(registry=REGISTRY, hardware=HARDWARE)
-    engine.load(str(tiny_pipeline("sdxl")), request=InferenceRequest(steps=2))  # OpenAI's edit has no steps
+    engine.images.load(str(tiny_pipeline("sdxl")), request=InferenceRequest(steps=2))  # OpenAI's edit has no steps
     body = {"prompt": "a barn", "steps": 2, "width": 64, "height": 64}  # the HTTP minimum side
     try:
         with LiveServer(create_app(engine, ServerSettings(input_roots=(inputs,)))) as url:
@@ -176,7 +176,7 @@ def test_http_inputs_come_from_the_inputs_root_and_openai_edits_take_uploads(
             edited = client.images.edit(image=("in.png", png.getvalue(), "image/png"), prompt="a barn",
                                         mask=("mask.png", alpha_mask.getvalue(), "image/png"), n=1)
     finally:
-        engine.unload()
+        engine.images.unload()
     [out] = [Image.open(io.BytesIO(base64.b64decode(d.b64_json or ""))) for d in edited.data or []]
     assert out.size == (64, 64)  # no size sent: the input's
     assert np.abs(np.asarray(out).astype(int)[:, 32:] - np.asarray(gradient(64, 64)).astype(int)[:, 32:]).max() <= 1
@@ -198,18 +198,18 @@ def test_sdxl_controlnet_generates_from_a_canny_map(tiny_pipeline: Callable[[str
     assert edges[16, 20:44].all() and not edges[32, 24:40].any() and not edges[2:10, 2:10].any()
     engine = Engine(registry=REGISTRY, hardware=HARDWARE)
     with pytest.raises(EngineError, match="takes ControlNetModel"):  # refused before anything loads
-        engine.load(str(tiny_pipeline("sdxl")), controlnet=str(tiny_pipeline("sdxl") / "unet"))
+        engine.images.load(str(tiny_pipeline("sdxl")), controlnet=str(tiny_pipeline("sdxl") / "unet"))
     assert engine.status()["pipeline"] is None
-    engine.load(str(tiny_pipeline("sdxl")), controlnet=str(build_tiny_controlnet(tmp_path / "controlnet")))
+    engine.images.load(str(tiny_pipeline("sdxl")), controlnet=str(build_tiny_controlnet(tmp_path / "controlnet")))
     try:
         options = {"steps": 2, "seed": 1, "width": 64, "height": 64}
-        [plain] = engine.generate("a box", **options)
-        [guided] = engine.generate("a box", control_image=square, control_scale=1.0, **options)
+        [plain] = engine.images.generate("a box", **options)
+        [guided] = engine.images.generate("a box", control_image=square, control_scale=1.0, **options)
         corner = Image.new("RGB", (64, 64), (0, 0, 0))
         corner.paste((255, 255, 255), (0, 0, 24, 24))
-        [moved] = engine.generate("a box", control_image=corner, control_scale=1.0, **options)
+        [moved] = engine.images.generate("a box", control_image=corner, control_scale=1.0, **options)
     finally:
-        engine.unload()
+        engine.images.unload()
     assert guided.size == (64, 64)
     assert not np.array_equal(np.asarray(guided), np.asarray(plain))
     assert not np.array_equal(np.asarray(guided), np.asarray(moved))  # the map steers the image

@@ -31,15 +31,15 @@ def test_flux_controlnet_generates_from_a_canny_map(tiny_pipeline: Callable[[str
     from families.flux.tiny import build_tiny_controlnet
 
     engine = Engine(registry=REGISTRY, hardware=HARDWARE)
-    engine.load(str(tiny_pipeline("flux")), controlnet=str(build_tiny_controlnet(tmp_path / "flux-controlnet")))
+    engine.images.load(str(tiny_pipeline("flux")), controlnet=str(build_tiny_controlnet(tmp_path / "flux-controlnet")))
     try:
         options = {"steps": 2, "seed": 1, "width": 64, "height": 48}
-        [plain] = engine.generate("a box", **options)
-        [guided] = engine.generate("a box", control_image=box(), control_scale=1.0, **options)
-        [moved] = engine.generate("a box", control_image=box(corner=(0, 0, 24, 24)), control_scale=1.0, **options)
+        [plain] = engine.images.generate("a box", **options)
+        [guided] = engine.images.generate("a box", control_image=box(), control_scale=1.0, **options)
+        [moved] = engine.images.generate("a box", control_image=box(corner=(0, 0, 24, 24)), control_scale=1.0, **options)
         status = engine.status()
     finally:
-        engine.unload()
+        engine.images.unload()
     assert guided.size == plain.size == (64, 48)
     assert not np.array_equal(np.asarray(guided), np.asarray(plain))
     assert not np.array_equal(np.asarray(guided), np.asarray(moved))  # the map steers the image
@@ -66,16 +66,16 @@ def test_a_controlnet_is_planned_like_any_component_and_refused_before_eviction(
     engine = Engine(registry=REGISTRY, hardware=PRESETS["a100-40g"])
     host = HostModel(engine)
     dense = InferenceRequest(quant="none")
-    alone = engine.plan(model, request=dense).to_dict()
-    beside = engine.plan(model, request=dense, controlnet=controlnet).to_dict()
+    alone = engine.images.plan(model, request=dense).to_dict()
+    beside = engine.images.plan(model, request=dense, controlnet=controlnet).to_dict()
     assert alone["resolved"]["memory_mode"]["value"] == "resident"  # type: ignore[index]
     assert beside["resolved"]["memory_mode"]["value"] != "resident"  # type: ignore[index]
     assert beside["estimate"]["components"]["controlnet_gb"] == 6.6  # type: ignore[index]
     assert "transformer + ControlNet" in beside["resolved"]["memory_mode"]["reason"]  # type: ignore[index]
-    auto = engine.plan(model, controlnet=controlnet).to_dict()["resolved"]  # the planner may quantise instead
+    auto = engine.images.plan(model, controlnet=controlnet).to_dict()["resolved"]  # the planner may quantise instead
     assert auto["transformer_quant"]["value"] is not None or auto["memory_mode"]["value"] != "resident"  # type: ignore[index]
     # An explicit resident that the ControlNet pushes over falls to the next mode, saying why.
-    asked = engine.plan(model, controlnet=controlnet, request=InferenceRequest(quant="none", memory="resident"))
+    asked = engine.images.plan(model, controlnet=controlnet, request=InferenceRequest(quant="none", memory="resident"))
     fell = asked["memory_mode"].to_dict()
     assert fell["status"] == "fell back" and fell["value"] != "resident"
     assert "ControlNet 6.6 included" in str(fell["reason"])
@@ -176,14 +176,14 @@ def test_a_qwen_image_edit_checkpoint_edits_at_the_requested_size(tmp_path: Path
 
     folder = build_tiny_edit_pipeline(tmp_path / "tiny-qwen-image-edit")
     engine = Engine(registry=REGISTRY, hardware=HARDWARE)
-    engine.load(str(folder))
+    engine.images.load(str(folder))
     try:
         options = {"steps": 1, "seed": 5, "width": 64, "height": 48}
-        [text] = engine.generate("make it red", **options)  # 1 step: each edit step attends over 4k tokens
-        [edited] = engine.generate("make it red", image=box(corner=(8, 8, 40, 40)), **options)
+        [text] = engine.images.generate("make it red", **options)  # 1 step: each edit step attends over 4k tokens
+        [edited] = engine.images.generate("make it red", image=box(corner=(8, 8, 40, 40)), **options)
         status = engine.status()["pipeline"]
     finally:
-        engine.unload()
+        engine.images.unload()
     assert status["model"]["checkpoint"] == "qwen-image-edit"  # type: ignore[index]
     assert edited.size == text.size == (64, 48)
     assert not np.array_equal(np.asarray(edited), np.asarray(text))
@@ -216,7 +216,7 @@ def test_an_edit_checkpoint_whose_processor_cannot_be_built_is_refused_before_ev
     engine = Engine(registry=REGISTRY, hardware=PRESETS["h100"])
     host = HostModel(engine)
     with pytest.raises(EngineError) as refused:
-        engine.load(str(folder))
+        engine.images.load(str(folder))
     assert refused.value.code == "load_failed"
     assert "Qwen2VLProcessor" in refused.value.message and "Torchvision" in refused.value.message
     assert host.evicted == 0 and engine.residency.owner is None

@@ -187,7 +187,7 @@ def test_two_loras_with_scales_and_switching_never_reloads_the_base(
 
     monkeypatch.setattr(InferenceSession, "_load_pipeline", counted)
     engine = Engine(hardware=HARDWARE)
-    status = engine.load(str(folder), loras=[f"{first}:0.7", {"path": str(second), "scale": 0.5}])
+    status = engine.images.load(str(folder), loras=[f"{first}:0.7", {"path": str(second), "scale": 0.5}])
     assert status["plan"]["resolved"]["lora"]["value"] == "unfused"  # two LoRAs keep separate scales
     try:
         both = _engine_image(engine)
@@ -197,7 +197,7 @@ def test_two_loras_with_scales_and_switching_never_reloads_the_base(
         again = _engine_image(engine, loras=[f"{first}:0.7", f"{second}:0.5"])
         applied = engine.status()["pipeline"]["loras"]["applied"]
     finally:
-        engine.unload()
+        engine.images.unload()
     assert len(loads) == 1, "switching LoRAs or scales never reloads the base"
     assert [a["scale"] for a in applied] == [0.7, 0.5]
     assert same(both, again)
@@ -214,7 +214,7 @@ def test_two_loras_with_scales_and_switching_never_reloads_the_base(
 
 
 def _engine_image(engine: Engine, **options: object) -> np.ndarray:
-    [result] = engine.generate("a lighthouse at dusk", steps=2, seed=3, **SIZE, **options)  # type: ignore[arg-type]
+    [result] = engine.images.generate("a lighthouse at dusk", steps=2, seed=3, **SIZE, **options)  # type: ignore[arg-type]
     return np.asarray(result).astype(np.float64) / 255.0
 
 
@@ -229,7 +229,7 @@ def test_a_lora_for_another_family_is_refused_before_eviction(
     evicted: list[str] = []
     engine.register_resident("host-model", lambda: evicted.append("host-model"), size_gb=1.0)
     with pytest.raises(LoraMismatch) as refused:
-        engine.load(str(tiny_pipeline("sdxl")), loras=[str(loras("flux"))])
+        engine.images.load(str(tiny_pipeline("sdxl")), loras=[str(loras("flux"))])
     assert refused.value.code == "lora_mismatch"
     assert "FLUX.1" in refused.value.message and "match nothing" in refused.value.message
     assert evicted == [] and engine.status()["pipeline"] is None
@@ -420,7 +420,7 @@ def test_http_loras_on_load_generate_and_openai(
         assert outside.status_code >= 400 and outside.json()["error"]["code"] == "path_outside_roots"
         missing = client.post("/v1/images/generate", json={**body, "loras": [{"path": "nope.safetensors"}]})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "lora_not_found"
-    engine.unload()
+    engine.images.unload()
 
 
 def _decoded(b64: str) -> Image.Image:

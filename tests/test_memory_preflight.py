@@ -299,10 +299,10 @@ def test_a_plan_is_made_for_the_memory_after_eviction() -> None:
     idle = Engine(hardware=preset("rtx4090"))
     busy = Engine(hardware=preset("rtx4090").replace(free_memory_gb=6.0, source="probe"))
     HostModel(busy, size_gb=18.8)
-    assert busy.plan(family="flux").to_dict()["resolved"] == idle.plan(family="flux").to_dict()["resolved"]
-    report = busy.plan(family="flux").to_dict()["available_memory"]
+    assert busy.images.plan(family="flux").to_dict()["resolved"] == idle.images.plan(family="flux").to_dict()["resolved"]
+    report = busy.images.plan(family="flux").to_dict()["available_memory"]
     assert report["free_now_gb"] == 6.0 and report["after_eviction_gb"] == 24.8  # type: ignore[index]
-    info = busy.info()
+    info = busy.catalog.info()
     assert info["available_memory"]["after_eviction_gb"] == 24.8  # type: ignore[index]
 
 
@@ -325,7 +325,7 @@ def test_memory_refusals_evict_nothing(tmp_path: Path, sized: Callable[[str], st
         if not isinstance(error, InsufficientMemory):
             continue
         with pytest.raises(InsufficientMemory):
-            engine.start_training({
+            engine.training.start({
                 "base_model": sized(family), "dataset_dir": str(data), "base_precision": mode,
                 "resolution": resolution, "batch_size": batch,
             })
@@ -378,7 +378,7 @@ def test_a_start_is_sized_on_the_memory_after_eviction(tmp_path: Path, sized: Ca
     engine = Engine(hardware=preset("rtx4090").replace(free_memory_gb=14.0, source="probe"), runs_dir=tmp_path / "runs")
     host = HostModel(engine, size_gb=10.8)
     with pytest.raises(InsufficientMemory) as refused:
-        engine.start_training({
+        engine.training.start({
             "base_model": sized("flux"), "dataset_dir": str(data), "base_precision": "bf16", "resolution": 1024,
         })
     assert "would have 24.8 GB free after eviction" in refused.value.message

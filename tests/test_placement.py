@@ -97,13 +97,13 @@ def test_the_fallback_reason_reaches_engine_status(
     tiny_pipeline: Callable[[str], Path], oom_once: list[str], tmp_path: Path
 ) -> None:
     engine = Engine(registry=REGISTRY, hardware=HARDWARE, runs_dir=tmp_path)
-    engine.load(str(tiny_pipeline("flux")), request=InferenceRequest(quant="int8"))
+    engine.images.load(str(tiny_pipeline("flux")), request=InferenceRequest(quant="int8"))
     try:
         pipeline = engine.status()["pipeline"]
         assert pipeline["loaded"] and pipeline["fallback"]["code"] == "placement_failed"  # type: ignore[index]
         assert OOM in pipeline["fallback"]["reason"]  # type: ignore[index]
     finally:
-        engine.unload()
+        engine.images.unload()
 
 
 @pytest.mark.slow

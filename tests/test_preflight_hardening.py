@@ -215,11 +215,11 @@ def test_a_missing_base_refuses_the_start_with_no_eviction_and_no_hub_call(
     data = write_dataset(tmp_path / "data", count=1)
     for base in ("./nope", "/data/x/missing-model"):
         with pytest.raises(EngineError) as raised:
-            engine.start_training({"base_model": base, "dataset_dir": str(data), "device": "cuda"})
+            engine.training.start({"base_model": base, "dataset_dir": str(data), "device": "cuda"})
         assert raised.value.code == "model_not_found"
     for model in ("./nope", ""):
         with pytest.raises(EngineError) as refused:
-            engine.load(model)
+            engine.images.load(model)
         assert refused.value.code == ("model_not_found" if model else "invalid_request")
     assert host.evicted == 0 and engine.residency.owner is None and not no_hub
 
@@ -259,7 +259,7 @@ def test_hub_ids_are_refused_when_not_allowed_and_offline_before_eviction(monkey
     engine = Engine(registry=REGISTRY, hardware=PRESETS["h100"])
     host = HostModel(engine)
     with pytest.raises(EngineError) as offline:
-        engine.load("someone-offline/FLUX.1-dev-not-downloaded")
+        engine.images.load("someone-offline/FLUX.1-dev-not-downloaded")
     assert offline.value.code == "hub_offline"
     assert "download" in offline.value.message and "local folder" in offline.value.message
     assert host.evicted == 0 and engine.residency.owner is None
@@ -286,16 +286,16 @@ def test_a_download_needs_consent_from_the_engine_for_every_face(
     monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
     repo = "someone-else/FLUX.1-dev-not-downloaded"
     with pytest.raises(EngineError) as refused:
-        engine.load(repo)
+        engine.images.load(repo)
     assert refused.value.code == "download_not_allowed" and "--allow-download" in refused.value.message
     config = {"base_model": repo, "dataset_dir": str(write_dataset(tmp_path / "data", count=1)),
               "output_dir": str(tmp_path / "out")}
     with pytest.raises(EngineError) as refused:
-        engine.start_training(config)
+        engine.training.start(config)
     assert refused.value.code == "download_not_allowed"
     # A dry run downloads nothing, so it needs no consent: it sizes the base from the family's
     # table and says the weights are not here, and what a start would fetch.
-    weights = engine.plan_training(config).weights
+    weights = engine.training.plan(config).weights
     assert weights is not None and weights["here"] is False and weights["repo"] == repo
     assert "--allow-download" in str(weights["note"])
     assert main(["generate", "--model", repo, "--prompt", "x"]) == 2
@@ -414,9 +414,9 @@ def test_a_truncated_component_refuses_load_and_training_before_eviction(
     engine = Engine(registry=REGISTRY, hardware=PRESETS["h100"], runs_dir=tmp_path / "runs")
     host = HostModel(engine)
     with pytest.raises(EngineError) as load:
-        engine.load(str(base))
+        engine.images.load(str(base))
     with pytest.raises(EngineError) as train:
-        engine.start_training({"base_model": str(base), "dataset_dir": str(write_dataset(tmp_path / "d", count=1))})
+        engine.training.start({"base_model": str(base), "dataset_dir": str(write_dataset(tmp_path / "d", count=1))})
     for raised in (load, train):
         assert raised.value.code == "corrupt_checkpoint" and component in raised.value.message
     assert host.evicted == 0 and engine.residency.owner is None
@@ -462,11 +462,11 @@ def test_after_a_failing_evict_the_next_load_runs(tiny_pipeline: Callable[[str],
     engine.register_resident("host.broken", broken)
     host = HostModel(engine)
     with pytest.raises(EngineError) as raised:
-        engine.load(str(tiny_pipeline("sdxl")))
+        engine.images.load(str(tiny_pipeline("sdxl")))
     assert raised.value.code == "evict_failed" and "host.broken" in raised.value.message
     assert engine.status()["job"] is None and engine.residency.owner is None
-    assert engine.load(str(tiny_pipeline("sdxl")))["loaded"] and host.evicted == 1
-    engine.unload()
+    assert engine.images.load(str(tiny_pipeline("sdxl")))["loaded"] and host.evicted == 1
+    engine.images.unload()
 
 
 def test_unregister_resident() -> None:
@@ -490,7 +490,7 @@ def test_a_running_generate_holds_the_engine_and_generates_queue(
     tmp_path: Path, tiny_pipeline: Callable[[str], Path]
 ) -> None:
     engine = Engine(registry=REGISTRY, hardware=probe(verify=False), runs_dir=tmp_path / "runs")
-    engine.load(str(tiny_pipeline("sdxl")))
+    engine.images.load(str(tiny_pipeline("sdxl")))
     inside, release = threading.Event(), threading.Event()
     results: list[str] = []
 
@@ -499,7 +499,7 @@ def test_a_running_generate_holds_the_engine_and_generates_queue(
         assert release.wait(timeout=120)
 
     def generate(progress: Callable[[int, int], None] | None) -> None:
-        [image] = engine.generate("a fox", steps=2, width=64, height=64, progress=progress)
+        [image] = engine.images.generate("a fox", steps=2, width=64, height=64, progress=progress)
         results.append(f"{image.size}")
 
     first = threading.Thread(target=generate, args=(hold,))
@@ -510,28 +510,28 @@ def test_a_running_generate_holds_the_engine_and_generates_queue(
     config = {"base_model": str(tiny_pipeline("sdxl")), "dataset_dir": str(write_dataset(tmp_path / "d", count=1)),
               "resolution": 64, "steps": 2, "device": "cpu"}
     with pytest.raises(Busy):
-        engine.start_training(config)
+        engine.training.start(config)
     with pytest.raises(Busy):
-        engine.load(str(tiny_pipeline("sdxl")))
+        engine.images.load(str(tiny_pipeline("sdxl")))
     assert engine.status()["job"] == "generating" and results == []  # (unload would wait: test_batches)
     release.set()
     first.join(timeout=120)
     second.join(timeout=120)
     assert results == ["(64, 64)", "(64, 64)"]  # the second waited its turn, then ran
-    assert engine.status()["job"] is None and engine.unload()
+    assert engine.status()["job"] is None and engine.images.unload()
 
 
 @pytest.mark.slow
 def test_a_generate_while_training_is_busy(tmp_path: Path, tiny_pipeline: Callable[[str], Path]) -> None:
     engine = Engine(registry=REGISTRY, hardware=probe(verify=False), runs_dir=tmp_path / "runs")
-    engine.start_training({"base_model": str(tiny_pipeline("sdxl")), "dataset_dir": str(write_dataset(tmp_path / "d", count=1)),
+    engine.training.start({"base_model": str(tiny_pipeline("sdxl")), "dataset_dir": str(write_dataset(tmp_path / "d", count=1)),
                            "resolution": 64, "steps": 100_000, "lora_rank": 2, "device": "cpu"})
     try:
         with pytest.raises(Busy):
-            engine.generate("a fox", steps=1, width=64, height=64)
+            engine.images.generate("a fox", steps=1, width=64, height=64)
     finally:
-        engine.stop_training(save=False)
-        engine.wait_training(timeout=300)
+        engine.training.stop(save=False)
+        engine.training.wait(timeout=300)
 
 
 # -- 2, over HTTP: --allow-hub keeps confinement, and hub ids reach the hub path ----------------

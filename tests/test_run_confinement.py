@@ -84,7 +84,7 @@ def test_python_and_the_cli_delete_only_the_planted_folder(disk: Disk, name: str
     from engine.cli import main
 
     engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=disk.runs)
-    assert engine.remove_run(name)["folder"] == str(disk.runs / name)
+    assert engine.training.remove(name)["folder"] == str(disk.runs / name)
     assert not (disk.runs / name).exists()
     disk.untouched()
     assert (disk.runs / "victim").is_dir() and disk.runs.is_dir()
@@ -104,9 +104,9 @@ def test_a_symlinked_run_folder_that_leads_out_is_no_run(disk: Disk) -> None:
               status="completed").save()
     disk.before["outside"] = snapshot(disk.outside)
     engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=disk.runs)
-    assert "out" not in {r["run_id"] for r in engine.runs()}
+    assert "out" not in {r["run_id"] for r in engine.training.runs()}
     with pytest.raises(EngineError) as refused:
-        engine.remove_run("out")
+        engine.training.remove("out")
     assert refused.value.code == "run_not_found"
     disk.untouched()
 
@@ -172,7 +172,7 @@ def resumable(disk: Disk, tiny_pipeline: Callable[[str], Path], tmp_path: Path) 
 
 def wait_finished(engine: Engine) -> None:
     deadline = time.monotonic() + 120
-    while (status := engine.training_status()) is not None and status.get("status") not in (
+    while (status := engine.training.status()) is not None and status.get("status") not in (
             "completed", "failed", "stopped", "cancelled"):
         assert time.monotonic() < deadline, status
         time.sleep(0.2)
@@ -182,7 +182,7 @@ def test_python_and_http_resumes_write_into_the_found_folder(resumable: tuple[Di
     disk, config = resumable
     engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=disk.runs)
     HostModel(engine, name="host.llm", size_gb=0.0)
-    point = engine.resume_point("at-victim")
+    point = engine.training.resume_point("at-victim")
     assert point["folder"] == str(disk.at_victim) and str(disk.at_victim) in str(point["checkpoint"])
     settings = ServerSettings(model_roots=(Path(config.base_model).parent,),
                               dataset_roots=(Path(config.dataset_dir).parent,), output_roots=(disk.runs,), token=TOKEN)

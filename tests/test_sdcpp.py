@@ -48,7 +48,7 @@ def cpu(**changes: object) -> object:
 
 
 def test_on_a_cpu_a_gguf_with_its_companions_goes_to_sdcpp_sized_from_its_files(sdcpp_model: Path) -> None:
-    plan = Engine(hardware=cpu()).plan(str(sdcpp_model))
+    plan = Engine(hardware=cpu()).images.plan(str(sdcpp_model))
     engine = plan["engine"]
     assert (engine.value, engine.source) == ("sdcpp", "auto")
     assert "flux-tiny.gguf" in engine.reason and "T5-XXL" in engine.reason  # runs degraded without it, says so
@@ -65,16 +65,16 @@ def test_on_a_cpu_a_gguf_with_its_companions_goes_to_sdcpp_sized_from_its_files(
     (lambda: preset("cpu"), "pip install 'diffusion-engine[cpu]'"),
 ])
 def test_auto_stays_on_diffusers_and_says_why(sdcpp_model: Path, hardware: Callable[[], object], why: str) -> None:
-    engine = Engine(hardware=hardware()).plan(str(sdcpp_model))["engine"]
+    engine = Engine(hardware=hardware()).images.plan(str(sdcpp_model))["engine"]
     assert engine.value == "diffusers" and why in engine.reason, engine.reason
 
 
 def test_auto_keeps_torch_where_it_was_measured_faster(sdcpp_model: Path) -> None:
     """bf16 on a CPU with AMX ran 9x faster than sd.cpp's Q8_0; emulated bf16 2.3x slower."""
     roomy = {"total_memory_gb": 24.0, "free_memory_gb": 22.0}  # its table encoders: bf16 fits, fp32 not
-    amx = Engine(hardware=cpu(cpu_bf16_matmul=True, **roomy)).plan(str(sdcpp_model))
+    amx = Engine(hardware=cpu(cpu_bf16_matmul=True, **roomy)).images.plan(str(sdcpp_model))
     assert amx.value("dtype") == "bf16" and amx["engine"].value == "diffusers" and "AMX" in amx["engine"].reason
-    avx2 = Engine(hardware=cpu(**roomy)).plan(str(sdcpp_model))
+    avx2 = Engine(hardware=cpu(**roomy)).images.plan(str(sdcpp_model))
     assert avx2["engine"].value == "sdcpp" and "without native bf16 matmul" in avx2["engine"].reason
 
 
@@ -87,26 +87,26 @@ def test_sdcpp_is_sized_from_its_files_where_torch_would_not_fit(sdcpp_model: Pa
     facts = resolve_model(load_registry(), str(sdcpp_model)).facts(load_registry())
     short = resolve_engine("auto", cpu(free_memory_gb=facts.sdcpp.gb / 2, swap_free_gb=0.0), facts.sdcpp)
     assert short.value == "diffusers" and "GB of RAM" in short.reason
-    plan = Engine(hardware=cpu(free_memory_gb=1.0, total_memory_gb=2.0, swap_free_gb=0.0)).plan(str(sdcpp_model))
+    plan = Engine(hardware=cpu(free_memory_gb=1.0, total_memory_gb=2.0, swap_free_gb=0.0)).images.plan(str(sdcpp_model))
     assert plan["engine"].value == "sdcpp" and not plan.diffusers_fits and plan.fallback is None
     assert "no fallback" in plan["engine"].reason
     with pytest.raises(EngineError) as refused:  # the same machine without sd.cpp: torch does not fit
-        Engine(hardware=cpu(free_memory_gb=1.0, total_memory_gb=2.0, swap_free_gb=0.0)).plan(
+        Engine(hardware=cpu(free_memory_gb=1.0, total_memory_gb=2.0, swap_free_gb=0.0)).images.plan(
             str(sdcpp_model), request=InferenceRequest(engine="diffusers"))
     assert refused.value.code == "insufficient_memory"
 
 
 def test_what_sdcpp_does_not_read_stays_on_diffusers(sdcpp_model: Path, tiny_pipeline: Callable[[str], Path],
                                                      tmp_path: Path) -> None:
-    folder = Engine(hardware=cpu()).plan(str(tiny_pipeline("flux")))["engine"]
+    folder = Engine(hardware=cpu()).images.plan(str(tiny_pipeline("flux")))["engine"]
     assert folder.value == "diffusers" and "diffusers folder" in folder.reason
     alone = tmp_path / "alone" / sdcpp_model.name
     alone.parent.mkdir()
     shutil.copy(sdcpp_model, alone)
     # (a hub id as its base: the tiny diffusers FLUX is another width, a base_mismatch)
-    missing = Engine(hardware=cpu()).plan(str(alone), base="black-forest-labs/FLUX.1-dev")["engine"]
+    missing = Engine(hardware=cpu()).images.plan(str(alone), base="black-forest-labs/FLUX.1-dev")["engine"]
     assert missing.value == "diffusers" and "the autoencoder" in missing.reason and "ae.safetensors" in missing.reason
-    asked = Engine(hardware=cpu()).plan(str(sdcpp_model), request=InferenceRequest(engine="diffusers"))["engine"]
+    asked = Engine(hardware=cpu()).images.plan(str(sdcpp_model), request=InferenceRequest(engine="diffusers"))["engine"]
     assert (asked.value, asked.source) == ("diffusers", "explicit")
 
 
@@ -123,7 +123,7 @@ def test_engine_sdcpp_where_it_cannot_run_is_refused_before_any_eviction(
         engine = Engine(hardware=hardware)
         host = HostModel(engine)
         with pytest.raises(EngineError) as refused:
-            engine.load(model, request=InferenceRequest(engine="sdcpp"))
+            engine.images.load(model, request=InferenceRequest(engine="sdcpp"))
         assert refused.value.code == "sdcpp_unavailable" and why in refused.value.message, refused.value.message
         assert host.evicted == 0 and engine.residency.owner is None
     facts = resolve_model(Engine().registry, str(sdcpp_model)).facts(Engine().registry)
@@ -144,18 +144,18 @@ def test_generate_runs_on_sdcpp_and_the_cli_gives_the_same_pixels(
     sdcpp_model: Path, tmp_path: Path, cli_json: Callable[..., object],
 ) -> None:
     engine = Engine()
-    status = engine.load(str(sdcpp_model), request=SDCPP)
+    status = engine.images.load(str(sdcpp_model), request=SDCPP)
     assert status["engine"] == "sdcpp" and status["sdcpp"]["threads"] == max(1, (__import__("os").cpu_count() or 2) // 2)
     worker = status["sdcpp"]["worker_pid"]
     steps: list[tuple[int, int]] = []
-    first = engine.generate("a red fox", seed=7, progress=lambda s, t: steps.append((s, t)),
+    first = engine.images.generate("a red fox", seed=7, progress=lambda s, t: steps.append((s, t)),
                             **{**SMALL, "width": 64, "height": 64})  # the request vocabulary's smallest side
-    other = engine.generate("a red fox", seed=8, **SMALL)
+    other = engine.images.generate("a red fox", seed=8, **SMALL)
     assert steps == [(1, 2), (2, 2)]
     assert first[0].size == (64, 64) and first[0].mode == "RGB"
     assert other[0].size == (32, 32) and not (pixels(first[0])[:32, :32] == pixels(other[0])).all()
     assert engine.status()["pipeline"]["sdcpp"]["worker_pid"] == worker  # one context, reused
-    engine.unload()
+    engine.images.unload()
     out = tmp_path / "fox.png"
     payload = cli_json("generate", "--model", str(sdcpp_model), "--engine", "sdcpp", "--prompt", "a red fox", "--seed", "7",
                        "--width", "64", "--height", "64", "--steps", "2", "-o", str(out))
@@ -167,8 +167,8 @@ def test_generate_runs_on_sdcpp_and_the_cli_gives_the_same_pixels(
 
 def test_cancel_stops_after_the_step_and_the_next_generate_restarts_the_worker(sdcpp_model: Path) -> None:
     engine = Engine()
-    engine.load(str(sdcpp_model), request=SDCPP)
-    before = engine.generate("a fox", seed=1, **SMALL)
+    engine.images.load(str(sdcpp_model), request=SDCPP)
+    before = engine.images.generate("a fox", seed=1, **SMALL)
     cancel = threading.Event()
     seen: list[int] = []
 
@@ -177,20 +177,20 @@ def test_cancel_stops_after_the_step_and_the_next_generate_restarts_the_worker(s
         cancel.set()  # as a client that went away: the engine stops after this step
 
     with pytest.raises(Cancelled):
-        engine.generate("a fox", seed=1, progress=on_step, cancel=cancel, **{**SMALL, "steps": 4})
+        engine.images.generate("a fox", seed=1, progress=on_step, cancel=cancel, **{**SMALL, "steps": 4})
     assert seen == [1] and engine.status()["job"] is None
-    after = engine.generate("a fox", seed=1, **SMALL)
+    after = engine.images.generate("a fox", seed=1, **SMALL)
     assert engine.status()["pipeline"]["sdcpp"]["restarts"] == 1
     assert (pixels(before[0]) == pixels(after[0])).all()
     with pytest.raises(EngineError) as refused:
-        engine.generate("a fox", mask_image=before[0], image=before[0], **SMALL)
+        engine.images.generate("a fox", mask_image=before[0], image=before[0], **SMALL)
     assert refused.value.code == "unsupported_on_sdcpp"
-    redrawn = engine.generate("a fox", image=before[0], strength=0.5, seed=2, **SMALL)  # img2img: the binding's
+    redrawn = engine.images.generate("a fox", image=before[0], strength=0.5, seed=2, **SMALL)  # img2img: the binding's
     assert redrawn[0].size == (32, 32) and not (pixels(redrawn[0]) == pixels(before[0])).all()
     held = engine.available_memory().to_dict()
-    assert any(r["name"] == "engine.pipeline" and r["gb"] == pytest.approx(engine.loaded_plan().sdcpp.gb, abs=0.01)
+    assert any(r["name"] == "engine.pipeline" and r["gb"] == pytest.approx(engine.images.loaded_plan().sdcpp.gb, abs=0.01)
                for r in held["releasable"]), held  # the files as stored, not the torch estimate
-    engine.unload()
+    engine.images.unload()
 
 
 def test_a_file_the_library_refuses_falls_back_to_diffusers_with_the_reason(
@@ -205,19 +205,19 @@ def test_a_file_the_library_refuses_falls_back_to_diffusers_with_the_reason(
     model = write_single_file(base, "transformer", tmp_path / "m" / "flux-tiny.safetensors")
     shutil.copy(sdcpp_model.parent / "ae.safetensors", model.parent / "ae.safetensors")
     save_file({"text_model.final_layer_norm.weight": np.ones(8, np.float16)}, str(model.parent / "clip_l.safetensors"))
-    fast = Engine(hardware=cpu()).plan(str(model), base=str(base))["engine"]  # a tiny base: fp32 fits
+    fast = Engine(hardware=cpu()).images.plan(str(model), base=str(base))["engine"]  # a tiny base: fp32 fits
     assert fast.value == "diffusers" and "fp32 fits" in fast.reason and "3.5x" in fast.reason
     engine = Engine()
-    status = engine.load(str(model), base=str(base), request=SDCPP)
+    status = engine.images.load(str(model), base=str(base), request=SDCPP)
     engine_control = status["plan"]["resolved"]["engine"]
     assert status["fallback"]["from"] == "sdcpp" and "stable-diffusion.cpp failed" in engine_control["reason"]
     assert (engine_control["value"], engine_control["requested"], engine_control["status"]) == (
         "diffusers", "sdcpp", "fell back")
-    image = engine.generate("a fox", seed=1, width=64, height=64, steps=1)[0]
+    image = engine.images.generate("a fox", seed=1, width=64, height=64, steps=1)[0]
     assert image.size == (64, 64)
-    engine.unload()
+    engine.images.unload()
     with pytest.raises(EngineError) as failed:  # without a base, diffusers cannot take it over: said so
-        Engine().load(str(model), request=SDCPP)
+        Engine().images.load(str(model), request=SDCPP)
     assert failed.value.code == "sdcpp_files_refused" and failed.value.status == 400  # the file's fault: a 4xx
     assert "base" in failed.value.message and str(model.parent / "clip_l.safetensors") in failed.value.message
 
@@ -238,14 +238,14 @@ def _stop_at_first_step(engine: Engine, stopped: threading.Event) -> Callable[[i
 
 def test_an_unload_with_cancel_kills_a_worker_stuck_in_a_step(sdcpp_model: Path) -> None:
     engine = Engine()
-    engine.load(str(sdcpp_model), request=SDCPP)
+    engine.images.load(str(sdcpp_model), request=SDCPP)
     pid = engine.status()["pipeline"]["sdcpp"]["worker_pid"]
     stopped = threading.Event()
     outcome: list[BaseException] = []
 
     def generate() -> None:
         try:
-            engine.generate("a fox", seed=1, progress=_stop_at_first_step(engine, stopped), **{**SMALL, "steps": 6})
+            engine.images.generate("a fox", seed=1, progress=_stop_at_first_step(engine, stopped), **{**SMALL, "steps": 6})
         except BaseException as exc:  # noqa: BLE001 - the thread's outcome, asserted below
             outcome.append(exc)
 
@@ -253,7 +253,7 @@ def test_an_unload_with_cancel_kills_a_worker_stuck_in_a_step(sdcpp_model: Path)
     thread.start()
     assert stopped.wait(60)
     started = time.monotonic()
-    assert engine.unload(cancel=True) is True  # the generate lock came back: the stuck worker did not hold it
+    assert engine.images.unload(cancel=True) is True  # the generate lock came back: the stuck worker did not hold it
     thread.join(10)
     assert not thread.is_alive() and time.monotonic() - started < 5
     assert [type(e) for e in outcome] == [Cancelled]
@@ -265,18 +265,18 @@ def test_a_worker_silent_past_its_step_timeout_is_killed_and_the_next_generate_r
 ) -> None:
     monkeypatch.setenv("DIFFUSION_ENGINE_SDCPP_STEP_TIMEOUT", "2")
     engine = Engine()
-    engine.load(str(sdcpp_model), request=SDCPP)
+    engine.images.load(str(sdcpp_model), request=SDCPP)
     pid = engine.status()["pipeline"]["sdcpp"]["worker_pid"]
     started = time.monotonic()
     with pytest.raises(EngineError) as stalled:
-        engine.generate("a fox", seed=1, progress=_stop_at_first_step(engine, threading.Event()), **SMALL)
+        engine.images.generate("a fox", seed=1, progress=_stop_at_first_step(engine, threading.Event()), **SMALL)
     assert stalled.value.code == "sdcpp_stalled" and stalled.value.status == 504
     assert "DIFFUSION_ENGINE_SDCPP_STEP_TIMEOUT" in stalled.value.message
     assert time.monotonic() - started < 30 and _gone(pid)
     assert engine.status()["job"] is None and engine.status()["pipeline"]["engine"] == "sdcpp"  # no fallback
-    image = engine.generate("a fox", seed=1, **SMALL)[0]  # a new worker, reloaded
+    image = engine.images.generate("a fox", seed=1, **SMALL)[0]  # a new worker, reloaded
     assert image.size == (32, 32) and engine.status()["pipeline"]["sdcpp"]["restarts"] == 1
-    engine.unload()
+    engine.images.unload()
 
 
 def test_a_step_timeout_that_is_not_a_number_of_seconds_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -95,7 +95,7 @@ def test_paths_outside_the_roots_are_refused_before_anything_is_read(
     response = httpx.post(f"{url}/v1/training/start", json=body, headers=AUTH)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "path_outside_roots"
-    assert host.evicted == before and engine.training_status() is None
+    assert host.evicted == before and engine.training.status() is None
     assert not list((roots.outside).glob("runs*"))
 
 
@@ -168,7 +168,7 @@ def test_a_resume_names_a_run_of_the_servers_runs_folder(
     before = host.evicted
     response = httpx.post(f"{url}/v1/training/start", json=body, headers=AUTH)
     assert response.status_code == status and response.json()["error"]["code"] == code, response.text
-    assert host.evicted == before and engine.training_status() is None
+    assert host.evicted == before and engine.training.status() is None
 
 
 def test_trainer_killed_while_serving_fails_cleanly_and_the_next_start_works(
@@ -185,7 +185,7 @@ def test_trainer_killed_while_serving_fails_cleanly_and_the_next_start_works(
     while httpx.get(f"{url}/v1/training/status", headers=AUTH).json().get("step", 0) < 1:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    os.kill(engine._run.pid, signal.SIGKILL)  # noqa: SLF001 - the OOM killer's part
+    os.kill(engine.training.current.pid, signal.SIGKILL)  # noqa: SLF001 - the OOM killer's part
     while (status := httpx.get(f"{url}/v1/training/status", headers=AUTH).json())["status"] != "failed":
         assert time.monotonic() < deadline + 60
         time.sleep(0.1)
@@ -197,7 +197,7 @@ def test_trainer_killed_while_serving_fails_cleanly_and_the_next_start_works(
     assert runs[0]["status"] == "failed"
     again = httpx.post(f"{url}/v1/training/start", json={**body, "steps": 2}, headers=AUTH, timeout=60)
     assert again.status_code == 200, again.text
-    assert engine.wait_training(timeout=300).status == "completed"
+    assert engine.training.wait(timeout=300).status == "completed"
 
 
 def test_serve_command_binds_loopback_and_requires_its_token(tmp_path: Path) -> None:
@@ -396,9 +396,9 @@ def test_messages_echo_at_most_200_characters_of_any_input(served: tuple[str, En
 def test_json_types_are_strict(served: tuple[str, Engine, Roots, HostModel], route: str, body: dict[str, object]) -> None:
     url, engine, _, host = served
     before = host.evicted
-    run_before = (engine.training_status() or {}).get("run_id")  # an earlier test's run, if any
+    run_before = (engine.training.status() or {}).get("run_id")  # an earlier test's run, if any
     _assert_error_shape(httpx.post(f"{url}{route}", json=body, headers=AUTH), 422, "invalid_request")
-    assert host.evicted == before and (engine.training_status() or {}).get("run_id") == run_before
+    assert host.evicted == before and (engine.training.status() or {}).get("run_id") == run_before
 
 
 @pytest.mark.parametrize(
@@ -435,9 +435,9 @@ def test_paths_no_file_system_can_take_are_invalid_requests(
 ) -> None:
     url, engine, _, host = served
     before = host.evicted
-    run_before = (engine.training_status() or {}).get("run_id")  # an earlier test's run, if any
+    run_before = (engine.training.status() or {}).get("run_id")  # an earlier test's run, if any
     _assert_error_shape(httpx.post(f"{url}{route}", json=body, headers=AUTH), 422, "invalid_path")
-    assert host.evicted == before and (engine.training_status() or {}).get("run_id") == run_before
+    assert host.evicted == before and (engine.training.status() or {}).get("run_id") == run_before
 
 
 @pytest.mark.parametrize(

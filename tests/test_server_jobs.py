@@ -41,14 +41,17 @@ class GatedEngine(Engine):
         self.calls: list[str] = []
         self.hold: threading.Event | None = None
         self.holding = threading.Event()
+        generate = self.images.generate
 
-    def generate(self, prompt: str, **options: Any) -> list[Any]:
-        self.calls.append(prompt)
-        gate = self.hold
-        if gate is not None:
-            self.holding.set()
-            gate.wait(timeout=120)
-        return super().generate(prompt, **options)
+        def gated(prompt: str, **options: Any) -> list[Any]:
+            self.calls.append(prompt)
+            gate = self.hold
+            if gate is not None:
+                self.holding.set()
+                gate.wait(timeout=120)
+            return generate(prompt, **options)
+
+        self.images.generate = gated  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[st
     shutil.copytree(tiny_pipeline("sdxl"), base / "models" / "tiny-sdxl")
     write_dataset(base / "datasets" / "shapes", count=2)
     engine = GatedEngine(registry=load_registry(), hardware=probe(verify=False), runs_dir=base / "runs")
-    engine.load(str(base / "models" / "tiny-sdxl"))
+    engine.images.load(str(base / "models" / "tiny-sdxl"))
     settings = ServerSettings(model_roots=(base / "models",), dataset_roots=(base / "datasets",),
                               output_roots=(base / "runs",), token=TOKEN, queue_size=QUEUE_SIZE)
     with LiveServer(create_app(engine, settings)) as url:
@@ -231,4 +234,4 @@ def test_the_training_stream_shows_the_run_s_steps(served: tuple[str, GatedEngin
     assert steps and steps[-1]["step"] == 1 and steps[-1]["run_id"] == started.json()["run_id"]
     assert isinstance(steps[-1]["loss"], float) and isinstance(steps[-1]["lr"], float)
     assert seen[-1][1]["status"] == "completed"
-    engine.wait_training(timeout=120)
+    engine.training.wait(timeout=120)

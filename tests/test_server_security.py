@@ -25,7 +25,7 @@ TOKEN = "s3cret"
 def tokenless(tiny_pipeline: Callable[[str], Path]) -> Iterator[tuple[str, Engine]]:
     """A tokenless loopback server with a tiny pipeline loaded: what a cross-site page would unload."""
     engine = Engine(registry=load_registry(), hardware=probe(verify=False))
-    engine.load(str(tiny_pipeline("sdxl")))
+    engine.images.load(str(tiny_pipeline("sdxl")))
     settings = ServerSettings(model_roots=(tiny_pipeline("sdxl").parent,), extra_hosts=("proxy.example",))
     with LiveServer(create_app(engine, settings)) as url:
         yield url, engine

@@ -129,7 +129,7 @@ def test_five_hundred_doomed_training_starts_evict_nothing(
     for preset, label, config in cases:
         engine = engines[preset]
         with pytest.raises(EngineError) as raised:
-            engine.start_training(config)
+            engine.training.start(config)
         code = raised.value.code
         codes[code] = codes.get(code, 0) + 1
         assert engine.residency.owner is None, (preset, label)
@@ -152,19 +152,19 @@ def test_doomed_loads_evict_nothing(fixtures_root: dict[str, Path], tiny_pipelin
     t4 = Engine(registry=REGISTRY, hardware=PRESETS["t4"])
     host = HostModel(t4)
     doomed = [
-        (lambda: t4.load(str(fixtures_root["not_pipeline"])), "not_a_pipeline"),
-        (lambda: t4.load(str(fixtures_root["missing_base"])), "model_not_found"),
-        (lambda: t4.load(str(tiny_pipeline("qwen_image")), request=InferenceRequest(dtype="fp16")), "fp16_unsafe"),
-        (lambda: t4.load(str(tiny_pipeline("sdxl")), request=InferenceRequest(quant="int9")), "invalid_request"),
-        (lambda: t4.load(str(tiny_pipeline("flux")), request=InferenceRequest(dtype="bf16")), "bf16_unsupported"),
-        (lambda: t4.load(str(tiny_pipeline("zimage")), request=InferenceRequest(dtype="fp16")), "fp16_unsafe"),
-        (lambda: t4.load(str(tiny_pipeline("sdxl")), request=InferenceRequest(speed="warp")), "invalid_request"),
-        (lambda: t4.load(str(fixtures_root["truncated_sdxl"])), "corrupt_checkpoint"),
-        (lambda: t4.load(""), "invalid_request"),
-        (lambda: t4.load("./nope"), "model_not_found"),
-        (lambda: t4.load("/data/x/no-such-model"), "model_not_found"),
-        (lambda: t4.load("someone-offline/FLUX.1-dev-not-downloaded"), "hub_offline"),
-        (lambda: t4.load(str(tiny_pipeline("flux")), family="sdxl"), "family_mismatch"),
+        (lambda: t4.images.load(str(fixtures_root["not_pipeline"])), "not_a_pipeline"),
+        (lambda: t4.images.load(str(fixtures_root["missing_base"])), "model_not_found"),
+        (lambda: t4.images.load(str(tiny_pipeline("qwen_image")), request=InferenceRequest(dtype="fp16")), "fp16_unsafe"),
+        (lambda: t4.images.load(str(tiny_pipeline("sdxl")), request=InferenceRequest(quant="int9")), "invalid_request"),
+        (lambda: t4.images.load(str(tiny_pipeline("flux")), request=InferenceRequest(dtype="bf16")), "bf16_unsupported"),
+        (lambda: t4.images.load(str(tiny_pipeline("zimage")), request=InferenceRequest(dtype="fp16")), "fp16_unsafe"),
+        (lambda: t4.images.load(str(tiny_pipeline("sdxl")), request=InferenceRequest(speed="warp")), "invalid_request"),
+        (lambda: t4.images.load(str(fixtures_root["truncated_sdxl"])), "corrupt_checkpoint"),
+        (lambda: t4.images.load(""), "invalid_request"),
+        (lambda: t4.images.load("./nope"), "model_not_found"),
+        (lambda: t4.images.load("/data/x/no-such-model"), "model_not_found"),
+        (lambda: t4.images.load("someone-offline/FLUX.1-dev-not-downloaded"), "hub_offline"),
+        (lambda: t4.images.load(str(tiny_pipeline("flux")), family="sdxl"), "family_mismatch"),
     ]
     for attempt, code in doomed:
         with pytest.raises(EngineError) as raised:
@@ -188,7 +188,7 @@ def test_accepted_training_evicts_exactly_once_after_the_checks_one_of_two_racin
     def start() -> None:
         barrier.wait()
         try:
-            outcomes.append(engine.start_training(config))
+            outcomes.append(engine.training.start(config))
         except Busy:
             outcomes.append("busy")
 
@@ -201,10 +201,10 @@ def test_accepted_training_evicts_exactly_once_after_the_checks_one_of_two_racin
     assert outcomes.count("busy") == 1
     assert host.evicted == 1 and engine.residency.owner == "engine.trainer"
     with pytest.raises(Busy):
-        engine.start_training(config)  # one run at a time
+        engine.training.start(config)  # one run at a time
     with pytest.raises(Busy):
-        engine.load(str(tiny_pipeline("sdxl")))  # no load while training
-    record = engine.wait_training(timeout=300)
+        engine.images.load(str(tiny_pipeline("sdxl")))  # no load while training
+    record = engine.training.wait(timeout=300)
     assert record.status == "completed" and record.run_id == started["run_id"]
     assert engine.residency.owner is None and engine.status()["job"] is None
     assert host.evicted == 1
@@ -216,12 +216,12 @@ def test_loading_a_pipeline_evicts_the_host_model_once_and_generates(
 ) -> None:
     engine = Engine(registry=REGISTRY, hardware=probe(verify=False))
     host = HostModel(engine)
-    status = engine.load(str(tiny_pipeline("zimage")))
+    status = engine.images.load(str(tiny_pipeline("zimage")))
     assert status["loaded"] and host.evicted == 1 and engine.residency.owner == "engine.pipeline"
     steps: list[tuple[int, int]] = []
-    [image] = engine.generate("a fox", steps=2, width=64, height=64, progress=lambda s, t: steps.append((s, t)))
+    [image] = engine.images.generate("a fox", steps=2, width=64, height=64, progress=lambda s, t: steps.append((s, t)))
     assert image.size == (64, 64) and steps == [(1, 2), (2, 2)]
-    assert engine.unload() and engine.residency.owner is None
+    assert engine.images.unload() and engine.residency.owner is None
 
 
 def test_residency_release_if_never_releases_a_newer_owner() -> None:
@@ -248,13 +248,13 @@ def test_two_engines_in_one_process_share_one_gpu_arbiter(tiny_pipeline: Callabl
     first = Engine(registry=REGISTRY, hardware=probe(verify=False))
     second = Engine(registry=REGISTRY, hardware=probe(verify=False))
     host = HostModel(first, size_gb=0.0)
-    first.load(str(tiny_pipeline("sdxl")))
+    first.images.load(str(tiny_pipeline("sdxl")))
     assert host.evicted == 1
     running = threading.Event()
 
     def generate() -> None:
         try:
-            first.generate("a fox", steps=500, width=64, height=64, progress=lambda s, t: running.set())
+            first.images.generate("a fox", steps=500, width=64, height=64, progress=lambda s, t: running.set())
         except EngineError as exc:
             assert exc.code == "cancelled"
 
@@ -262,14 +262,14 @@ def test_two_engines_in_one_process_share_one_gpu_arbiter(tiny_pipeline: Callabl
     thread.start()
     assert running.wait(120)
     with pytest.raises(Busy, match="another Engine in this process"):
-        second.load(str(tiny_pipeline("sdxl")))
-    first.cancel_generation()
+        second.images.load(str(tiny_pipeline("sdxl")))
+    first.images.cancel()
     thread.join(120)
     assert first.status()["pipeline"] is not None  # the refused load took nothing from it
-    second.load(str(tiny_pipeline("sdxl")))
+    second.images.load(str(tiny_pipeline("sdxl")))
     assert first.status()["pipeline"] is None and second.status()["pipeline"] is not None
     assert host.evicted == 2
     with pytest.raises(EngineError) as refused:
-        first.generate("a fox", steps=1, width=64, height=64)
+        first.images.generate("a fox", steps=1, width=64, height=64)
     assert refused.value.code == "not_loaded"
-    assert second.unload()
+    assert second.images.unload()

@@ -41,9 +41,9 @@ def test_a_loaded_session_of_either_runtime_is_a_session(tiny_pipeline: Callable
     from families.flux.sdcpp_files import write_tiny
 
     engine = Engine()
-    engine.load(str(tiny_pipeline("sdxl")))
-    assert isinstance(engine._session, InferenceSession) and isinstance(engine._session, Session)
+    engine.images.load(str(tiny_pipeline("sdxl")))
+    assert isinstance(engine.images.session, InferenceSession) and isinstance(engine.images.session, Session)
     gguf = write_tiny(tmp_path, gguf=True)["diffusion_model_path"]
-    engine.load(str(gguf), request=InferenceRequest(engine="sdcpp"))
-    assert isinstance(engine._session, SdcppSession) and isinstance(engine._session, Session)
-    engine.unload()
+    engine.images.load(str(gguf), request=InferenceRequest(engine="sdcpp"))
+    assert isinstance(engine.images.session, SdcppSession) and isinstance(engine.images.session, Session)
+    engine.images.unload()

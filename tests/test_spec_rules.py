@@ -41,7 +41,7 @@ TORCHAO_SCHEMES = ("int8", "fp8", "mxfp8", "nvfp4")
 
 
 def plan(family: str, hardware: str, **request: Any):  # type: ignore[no-untyped-def]
-    return Engine(registry=REGISTRY, hardware=preset(hardware)).plan(family=family, request=InferenceRequest(**request))
+    return Engine(registry=REGISTRY, hardware=preset(hardware)).images.plan(family=family, request=InferenceRequest(**request))
 
 
 @pytest.fixture()
@@ -112,7 +112,7 @@ def test_flash3_is_diffusers_hub_backend_loaded_by_kernels() -> None:
     hopper = preset("h100").replace(attention_packages=("kernels",))
     assert plan("flux", "h100", speed="default").value("attention_backend") == "cudnn"  # kernels not installed
     engine = Engine(registry=REGISTRY, hardware=hopper)
-    assert engine.plan(family="flux", request=InferenceRequest(speed="default")).value("attention_backend") == "flash3"
+    assert engine.images.plan(family="flux", request=InferenceRequest(speed="default")).value("attention_backend") == "flash3"
     missing = plan("flux", "h100", attention="flash3")
     assert missing.value("attention_backend") == "flash3" and missing.attention_install == "kernels>=0.12"
     assert plan("flux", "rtx4090", attention="flash3").value("attention_backend") == "native"  # sm89
@@ -308,7 +308,7 @@ def test_a_torchao_transformer_never_goes_to_group_offload() -> None:
             for scheme in TORCHAO_SCHEMES:
                 for memory in ("auto", "group_offload"):
                     try:
-                        result = engine.plan(family=family, request=InferenceRequest(quant=scheme, memory=memory))
+                        result = engine.images.plan(family=family, request=InferenceRequest(quant=scheme, memory=memory))
                     except EngineError as exc:  # a refusal keeps the rule
                         assert exc.code in ("incompatible_options", "quant_unsupported", "quant_denied", "does_not_fit"), exc
                         continue

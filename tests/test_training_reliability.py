@@ -72,8 +72,8 @@ def config(tiny_pipeline: Callable[[str], Path], dataset: Path) -> dict[str, obj
 
 def wait_for_step(engine: Engine, step: int = 1, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
-    while (engine.training_status() or {}).get("step", 0) < step:  # type: ignore[operator]
-        assert time.monotonic() < deadline, engine.training_status()
+    while (engine.training.status() or {}).get("step", 0) < step:  # type: ignore[operator]
+        assert time.monotonic() < deadline, engine.training.status()
         time.sleep(0.1)
 
 
@@ -146,7 +146,7 @@ def test_output_dir_holding_a_run_a_folder_or_a_file_is_refused_before_eviction(
     a_file.write_text("mine", encoding="utf-8")
     for output, hint in ((earlier, "earlier run"), (notes, "files"), (a_file, "is a file")):
         with pytest.raises(PreflightError) as raised:
-            engine.start_training({**config, "output_dir": str(output)})
+            engine.training.start({**config, "output_dir": str(output)})
         assert raised.value.code == "output_exists" and str(output) in raised.value.message
         assert hint in raised.value.message
     assert host.evicted == 0 and engine.residency.owner is None and engine.status()["job"] is None
@@ -168,27 +168,27 @@ def test_full_disk_fails_the_run_stops_the_trainer_and_frees_the_engine(
     config: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = Engine(registry=REGISTRY, hardware=probe(verify=False), runs_dir=tmp_path)
-    engine.start_training({**config, "steps": 100_000})
+    engine.training.start({**config, "steps": 100_000})
     wait_for_step(engine)
-    trainer = engine._run.pid  # noqa: SLF001 - the test checks the child is stopped
+    trainer = engine.training.current.pid  # noqa: SLF001 - the test checks the child is stopped
 
     def disk_full(path: Path, data: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     monkeypatch.setattr(records, "write_json_atomic", disk_full)
-    record = engine.wait_training(timeout=60)
+    record = engine.training.wait(timeout=60)
     assert record.status == "failed" and record.error is not None
     assert record.error["code"] == "disk_full" and "disk is full" in record.error["message"]
     assert gone(trainer)
-    status = engine.training_status()
+    status = engine.training.status()
     assert status is not None and status["status"] == "failed"
     assert engine.status()["job"] is None and engine.residency.owner is None
     assert not (tmp_path / LOCK_NAME).exists()
     monkeypatch.undo()  # space was freed
-    [listed] = engine.runs()
+    [listed] = engine.training.runs()
     assert listed["status"] == "failed" and listed["error"]["code"] == "disk_full"  # type: ignore[index]
     assert json.loads(record.path.read_text(encoding="utf-8"))["status"] == "failed"
-    assert engine.plan_training(config).config.steps == config["steps"]  # nothing holds the engine now
+    assert engine.training.plan(config).config.steps == config["steps"]  # nothing holds the engine now
 
 
 PARENT = """
@@ -198,14 +198,14 @@ from engine.hardware.probe import probe
 
 runs, base, data = sys.argv[1:4]
 engine = Engine(hardware=probe(verify=False), runs_dir=runs)
-engine.start_training({"base_model": base, "dataset_dir": data, "resolution": 64, "steps": 100000,
+engine.training.start({"base_model": base, "dataset_dir": data, "resolution": 64, "steps": 100000,
                        "lora_rank": 2, "device": "cpu"})
 deadline = time.monotonic() + 240
-while (engine.training_status() or {}).get("step", 0) < 1:
+while (engine.training.status() or {}).get("step", 0) < 1:
     if time.monotonic() > deadline:
         sys.exit("the run never reached step 1")
     time.sleep(0.1)
-status = engine.training_status()
+status = engine.training.status()
 print(json.dumps({"pid": status["pid"], "run_id": status["run_id"]}), flush=True)
 time.sleep(600)
 """
@@ -228,7 +228,7 @@ def test_killed_parent_takes_its_trainer_along_and_the_record_says_failed(
         engine = Engine(registry=REGISTRY, hardware=probe(verify=False), runs_dir=runs)
         host = HostModel(engine)
         with pytest.raises(Busy) as raised:
-            engine.start_training(config)
+            engine.training.start(config)
         assert raised.value.code == "run_in_progress"
         assert str(child["pid"]) in raised.value.message and child["run_id"] in raised.value.message
         assert host.evicted == 0 and engine.status()["job"] is None
@@ -241,7 +241,7 @@ def test_killed_parent_takes_its_trainer_along_and_the_record_says_failed(
     finally:
         parent.kill()
         parent.wait()
-    [run] = [r for r in engine.runs() if r["run_id"] == child["run_id"]]
+    [run] = [r for r in engine.training.runs() if r["run_id"] == child["run_id"]]
     assert run["status"] == "failed" and run["error"]["code"] == "trainer_gone"  # type: ignore[index]
     assert_next_run_completes_and_its_end_frees_the_engine(engine, config, after=child["run_id"])
     assert host.evicted == 1
@@ -261,9 +261,9 @@ def assert_next_run_completes_and_its_end_frees_the_engine(
     started: list[dict[str, object]] = []
 
     def start_and_leave() -> None:
-        started.append(engine.start_training(config))
+        started.append(engine.training.start(config))
         deadline = time.monotonic() + 120
-        while (engine.training_status() or {}).get("phase") == "pending" and time.monotonic() < deadline:
+        while (engine.training.status() or {}).get("phase") == "pending" and time.monotonic() < deadline:
             time.sleep(0.05)  # the child reports a phase once it watches its parent
 
     starter = threading.Thread(target=start_and_leave)
@@ -271,13 +271,13 @@ def assert_next_run_completes_and_its_end_frees_the_engine(
     starter.join()
     assert started and started[0]["run_id"] != after
     deadline = time.monotonic() + 300
-    while (status := engine.training_status() or {}).get("status") not in TERMINAL:
+    while (status := engine.training.status() or {}).get("status") not in TERMINAL:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert status["status"] == "completed" and status["run_id"] == started[0]["run_id"], status.get("error")
     assert engine.status()["job"] is None and engine.residency.owner is None
     assert RunLock(engine.runs_dir).holder() is None
-    assert engine.wait_training(timeout=60).status == "completed"
+    assert engine.training.wait(timeout=60).status == "completed"
 
 
 def test_full_disk_at_start_is_refused_before_eviction(
@@ -291,7 +291,7 @@ def test_full_disk_at_start_is_refused_before_eviction(
 
     monkeypatch.setattr(records, "write_json_atomic", disk_full)
     with pytest.raises(EngineError) as raised:
-        engine.start_training(config)
+        engine.training.start(config)
     assert raised.value.code == "disk_full" and str(tmp_path) in raised.value.message
     assert host.evicted == 0 and engine.residency.owner is None and engine.status()["job"] is None
     assert RunLock(tmp_path).holder() is None

@@ -144,7 +144,7 @@ def test_readme_embedding_snippet_runs_as_a_plain_script_without_a_main_guard(
     # The same script told to train on the CPU: the child starts without re-running it.
     on_cpu = snippet.replace('"steps": 1500}', '"steps": 1500, "device": "cpu"}')
     assert on_cpu != snippet
-    on_cpu += 'print("phase:", engine.training_status()["phase"])\n'  # the phase ends in the terminal state
+    on_cpu += 'print("phase:", engine.training.status()["phase"])\n'  # the phase ends in the terminal state
     done, evictions = run_script(tmp_path / "cpu", on_cpu, base, dataset)
     assert done.returncode == 0, done.stderr[-3000:]
     assert evictions == 1 and done.stdout.strip().splitlines()[-2:] == ["stopped", "phase: stopped"]
@@ -185,7 +185,7 @@ def test_http_cancel_lands_in_the_loading_phase_and_the_phase_ends_cancelled(
         assert started.status_code == 200, started.text
         cancelled = httpx.post(f"{url}/v1/training/cancel", headers=auth, timeout=60)  # before any step
         assert cancelled.status_code == 200, cancelled.text
-        record = engine.wait_training(timeout=240)
+        record = engine.training.wait(timeout=240)
         status = httpx.get(f"{url}/v1/training/status", headers=auth).json()
         again = httpx.post(f"{url}/v1/training/cancel", headers=auth, timeout=60)
     assert record.status == "cancelled" and record.step == 0 and "lora" not in record.outputs

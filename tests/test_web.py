@@ -150,7 +150,7 @@ def test_the_page_is_public_and_every_api_call_needs_the_token(site: Site) -> No
     assert doomed.status_code == 400 and "zero.png" in doomed.json()["error"]["message"]
     outside = httpx.post(f"{site.url}/v1/training/plan", json={**body, "dataset_dir": "/etc"}, headers=auth)
     assert outside.json()["error"]["code"] == "path_outside_roots"
-    assert site.host.evicted == 0 and site.engine.training_status() is None
+    assert site.host.evicted == 0 and site.engine.training.status() is None
     # Each family's plan or why it cannot run here; each training mode not offered, with why.
     plans = httpx.get(f"{site.url}/v1/images/plans", headers=auth, timeout=60).json()
     assert plans["sdxl"]["resolved"] and all("resolved" in p or p["error"]["message"] for p in plans.values())
@@ -215,7 +215,7 @@ def test_generate_an_image_from_the_page(site: Site, open_page: Callable[..., Wa
     page.locator("#gallery").scroll_into_view_if_needed()  # type: ignore[attr-defined]
     page.screenshot(path=str(site.shots / "generate.png"))  # type: ignore[attr-defined]
     assert watched.errors == []
-    site.engine.unload()
+    site.engine.images.unload()
 
 
 def test_the_dataset_manager_uploads_captions_and_deletes_from_the_page(
@@ -299,7 +299,7 @@ def test_a_doomed_start_names_the_bad_file_and_evicts_nothing(site: Site, open_p
     shown = page.inner_text("#train .error")  # type: ignore[attr-defined]
     assert "bad_dataset" in shown and "zero.png" in shown
     assert site.host.evicted == before and site.engine.residency.owner is None
-    assert site.engine.training_status() is None
+    assert site.engine.training.status() is None
     assert only_refusals(watched.errors, 400) and len(watched.errors) == 1  # the refusal, nothing else
 
 
@@ -349,7 +349,7 @@ def test_train_watch_the_charts_stop_and_get_the_lora(site: Site, open_page: Cal
         page.click("#run-files a.lora")  # type: ignore[attr-defined]
     assert download.value.suggested_filename.endswith(".safetensors")
     assert page.locator("#runs li[data-run] .chart").count() >= 1  # past runs, with their charts  # type: ignore[attr-defined]
-    status = site.engine.training_status()
+    status = site.engine.training.status()
     assert status is not None and status["status"] == "stopped"
     # A run's files are served from its own folder only.
     files = f"{site.url}/v1/training/runs/{status['run_id']}/files"

@@ -43,14 +43,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise EngineError("plan needs a model (--model NAME|PATH) or a family's table (--family F)",
                           code="invalid_request")
     engine = Engine(hardware=machine_request(args))
-    checked = engine.check_model(args.model, family=args.family, base=args.base) if args.model else None
-    plan = engine.plan(
+    checked = engine.catalog.check_model(args.model, family=args.family, base=args.base) if args.model else None
+    plan = engine.images.plan(
         args.model, family=args.family, checkpoint=args.checkpoint,
         base=args.base, request=controls.request(), controlnet=args.controlnet,
     )
     hardware = engine.hardware()
     overridden = report_overrides(plan.controls, strict=args.strict)
-    label = engine.family(plan.family)["label"]
+    label = engine.catalog.family(plan.family)["label"]
     notes = []
     on_sdcpp = plan.sdcpp is not None  # it reads the files beside the model: no base, no hub
     if checked is not None and checked["kind"] in ("single_file", "gguf") and not args.base and not on_sdcpp:
@@ -125,9 +125,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     items = body.images()
     paths = output_paths(args.output, len(items), overwrite=args.overwrite)
     engine = Engine(allow_download=download_allowed(args))
-    engine.check_generate(body)  # input images: present, readable, within the caps
+    engine.images.check_generate(body)  # input images: present, readable, within the caps
     if args.tiny:
-        engine.family(args.tiny)  # an unknown family before anything is built
+        engine.catalog.family(args.tiny)  # an unknown family before anything is built
     request = controls.request()
     if args.tiny and request.steps is None:
         request = dataclasses.replace(request, steps=body.steps)
@@ -137,36 +137,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="diffusion-engine-tiny-") as scratch:
         if args.tiny:
             _quiet_loading(args)
-            model = str(engine.tiny_pipeline(args.tiny, Path(scratch) / args.tiny))
+            model = str(engine.catalog.tiny_pipeline(args.tiny, Path(scratch) / args.tiny))
         else:
             model = args.model
         load = {"base": args.base, "family": args.family, "request": request, "loras": loras,
                 "controlnet": args.controlnet}
-        plan = engine.check_load(model, **load)  # every refusal a load gives, before anything heavy
-        checked = engine.check_model(model, family=args.family, base=args.base)
-        if not checked["weights"]["here"]:  # type: ignore[index]
-            print(f"downloading {checked['weights']['repo']}: about {checked['weights']['download_gb']} GB "  # type: ignore[index]
-                  "into the hub cache", file=sys.stderr)
+        ticket = engine.images.check_load(model, **load)  # every refusal a load gives, before anything heavy
+        plan = ticket.plan
+        weights = engine.images.weights(ticket)
+        if not weights["here"]:
+            print(f"downloading {weights['repo']}: about {weights['download_gb']} GB into the hub cache",
+                  file=sys.stderr)
         _quiet_loading(args)
         overridden = report_overrides(plan.controls, strict=args.strict)
-        imports = engine.prepare_runtime()  # torch, diffusers...: start-up, not the model's load
+        imports = engine.images.prepare_runtime()  # torch, diffusers...: start-up, not the model's load
         started = time.perf_counter()
-        engine.load(model, **load)  # type: ignore[arg-type]
+        engine.images.load(ticket)  # the ticket's decisions, re-checked only where they can have changed
         loaded = time.perf_counter()
         try:
             status = engine.status()["pipeline"] or {}
             overridden += report_overrides(_controls(engine), strict=args.strict,
                                            already=[o["control"] for o in overridden])
-            images = engine.generate(body, progress=None if args.json else progress_bar())
+            images = engine.images.generate(body, progress=None if args.json else progress_bar())
             status = engine.status()["pipeline"] or {}
         finally:
-            engine.unload()
+            engine.images.unload()
     done = time.perf_counter()
     paths[0].parent.mkdir(parents=True, exist_ok=True)
     steps = body.steps or plan.default_steps
     applied = list((status.get("loras") or {}).get("applied") or [])  # type: ignore[union-attr]
     for index, (image, path) in enumerate(zip(images, paths)):
-        info = _png_info(body, items[index], model=str(checked["location"]), steps=steps, image=image,
+        info = _png_info(body, items[index], model=ticket.source.location, steps=steps, image=image,
                          index=index, loras=applied)
         image.save(path, pnginfo=info)
     if args.json:
@@ -195,7 +196,7 @@ def _quiet_loading(args: argparse.Namespace) -> None:
 
 def _controls(engine: Any) -> dict[str, Any]:
     """The loaded pipeline's controls, as the runtime recorded them (fallbacks included)."""
-    plan = engine.loaded_plan()
+    plan = engine.images.loaded_plan()
     return dict(plan.controls) if plan is not None else {}
 
 
@@ -248,9 +249,9 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     from engine import Engine
 
     engine = Engine()
-    family = engine.family(args.family)
+    family = engine.catalog.family(args.family)
     _quiet_loading(args)
-    written = engine.tiny_pipeline(args.family, args.folder, sdcpp=args.sdcpp)
+    written = engine.catalog.tiny_pipeline(args.family, args.folder, sdcpp=args.sdcpp)
     if args.json:
         print(json.dumps({"family": family["name"], "path": str(written)}, indent=2))
     elif args.sdcpp:
@@ -266,7 +267,7 @@ def cmd_tiny_dataset(args: argparse.Namespace) -> int:
     """Write a few drawn, captioned PNGs to DIR: a dataset ``train`` accepts, offline."""
     from engine import Engine
 
-    folder = Engine().tiny_dataset(args.folder, count=args.count, size=args.size)
+    folder = Engine().catalog.tiny_dataset(args.folder, count=args.count, size=args.size)
     if args.json:
         print(json.dumps({"path": str(folder), "images": args.count}, indent=2))
     else:

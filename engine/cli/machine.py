@@ -24,8 +24,8 @@ def cmd_families(args: argparse.Namespace) -> int:
     engine = Engine()
     if args.hook:
         return _hook_report(engine, args.hook, as_json=args.json)
-    families = engine.families()
-    plugins = engine.plugins(builtin=args.all)
+    families = engine.catalog.families()
+    plugins = engine.catalog.plugins(builtin=args.all)
     if args.json:
         print(json.dumps({"families": families, **plugins}, indent=2))
         return 0
@@ -45,7 +45,7 @@ def cmd_families(args: argparse.Namespace) -> int:
 
 def _hook_report(engine: Any, hook: str, *, as_json: bool) -> int:
     """``families --hook NAME``: who implements it, in the order they are asked."""
-    rows = engine.hook_implementations(hook)
+    rows = engine.catalog.hook_implementations(hook)
     if as_json:
         print(json.dumps({"hook": hook, "implementations": rows}, indent=2))
         return 0
@@ -153,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_replicas(args, settings)
     engine = Engine(runs_dir=outputs, allow_download=settings.allow_hub)
     if args.load:
-        engine.load(args.load)
+        engine.images.load(args.load)
     if settings.token is None and not is_loopback(args.host):
         print(f"warning: serving {args.host} beyond loopback without a token (--insecure-no-token)", file=sys.stderr)
     # Open event streams (SSE) never end by themselves: shutdown waits at most this long for them.

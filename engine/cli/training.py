@@ -75,7 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # A start is heavy anyway: verify torchao and bf16 for real, not by name.
     engine = Engine(hardware=machine, runs_dir=Path(args.runs_dir), allow_download=download_allowed(args))
     if args.tiny:
-        engine.family(args.tiny)  # an unknown family is refused before anything is built
+        engine.catalog.family(args.tiny)  # an unknown family is refused before anything is built
     previous = _resumed_run(engine, args) if args.resume else None
     # Every flag is checked before a tiny pipeline is built or anything is probed.
     _train_config(args, f"tiny-{args.tiny}" if args.tiny else args.base_model, previous)
@@ -86,11 +86,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                 from engine.logs import quiet_library_logs
 
                 quiet_library_logs(progress_bars=False)  # no "Writing model shards" bars
-            base = str(engine.tiny_pipeline(args.tiny, Path(scratch) / args.tiny))
+            base = str(engine.catalog.tiny_pipeline(args.tiny, Path(scratch) / args.tiny))
         config = _train_config(args, base, previous)
         if not args.dry_run:
             return _run_training(engine, config, args.json, resume=args.resume)
-        plan = engine.plan_training(config)
+        plan = engine.training.plan(config)
         if args.json:
             print(json.dumps({"ok": True, "plan": plan.to_dict()}, indent=2))
         else:
@@ -128,7 +128,7 @@ def _train_config(args: argparse.Namespace, base: str | None, previous: dict[str
 def _resumed_run(engine, args: argparse.Namespace) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """The run ``--resume`` names and its newest checkpoint (Engine's rule; the message names the flag)."""
     try:
-        return engine.resume_point(args.resume)  # type: ignore[no-any-return]
+        return engine.training.resume_point(args.resume)  # type: ignore[no-any-return]
     except EngineError as exc:
         hint = " (pass --runs-dir if the runs are elsewhere)" if exc.code == "run_not_found" else ""
         raise EngineError(f"--resume {args.resume}: {exc.message}{hint}", code=exc.code) from None
@@ -173,12 +173,12 @@ def _run_training(engine, config, as_json: bool, resume: str | None = None) -> i
     interrupts: list[int] = []
     old_handler = signal.signal(signal.SIGINT, lambda signum, frame: interrupts.append(signum))
     try:
-        engine.start_training(config, resume=resume)
+        engine.training.start(config, resume=resume)
         bar = None if as_json else progress_bar("training")
         handled = 0
         while True:
             try:
-                record = engine.wait_training(timeout=0.2)
+                record = engine.training.wait(timeout=0.2)
                 break
             except TimeoutError:
                 pass
@@ -188,7 +188,7 @@ def _run_training(engine, config, as_json: bool, resume: str | None = None) -> i
                     print("\nstopping after this step and saving (Ctrl-C again: stop now, keep the last "
                           "checkpoint)", file=sys.stderr)
                 _stop(engine, now=handled > 1)
-            status = engine.training_status() or {}
+            status = engine.training.status() or {}
             if bar is not None and status.get("step"):
                 bar(int(status["step"]), int(status["steps"]))  # type: ignore[call-overload]
     finally:
@@ -217,7 +217,7 @@ def _run_training(engine, config, as_json: bool, resume: str | None = None) -> i
 def _stop(engine, *, now: bool) -> None:  # type: ignore[no-untyped-def]
     """Ask ``engine`` to stop its run; a run that finished meanwhile has nothing left to stop."""
     try:
-        engine.stop_training(save=True, now=now)
+        engine.training.stop(save=True, now=now)
     except EngineError as exc:
         if exc.code != "not_training":
             raise
@@ -237,7 +237,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
             if exc.code == "run_not_found":
                 raise EngineError(f"{exc.message} (pass --runs-dir if they are elsewhere)", code=exc.code) from None
             raise
-    records = engine.runs()
+    records = engine.training.runs()
     if args.json:
         print(json.dumps(records, indent=2))
         return 0
@@ -252,7 +252,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def _cmd_run_show(engine, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     """One run: status, config, last metrics, samples and the files in its folder."""
-    record = engine.run(args.run_id)
+    record = engine.training.run(args.run_id)
     if args.json:
         print(json.dumps(record, indent=2))
         return 0
@@ -282,6 +282,6 @@ def _cmd_run_show(engine, args: argparse.Namespace) -> int:  # type: ignore[no-u
 
 def _cmd_run_rm(engine, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     """Delete a finished run's folder; a run still going is refused."""
-    removed = engine.remove_run(args.run_id)
+    removed = engine.training.remove(args.run_id)
     print(f"removed run {removed['run_id']} ({removed['folder']})")
     return 0

@@ -18,9 +18,9 @@ SECTIONS = (
      "over HTTP; `PlanControls` / `InferenceRequest` in Python. `auto` leaves the control to the engine, "
      "which says why it chose what it did.", PLAN_CONTROLS),
     ("Generate", "`generate` at the terminal; `POST /v1/images/generate` over HTTP; `GenerateBody` with "
-     "`Engine.generate` in Python.", GENERATE_CONTROLS),
+     "`Engine.images.generate` in Python.", GENERATE_CONTROLS),
     ("Training", "`train` at the terminal; `POST /v1/training/plan` and `/v1/training/start` over HTTP; "
-     "`TrainingConfig` with `Engine.plan_training` / `Engine.start_training` in Python (and a "
+     "`TrainingConfig` with `Engine.training.plan` / `Engine.training.start` in Python (and a "
      "`--config` TOML file of the same fields).", TRAIN_CONTROLS),
 )
 

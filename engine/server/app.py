@@ -102,7 +102,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
                           keep_seconds=settings.keep_url_images_s)
     api = APIRouter(prefix="/v1")
 
-    checkpoint_names = frozenset(str(name).lower() for family in engine.families()
+    checkpoint_names = frozenset(str(name).lower() for family in engine.catalog.families()
                                  for name in family["checkpoints"])  # type: ignore[attr-defined]
 
     def model_path(value: str) -> str:
@@ -119,24 +119,24 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
 
     @api.get("/families")
     def families() -> list[dict[str, Any]]:
-        return engine.families()
+        return engine.catalog.families()
 
     @api.get("/images/info")
     def images_info() -> dict[str, Any]:
-        return engine.images_info()  # torch-free: tables and the light probe only
+        return engine.images.info()  # torch-free: tables and the light probe only
 
     @api.post("/images/plan")
     def plan(body: PlanBody) -> dict[str, Any]:
         model = model_path(body.model) if body.model else None
         base = model_path(body.base) if body.base else None
-        result = engine.plan(model, family=body.family, checkpoint=body.checkpoint, base=base, request=body.request(),
+        result = engine.images.plan(model, family=body.family, checkpoint=body.checkpoint, base=base, request=body.request(),
                              controlnet=controlnet_path(body.controlnet))
         return result.to_dict()
 
     @api.post("/images/load")
     def load(body: LoadBody) -> dict[str, Any]:
         base = model_path(body.base) if body.base else None
-        return engine.load(
+        return engine.images.load(
             model_path(body.model), base=base, family=body.family, request=body.request(),
             loras=lora_paths(body.loras) or [], switching=body.lora_switching,
             controlnet=controlnet_path(body.controlnet),
@@ -148,7 +148,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         for name in ("image", "mask_image", "control_image"):
             if options.get(name) is not None:
                 options[name] = str(confine(options[name], settings.input_roots, "input image"))
-                engine.check_image(options[name], name)
+                engine.images.check_image(options[name], name)
         return {k: v for k, v in options.items() if not (k in ("seeds", "prompts", "batch") and v is None)}
 
     def prepare(body: GenerateBody) -> dict[str, Any]:
@@ -167,7 +167,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     def cancel_generate() -> dict[str, Any]:
         """Stop the running generate after its current step (its caller gets code ``cancelled``);
         the jobs queued behind it still run (``DELETE /v1/images/jobs/{id}`` cancels one job)."""
-        return {"cancelled": engine.cancel_generation()}
+        return {"cancelled": engine.images.cancel()}
 
     @api.get("/images/status")
     def status() -> dict[str, Any]:
@@ -176,7 +176,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
 
     @api.post("/images/unload")
     def unload() -> dict[str, Any]:
-        return {"unloaded": engine.unload()}
+        return {"unloaded": engine.images.unload()}
 
     @api.post("/images/generations")
     async def openai_images(body: OpenAIImagesBody, request: Request, response: Response) -> dict[str, Any]:
@@ -218,7 +218,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     @api.get("/training/info")
     def training_info(device: str = "auto") -> dict[str, Any]:
         """Per family, the base precisions a run offers on ``device`` (auto, cuda, cpu), the others with why."""
-        return engine.train_info(device=device)
+        return engine.training.info(device=device)
 
     def training_config(body: TrainingStartBody) -> Any:
         confined: dict[str, Any] = {
@@ -233,28 +233,28 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
 
     @api.post("/training/start")
     def start_training(body: TrainingStartBody) -> dict[str, Any]:
-        return engine.start_training(training_config(body), resume=body.resume)
+        return engine.training.start(training_config(body), resume=body.resume)
 
     @api.post("/training/plan")
     def plan_training(body: TrainingStartBody) -> dict[str, Any]:
         """The dry run: every check a start makes (memory, dataset, precision), loading and evicting nothing."""
-        return engine.plan_training(training_config(body)).to_dict()
+        return engine.training.plan(training_config(body)).to_dict()
 
     @api.get("/training/status")
     def training_status() -> dict[str, Any]:
-        return engine.training_status() or {"status": "idle"}
+        return engine.training.status() or {"status": "idle"}
 
     @api.post("/training/stop")
     def stop_training(body: StopBody) -> dict[str, Any]:
-        return engine.stop_training(save=body.save, now=body.now)
+        return engine.training.stop(save=body.save, now=body.now)
 
     @api.post("/training/cancel")
     def cancel_training() -> dict[str, Any]:
-        return engine.cancel_training()
+        return engine.training.cancel()
 
     @api.get("/training/runs")
     def runs() -> list[dict[str, Any]]:
-        return engine.runs()
+        return engine.training.runs()
 
     app.include_router(api)
     app.include_router(jobs_router(queue, engine, prepare))

@@ -49,24 +49,24 @@ def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:
     @api.get("/images/plans")
     def plans() -> dict[str, Any]:
         """Every family's plan here, or why it cannot run here, in one answer (the machine page)."""
-        return engine.plans()
+        return engine.images.plans()
 
     @api.get("/training/runs/{run_id}")
     def run(run_id: str) -> dict[str, Any]:
         """One run's record and the files in its folder."""
-        return engine.run(run_id, by_path=False)
+        return engine.training.run(run_id, by_path=False)
 
     @api.delete("/training/runs/{run_id}")
     def remove_run(run_id: str) -> dict[str, Any]:
         """Delete a finished run's folder (``run_in_progress`` while it trains)."""
-        return engine.remove_run(run_id, by_path=False)
+        return engine.training.remove(run_id, by_path=False)
 
     @api.get("/training/runs/{run_id}/files")
     def run_files(run_id: str) -> list[dict[str, Any]]:
         """Every file the run wrote (its LoRA, checkpoints, samples, charts), relative to its folder."""
         folder = _run_folder(engine, run_id)
         found = []
-        for name in engine.run_files(run_id, by_path=False)[:MAX_ENTRIES]:  # bounded before it walks; names only
+        for name in engine.training.files(run_id, by_path=False)[:MAX_ENTRIES]:  # bounded before it walks; names only
             try:
                 found.append({"path": name, "bytes": (folder / name).lstat().st_size})
             except OSError:
@@ -89,7 +89,7 @@ def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:
 def _run_folder(engine: Engine, run_id: str) -> Path:
     """The folder of the run ``run_id`` in the engine's runs folder (a plain id, never a path)."""
     try:
-        return Path(os.path.realpath(str(engine.run(run_id, by_path=False)["folder"])))
+        return Path(os.path.realpath(str(engine.training.run(run_id, by_path=False)["folder"])))
     except EngineError:
         raise RunFileNotFound(f"no run {run_id[:120]!r} in the runs folder; list them at /v1/training/runs",
                               code="unknown_run") from None
@@ -127,7 +127,7 @@ def _models(engine: Engine, root: Path) -> list[dict[str, Any]]:
 def _family(engine: Engine, path: Path) -> dict[str, str | None]:
     """The family the engine would load ``path`` as (headers only), or why it cannot tell."""
     try:
-        return {"family": engine.check_model(str(path))["family"], "problem": None}
+        return {"family": engine.catalog.check_model(str(path))["family"], "problem": None}
     except EngineError as error:
         return {"family": None, "problem": f"{error.code}: {error.message}"}
 

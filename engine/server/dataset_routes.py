@@ -43,17 +43,17 @@ def datasets_router(engine: Engine, settings: ServerSettings) -> APIRouter:
     @api.get("")
     def datasets() -> list[dict[str, Any]]:
         """Every dataset under the roots: images, captioned images, and the run using it (if any)."""
-        return engine.datasets(roots=roots)
+        return engine.datasets.list(roots=roots)
 
     @api.get("/{name}")
     def dataset(name: str) -> dict[str, Any]:
         """One dataset's images with the caption a run trains with and where it comes from."""
-        return engine.dataset(name, roots=roots)
+        return engine.datasets.get(name, roots=roots)
 
     @api.get("/{name}/thumbnails/{image:path}")
     def thumbnail(name: str, image: str, size: int = 256) -> Response:
         """A PNG of the image, at most ``size`` px a side."""
-        return Response(engine.dataset_thumbnail(name, image, size, roots=roots), media_type="image/png")
+        return Response(engine.datasets.thumbnail(name, image, size, roots=roots), media_type="image/png")
 
     @api.post("/{name}/images", status_code=201)
     async def upload(name: str, request: Request) -> dict[str, Any]:
@@ -65,16 +65,16 @@ def datasets_router(engine: Engine, settings: ServerSettings) -> APIRouter:
                               code="invalid_request") from exc
         files = [(upload.filename or "", await upload.read())
                  for upload in form.getlist("files") if not isinstance(upload, str)]
-        return await run_in_threadpool(engine.add_dataset_images, name, files, roots=roots)
+        return await run_in_threadpool(engine.datasets.add_images, name, files, roots=roots)
 
     @api.put("/{name}/captions/{image:path}")
     def caption(name: str, image: str, body: CaptionBody) -> dict[str, Any]:
         """Write the image's caption (``""`` clears it)."""
-        return engine.set_caption(name, image, body.caption, roots=roots)
+        return engine.datasets.set_caption(name, image, body.caption, roots=roots)
 
     @api.delete("/{name}/images/{image:path}")
     def remove(name: str, image: str) -> dict[str, Any]:
         """Delete the image with its caption."""
-        return engine.remove_dataset_image(name, image, roots=roots)
+        return engine.datasets.remove_image(name, image, roots=roots)
 
     return api

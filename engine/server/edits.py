@@ -37,9 +37,9 @@ class EditForm:
 
     def check(self, engine: Engine) -> None:
         """Both uploads sized from their headers by the engine (a bomb is refused, nothing decoded)."""
-        engine.check_image(self.image, "image")
+        engine.images.check_image(self.image, "image")
         if self.mask is not None:
-            engine.check_image(self.mask, "mask")
+            engine.images.check_image(self.mask, "mask")
 
 
 async def read_edit_form(request: Request) -> EditForm:

@@ -70,7 +70,7 @@ def jobs_router(queue: JobQueue, engine: Any, prepare: Any) -> APIRouter:
     @api.get("/training/events", response_class=Response)
     def training_stream() -> Response:
         """SSE: ``state`` on every change of the run's state, ``step`` (loss, lr) on every step."""
-        return event_stream(training_events(engine.training_status))
+        return event_stream(training_events(engine.training.status))
 
     return api
 

@@ -298,7 +298,7 @@ class JobQueue:
             if self._loaded_model() != job.model:
                 raise ModelChanged("the pipeline this job was queued for was unloaded or replaced before its turn; "
                                    "load the model again and resubmit")
-            images = self._engine.generate(job.prompt, progress=lambda d, t: self._step(job, d, t),
+            images = self._engine.images.generate(job.prompt, progress=lambda d, t: self._step(job, d, t),
                                            cancel=job.cancel, **job.options)
             encoded = [_png_b64(image) for image in images]
         except Cancelled as error:

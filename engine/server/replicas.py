@@ -95,7 +95,7 @@ class EngineReplica:
         outputs = settings.output_roots[0] if settings.output_roots else None
         engine = Engine(runs_dir=outputs, allow_download=settings.allow_hub)
         if load:
-            engine.load(load)
+            engine.images.load(load)
         app = create_app(engine, dataclasses.replace(settings, replica=self.name, bind_host="127.0.0.1"))
         port = _free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

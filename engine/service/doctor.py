@@ -14,11 +14,15 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from engine.errors import EngineError
 from engine.hardware.profile import HardwareProfile
 from engine.policy.info import training_info
 from engine.policy.plan import Plan
+
+if TYPE_CHECKING:
+    from engine.service.facade import Engine
 
 #: Distributions whose versions decide what runs (torch's CUDA build is read apart).
 PACKAGES: tuple[str, ...] = ("torch", "diffusers", "transformers", "peft", "torchao", "bitsandbytes", "kernels")
@@ -59,10 +63,10 @@ def _cuda_from_wheel(version: str | None) -> str | None:
     return f"{digits[:-1]}.{digits[-1]}" if len(digits) >= 2 and digits.isdigit() else None
 
 
-def inference_verdict(engine: object, family: str, hardware: HardwareProfile) -> Verdict:
+def inference_verdict(engine: Engine, family: str, hardware: HardwareProfile) -> Verdict:
     """The default plan for ``family`` here, summarised, with what would do better."""
     try:
-        plan: Plan = engine.plan(family=family)  # type: ignore[attr-defined]
+        plan: Plan = engine.images.plan(family=family)
     except EngineError as exc:
         return Verdict(family, "inference", False, "refused", exc.message, _better_when_refused(hardware))
     quant = plan.value("transformer_quant") or "dense"
@@ -99,9 +103,9 @@ def _better_inference(plan: Plan, hardware: HardwareProfile) -> tuple[str, ...]:
     return tuple(better)
 
 
-def training_verdict(engine: object, family: str, hardware: HardwareProfile) -> Verdict:
+def training_verdict(engine: Engine, family: str, hardware: HardwareProfile) -> Verdict:
     """What a training start would do for ``family`` here (``info``'s answer)."""
-    registry = engine.registry  # type: ignore[attr-defined]
+    registry = engine.registry
     info = training_info(registry, registry.family(family), hardware)
     if not info.trainable:
         return Verdict(family, "training", False, "cannot train here", info.vram_note, _better_when_refused(hardware))
@@ -116,10 +120,10 @@ def training_verdict(engine: object, family: str, hardware: HardwareProfile) -> 
     return Verdict(family, "training", True, does, info.vram_note, tuple(better))
 
 
-def doctor_report(engine: object, *, hardware: HardwareProfile | None = None) -> dict[str, object]:
+def doctor_report(engine: Engine, *, hardware: HardwareProfile | None = None) -> dict[str, object]:
     """The whole report as plain data (the ``--json`` form)."""
-    hardware = hardware or engine.hardware(verify=True)  # type: ignore[attr-defined]
-    names = sorted(engine.registry.families)  # type: ignore[attr-defined]
+    hardware = hardware or engine.hardware(verify=True)
+    names = sorted(engine.registry.families)
     return {
         "versions": versions(),
         "hardware": hardware.to_dict(),
@@ -153,7 +157,7 @@ def format_doctor(report: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
-def run_doctor(engine: object, *, as_json: bool = False) -> str:
+def run_doctor(engine: Engine, *, as_json: bool = False) -> str:
     """What the CLI prints: the libraries' import chatter quieted first."""
     import json
 

@@ -1,4 +1,4 @@
-"""The training half of :class:`engine.service.facade.Engine`: plan, start, follow, stop and list runs.
+"""``engine.training``: plan, start, follow, stop and list LoRA runs.
 
 A run is a child process (:mod:`engine.training.runner`); one watcher thread
 per run folds its events into the run record and gives the job, the GPU and
@@ -15,35 +15,57 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.contract.plugins import Registry
 from engine.errors import Busy, EngineError
+from engine.policy.info import training_info
 from engine.requests.training import TrainingConfig
+from engine.service.machine import Machine, capabilities
+from engine.service.slot import TRAINER, JobSlot
 from engine.training.lock import RunLock
 from engine.training.preflight import preflight_training
 from engine.training.records import RunRecord, list_runs, write_error_code
 
-TRAINER = "engine.trainer"
+__all__ = ["TRAINER", "Training"]
 
 
-class TrainingJobs:
-    """Training methods of :class:`~engine.service.facade.Engine` (a mixin: the engine
-    holds the state, the lock and the job reservation they share)."""
+class Training:
+    """The training runs of one engine: the one it started (its child, watcher and
+    published status) and the runs folder it shares with other engines."""
 
-    # Provided by Engine.
-    registry: Any
-    residency: Any
-    runs_dir: Any
-    _lock: threading.Lock
-    _run: Any
-    _watcher: threading.Thread | None
-    _halt: threading.Event
-    _published: dict[str, object] | None
-    hardware: Callable[..., Any]
-    available_memory: Callable[..., Any]
-    _reserve: Callable[[str], None]
-    _release_job: Callable[[str], None]
-    _drop_session: Callable[[], bool]
+    def __init__(self, registry: Registry, machine: Machine, slot: JobSlot, runs_dir: Path, *,
+                 allow_download: Callable[[], bool], drop_pipeline: Callable[[], bool]) -> None:
+        """``drop_pipeline``: release the engine's loaded image pipeline (a start evicts it)."""
+        self._registry = registry
+        self._machine = machine
+        self._slot = slot
+        self.runs_dir = runs_dir
+        self._allow_download = allow_download
+        self._drop_pipeline = drop_pipeline
+        self._lock = threading.Lock()
+        self._run: Any = None
+        self._watcher: threading.Thread | None = None
+        #: Set by ``stop(now=True)``; the run's watcher ends the trainer (see :meth:`_watch`).
+        self._halt = threading.Event()
+        #: The run's status as last published by its watcher (see :meth:`status`).
+        self._published: dict[str, object] | None = None
 
-    def plan_training(self, config: TrainingConfig | Mapping[str, object]) -> Any:
+    @property
+    def current(self) -> Any:
+        """The run this engine started last (a :class:`~engine.training.runner.TrainingRun`), or None."""
+        return self._run
+
+    def info(self, *, device: str = "auto") -> dict[str, object]:
+        """Per family: the base precisions a run offers here on ``device`` (auto, cuda, cpu),
+        and why each other one is not offered (the Train page reads it for its Device choice)."""
+        from engine.policy.training import DEVICES
+
+        if device not in DEVICES:
+            raise EngineError(f"device must be one of {', '.join(DEVICES)} (got {device!r})", code="invalid_request")
+        hardware = self._machine.available_memory().apply(self._machine.hardware())
+        return {f.name: training_info(self._registry, f, hardware, device=device).to_dict()  # type: ignore[arg-type]
+                for f in self._registry.families.values()}
+
+    def plan(self, config: TrainingConfig | Mapping[str, object]) -> Any:
         """Every training preflight (bounds, family, precision, memory, dataset),
         loading nothing: the plan a start would run, or the refusal it would give.
 
@@ -60,16 +82,17 @@ class TrainingJobs:
         on a machine without a GPU), so a doomed run is refused in a fraction of a
         second; then the torch-verified machine (a stub torchao, say), which can only
         take capabilities away, and a second pass only where it did."""
-        light = self.hardware(verify=None)
-        plan = preflight_training(self.registry, config, light, self.available_memory(verify=None),
-                                  allow_download=self.allow_download, fetch=fetch)
-        verified = self.hardware(verify=True)
-        if _capabilities(verified) == _capabilities(light):
+        machine = self._machine
+        light = machine.hardware(verify=None)
+        plan = preflight_training(self._registry, config, light, machine.available_memory(verify=None),
+                                  allow_download=self._allow_download(), fetch=fetch)
+        verified = machine.hardware(verify=True)
+        if capabilities(verified) == capabilities(light):
             return plan
-        return preflight_training(self.registry, config, verified, self.available_memory(verify=True),
-                                  allow_download=self.allow_download, fetch=fetch)
+        return preflight_training(self._registry, config, verified, machine.available_memory(verify=True),
+                                  allow_download=self._allow_download(), fetch=fetch)
 
-    def start_training(
+    def start(
         self, config: TrainingConfig | Mapping[str, object], *, resume: str | None = None
     ) -> dict[str, object]:
         """Start a LoRA run in a child process, after every check has passed.
@@ -106,13 +129,13 @@ class TrainingJobs:
         else:
             run = TrainingRun(plan, self.runs_dir)
         halt = threading.Event()
-        self._reserve("training")
+        self._slot.reserve("training")
         run_lock = RunLock(self.runs_dir)
         token = None
         try:
             token = self._take_run_lock(run_lock, run)
-            self._drop_session()
-            self.residency.acquire(TRAINER)
+            self._drop_pipeline()
+            self._slot.residency.acquire(TRAINER)
             run.start()
             try:
                 run_lock.set_trainer(token, run.pid)
@@ -120,17 +143,17 @@ class TrainingJobs:
                 pass  # the lock still names this engine; the run's own record write reports the disk
         except BaseException:
             run.kill()
-            self.residency.release_if(lambda owner: owner == TRAINER)
+            self._slot.residency.release_if(lambda owner: owner == TRAINER)
             if token is not None:
                 run_lock.release(token)
-            self._release_job("training")
+            self._slot.release("training")
             raise
         watcher = threading.Thread(target=self._watch, args=(run, run_lock, token, halt), daemon=True,
                                    name="engine-run-watch")
         with self._lock:
             self._run, self._watcher, self._halt = run, watcher, halt
         self._publish(run)
-        started = {**(self.training_status() or {}), "canary": canary.to_dict()}
+        started = {**(self.status() or {}), "canary": canary.to_dict()}
         watcher.start()
         return started
 
@@ -163,7 +186,7 @@ class TrainingJobs:
         """
         try:
             while not run.poll().finished:
-                if halt.is_set():  # stop_training(now=True): only this thread touches the child's events
+                if halt.is_set():  # stop(now=True): only this thread touches the child's events
                     run.halt()
                     break
                 self._publish(run)
@@ -172,12 +195,12 @@ class TrainingJobs:
             run.abort("watcher_failed", f"the engine could not follow the run ({type(exc).__name__}: {exc}); "
                       "the trainer was stopped; start the run again")
         finally:
-            self.residency.release_if(lambda owner: owner == TRAINER)
+            self._slot.residency.release_if(lambda owner: owner == TRAINER)
             try:
                 run_lock.release(token)
             except OSError:
                 pass  # the lock names a trainer that is gone: the next start takes it over
-            self._release_job("training")
+            self._slot.release("training")
             self._publish(run)
 
     def _publish(self, run: Any) -> None:
@@ -186,7 +209,7 @@ class TrainingJobs:
             if self._run is run:
                 self._published = snapshot
 
-    def training_status(self) -> dict[str, object] | None:
+    def status(self) -> dict[str, object] | None:
         """The run's record as its watcher last published it (every 0.2 s).
 
         Only the watcher polls the child, so events are applied exactly
@@ -197,7 +220,7 @@ class TrainingJobs:
             published = self._published
         return dict(published) if published is not None else None
 
-    def stop_training(self, *, save: bool = True, now: bool = False) -> dict[str, object]:
+    def stop(self, *, save: bool = True, now: bool = False) -> dict[str, object]:
         """Stop after the current step (or loading / caching phase), saving the LoRA unless ``save`` is False.
 
         ``now``: do not wait for the step (a second Ctrl-C): the trainer is
@@ -213,17 +236,17 @@ class TrainingJobs:
             self._halt.set()
         else:
             run.stop(save=save)
-        return self.training_status() or {}
+        return self.status() or {}
 
-    def cancel_training(self) -> dict[str, object]:
+    def cancel(self) -> dict[str, object]:
         """Stop the run at its next check (any phase) and keep no LoRA; its checkpoints stay."""
         run = self._run
         if run is None or run.record.finished:
             raise EngineError("no training run is in progress", code="not_training")
         run.cancel()
-        return self.training_status() or {}
+        return self.status() or {}
 
-    def wait_training(self, timeout: float | None = None) -> RunRecord:
+    def wait(self, timeout: float | None = None) -> RunRecord:
         """Block until the run has finished and the watcher gave the GPU back."""
         with self._lock:
             run, watcher = self._run, self._watcher
@@ -245,15 +268,15 @@ class TrainingJobs:
         """One run's record, with its files: ``run_id`` is an id in the runs folder, or
         (``by_path``) a run folder anywhere (a server passes ``by_path=False``)."""
         record = self._named_run(run_id, by_path)
-        return {**record.to_dict(), "files": self.run_files(run_id, by_path=by_path)}
+        return {**record.to_dict(), "files": self.files(run_id, by_path=by_path)}
 
-    def run_files(self, run_id: str, *, by_path: bool = True) -> list[str]:
+    def files(self, run_id: str, *, by_path: bool = True) -> list[str]:
         """The files in a run's folder, relative to it (LoRAs, checkpoints, samples, record)."""
         from engine.training.records import run_files
 
         return sorted(run_files(self._named_run(run_id, by_path).folder))
 
-    def remove_run(self, run_id: str, *, by_path: bool = True) -> dict[str, object]:
+    def remove(self, run_id: str, *, by_path: bool = True) -> dict[str, object]:
         """Delete a finished run's folder; a run still going is refused (``run_in_progress``)."""
         import shutil
 
@@ -270,7 +293,7 @@ class TrainingJobs:
 
     def resume_point(self, run_id: str) -> dict[str, object]:
         """What resuming ``run_id`` continues from: its recorded config (to layer changes on) and
-        its newest checkpoint; refused as :meth:`start_training` would (``run_not_found``,
+        its newest checkpoint; refused as :meth:`start` would (``run_not_found``,
         ``run_in_progress``, ``no_checkpoint``)."""
         from engine.training.resume import resumable_run
 
@@ -288,7 +311,3 @@ class TrainingJobs:
                               "or GET /v1/training/runs) and pass one of their ids", code="run_not_found")
         return record
 
-
-def _capabilities(hardware: Any) -> Any:
-    """A profile without its moment-to-moment figures (free memory, swap): what a plan's rules read."""
-    return hardware.replace(free_memory_gb=None, swap_free_gb=None, source=None)

@@ -57,9 +57,9 @@ def run_model(
         report.lora = _train(registry, family, folder, workdir, report)
         report.stages.append(stage)
         stage = "reload the LoRA through the engine and generate"
-        after = _pixels(engine.generate(KIT_PROMPT, steps=steps, width=size, height=size, seed=0,
+        after = _pixels(engine.images.generate(KIT_PROMPT, steps=steps, width=size, height=size, seed=0,
                                          loras=[f"{report.lora}:{KIT_LORA_SCALE}"])[0])
-        engine.unload()
+        engine.images.unload()
         if after == base:
             report.failure = f"{stage}: the image did not change with the trained LoRA loaded"
             return report
@@ -80,8 +80,8 @@ def _load_and_generate(
 
     engine = Engine(registry=registry, hardware=probe(verify=False))
     request = InferenceRequest(width=size, height=size, compile="off")
-    engine.load(str(folder), family=family.name, request=request, switching=True)
-    images = engine.generate(KIT_PROMPT, steps=steps, width=size, height=size, seed=0)
+    engine.images.load(str(folder), family=family.name, request=request, switching=True)
+    images = engine.images.generate(KIT_PROMPT, steps=steps, width=size, height=size, seed=0)
     if not images or images[0].size != (size, size):
         raise AssertionError(f"generate returned {images!r}, not one {size}x{size} image")
     low, high = images[0].convert("L").getextrema()
