@@ -181,12 +181,19 @@ def training_precision_preflight_error(
     mixed_precision: str = "bf16",
     thresholds: TrainingThresholds = TrainingThresholds(),
     memory: MemoryRequest | None = None,
+    mode: Resolved[str] | None = None,
+    rules_only: bool = False,
 ) -> PreflightError | None:
     """The first reason this precision request is doomed on this machine, or None.
 
     Cheap and CPU-only; called before anything is evicted or loaded. With
     ``memory``, a mode whose estimated peak exceeds the free memory is
     refused as :class:`InsufficientMemory`, naming what would fit.
+
+    ``mode``: the base precision already resolved for this run (the trainer's
+    preflight resolves it once and checks that); None resolves it here.
+    ``rules_only``: stop before the mode is resolved (the checks that hold
+    whatever ``auto`` picks).
     """
     if base_precision not in TRAINING_PRECISIONS:
         return PreflightError(
@@ -235,10 +242,12 @@ def training_precision_preflight_error(
             "slowly on the CPU (small models and tests).",
             code="needs_cuda",
         )
-    mode = resolve_training_precision(
+    if rules_only:
+        return None
+    mode = (mode or resolve_training_precision(
         registry, family, hardware, base_precision,
         base_repo=base_repo, device=device, thresholds=thresholds, memory=memory,
-    ).value
+    )).value
     if accelerator in NON_CUDA_ACCELERATORS and mode != "nf4":
         return PreflightError(
             f"base_precision={mode} needs CUDA (its kernels are CUDA-only); on {hardware.device_name} "

@@ -144,7 +144,7 @@ def preflight_training(
         if family.training.base_precision_applies
         else _ignored_precision(family, config.base_precision)
     )
-    _precision_check(registry, family, config, hardware, memory)
+    _precision_check(registry, family, config, hardware, memory, mode=precision)
     check_each_device(devices, lambda device: _precision_check(registry, family, config, device, memory))
     checkpointing = resolve_checkpointing(family, precision.value, memory, hardware, config.device)
     dataset = discover_dataset(config.dataset_dir, resolution=config.resolution, strict=config.strict)
@@ -289,18 +289,24 @@ def _precision_check(
     config: TrainingConfig,
     hardware: HardwareProfile,
     memory: MemoryRequest | None = None,
+    *,
+    mode: Resolved[str] | None = None,
 ) -> None:
     """Refuse a doomed precision request.
 
-    Run early, before the base is read, with the family's table sizes (so
-    ``auto`` resolves as it will), where only the rules may refuse; and again
-    with the base's own sizes, where memory may refuse too.
+    Run early, before the base is read, with the family's table sizes, where
+    only the rules may refuse (an explicit mode is checked as asked; ``auto``
+    only by the rules that hold whatever it picks, so it is not resolved on
+    the table's guess); and again with the base's own sizes and the ``mode``
+    resolved once from them, where memory may refuse too.
     """
     early = memory is None
+    explicit_mode = explicit(config.base_precision) if config.base_precision != "auto" else None
     error = training_precision_preflight_error(
         registry, family, hardware, config.base_precision,
         base_repo=config.base_model, device=config.device, mixed_precision=config.mixed_precision,
         memory=memory or MemoryRequest.from_table(family, _shape(config)),
+        mode=mode or explicit_mode, rules_only=early and explicit_mode is None,
     )
     if error is not None and not (early and isinstance(error, InsufficientMemory)):
         raise error
