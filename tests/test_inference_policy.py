@@ -360,3 +360,17 @@ def test_local_checkpoints_are_planned_with_their_own_quantised_sizes(tiny_pipel
     assert facts.measured_scheme_gb["int8"] < facts.measured_sizes.transformer_gb  # type: ignore[union-attr]
     result = plan_inference(REGISTRY, facts, preset("cpu"), InferenceRequest(quant="int8"), env=NO_ENV)
     assert result.estimate.components.transformer_gb == facts.measured_scheme_gb["int8"]
+
+
+def test_the_step_cache_thresholds_a_caller_passes_are_the_ones_planned_with() -> None:
+    """``plan_inference(cache_thresholds=...)`` decides the step cache (it was a parameter nothing read)."""
+    from engine.policy.speed import StepCacheThresholds
+
+    family = REGISTRY.family("flux")
+    facts = ModelFacts(family, family.default_checkpoint, REGISTRY.component_sizes(family, family.default_checkpoint))
+    request = InferenceRequest(steps=28, speed="default")
+    usual = plan_inference(REGISTRY, facts, preset("h100"), request, env=NO_ENV)
+    strict = plan_inference(REGISTRY, facts, preset("h100"), request, env=NO_ENV,
+                            cache_thresholds=StepCacheThresholds(min_steps=1000, threshold=0.3))
+    assert usual.value("step_cache") == "fbcache" and strict.value("step_cache") == "off"
+    assert "28 steps < 1000" in strict["step_cache"].reason

@@ -258,7 +258,8 @@ def _plan_torch(
         steps = request.steps or (model.checkpoint.default_steps if model.checkpoint else FALLBACK_STEPS)
         cache, threshold = _checked(
             resolve_step_cache, request.step_cache, steps,
-            quantised=quantised, tier=tier.value, denied=denied, unsupported=cache_unsupported,
+            quantised=quantised, tier=tier.value, denied=denied, thresholds=cache_thresholds,
+            unsupported=cache_unsupported,
         )
         cache_may_engage = cache.value == "fbcache" or (
             request.step_cache == "auto" and "step_cache" not in denied and tier.value != "off"
