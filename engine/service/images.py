@@ -225,10 +225,8 @@ class Images:
             raise EngineError("this load ticket was issued by another engine; check the load on this one",
                               code="invalid_request")
         if ticket.files_changed():  # a file was rewritten since: every check again, as asked
-            model, base, family, switching = ticket.asked
             loras = [{"path": str(lora.path), "scale": lora.scale} for lora in ticket.loras]
-            return self.load_ticket(model, base=base, family=family, request=_unplanned(ticket.request),
-                                    loras=loras, switching=switching, controlnet=ticket.controlnet)
+            return self._check(ticket.asked, _unplanned(ticket.request), loras, ticket.controlnet, verify=True)
         if ticket.verified:
             return ticket
         hardware = self._machine.hardware(verify=True)
@@ -238,12 +236,6 @@ class Images:
             ticket = dataclasses.replace(ticket, plan=plan, capabilities=capabilities(hardware),
                                          available_gb=available.after_eviction_gb)
         return self._after_plan(dataclasses.replace(ticket, verified=True))
-
-    def load_ticket(self, model: str, *, base: str | None = None, family: str | None = None,
-                    request: InferenceRequest = InferenceRequest(), loras: Sequence[LoraLike] = (),
-                    switching: bool = False, controlnet: str | None = None) -> LoadTicket:
-        """:meth:`check_load` on the torch-verified machine: the ticket a load takes as it is."""
-        return self._check((model, base, family, switching), request, loras, controlnet, verify=True)
 
     def prepare_runtime(self) -> float:
         """Import the runtime stack (torch, diffusers, transformers, peft) now; seconds it took
