@@ -131,3 +131,53 @@ def test_plugin_api_1_spellings_are_the_contract_modules_themselves() -> None:
 
     for name in sorted(MODULES["alias"]):
         assert importlib.import_module(f"engine.{name}") is importlib.import_module(f"engine.contract.{name}"), name
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Each engine module -> the engine modules it imports, at any depth of the file (a lazy
+    import too), but not under ``if TYPE_CHECKING`` (never run). ``from engine.cli import images``
+    imports the module ``engine.cli.images``; ``from engine.x import name`` imports ``engine.x``."""
+    modules = {".".join(p.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        unseen = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.dump(block.test)
+                  for n in ast.walk(block)}
+        for node in ast.walk(tree):
+            if id(node) in unseen:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                submodules = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules]
+                targets = submodules or [node.module]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def test_no_file_level_import_cycle() -> None:
+    """No two engine modules import each other, however indirectly (a lazy import counts:
+    it is still an arrow a maintainer must hold in mind)."""
+    graph = module_imports()
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "\n".join(" -> ".join(cycle) for cycle in cycles)

@@ -30,7 +30,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def service(tiny_pipeline: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from engine.server import replicas
+    from engine.server import replica_serve as replicas
 
     model = tiny_pipeline("zimage")
     outputs = tmp_path_factory.mktemp("outputs")

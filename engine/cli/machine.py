@@ -176,9 +176,9 @@ def _serve_replicas(args: argparse.Namespace, settings: Any) -> int:
     except ValueError as exc:
         raise EngineError(f"--ray-autoscaling is not JSON: {exc}", code="invalid_request") from None
     if args.load:
-        Engine(allow_download=settings.allow_hub).check_load(args.load)
+        Engine(allow_download=settings.allow_hub).images.check_load(args.load)
     try:
-        from engine.server import replicas
+        from engine.server import replica_serve as replicas
     except ImportError as exc:
         raise EngineError(f"serving replicas needs Ray Serve: pip install 'diffusion-engine[ray]' ({exc})",
                           code="missing_extra") from None

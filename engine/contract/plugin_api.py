@@ -90,13 +90,13 @@ SPLIT: Mapping[str, str] = {
 }
 
 
-def sections_from_legacy(current: dict[str, Any], legacy: Mapping[str, Any], *, family: str) -> dict[str, Any]:
-    """``FamilySpec`` fields with plugin API 0's flat ones folded into their sections.
+def sections_from_legacy(current: dict[str, Any], legacy: Mapping[str, Any], *, family: str,
+                         defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``FamilySpec`` fields with plugin API 0's flat ones folded into their sections
+    (``defaults``: each section's default, as ``FamilySpec`` declares it).
 
     :raises TypeError: a name neither API knows (the registry reports it with the API versions).
     """
-    from engine.contract import types
-
     unknown = [name for name in legacy if name not in RENAMED and name not in SPLIT]
     if unknown:
         raise TypeError(f"FamilySpec got unexpected keyword argument(s) {', '.join(map(repr, unknown))} "
@@ -119,7 +119,6 @@ def sections_from_legacy(current: dict[str, Any], legacy: Mapping[str, Any], *, 
         if legacy.get("fp16_compute_safe", True) is False:
             reason = str(legacy.get("fp16_unsafe_reason") or "fp16 compute is unsafe for this family")
             updates["precision"] = {"fp16_unsafe": (("denoiser", reason),)}
-    defaults = {f.name: f.default for f in dataclasses.fields(types.FamilySpec)}
     for section, fields in updates.items():
         base = current.get(section, defaults[section])
         current[section] = dataclasses.replace(base, **fields)

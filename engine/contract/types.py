@@ -362,7 +362,8 @@ class FamilySpec:
         known = {f.name for f in dataclasses.fields(FamilySpec)}
         current = {k: v for k, v in fields.items() if k in known}
         legacy = {k: v for k, v in fields.items() if k not in known}
-        current = sections_from_legacy(current, legacy, family=name)
+        current = sections_from_legacy(current, legacy, family=name,
+                                       defaults={f.name: f.default for f in dataclasses.fields(FamilySpec)})
         objective = current["training"].objective if "training" in current else None
         if not current.get("runtime_module") and objective is not None:
             current["runtime_module"] = getattr(objective, "_legacy_runtime_module", "")

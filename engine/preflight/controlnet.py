@@ -1,8 +1,8 @@
 """A ControlNet beside a pipeline, checked and sized before anything loads.
 
 Reads the folder's ``config.json`` and safetensors headers only (no weight),
-so :meth:`engine.Engine.plan` can size it into the plan and
-:meth:`engine.Engine.load` can refuse a wrong one with every resident in place.
+so :meth:`engine.Engine.images.plan` can size it into the plan and
+:meth:`engine.Engine.images.load` can refuse a wrong one with every resident in place.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine.errors import PreflightError
 from engine.policy.quant_filter import LAYOUTS, dense_gb, quantised_gb
-from engine.preflight.source import NotAPipeline
+from engine.preflight.model_errors import NotAPipeline
 from engine.contract.types import ComponentSizes, FamilySpec
 
 #: (name, shape) of tensors, as read from a header.

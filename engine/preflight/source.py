@@ -16,24 +16,13 @@ from engine.errors import EngineError
 from engine.contract.plugins import Registry
 from engine.policy.encoders import PrecastEncoders
 from engine.policy.plan import ModelFacts
+from engine.preflight.model_errors import ModelNotFound, NotAPipeline  # noqa: F401 - their home before, re-exported
 from engine.preflight.sdcpp import sdcpp_files
 from engine.contract.types import Checkpoint, ComponentSizes, FamilySpec
 
 #: ``single_file_pipeline``: one ``.safetensors`` holding the whole pipeline
 #: (its ``base`` is only where the component configs come from).
 ModelKind = Literal["pipeline", "single_file", "single_file_pipeline", "gguf", "hub"]
-
-
-class ModelNotFound(EngineError, FileNotFoundError):
-    """A local path that does not exist, or a file a local pipeline lacks."""
-
-    code = "model_not_found"
-
-
-class NotAPipeline(EngineError):
-    """A local folder that is neither a diffusers pipeline nor a single file."""
-
-    code = "not_a_pipeline"
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,7 @@ class GenerateBody(Body):
                            count=self.count, negative_prompt=self.negative_prompt)
 
     def options(self) -> dict[str, object]:
-        """The keyword options of :meth:`engine.Engine.generate` this request sets (prompt and LoRAs apart)."""
+        """The keyword options of :meth:`engine.Engine.images.generate` this request sets (prompt and LoRAs apart)."""
         return self.model_dump(exclude={"prompt", "loras"}, exclude_none=True)
 
 

@@ -2,7 +2,7 @@
 
 A model reference is a local path (a pipeline folder, a single file, a
 GGUF), a checkpoint name of an installed family, or a hub repo id
-(``org/name``); :meth:`engine.Engine.check_model` resolves one. These
+(``org/name``); :meth:`engine.Engine.catalog.check_model` resolves one. These
 helpers only read the text (no filesystem, no hub), so a face can confine a
 path or pass a repo id on before asking the engine. The file names a request
 may point at (a run's LoRA, its EMA, a dataset's images) are defined here and

@@ -166,7 +166,7 @@ class RunLock:
             return None  # unreadable or foreign: nobody we can name holds it
 
     def _write(self, holder: LockHolder) -> None:
-        from engine.training.records import write_json_atomic
+        from engine.training.json_files import write_json_atomic
 
         write_json_atomic(self.path, holder.to_dict())
 

@@ -20,13 +20,13 @@ import contextlib
 import errno
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from engine.places import within
+from engine.training.json_files import write_json_atomic
 from engine.training.lock import ProcessId
 
 Status = Literal["pending", "running", "completed", "stopped", "cancelled", "failed"]
@@ -60,21 +60,6 @@ def error_event(exc: BaseException) -> dict[str, object]:
         "message": f"{type(exc).__name__}: {exc}" + ("; free space in the output folder and start again" if full else ""),
         "traceback": traceback.format_exc(limit=8),
     }
-
-
-def write_json_atomic(path: Path, data: object) -> None:
-    """Write ``data`` as utf-8 JSON to ``path`` via a temp file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump(data, out, indent=2, ensure_ascii=False)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Which recorded run a resume continues, and from which checkpoint.
 
-Shared by :meth:`engine.Engine.start_training` (which re-checks right
+Shared by :meth:`engine.Engine.training.start` (which re-checks right
 before the start) and the CLI (which reads the run's config first, to
 layer the flags over it): one rule, so both refuse the same runs with the
 same codes.
