@@ -25,7 +25,7 @@ from engine.hardware.probe import probe
 from engine.contract.plugins import load_registry
 from engine.service.facade import Busy
 from engine.testing.datasets import write_dataset
-from engine.training import records
+from engine.training import json_files
 from engine.requests.training import TrainingConfig
 from engine.training.lock import LOCK_NAME, ProcessId, RunLock
 from engine.training.preflight import preflight_training
@@ -175,7 +175,7 @@ def test_full_disk_fails_the_run_stops_the_trainer_and_frees_the_engine(
     def disk_full(path: Path, data: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(records, "write_json_atomic", disk_full)
+    monkeypatch.setattr(json_files, "write_json_atomic", disk_full)
     record = engine.training.wait(timeout=60)
     assert record.status == "failed" and record.error is not None
     assert record.error["code"] == "disk_full" and "disk is full" in record.error["message"]
@@ -289,7 +289,7 @@ def test_full_disk_at_start_is_refused_before_eviction(
     def disk_full(path: Path, data: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(records, "write_json_atomic", disk_full)
+    monkeypatch.setattr(json_files, "write_json_atomic", disk_full)
     with pytest.raises(EngineError) as raised:
         engine.training.start(config)
     assert raised.value.code == "disk_full" and str(tmp_path) in raised.value.message

@@ -181,7 +181,7 @@ def training_precision_preflight_error(
     mixed_precision: str = "bf16",
     thresholds: TrainingThresholds = TrainingThresholds(),
     memory: MemoryRequest | None = None,
-    mode: Resolved[str] | None = None,
+    resolved: Resolved[str] | None = None,
     rules_only: bool = False,
 ) -> PreflightError | None:
     """The first reason this precision request is doomed on this machine, or None.
@@ -190,7 +190,7 @@ def training_precision_preflight_error(
     ``memory``, a mode whose estimated peak exceeds the free memory is
     refused as :class:`InsufficientMemory`, naming what would fit.
 
-    ``mode``: the base precision already resolved for this run (the trainer's
+    ``resolved``: the base precision already resolved for this run (the trainer's
     preflight resolves it once and checks that); None resolves it here.
     ``rules_only``: stop before the mode is resolved (the checks that hold
     whatever ``auto`` picks).
@@ -244,7 +244,7 @@ def training_precision_preflight_error(
         )
     if rules_only:
         return None
-    mode = (mode or resolve_training_precision(
+    mode = (resolved or resolve_training_precision(
         registry, family, hardware, base_precision,
         base_repo=base_repo, device=device, thresholds=thresholds, memory=memory,
     )).value

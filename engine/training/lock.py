@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine.training import json_files
+
 LOCK_NAME = ".train.lock"
 
 
@@ -166,9 +168,7 @@ class RunLock:
             return None  # unreadable or foreign: nobody we can name holds it
 
     def _write(self, holder: LockHolder) -> None:
-        from engine.training.json_files import write_json_atomic
-
-        write_json_atomic(self.path, holder.to_dict())
+        json_files.write_json_atomic(self.path, holder.to_dict())
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:

@@ -306,7 +306,7 @@ def _precision_check(
         registry, family, hardware, config.base_precision,
         base_repo=config.base_model, device=config.device, mixed_precision=config.mixed_precision,
         memory=memory or MemoryRequest.from_table(family, _shape(config)),
-        mode=mode or explicit_mode, rules_only=early and explicit_mode is None,
+        resolved=mode or explicit_mode, rules_only=early and explicit_mode is None,
     )
     if error is not None and not (early and isinstance(error, InsufficientMemory)):
         raise error

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from engine.places import within
-from engine.training.json_files import write_json_atomic
+from engine.training import json_files
 from engine.training.lock import ProcessId
 
 Status = Literal["pending", "running", "completed", "stopped", "cancelled", "failed"]
@@ -188,7 +188,7 @@ class RunRecord:
         return data
 
     def save(self) -> None:
-        write_json_atomic(self.path, self.to_dict())
+        json_files.write_json_atomic(self.path, self.to_dict())
 
     @classmethod
     def load(cls, path: Path) -> RunRecord:
