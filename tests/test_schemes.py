@@ -31,7 +31,7 @@ def test_a_schemes_capability_refusal_is_its_rows() -> None:
     """The capability a scheme needs and its words come from its row, for inference and training."""
     from engine.hardware.presets import preset
     from engine.policy.quant import scheme_unsupported_reason
-    from engine.policy.training import _mode_requirement_error
+    from engine.policy.training_fit import mode_requirement_error
 
     a100 = preset("a100-80g")
     for name, scheme in SCHEMES.items():
@@ -40,5 +40,5 @@ def test_a_schemes_capability_refusal_is_its_rows() -> None:
         reason = scheme_unsupported_reason(name, a100)
         assert reason is not None and scheme.needs_text in reason, name
         if scheme.trainable:
-            error = _mode_requirement_error(name, a100, on_cpu=False)
+            error = mode_requirement_error(name, a100, on_cpu=False)
             assert error is not None and scheme.needs_text in error.message and error.code == f"{name}_unsupported"
