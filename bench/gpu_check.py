@@ -1127,7 +1127,7 @@ def _trainer_seams(case: Case, bench: BenchModel) -> dict[str, Callable[..., Any
         latents = [torch.randn(bench.latent_channels(), side, side, generator=generator)
                    for _ in _plan.dataset.items]
         conditioning = bench.conditioning(1, "cpu", dtype)
-        from engine.training.trainer import _Captions
+        from engine.training.inputs import Captions as _Captions
 
         return latents, conditioning, _Captions([[0]] * len(_plan.dataset.items), None)  # one prompt row
 

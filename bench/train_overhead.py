@@ -31,7 +31,8 @@ from engine.testing.datasets import write_dataset  # noqa: E402
 from engine.training.config import TrainingConfig  # noqa: E402
 from engine.training.preflight import preflight_training  # noqa: E402
 from engine.training.buckets import fit  # noqa: E402
-from engine.training.trainer import _load_pixels, run_training  # noqa: E402
+from engine.training.inputs import load_pixels
+from engine.training.trainer import run_training  # noqa: E402
 
 WARMUP = 5
 
@@ -64,7 +65,7 @@ def plain_steps_per_s(plan, steps: int) -> float:  # type: ignore[no-untyped-def
     device = torch.device("cpu")
     bucket = (plan.config.resolution, plan.config.resolution)  # the bench's square images
     with torch.no_grad():
-        latents = [runtime.encode_images(pipe, _load_pixels(i.image, fit(i.size, bucket)))[0] for i in plan.dataset.items]
+        latents = [runtime.encode_images(pipe, load_pixels(i.image, fit(i.size, bucket)))[0] for i in plan.dataset.items]
         captions = sorted({i.caption for i in plan.dataset.items})
         cond_all = runtime.encode_prompts(pipe, captions, device, torch.float32)
     index = [captions.index(i.caption) for i in plan.dataset.items]

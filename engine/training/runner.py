@@ -27,34 +27,16 @@ Reliability rules, each learned from a run that outlived its welcome:
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 import uuid
-from multiprocessing.connection import Connection
-from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
-from typing import Any
 
 from engine.errors import EngineError
 from engine.training.lock import ProcessId
 from engine.training.preflight import TrainingPlan
+from engine.training.process import Child, start_child
 from engine.training.records import DISK_FULL, RunRecord, write_charts, write_error_code
-
-#: The folder that holds the ``engine`` package: the child imports it from there.
-ENGINE_ROOT = Path(__file__).resolve().parents[2]
-
-#: How often the child's parent watch looks at the parent PID (seconds).
-PARENT_CHECK_S = 0.25
-#: Exit status of a child that ended because its parent was gone.
-ORPHAN_EXIT = 75
-
 
 def new_run_id(family: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{family}-{uuid.uuid4().hex[:6]}"
@@ -81,7 +63,7 @@ class TrainingRun:
             steps=plan.steps,
             history_limit=plan.config.metric_history,
         )
-        self._process: _Child | None = None
+        self._process: Child | None = None
         #: The step a resumed run continues from (None: a new run).
         self._resumed_at: int | None = None
         self._unsaved = False
@@ -101,7 +83,7 @@ class TrainingRun:
         self._save_or_raise()
         self._write_config()
         try:
-            self._process = _start_child(self.plan, self.record.folder, self.record.run_id)
+            self._process = start_child(self.plan, self.record.folder, self.record.run_id)
             self.record.set_trainer(ProcessId.of(self._process.pid))
             self._save_or_raise()
         except EngineError as exc:
@@ -300,138 +282,3 @@ class TrainingRun:
             self.record.outputs["charts_error"] = str(exc)
         if self._process is not None:
             self._process.join(timeout=10)
-
-
-class _Child:
-    """The trainer process, its socket and the keeper thread that reaps it.
-
-    Linux sends the parent-death signal when the *thread* that started the
-    child ends, so the child is started from a keeper thread that lives
-    exactly as long as it (a server's request thread may end long before
-    the run); the keeper waits for the exit, so ``exitcode`` is the real one.
-    """
-
-    def __init__(self, process: subprocess.Popen[bytes], conn: Connection) -> None:
-        self._popen = process
-        self._conn = conn
-        self._send_lock = threading.Lock()
-        self._exited = threading.Event()
-        self._eof = False
-
-    @property
-    def pid(self) -> int:
-        return self._popen.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        return self._popen.returncode if self._exited.is_set() else None
-
-    def is_alive(self) -> bool:
-        return not self._exited.is_set()
-
-    def join(self, timeout: float | None = None) -> None:
-        self._exited.wait(timeout)
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, OSError):
-            self._popen.kill()
-
-    def send(self, message: object) -> None:
-        """Send to the child; a child that is gone has nothing left to stop."""
-        with self._send_lock, contextlib.suppress(OSError, EOFError, ValueError):
-            self._conn.send(message)
-
-    def events(self) -> list[dict[str, Any]]:
-        """Every event the child has sent so far (never blocks)."""
-        received: list[dict[str, Any]] = []
-        while not self._eof:
-            try:
-                if not self._conn.poll(0):
-                    break
-                received.append(self._conn.recv())
-            except (EOFError, OSError):
-                self._eof = True
-        return received
-
-    def keep(self) -> None:
-        try:
-            self._popen.wait()
-        finally:
-            self._exited.set()
-
-
-def _start_child(plan: TrainingPlan, folder: Path, run_id: str) -> _Child:
-    """Start ``python -m engine.training.child`` and hand it the plan over a socket.
-
-    Not ``multiprocessing``: its spawn would re-run the host's ``__main__``
-    in the child (see :mod:`engine.training.child`). The child gets its own
-    process group, so a terminal's Ctrl-C reaches only the CLI.
-    """
-    parent_end, child_end = socket.socketpair()
-    command = [sys.executable, "-m", "engine.training.child", str(child_end.fileno()), str(os.getpid())]
-    options: dict[str, Any] = {"start_new_session": True} if os.name == "posix" else {
-        "creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}  # no terminal SIGINT reaches it
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ENGINE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    failure: list[BaseException] = []
-    launched = threading.Event()
-    holder: list[_Child] = []
-
-    def keep() -> None:
-        try:
-            process = subprocess.Popen(command, pass_fds=(child_end.fileno(),), env=env, **options)
-            holder.append(_Child(process, Connection(os.dup(parent_end.fileno()))))
-        except BaseException as exc:  # handed to the caller below, re-raised there
-            failure.append(exc)
-            return
-        finally:
-            child_end.close()
-            parent_end.close()
-            launched.set()
-        holder[0].keep()
-
-    threading.Thread(target=keep, name=f"diffusion-engine-train-{run_id}-keeper", daemon=True).start()
-    launched.wait()
-    if failure:
-        raise failure[0]
-    child = holder[0]
-    child.send([p for p in sys.path if p])
-    child.send((plan, str(folder)))
-    return child
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Make this (child) process end when ``parent_pid`` does, however the parent ends.
-
-    SIGKILL/SIGTERM of a server or CLI runs no cleanup in it, so the child
-    must notice on its own: the kernel's parent-death signal on Linux, and a
-    watch thread everywhere (the parent pipe closes, or we get reparented).
-    """
-    if sys.platform.startswith("linux"):
-        _set_parent_death_signal(signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(ORPHAN_EXIT)  # the parent died before the signal was armed
-    parent = multiprocessing.parent_process()
-    sentinel = parent.sentinel if parent is not None else None
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            if sentinel is not None:
-                if wait_ready([sentinel], timeout=PARENT_CHECK_S):
-                    break
-            else:
-                time.sleep(PARENT_CHECK_S)
-        os._exit(ORPHAN_EXIT)  # no cleanup: there is nobody left to report to
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _set_parent_death_signal(signum: int) -> None:
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(pr_set_pdeathsig, int(signum), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # no prctl (an unusual libc): the watch thread still ends the child
