@@ -140,7 +140,7 @@ def test_a_bare_family_lora_is_checked_before_load_on_its_own_classes(
     device (found among imported modules, never imported on a folder's say-so)."""
     from engine.errors import EngineError
     from engine.preflight.lora import lora_choices, read_loras
-    from engine.runtime.lora import check_loras
+    from engine.runtime.lora_check import check_loras
     from safetensors.torch import load_file, save_file
 
     assert run.lora is not None

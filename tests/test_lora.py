@@ -27,7 +27,7 @@ from engine.contract.plugins import load_registry
 from engine.policy.inference import InferenceRequest, LoraPlanInput, ModelFacts, plan_inference
 from engine.preflight.lora import LoraChoice, LoraMismatch, parse_lora_arg, plan_input, read_loras
 from engine.preflight.model import resolve_model
-from engine.runtime.lora import converted_state_dict, unmatched_modules
+from engine.runtime.lora_check import converted_state_dict, unmatched_modules
 from engine.runtime.session import GenerateRequest, InferenceSession
 from engine.service.facade import Engine
 from engine.testing.checkpoints import write_gguf

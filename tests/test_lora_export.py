@@ -17,7 +17,7 @@ from engine.contract.plugins import load_registry
 from engine.policy.inference import InferenceRequest, plan_inference
 from engine.preflight.lora import LoraChoice, plan_input, read_loras
 from engine.preflight.model import resolve_model
-from engine.runtime.lora import converted_state_dict, unmatched_modules
+from engine.runtime.lora_check import converted_state_dict, unmatched_modules
 from engine.runtime.session import GenerateRequest, InferenceSession
 from engine.training.export import KOHYA_FILE, denoiser_out_features, kohya_metadata, kohya_state_dict
 

@@ -120,115 +120,14 @@ class Checkpoint:
         )
 
 
-Prediction = Literal["flow_matching", "epsilon", "v_prediction"]
-
-
-@dataclass(frozen=True, init=False)
-class TrainingObjective:
-    """What one generic LoRA trainer loop needs to know about a family.
-
-    The functions the loop calls (prompt encoding, latent encoding and
-    packing, the model call) live in the family's one runtime module,
-    :attr:`FamilySpec.runtime_module`, imported only when a run starts.
-    """
-
-    #: What the denoiser predicts: ``flow_matching`` (noise - x0 at a sigma),
-    #: ``epsilon`` or ``v_prediction`` (on the runtime's DDPM schedule).
-    prediction: Prediction
-    #: How training timesteps are drawn.
-    timestep_sampling: Literal["logit_normal", "uniform", "shifted_sigmoid"]
-
-    def __init__(self, prediction: Prediction,
-                 timestep_sampling: Literal["logit_normal", "uniform", "shifted_sigmoid"],
-                 runtime_module: str | None = None) -> None:
-        object.__setattr__(self, "prediction", prediction)
-        object.__setattr__(self, "timestep_sampling", timestep_sampling)
-        if runtime_module is not None:  # plugin API 0 named the runtime module here
-            from engine.contract.plugin_api import deprecate
-
-            deprecate("TrainingObjective(runtime_module=...)", "FamilySpec(runtime_module=...)")
-            object.__setattr__(self, "_legacy_runtime_module", runtime_module)
-
-
-@dataclass(frozen=True)
-class LoraTargetShape:
-    """One kind of Linear a LoRA adapts: its name suffix, shape and how many
-    the full-size denoiser holds (``to_q``, 3072 -> 3072, x 57)."""
-
-    target: str
-    in_features: int
-    out_features: int
-    count: int
-
-    def lora_params(self, rank: int) -> int:
-        """Parameters a rank-``rank`` adapter adds over every such layer (A and B)."""
-        return self.count * rank * (self.in_features + self.out_features)
-
-
-@dataclass(frozen=True)
-class ActivationFigures:
-    """Elements a LoRA training step keeps for backward, per token.
-
-    Measured (``bench/memory_accuracy.py --derive``) on a real-width,
-    reduced-depth denoiser and carried here as data, like ``quant_factors``:
-    never guessed. Multiply by the compute dtype's bytes. An *image token* is
-    one 16x16-pixel patch of the training resolution (a 2x2 patch of an
-    8x-downsampled latent), for every family, so one figure serves any
-    resolution. *Text tokens* are the encoded prompt positions the denoiser
-    attends over (``text_tokens`` of them at training time).
-    """
-
-    #: Saved per image / text token by one repeated block, no checkpointing.
-    block_per_image_token: float
-    block_per_text_token: float
-    #: Kept per image / text token by one block under gradient checkpointing
-    #: (its inputs, recomputed in backward).
-    checkpointed_block_per_image_token: float
-    checkpointed_block_per_text_token: float
-    #: Saved per token outside the repeated blocks (embedders, final layers).
-    outside_per_image_token: float
-    outside_per_text_token: float
-    #: Repeated blocks in the full-size denoiser.
-    blocks: int
-    #: Prompt positions the trainer encodes captions to.
-    text_tokens: int
-    #: Outside the blocks under gradient checkpointing, where it differs
-    #: (a UNet: diffusers recomputes its resnets too); None: as above.
-    checkpointed_outside_per_image_token: float | None = None
-    checkpointed_outside_per_text_token: float | None = None
-
-
-@dataclass(frozen=True)
-class TrainingMemoryFigures:
-    """What a family's LoRA training step holds besides its frozen weights."""
-
-    activations: ActivationFigures
-    #: Every Linear the default LoRA targets adapt, in the full-size model.
-    lora_targets: tuple[LoraTargetShape, ...]
-
-
-@dataclass(frozen=True)
-class TrainingDefaults:
-    """A family's trainer defaults where its published recipe differs from the engine's.
-
-    ``flow_shift``: the sigma shift of flow-matching timestep sampling
-    (``shift * s / (1 + (shift - 1) * s)``); 1.0 leaves sampling as is.
-    ``flow_shift_auto``: the shift follows the image token count the way the
-    family's scheduler shifts at inference (its ``base_shift`` / ``max_shift``
-    over ``base_seq_len`` .. ``max_seq_len`` tokens, exponential), so a
-    1328 px run trains on the sigmas it will sample with.
-    """
-
-    learning_rate: float | None = None
-    warmup_steps: int | None = None
-    flow_shift: float = 1.0
-    flow_shift_auto: bool = False
-    base_shift: float = 0.5
-    max_shift: float = 1.15
-    base_seq_len: int = 256
-    max_seq_len: int = 4096
-    #: Where the figures come from (the published recipe / scheduler config).
-    source: str = ""
+from engine.contract.training_types import (  # noqa: E402  (re-exported: plugins import them from here)
+    ActivationFigures,
+    LoraTargetShape,
+    Prediction,
+    TrainingDefaults,
+    TrainingMemoryFigures,
+    TrainingObjective,
+)
 
 
 #: What a family's diffusers classes may or may not support; see :class:`Capabilities`.

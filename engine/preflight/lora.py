@@ -6,7 +6,7 @@ safetensors header (no weights, no torch) says which keys it has, its
 largest rank and its size, which the planner uses, and which family's key
 markers it matches best, which a refusal names. Whether every key lands on a
 module of the model is checked against the model's own module tree by
-:func:`engine.runtime.lora.check_loras` (also before anything is evicted).
+:func:`engine.runtime.lora_check.check_loras` (also before anything is evicted).
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ from engine.runtime import capabilities, flags, text_encoders, workflows
 from engine.runtime.attention import Installer, pip_install_wheel
 from engine.runtime.generation import GenerateRequest, Generation
 from engine.runtime.loading import TORCH_DTYPES, LoadFailed, PipelineLoading, Progress, resident
-from engine.runtime.lora import HookAdapters, LoraSet, check_on_pipeline
+from engine.runtime.lora import HookAdapters, LoraSet
+from engine.runtime.lora_check import check_on_pipeline
 from engine.runtime.quantize import Placement
 from engine.runtime.speedups import SpeedControls
 

@@ -186,7 +186,7 @@ class Images:
         if controlnet is not None:
             controlnet = check_controlnet(source.family, controlnet)
         if lora_files:
-            from engine.runtime.lora import check_loras
+            from engine.runtime.lora_check import check_loras
 
             check_loras(self._registry, source, lora_files)
         request = dataclasses.replace(request, loras=lora_plan_input(lora_files, switching=switching))

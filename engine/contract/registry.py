@@ -1,0 +1,165 @@
+"""The :class:`Registry`: the loaded families and plugins, frozen, with one
+typed method per hook (core code never calls ``pm.hook.*`` itself).
+
+:func:`engine.contract.plugins.load_registry` builds it; this module only
+reads what was loaded. The runtime hooks pass torch objects through without
+the registry importing torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import pluggy
+
+from engine.contract.types import (
+    PURPOSES,
+    Checkpoint,
+    ComponentSizes,
+    FamilySpec,
+    PluginInfo,
+    PluginLoadError,
+    Purpose,
+    TrainingObjective,
+)
+from engine.errors import PluginError, UnknownName
+
+if TYPE_CHECKING:
+    from engine.hardware.profile import HardwareProfile
+
+
+@dataclass(frozen=True)
+class Registry:
+    """The loaded families and plugins, frozen. Pass it around; do not rebuild it per call."""
+
+    families: Mapping[str, FamilySpec]
+    plugins: tuple[PluginInfo, ...]
+    errors: tuple[PluginLoadError, ...]
+    _pm: pluggy.PluginManager
+    _aliases: Mapping[str, str]
+
+    # -- lookup -------------------------------------------------------------
+
+    def family(self, name: str) -> FamilySpec:
+        """The family called ``name`` (or an alias); :class:`UnknownName` otherwise."""
+        key = name.lower().replace("-", "_")
+        canonical = self._aliases.get(key, key)
+        try:
+            return self.families[canonical]
+        except KeyError:
+            raise UnknownName("family", name, self.families) from None
+
+    def hook_implementations(self, hook: str) -> list[dict[str, object]]:
+        """The plugins implementing ``hook``, in the order pluggy calls them (the first
+        that answers a ``firstresult`` hook wins); :class:`UnknownName` for no such hook."""
+        caller = getattr(self._pm.hook, hook, None)
+        if caller is None or not hook.startswith("engine_"):
+            names = [n for n in dir(self._pm.hook) if n.startswith("engine_")]
+            raise UnknownName("hook", hook, names)
+        packages = {p.name: (p.package, p.version) for p in self.plugins}
+        return [
+            {"plugin": impl.plugin_name, "package": packages.get(impl.plugin_name, ("?", ""))[0],
+             "version": packages.get(impl.plugin_name, ("?", ""))[1],
+             "order": "tryfirst" if impl.tryfirst else "trylast" if impl.trylast else "normal",
+             "firstresult": bool(caller.spec and caller.spec.opts.get("firstresult"))}
+            for impl in reversed(caller.get_hookimpls())
+        ]
+
+    def family_for_pipeline_class(self, class_name: str) -> FamilySpec | None:
+        """The family whose pipelines have ``model_index.json`` ``_class_name``."""
+        return next(
+            (f for f in self.families.values() if class_name in f.pipeline_class_names), None
+        )
+
+    def family_for_model_id(self, model_id: str) -> FamilySpec | None:
+        """The family whose checkpoint patterns match a repo id or folder name."""
+        return next((f for f in self.families.values() if f.matches_id(model_id)), None)
+
+    # -- one typed method per hook -----------------------------------------
+
+    def component_sizes(
+        self, family: FamilySpec, checkpoint: Checkpoint | None = None
+    ) -> ComponentSizes:
+        sizes = self._pm.hook.engine_component_sizes(family=family, checkpoint=checkpoint)
+        return sizes if sizes is not None else family.sizes
+
+    def quant_deny(self, family: FamilySpec, purpose: Purpose) -> Mapping[str, str]:
+        """Scheme -> reason for every scheme any plugin denies; reasons joined."""
+        if purpose not in PURPOSES:
+            raise ValueError(f"purpose must be one of {PURPOSES}, not {purpose!r}")
+        return _union(
+            (d.scheme, d.reason)
+            for answer in self._pm.hook.engine_quant_deny(family=family, purpose=purpose)
+            for d in answer or ()
+        )
+
+    def optimization_deny(self, family: FamilySpec) -> Mapping[str, str]:
+        """Optimisation -> reason for everything any plugin denies ``family``."""
+        return _union(
+            (d.optimization, d.reason)
+            for answer in self._pm.hook.engine_optimization_deny(family=family)
+            for d in answer or ()
+        )
+
+    def dense_base(self, family: FamilySpec, repo: str) -> str | None:
+        return self._pm.hook.engine_dense_base(family=family, repo=repo)
+
+    def training_precision_modes(
+        self, family: FamilySpec, hardware: HardwareProfile
+    ) -> tuple[str, ...]:
+        modes = self._pm.hook.engine_training_precision_modes(family=family, hardware=hardware)
+        return tuple(modes or ())
+
+    def compile_regions(self, family: FamilySpec) -> tuple[str, ...]:
+        return tuple(self._pm.hook.engine_compile_regions(family=family) or ())
+
+    def training_objective(self, family: FamilySpec) -> TrainingObjective | None:
+        return self._pm.hook.engine_training_objective(family=family)
+
+    # -- runtime hooks (torch objects pass through; the registry imports none) --
+
+    def lora_add(self, family: FamilySpec, denoiser: object, config: object, adapter_name: str = "default") -> str:
+        """Add a trainable LoRA to ``denoiser``; how it was added."""
+        return str(self._pm.hook.engine_lora_add(
+            family=family, denoiser=denoiser, config=config, adapter_name=adapter_name
+        ))
+
+    def lora_state_dict(self, family: FamilySpec, denoiser: object, adapter_name: str = "default") -> dict:
+        """The adapter's weights in peft's keys, for saving."""
+        return dict(self._pm.hook.engine_lora_state_dict(
+            family=family, denoiser=denoiser, adapter_name=adapter_name
+        ))
+
+    def lora_load(self, family: FamilySpec, pipeline: object, state_dict: dict, adapter_name: str) -> str:
+        """Load a LoRA into a pipeline without diffusers' LoRA loader; how it was loaded."""
+        return str(self._pm.hook.engine_lora_load(
+            family=family, pipeline=pipeline, state_dict=state_dict, adapter_name=adapter_name
+        ))
+
+    def generate_kwargs(self, family: FamilySpec, pipeline: object, kwargs: dict) -> dict:
+        """The arguments to call ``pipeline`` with for one generate."""
+        answer = self._pm.hook.engine_generate_kwargs(family=family, pipeline=pipeline, kwargs=dict(kwargs))
+        return dict(kwargs if answer is None else answer)
+
+    def build_tiny_pipeline(self, family: FamilySpec, path: Path) -> Path:
+        built = self._pm.hook.engine_build_tiny_pipeline(family=family, path=Path(path))
+        if built is None:
+            raise PluginError(
+                f"no plugin can build a tiny {family.name} pipeline",
+                code="no_tiny_pipeline",
+            )
+        return Path(built)
+
+
+def _union(pairs: Iterable[tuple[str, str]]) -> Mapping[str, str]:
+    """Name -> reasons joined, over every plugin's deny answers."""
+    denied: dict[str, list[str]] = {}
+    for name, reason in pairs:
+        reasons = denied.setdefault(name, [])
+        if reason not in reasons:
+            reasons.append(reason)
+    return MappingProxyType({name: "; ".join(r) for name, r in denied.items()})
