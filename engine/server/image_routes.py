@@ -1,0 +1,113 @@
+"""The image routes: info, plan, load, generate, cancel, status, unload, and
+OpenAI's generations and edits.
+
+Generates queue a job on the server's one :class:`~engine.server.jobs.JobQueue`
+and wait for it (:func:`~engine.server.job_routes.run_job`), so concurrent
+clients queue rather than refuse each other; a client that disconnects
+cancels its job. Paths are confined by :class:`~engine.server.confined.Confined`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from engine import Engine
+from engine.requests import GenerateBody, LoadBody, PlanBody
+from engine.server.bodies import OpenAIImagesBody
+from engine.server.confined import Confined
+from engine.server.edits import read_edit_form
+from engine.server.hosted import HostedImages
+from engine.server.job_routes import run_job
+from engine.server.jobs import JobQueue
+
+
+def images_router(engine: Engine, confined: Confined, queue: JobQueue, hosted: HostedImages) -> APIRouter:
+    api = APIRouter(prefix="/v1/images")
+
+    @api.get("/info")
+    def images_info() -> dict[str, Any]:
+        return engine.images.info()  # torch-free: tables and the light probe only
+
+    @api.post("/plan")
+    def plan(body: PlanBody) -> dict[str, Any]:
+        result = engine.images.plan(
+            confined.optional_model(body.model), family=body.family, checkpoint=body.checkpoint,
+            base=confined.optional_model(body.base), request=body.request(),
+            controlnet=confined.controlnet(body.controlnet),
+        )
+        return result.to_dict()
+
+    @api.post("/load")
+    def load(body: LoadBody) -> dict[str, Any]:
+        return engine.images.load(
+            confined.model(body.model), base=confined.optional_model(body.base), family=body.family,
+            request=body.request(), loras=confined.loras(body.loras) or [], switching=body.lora_switching,
+            controlnet=confined.controlnet(body.controlnet),
+        )
+
+    @api.post("/generate")
+    async def generate(body: GenerateBody, request: Request, response: Response) -> dict[str, Any]:
+        """Queue the generate and wait for it; the wait in the queue counts in ``seconds``."""
+        started = time.perf_counter()
+        options = await run_in_threadpool(confined.generate, body)
+        images = await run_job(queue, request, response, body.prompt, options)
+        return {"images": images, "seconds": round(time.perf_counter() - started, 3)}
+
+    @api.delete("/generate")
+    def cancel_generate() -> dict[str, Any]:
+        """Stop the running generate after its current step (its caller gets code ``cancelled``);
+        the jobs queued behind it still run (``DELETE /v1/images/jobs/{id}`` cancels one job)."""
+        return {"cancelled": engine.images.cancel()}
+
+    @api.get("/status")
+    def status() -> dict[str, Any]:
+        """The engine's status, the running (else latest) job's progress, and the queue."""
+        return {**engine.status(), "generate": queue.progress(), "queue": queue.status()}
+
+    @api.post("/unload")
+    def unload() -> dict[str, Any]:
+        return {"unloaded": engine.images.unload()}
+
+    @api.post("/generations")
+    async def openai_images(body: OpenAIImagesBody, request: Request, response: Response) -> dict[str, Any]:
+        """OpenAI's image generation; queued like every generate, the client's timeout
+        (a closed connection) cancelling its job."""
+        width, height = body.dimensions()
+        loras = await run_in_threadpool(confined.loras, body.loras)
+        images = await run_job(queue, request, response, body.prompt, dict(
+            count=body.n, width=width, height=height, seed=secrets.randbelow(2**31), loras=loras,
+        ))
+        return {"created": int(time.time()), "data": await openai_data(images, body.response_format, request)}
+
+    async def openai_data(images: list[str], response_format: str, request: Request) -> list[dict[str, str]]:
+        """OpenAI's ``data``: each image inline (``b64_json``), or kept under the outputs root and
+        given as a URL this server serves (``url``; fetched with the token, as every route)."""
+        if response_format == "b64_json":
+            return [{"b64_json": image} for image in images]
+        names = await run_in_threadpool(hosted.keep, images)
+        return [{"url": str(request.url_for("hosted_image", name=name))} for name in names]
+
+    @api.post("/edits")
+    async def openai_edits(request: Request, response: Response) -> dict[str, Any]:
+        """OpenAI's image edit: multipart ``image`` (+ ``mask``): an instruction
+        edit on an edit checkpoint, inpaint with a mask, img2img otherwise."""
+        form = await read_edit_form(request)
+        await run_in_threadpool(form.check, engine)
+        width, height = form.body.dimensions() if form.sized else (None, None)
+        images = await run_job(queue, request, response, form.body.prompt, dict(
+            count=form.body.n, width=width, height=height, seed=secrets.randbelow(2**31),
+            image=form.image, mask_image=form.mask,
+        ))
+        return {"created": int(time.time()), "data": await openai_data(images, form.body.response_format, request)}
+
+    @api.get("/files/{name}", name="hosted_image")
+    def hosted_image(name: str) -> Response:
+        """An image a ``response_format=url`` call kept (PNG), by the name its URL gave."""
+        return Response(hosted.read(name), media_type="image/png")
+
+    return api
