@@ -21,6 +21,10 @@ RUNS_DIR_HELP = ("where runs live (default: $DIFFUSION_ENGINE_HOME/runs, else th
                  "e.g. ~/.local/share/diffusion-engine/runs)")
 STRICT_HELP = "exit 2 instead of warning when the engine overrides a value given explicitly"
 
+#: The subcommands of the one parser (argparse's type for them).
+Commands = argparse._SubParsersAction  # type: ignore[type-arg]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="diffusion-engine",
@@ -31,6 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_verbose(parser)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=Parser)
 
+    _add_families(commands)
+    _add_info(commands)
+    _add_plan(commands)
+    _add_generate(commands)
+    _add_tiny(commands)
+    training.add_parsers(commands, runs_dir_help=RUNS_DIR_HELP, add_machine_args=_add_machine_args,
+                         common=_common)
+    _add_serve(commands)
+    _add_doctor(commands)
+    return parser
+
+
+def _add_families(commands: Commands) -> None:
     families = commands.add_parser("families", help="list model-family plugins and their checkpoints")
     families.add_argument("--all", action="store_true", help="include the engine's built-in plugin")
     families.add_argument("--hook", metavar="NAME", help="which plugins implement hook NAME, in the order "
@@ -38,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(families)
     families.set_defaults(run=machine.cmd_families)
 
+
+def _add_info(commands: Commands) -> None:
     info = commands.add_parser("info", help="sizes and training options per family on a machine")
     info.add_argument("--family", help="only this family")
     info.add_argument("--model", metavar="NAME|PATH", help="only this model's family, with what the model "
@@ -47,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(info)
     info.set_defaults(run=machine.cmd_info)
 
+
+def _add_plan(commands: Commands) -> None:
     plan = commands.add_parser("plan", help="every inference control, decided with its reason")
     _add_model_args(plan, tiny=False)
     _add_plan_args(plan, steps=True)
@@ -55,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(plan)
     plan.set_defaults(run=images.cmd_plan)
 
+
+def _add_generate(commands: Commands) -> None:
     generate = commands.add_parser("generate", help="generate images on this machine")
     _add_model_args(generate, tiny=True)
     generate.add_argument("--prompt", required=True, action="append", dest="prompt_list", metavar="PROMPT",
@@ -75,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(generate)
     generate.set_defaults(run=images.cmd_generate)
 
+
+def _add_tiny(commands: Commands) -> None:
     tiny = commands.add_parser("tiny", help="tiny random-weight pipelines and datasets, to try "
                                "every command offline in seconds")
     tiny_commands = tiny.add_subparsers(title="what", metavar="WHAT", parser_class=Parser, required=True,
@@ -93,9 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(dataset)
     dataset.set_defaults(run=images.cmd_tiny_dataset)
 
-    training.add_parsers(commands, runs_dir_help=RUNS_DIR_HELP, add_machine_args=_add_machine_args,
-                         common=_common)
 
+def _add_serve(commands: Commands) -> None:
     serve = commands.add_parser("serve", help="serve the HTTP API (needs the [server] extra)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless you say otherwise)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port")
@@ -139,10 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_verbose(serve)
     serve.set_defaults(run=machine.cmd_serve)
 
+
+def _add_doctor(commands: Commands) -> None:
     doctor = commands.add_parser("doctor", help="probe this machine with torch, in depth")
     _common(doctor)
     doctor.set_defaults(run=machine.cmd_doctor)
-    return parser
+
 
 
 class _Renamed(argparse.Action):
