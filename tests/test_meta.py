@@ -118,3 +118,26 @@ def test_the_engine_and_the_demo_work_without_pytest(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert list((tmp_path / "data").glob("*.png"))
+
+
+#: The sizes a reader holds in mind at once: a module with one job, a function that reads top to bottom.
+MODULE_LINES, FUNCTION_LINES = 400, 80
+
+
+def test_no_engine_module_or_function_outgrows_a_reading() -> None:
+    """No module of the engine over 400 lines, no function over 80 (nested ones count on their
+    own and inside their parent): a room that grows splits by job before it lands."""
+    import ast
+
+    too_long: list[str] = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        name = str(path.relative_to(ROOT))
+        if source.count("\n") > MODULE_LINES:
+            too_long.append(f"{name}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > FUNCTION_LINES:
+                    too_long.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert too_long == []

@@ -44,7 +44,7 @@ from engine.server.confined import Confined
 from engine.server.dataset_routes import UPLOAD_PATHS, datasets_router
 from engine.server.guard import Guard
 from engine.server.hosted import HostedImages
-from engine.server.image_routes import images_router
+from engine.server.image_routes import images_router, openai_images_router
 from engine.server.job_routes import EVENT_PATHS, jobs_router, queue_full
 from engine.server.jobs import JobQueue, QueueFull
 from engine.server.pages import PUBLIC_PATHS, PUBLIC_PREFIXES, add_pages
@@ -105,7 +105,8 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
         return engine.catalog.families()
 
     app.include_router(api)
-    app.include_router(images_router(engine, confined, queue, hosted))
+    app.include_router(images_router(engine, confined, queue))
+    app.include_router(openai_images_router(engine, confined, queue, hosted))
     app.include_router(training_router(engine, confined))
     app.include_router(jobs_router(queue, engine, confined.generate))
     app.include_router(browse_router(engine, settings))

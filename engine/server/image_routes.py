@@ -26,7 +26,7 @@ from engine.server.job_routes import run_job
 from engine.server.jobs import JobQueue
 
 
-def images_router(engine: Engine, confined: Confined, queue: JobQueue, hosted: HostedImages) -> APIRouter:
+def images_router(engine: Engine, confined: Confined, queue: JobQueue) -> APIRouter:
     api = APIRouter(prefix="/v1/images")
 
     @api.get("/info")
@@ -72,6 +72,14 @@ def images_router(engine: Engine, confined: Confined, queue: JobQueue, hosted: H
     @api.post("/unload")
     def unload() -> dict[str, Any]:
         return {"unloaded": engine.images.unload()}
+
+    return api
+
+
+def openai_images_router(engine: Engine, confined: Confined, queue: JobQueue, hosted: HostedImages) -> APIRouter:
+    """OpenAI's ``/v1/images/generations`` and ``/v1/images/edits`` on the loaded pipeline, so
+    existing clients work unchanged, and the files a ``response_format=url`` answer points at."""
+    api = APIRouter(prefix="/v1/images")
 
     @api.post("/generations")
     async def openai_images(body: OpenAIImagesBody, request: Request, response: Response) -> dict[str, Any]:

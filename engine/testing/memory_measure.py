@@ -18,7 +18,7 @@ import tempfile
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,6 +211,94 @@ def _build(
     return model, params
 
 
+@dataclass
+class _TrainStep:
+    """One LoRA training step on random latents: forward, MSE, backward, clip, AdamW."""
+
+    d: Denoiser
+    pipe: Any
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    cond: Any
+    side: int
+    dtype: torch.dtype
+    flow: bool
+
+    def __call__(self, m: Measured, tracker: LiveBytes | None) -> None:
+        """Take the step; with ``tracker``, record what the forward keeps for backward in ``m``."""
+        x0 = torch.randn(1, self.d.latent_channels, self.side, self.side, dtype=self.dtype)
+        noise = torch.randn_like(x0)
+        if self.flow:
+            t = torch.rand(1)
+            noisy, target = (1 - t.to(self.dtype)) * x0 + t.to(self.dtype) * noise, noise - x0
+        else:
+            t = torch.randint(0, 1000, (1,))
+            noisy, target = x0 + noise, noise
+        start = tracker.live if tracker else 0
+        prediction = self.d.runtime.predict(self.pipe, self.model, noisy, t, self.cond)
+        loss = torch.nn.functional.mse_loss(prediction.float(), target.float())
+        if tracker:
+            m.forward_kept = tracker.live - start
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def inference_peak(self) -> int:
+        """Live bytes of one forward without gradients, the adapter in."""
+        self.model.eval()
+        inference = LiveBytes()
+        with torch.no_grad(), inference:
+            self.d.runtime.predict(
+                self.pipe, self.model, torch.randn(1, self.d.latent_channels, self.side, self.side, dtype=self.dtype),
+                torch.rand(1) if self.flow else torch.randint(0, 1000, (1,)), self.cond,
+            )
+        return inference.peak
+
+
+class _BlockRecorder:
+    """Hooks on the repeated blocks that record, while on, what each block's forward keeps.
+
+    Off during backward: recomputation under checkpointing is not forward."""
+
+    def __init__(self, blocks: Iterable[torch.nn.Module], m: Measured, tracker: LiveBytes) -> None:
+        self.m, self.tracker, self.on = m, tracker, False
+        self.hooks: list[Any] = []
+        for module in blocks:
+            self.hooks.append(module.register_forward_pre_hook(self._pre))
+            self.hooks.append(module.register_forward_hook(self._post))
+
+    def _pre(self, module: torch.nn.Module, *_: Any) -> None:
+        if self.on:
+            module._bench_live = self.tracker.live  # type: ignore[attr-defined]
+
+    def _post(self, module: torch.nn.Module, *_: Any) -> None:
+        if self.on and hasattr(module, "_bench_live"):
+            self.m.blocks.append(self.tracker.live - module._bench_live)  # type: ignore[attr-defined]
+            del module._bench_live
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record the forward of the step run inside; stop at its ``backward``."""
+        self.on = True
+        original_backward = torch.Tensor.backward
+
+        def backward(tensor: torch.Tensor, *a: Any, **k: Any) -> None:
+            self.on = False
+            original_backward(tensor, *a, **k)
+
+        torch.Tensor.backward = backward  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.Tensor.backward = original_backward  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
 def measure_step(
     d: Denoiser, overrides: dict[str, Any], resolution: int, text: int, checkpointing: bool,
     *, dtype: torch.dtype = torch.bfloat16, fake: bool = True, profile: bool = False,
@@ -219,40 +307,20 @@ def measure_step(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = _config(d, overrides)
-    runtime = d.runtime
     started = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     m = Measured()
     with mode, gpu_rms_norm() as fused_norm, _fake_safe_conversion():
         model, params = _build(d, config, dtype, checkpointing)
         optimizer = torch.optim.AdamW(params, lr=1e-4)
-        pipe = _pipe_shim(d, model)
-        side = resolution // 8
         # Data the runtime reads on the host cannot be fake: a family's
         # probe_conditioning gives it as plain values (one prompt, no padding).
-        cond = _conditioning(d, config, text, dtype)
-        flow = d.spec.training.objective.prediction == "flow_matching"  # type: ignore[union-attr]
-
-        def step(tracker: LiveBytes | None) -> None:
-            x0 = torch.randn(1, d.latent_channels, side, side, dtype=dtype)
-            noise = torch.randn_like(x0)
-            if flow:
-                t = torch.rand(1)
-                noisy, target = (1 - t.to(dtype)) * x0 + t.to(dtype) * noise, noise - x0
-            else:
-                t = torch.randint(0, 1000, (1,))
-                noisy, target = x0 + noise, noise
-            start = tracker.live if tracker else 0
-            prediction = runtime.predict(pipe, model, noisy, t, cond)
-            loss = torch.nn.functional.mse_loss(prediction.float(), target.float())
-            if tracker:
-                m.forward_kept = tracker.live - start
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        step(None)  # AdamW's moments now exist, as in every later step
+        step = _TrainStep(
+            d, _pipe_shim(d, model), model, params, optimizer, _conditioning(d, config, text, dtype),
+            side=resolution // 8, dtype=dtype,
+            flow=d.spec.training.objective.prediction == "flow_matching",  # type: ignore[union-attr]
+        )
+        step(m, None)  # AdamW's moments now exist, as in every later step
         frozen = [t for t in [*model.parameters(), *model.buffers()] if not t.requires_grad]
         m.weights = _storage_bytes(frozen)
         m.lora_params = _storage_bytes(params)
@@ -260,39 +328,14 @@ def measure_step(
         m.lora_state = m.lora_params * 2 + _storage_bytes(moments)  # + one fp32 grad per param
         baseline = m.lora_params + _storage_bytes(moments)
 
-        recording = {"on": False}
-        hooks = []
-
-        def pre(module: torch.nn.Module, *_: Any) -> None:
-            if recording["on"]:
-                module._bench_live = tracker.live  # type: ignore[attr-defined]
-
-        def post(module: torch.nn.Module, *_: Any) -> None:
-            if recording["on"] and hasattr(module, "_bench_live"):
-                m.blocks.append(tracker.live - module._bench_live)  # type: ignore[attr-defined]
-                del module._bench_live
-
-        for module in _blocks(d, model):
-            hooks.append(module.register_forward_pre_hook(pre))
-            hooks.append(module.register_forward_hook(post))
+        tracker = LiveBytes()
+        recorder = _BlockRecorder(_blocks(d, model), m, tracker)
         for p in params:
             p.register_post_accumulate_grad_hook(lambda p: _add_grad(tracker, p))
-
-        tracker = LiveBytes()
         prof = _profiler() if profile else contextlib.nullcontext()
-        with prof as profiler, tracker:
-            recording["on"] = True
-            original_backward = torch.Tensor.backward
-
-            def backward(self: torch.Tensor, *a: Any, **k: Any) -> None:
-                recording["on"] = False  # recomputation under checkpointing is not forward
-                original_backward(self, *a, **k)
-
-            torch.Tensor.backward = backward  # type: ignore[method-assign]
-            try:
-                step(tracker)
-            finally:
-                torch.Tensor.backward = original_backward  # type: ignore[method-assign]
+        with prof as profiler, tracker, recorder.recording():
+            step(m, tracker)
+        recorder.remove()
         m.activations_peak = tracker.peak_less_grads
         m.peak = m.weights + baseline + tracker.peak
         m.ops = dict(tracker.ops)
@@ -301,14 +344,7 @@ def measure_step(
         extra: dict[str, Any] = {"tracker_peak": tracker.peak}
         if profile:
             extra["profiler_peak"] = _profiler_peak(profiler)
-        for h in hooks:
-            h.remove()
-        model.eval()
-        inference = LiveBytes()
-        with torch.no_grad(), inference:
-            runtime.predict(pipe, model, torch.randn(1, d.latent_channels, side, side, dtype=dtype),
-                            torch.rand(1) if flow else torch.randint(0, 1000, (1,)), cond)
-        m.inference_peak = m.weights + m.lora_params + inference.peak
+        m.inference_peak = m.weights + m.lora_params + step.inference_peak()
         extra["base_shapes"] = _base_shapes(model)
     m.seconds = time.perf_counter() - started
     return m, extra

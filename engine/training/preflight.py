@@ -116,20 +116,7 @@ def preflight_training(
     available = available or available_memory(hardware)
     hardware = available.apply(hardware)
     devices = rank_devices(config, hardware)  # --gpus N: N devices, each checked below
-    family = registry.family(config.family) if config.family else None
-    if family is not None:
-        _precision_check(registry, family, config, hardware)
-    base = resolve_model(registry, config.base_model, family=config.family)
-    if family is None:
-        family = base.family
-        _precision_check(registry, family, config, hardware)
-    if base.kind not in ("pipeline", "hub"):
-        raise PreflightError(
-            f"{config.base_model} is a {base.kind.replace('_', '-')} checkpoint; LoRA training "
-            "needs a diffusers pipeline folder (with model_index.json) or a hub repo id",
-            code="not_a_pipeline",
-        )
-    _base_check(base, config.lora_targets or family.lora.targets, allow_download=allow_download, fetch=fetch)
+    family, base = _family_and_base(registry, config, hardware, allow_download=allow_download, fetch=fetch)
     config = _anchored(config, base)
     objective = registry.training_objective(family)
     if objective is None:
@@ -175,6 +162,28 @@ def preflight_training(
             config.resolution, family.side_multiple, warned={name for name, _ in dataset.small},
         ),
     )
+
+
+def _family_and_base(
+    registry: Registry, config: TrainingConfig, hardware: HardwareProfile, *, allow_download: bool, fetch: bool,
+) -> tuple[FamilySpec, ModelSource]:
+    """The family (checked against the precision rules as soon as it is known, before the
+    base is resolved when the config names it) and the base, which must be a pipeline."""
+    family = registry.family(config.family) if config.family else None
+    if family is not None:
+        _precision_check(registry, family, config, hardware)
+    base = resolve_model(registry, config.base_model, family=config.family)
+    if family is None:
+        family = base.family
+        _precision_check(registry, family, config, hardware)
+    if base.kind not in ("pipeline", "hub"):
+        raise PreflightError(
+            f"{config.base_model} is a {base.kind.replace('_', '-')} checkpoint; LoRA training "
+            "needs a diffusers pipeline folder (with model_index.json) or a hub repo id",
+            code="not_a_pipeline",
+        )
+    _base_check(base, config.lora_targets or family.lora.targets, allow_download=allow_download, fetch=fetch)
+    return family, base
 
 
 def _ignored_precision(family: FamilySpec, asked: str) -> Resolved[str]:
