@@ -18,7 +18,7 @@ def call_value(pipe: object, kwargs: Mapping[str, object], name: str) -> object:
 
     if name in kwargs:
         return kwargs[name]
-    parameter = inspect.signature(pipe.__call__).parameters.get(name)  # type: ignore[attr-defined]
+    parameter = inspect.signature(pipe.__call__).parameters.get(name)  # type: ignore[operator]
     return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 

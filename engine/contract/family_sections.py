@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: engine.contract.types imports this module
-    from engine.contract.types import Purpose, QuantDeny, TrainingDefaults, TrainingMemoryFigures, TrainingObjective
+    from engine.contract.training_types import TrainingDefaults, TrainingMemoryFigures, TrainingObjective
+    from engine.contract.types import Purpose, QuantDeny
 
 
 def _pairs(value: object) -> tuple[tuple[str, object], ...]:
     """A mapping (as an author writes it) or pairs, as sorted pairs: hashable and comparable."""
     items = value.items() if isinstance(value, Mapping) else value
-    return tuple(sorted((str(k), v) for k, v in items))  # type: ignore[union-attr]
+    return tuple(sorted((str(k), v) for k, v in items))  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)

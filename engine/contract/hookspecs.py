@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -178,7 +178,7 @@ def engine_lora_add(
 
 
 @hookspec(firstresult=True)
-def engine_lora_state_dict(family: FamilySpec, denoiser: object, adapter_name: str) -> dict | None:
+def engine_lora_state_dict(family: FamilySpec, denoiser: object, adapter_name: str) -> dict[str, Any] | None:
     """The adapter's weights in peft's keys (``<module>.lora_A.weight``), for
     saving. The engine's default is peft's ``get_peft_model_state_dict``.
 
@@ -188,7 +188,7 @@ def engine_lora_state_dict(family: FamilySpec, denoiser: object, adapter_name: s
 
 @hookspec(firstresult=True)
 def engine_lora_load(
-    family: FamilySpec, pipeline: object, state_dict: dict, adapter_name: str
+    family: FamilySpec, pipeline: object, state_dict: dict[str, Any], adapter_name: str
 ) -> str | None:
     """Load a LoRA (``state_dict`` in peft's keys for the denoiser, no
     component prefix) into the loaded pipeline's denoiser as ``adapter_name``,
@@ -203,7 +203,9 @@ def engine_lora_load(
 
 
 @hookspec(firstresult=True)
-def engine_generate_kwargs(family: FamilySpec, pipeline: object, kwargs: dict) -> dict | None:
+def engine_generate_kwargs(
+    family: FamilySpec, pipeline: object, kwargs: dict[str, Any]
+) -> dict[str, Any] | None:
     """The keyword arguments to call the loaded ``pipeline`` with.
 
     :param kwargs: the engine's arguments for this request (prompt, steps,

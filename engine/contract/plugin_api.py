@@ -110,7 +110,7 @@ def sections_from_legacy(current: dict[str, Any], legacy: Mapping[str, Any], *, 
             updates.setdefault(move.section, {})[move.field] = move.convert(value) if move.convert else value
     if "quant_deny" in legacy:
         deprecate("FamilySpec(quant_deny={...})", SPLIT["quant_deny"], stacklevel=5)
-        mapping = dict(legacy["quant_deny"])  # type: ignore[call-overload]
+        mapping = dict(legacy["quant_deny"])
         updates.setdefault("quantisation", {}).update(
             deny_inference=tuple(mapping.get("inference", ())), deny_training=tuple(mapping.get("training", ())))
     if "fp16_compute_safe" in legacy or "fp16_unsafe_reason" in legacy:

@@ -28,7 +28,7 @@ from types import MappingProxyType
 import pluggy
 
 from engine.contract import hookspecs
-from engine.contract.registry import Registry
+from engine.contract.registry import Registry as Registry
 from engine.errors import FamilyConflict, PluginError
 from engine.contract.plugin_api import PluginDeprecationWarning, declared_api, shape_refusal, version_refusal
 from engine.contract.types import (
@@ -122,7 +122,7 @@ def load_registry(
             version = ep.dist.version if ep.dist else "?"
             _register(loading, ep.name, plugin, package, version)
     for name, plugin in plugins:
-        module = getattr(plugin, "__module__", None) or getattr(plugin, "__name__", name)
+        module = str(getattr(plugin, "__module__", None) or getattr(plugin, "__name__", name))
         _register(loading, name, plugin, module.split(".")[0], "")
     _check_pending(loading)
     families, owners = _collect_families(loading)
@@ -243,7 +243,8 @@ def _trace_answers(loading: _Loading, write: Callable[[str], object] | None = No
                 if impl.plugin is not plugin or getattr(impl.function, "__traced__", False):
                     continue
                 package, version = loading.packages.get(impl.plugin_name, ("?", ""))
-                impl.function = _traced(impl.function, caller.name, f"{impl.plugin_name} ({package} {version})".strip(), out)
+                impl.function = _traced(  # type: ignore[misc]  # pluggy's Final: the trace wraps it in place
+                    impl.function, caller.name, f"{impl.plugin_name} ({package} {version})".strip(), out)
 
 
 def _traced(function: Callable[..., object], hook: str, who: str,

@@ -12,10 +12,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from engine.contract.training_types import TrainingObjective
 from engine.contract.types import (
     PURPOSES,
     Checkpoint,
@@ -24,7 +25,6 @@ from engine.contract.types import (
     PluginInfo,
     PluginLoadError,
     Purpose,
-    TrainingObjective,
 )
 from engine.errors import PluginError, UnknownName
 
@@ -106,7 +106,8 @@ class Registry:
         )
 
     def dense_base(self, family: FamilySpec, repo: str) -> str | None:
-        return self._pm.hook.engine_dense_base(family=family, repo=repo)
+        dense: str | None = self._pm.hook.engine_dense_base(family=family, repo=repo)
+        return dense
 
     def training_precision_modes(
         self, family: FamilySpec, hardware: HardwareProfile
@@ -118,7 +119,8 @@ class Registry:
         return tuple(self._pm.hook.engine_compile_regions(family=family) or ())
 
     def training_objective(self, family: FamilySpec) -> TrainingObjective | None:
-        return self._pm.hook.engine_training_objective(family=family)
+        objective: TrainingObjective | None = self._pm.hook.engine_training_objective(family=family)
+        return objective
 
     # -- runtime hooks (torch objects pass through; the registry imports none) --
 
@@ -128,19 +130,19 @@ class Registry:
             family=family, denoiser=denoiser, config=config, adapter_name=adapter_name
         ))
 
-    def lora_state_dict(self, family: FamilySpec, denoiser: object, adapter_name: str = "default") -> dict:
+    def lora_state_dict(self, family: FamilySpec, denoiser: object, adapter_name: str = "default") -> dict[str, Any]:
         """The adapter's weights in peft's keys, for saving."""
         return dict(self._pm.hook.engine_lora_state_dict(
             family=family, denoiser=denoiser, adapter_name=adapter_name
         ))
 
-    def lora_load(self, family: FamilySpec, pipeline: object, state_dict: dict, adapter_name: str) -> str:
+    def lora_load(self, family: FamilySpec, pipeline: object, state_dict: dict[str, Any], adapter_name: str) -> str:
         """Load a LoRA into a pipeline without diffusers' LoRA loader; how it was loaded."""
         return str(self._pm.hook.engine_lora_load(
             family=family, pipeline=pipeline, state_dict=state_dict, adapter_name=adapter_name
         ))
 
-    def generate_kwargs(self, family: FamilySpec, pipeline: object, kwargs: dict) -> dict:
+    def generate_kwargs(self, family: FamilySpec, pipeline: object, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The arguments to call ``pipeline`` with for one generate."""
         answer = self._pm.hook.engine_generate_kwargs(family=family, pipeline=pipeline, kwargs=dict(kwargs))
         return dict(kwargs if answer is None else answer)

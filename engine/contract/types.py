@@ -20,7 +20,8 @@ PURPOSES: tuple[Purpose, ...] = ("inference", "training")
 
 #: Transformer weight schemes the engine knows how to plan for, and the base precisions a
 #: DiT LoRA trainer can hold its frozen base in: from the scheme table (engine.contract.schemes).
-from engine.contract.schemes import QUANT_SCHEMES, TRAINING_PRECISIONS  # noqa: E402  (re-exported)
+from engine.contract.schemes import QUANT_SCHEMES as QUANT_SCHEMES  # noqa: E402  (re-exported)
+from engine.contract.schemes import TRAINING_PRECISIONS as TRAINING_PRECISIONS  # noqa: E402
 
 Architecture = Literal["dit", "unet"]
 
@@ -121,12 +122,12 @@ class Checkpoint:
 
 
 from engine.contract.training_types import (  # noqa: E402  (re-exported: plugins import them from here)
-    ActivationFigures,
-    LoraTargetShape,
-    Prediction,
-    TrainingDefaults,
-    TrainingMemoryFigures,
-    TrainingObjective,
+    ActivationFigures as ActivationFigures,
+    LoraTargetShape as LoraTargetShape,
+    Prediction as Prediction,
+    TrainingDefaults as TrainingDefaults,
+    TrainingMemoryFigures as TrainingMemoryFigures,
+    TrainingObjective as TrainingObjective,
 )
 
 
@@ -172,16 +173,16 @@ class Capabilities:
 
 # The sections of a FamilySpec live in their own module; named from here as ever.
 from engine.contract.family_sections import (  # noqa: E402
-    COMPONENTS,
-    FusionSite,
-    LoraLayout,
-    MemoryProbe,
-    PrecisionRules,
-    QuantRules,
-    SdcppCompanion,
-    SdcppSupport,
-    SingleFileLayout,
-    TrainingSpec,
+    COMPONENTS as COMPONENTS,
+    FusionSite as FusionSite,
+    LoraLayout as LoraLayout,
+    MemoryProbe as MemoryProbe,
+    PrecisionRules as PrecisionRules,
+    QuantRules as QuantRules,
+    SdcppCompanion as SdcppCompanion,
+    SdcppSupport as SdcppSupport,
+    SingleFileLayout as SingleFileLayout,
+    TrainingSpec as TrainingSpec,
 )
 
 
@@ -263,7 +264,8 @@ class FamilySpec:
         legacy = {k: v for k, v in fields.items() if k not in known}
         current = sections_from_legacy(current, legacy, family=name,
                                        defaults={f.name: f.default for f in dataclasses.fields(FamilySpec)})
-        objective = current["training"].objective if "training" in current else None
+        training = current.get("training")
+        objective = training.objective if isinstance(training, TrainingSpec) else None
         if not current.get("runtime_module") and objective is not None:
             current["runtime_module"] = getattr(objective, "_legacy_runtime_module", "")
         for f in dataclasses.fields(FamilySpec):

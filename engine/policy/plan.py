@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from engine.policy.available import AvailableMemory
 from engine.policy.encoders import PrecastEncoders
@@ -83,7 +84,7 @@ class Plan:
     family: str
     checkpoint: str | None
     device: str
-    controls: Mapping[str, Resolved]
+    controls: Mapping[str, Resolved[Any]]
     estimate: MemoryEstimate
     step_cache_threshold: float
     compile_fullgraph: bool
@@ -109,7 +110,7 @@ class Plan:
     #: The torch path fits this machine (False: an sd.cpp plan with no diffusers fallback).
     diffusers_fits: bool = True
 
-    def __getitem__(self, control: str) -> Resolved:
+    def __getitem__(self, control: str) -> Resolved[Any]:
         return self.controls[control]
 
     def value(self, control: str, default: object = None) -> object:
@@ -118,7 +119,7 @@ class Plan:
         resolved = self.controls.get(control)
         return default if resolved is None else resolved.value
 
-    def with_control(self, control: str, resolved: Resolved) -> Plan:
+    def with_control(self, control: str, resolved: Resolved[Any]) -> Plan:
         """A copy with one control re-decided (at load or generate time); it
         keeps what was requested unless ``resolved`` says."""
         controls = dict(self.controls)

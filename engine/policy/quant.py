@@ -142,7 +142,7 @@ def resolve_quant_request(
         return explicit(requested, lifted.get(requested, "requested"))
     if not quant_ladder(hardware, dtype):
         return auto(None, f"no dense quantisation is planned here: {_no_ladder_reason(hardware, dtype)}")
-    skipped = []
+    skipped: list[str] = []
     for scheme in quant_ladder(hardware, dtype):
         why_not = denied.get(scheme) or scheme_unsupported_reason(scheme, hardware, dtype)
         if why_not is None:

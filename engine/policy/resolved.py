@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 T = TypeVar("T")
 Source = Literal["auto", "explicit"]
@@ -97,7 +97,9 @@ def explicit(value: T, reason: str = "requested", *, requested: object = None) -
     return Resolved(value, "explicit", reason, requested)
 
 
-def with_requests(controls: Mapping[str, Resolved], requested: Mapping[str, object]) -> dict[str, Resolved]:
+def with_requests(
+    controls: Mapping[str, Resolved[Any]], requested: Mapping[str, object]
+) -> dict[str, Resolved[Any]]:
     """``controls`` with each one's ``requested`` filled from ``requested``
     (``auto`` for a control the user cannot set), where its resolver left it open."""
     return {

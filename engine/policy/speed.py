@@ -15,19 +15,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.hardware.profile import HardwareProfile
+from engine.requests.choices import ATTENTION_BACKENDS as ATTENTION_BACKENDS
 from engine.policy.attention import (  # noqa: F401 - re-exported: the attention rules' old home
-    ATTENTION_BACKENDS,
-    ATTENTION_INSTALL_ENV,
-    CUDNN_ATTENTION_DTYPES,
-    CUDNN_ATTENTION_MIN_CAPABILITY,
-    HUB_KERNELS,
-    OPTIONAL_BACKENDS,
-    PYTORCH_WHEEL_INDEX,
-    XFORMERS_FOR_TORCH,
-    AttentionBackend,
-    attention_arch_error,
-    install_requirement,
-    resolve_attention,
+    ATTENTION_INSTALL_ENV as ATTENTION_INSTALL_ENV,
+    CUDNN_ATTENTION_DTYPES as CUDNN_ATTENTION_DTYPES,
+    CUDNN_ATTENTION_MIN_CAPABILITY as CUDNN_ATTENTION_MIN_CAPABILITY,
+    HUB_KERNELS as HUB_KERNELS,
+    OPTIONAL_BACKENDS as OPTIONAL_BACKENDS,
+    PYTORCH_WHEEL_INDEX as PYTORCH_WHEEL_INDEX,
+    XFORMERS_FOR_TORCH as XFORMERS_FOR_TORCH,
+    AttentionBackend as AttentionBackend,
+    attention_arch_error as attention_arch_error,
+    install_requirement as install_requirement,
+    resolve_attention as resolve_attention,
 )
 from engine.policy.compatibility import pair_refusal
 from engine.policy.resolved import Resolved, Source, auto, explicit

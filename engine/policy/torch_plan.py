@@ -28,6 +28,7 @@ from engine.policy.activations import (
     resolve_vae_slicing,
     resolve_vae_tiling,
 )
+from engine.policy.attention import resolve_attention
 from engine.policy.available import AvailableMemory
 from engine.policy.compatibility import plan_refusals
 from engine.policy.dtype import DTYPE_FACTOR, resolve_dtype
@@ -46,7 +47,6 @@ from engine.policy.scheme_choice import MemoryPlan, choose_transformer_scheme
 from engine.policy.schemes import HOST_QUANTISED, transformer_gb
 from engine.policy.speed import (
     StepCacheThresholds,
-    resolve_attention,
     resolve_compile,
     resolve_eager_fusions,
     resolve_fp16_accumulation,
@@ -84,7 +84,7 @@ class SpeedControls:
     cache_may_engage: bool
     compile: Resolved[str]
     fullgraph: bool
-    compile_from_image: bool
+    compile_from_image: int
     attention: Resolved[str]
     attention_install: str | None
 
@@ -235,7 +235,7 @@ class TorchPlanner:
             self.request.text_encoder_memory, self.thresholds(dtype),
         )
 
-    def vae_tiling(self, dtype: str, memory: MemoryPlan) -> Resolved[str]:
+    def vae_tiling(self, dtype: str, memory: MemoryPlan) -> Resolved[int | None]:
         """VAE tiling from the headroom left at decode, once the weights are in."""
         estimate = memory[1]
         weights_at_decode = estimate.peak_gb - estimate.overhead_gb
@@ -282,13 +282,13 @@ class TorchPlanner:
 
     def controls(
         self, dtype: Resolved[str], scheme: Resolved[str | None], memory: MemoryPlan,
-        encoder_memory: Resolved[str], vae_tiling: Resolved[str], speed: SpeedControls,
-    ) -> dict[str, Resolved]:
+        encoder_memory: Resolved[str], vae_tiling: Resolved[int | None], speed: SpeedControls,
+    ) -> dict[str, Resolved[Any]]:
         """Every control of the plan by its name, each with the request it answers."""
         hardware, tier, family = self.hardware, speed.tier.value, self.family
         placed = "resident" if self.cpu else memory[0].value
         gguf_name = "GGUF" if self.model.gguf_transformer_gb is not None else None
-        controls: dict[str, Resolved] = {
+        controls: dict[str, Resolved[Any]] = {
             "engine": self.engine,
             "dtype": dtype,
             "transformer_quant": scheme,

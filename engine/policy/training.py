@@ -15,7 +15,8 @@ from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.contract.plugins import Registry
 from engine.policy.resolved import Resolved, auto, explicit
-from engine.policy.training_device import DEVICES, NON_CUDA_ACCELERATORS, Device, training_device
+from engine.policy.training_device import NON_CUDA_ACCELERATORS, Device, training_device
+from engine.requests.choices import DEVICES
 from engine.policy.training_fit import (
     InsufficientMemory,
     MemoryRequest,

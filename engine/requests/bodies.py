@@ -107,7 +107,7 @@ class _PlanControlsBase(Body):
 def _plan_field(control: Control) -> tuple[Any, Any]:
     """A plan control's type and default, from its row in the control table."""
     if control.choices:
-        return Literal[control.choices], control.default  # type: ignore[valid-type]
+        return Literal[control.choices], control.default
     if control.field == "steps":
         return Annotated[int, Field(ge=1, le=MAX_PLAN_STEPS)] | None, None
     if control.field == "threads":

@@ -50,7 +50,7 @@ def parse_lora_arg(text: str) -> LoraChoice:
 
 #: What callers may give for a LoRA: ``"PATH[:SCALE]"``, ``{"path", "scale"}``,
 #: ``(path, scale)`` or a :class:`LoraChoice`.
-LoraLike = Union[str, Path, LoraChoice, Mapping[str, object], tuple]
+LoraLike = Union[str, Path, LoraChoice, Mapping[str, object], tuple[Union[str, Path], float]]
 
 
 def lora_choices(items: Iterable[LoraLike]) -> tuple[LoraChoice, ...]:

@@ -222,7 +222,7 @@ def read_config_file(path: Path) -> dict[str, object]:
         raise InvalidConfig(f"reading {path} needs Python 3.11+ (tomllib); give a .json config instead")
     try:
         text = Path(path).read_text(encoding="utf-8")
-        data = json.loads(text) if as_json else tomllib.loads(text)  # type: ignore[union-attr]
+        data = json.loads(text) if as_json else tomllib.loads(text)
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidConfig(f"cannot read the config file {path}: {exc}; give a readable TOML file") from None
     except RecursionError:
