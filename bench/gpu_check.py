@@ -1063,6 +1063,8 @@ def run_training_case(case: Case, bench: BenchModel, settings: Settings, row: Ro
     if case.compile == "on" and plan.compile.value != "regional":
         raise Skip(f"engine preflight: compile {plan.compile.value}: {plan.compile.reason}")
     for name, replacement in _trainer_seams(case, bench).items():
+        if not hasattr(trainer, name):  # a renamed seam would otherwise replace nothing, silently
+            raise RuntimeError(f"engine.training.trainer has no {name} to replace")
         setattr(trainer, name, replacement)
     marks: list[float] = []
     losses: list[float] = []
@@ -1131,7 +1133,7 @@ def _trainer_seams(case: Case, bench: BenchModel) -> dict[str, Callable[..., Any
 
         return latents, conditioning, _Captions([[0]] * len(_plan.dataset.items), None)  # one prompt row
 
-    seams: dict[str, Callable[..., Any]] = {"_load_pipeline": load_pipeline, "_cache_inputs": cache_inputs}
+    seams: dict[str, Callable[..., Any]] = {"_load_pipeline": load_pipeline, "cache_inputs": cache_inputs}
     if case.static_shapes:
         def compiled_static(_plan: Any, denoiser: torch.nn.Module) -> torch.nn.Module:
             regions = set(_plan.family.compile_regions)

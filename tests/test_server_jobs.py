@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 from engine.hardware.probe import probe
+from engine.requests import GenerateBody
 from engine.contract.plugins import load_registry
 from engine.server.app import ServerSettings, create_app
 from engine.service.facade import Engine
@@ -34,7 +35,8 @@ SMALL = {"steps": 1, "width": 64, "height": 64}
 
 class GatedEngine(Engine):
     """The real engine with its generate calls counted (by prompt), and a gate:
-    while ``hold`` is set, the next call waits for it before it generates."""
+    while ``hold`` is set, the next call waits for it before it generates. The server
+    passes the typed request (a GenerateBody), as the CLI does; anything else fails the call."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -43,8 +45,9 @@ class GatedEngine(Engine):
         self.holding = threading.Event()
         generate = self.images.generate
 
-        def gated(prompt: str, **options: Any) -> list[Any]:
-            self.calls.append(prompt)
+        def gated(prompt: GenerateBody, **options: Any) -> list[Any]:
+            assert isinstance(prompt, GenerateBody), f"the server passed {type(prompt).__name__}, not the typed request"
+            self.calls.append(prompt.prompt)
             gate = self.hold
             if gate is not None:
                 self.holding.set()

@@ -40,26 +40,31 @@ class Confined:
     def optional_model(self, value: str | None) -> str | None:
         return self.model(value) if value else None
 
-    def loras(self, bodies: list[LoraBody] | None) -> list[dict[str, object]] | None:
+    def lora_bodies(self, bodies: list[LoraBody] | None) -> list[LoraBody] | None:
+        """Each LoRA's path confined to the LoRA roots (None: keep the loaded ones)."""
         if bodies is None:
             return None
-        return [{"path": str(confine(b.path, self.settings.lora_roots, "LoRA")), "scale": b.scale} for b in bodies]
+        return [b.model_copy(update={"path": str(confine(b.path, self.settings.lora_roots, "LoRA"))}) for b in bodies]
+
+    def loras(self, bodies: list[LoraBody] | None) -> list[dict[str, object]] | None:
+        """The confined LoRAs as :meth:`engine.images.load` takes them."""
+        confined = self.lora_bodies(bodies)
+        return None if confined is None else [{"path": b.path, "scale": b.scale} for b in confined]
 
     def controlnet(self, value: str | None) -> str | None:
         return str(confine(value, self.settings.model_roots, "ControlNet")) if value else None
 
-    def inputs(self, options: dict[str, Any]) -> dict[str, Any]:
-        """Image paths confined to the input roots and sized from their headers
-        (a bomb is refused before it is queued or decoded); unset lists dropped."""
+    def generate(self, body: GenerateBody) -> GenerateBody:
+        """The body with its input images confined to the input roots and sized from their
+        headers (a bomb is refused before it is queued or decoded) and its LoRAs confined
+        (blocking: run it off the loop)."""
+        update: dict[str, Any] = {"loras": self.lora_bodies(body.loras)}
         for name in INPUT_IMAGES:
-            if options.get(name) is not None:
-                options[name] = str(confine(options[name], self.settings.input_roots, "input image"))
-                self.engine.images.check_image(options[name], name)
-        return {k: v for k, v in options.items() if not (k in ("seeds", "prompts", "batch") and v is None)}
-
-    def generate(self, body: GenerateBody) -> dict[str, Any]:
-        """A generate body as the engine's options, its paths confined (blocking: run it off the loop)."""
-        return {**self.inputs(body.model_dump(exclude={"prompt", "loras"})), "loras": self.loras(body.loras)}
+            value = getattr(body, name)
+            if value is not None:
+                update[name] = str(confine(value, self.settings.input_roots, "input image"))
+                self.engine.images.check_image(update[name], name)
+        return body.model_copy(update=update)
 
     def training(self, body: TrainingStartBody) -> Any:
         """A training body as a config, its base, dataset, output and checkpoint confined."""

@@ -54,8 +54,7 @@ def images_router(engine: Engine, confined: Confined, queue: JobQueue) -> APIRou
     async def generate(body: GenerateBody, request: Request, response: Response) -> dict[str, Any]:
         """Queue the generate and wait for it; the wait in the queue counts in ``seconds``."""
         started = time.perf_counter()
-        options = await run_in_threadpool(confined.generate, body)
-        images = await run_job(queue, request, response, body.prompt, options)
+        images = await run_job(queue, request, response, await run_in_threadpool(confined.generate, body))
         return {"images": images, "seconds": round(time.perf_counter() - started, 3)}
 
     @api.delete("/generate")
@@ -86,9 +85,9 @@ def openai_images_router(engine: Engine, confined: Confined, queue: JobQueue, ho
         """OpenAI's image generation; queued like every generate, the client's timeout
         (a closed connection) cancelling its job."""
         width, height = body.dimensions()
-        loras = await run_in_threadpool(confined.loras, body.loras)
-        images = await run_job(queue, request, response, body.prompt, dict(
-            count=body.n, width=width, height=height, seed=secrets.randbelow(2**31), loras=loras,
+        loras = await run_in_threadpool(confined.lora_bodies, body.loras)
+        images = await run_job(queue, request, response, GenerateBody(
+            prompt=body.prompt, count=body.n, width=width, height=height, seed=secrets.randbelow(2**31), loras=loras,
         ))
         return {"created": int(time.time()), "data": await openai_data(images, body.response_format, request)}
 
@@ -107,10 +106,10 @@ def openai_images_router(engine: Engine, confined: Confined, queue: JobQueue, ho
         form = await read_edit_form(request)
         await run_in_threadpool(form.check, engine)
         width, height = form.body.dimensions() if form.sized else (None, None)
-        images = await run_job(queue, request, response, form.body.prompt, dict(
-            count=form.body.n, width=width, height=height, seed=secrets.randbelow(2**31),
-            image=form.image, mask_image=form.mask,
-        ))
+        inputs = {"image": form.image} if form.mask is None else {"image": form.image, "mask_image": form.mask}
+        images = await run_job(queue, request, response, GenerateBody(
+            prompt=form.body.prompt, count=form.body.n, width=width, height=height, seed=secrets.randbelow(2**31),
+        ), inputs)
         return {"created": int(time.time()), "data": await openai_data(images, form.body.response_format, request)}
 
     @api.get("/files/{name}", name="hosted_image")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -30,7 +31,7 @@ from engine.errors import EngineError
 from engine.server import responses
 from engine.requests import GenerateBody
 from engine.server.events import event_stream, job_events, training_events
-from engine.server.jobs import Job, JobQueue, QueueFull, job_options
+from engine.server.jobs import Job, JobQueue, QueueFull
 
 __all__ = ["EVENT_PATHS", "jobs_router", "queue_full", "run_job"]
 
@@ -40,15 +41,14 @@ DISCONNECT_POLL_S = 0.25
 EVENT_PATHS = re.compile(r"/v1/images/jobs/[^/]+/events|/v1/training/events")
 
 
-def jobs_router(queue: JobQueue, engine: Any, prepare: Any) -> APIRouter:
-    """The routes over ``queue``; ``prepare(body)`` turns a generate body into
-    the engine's options (paths confined to the server's roots)."""
+def jobs_router(queue: JobQueue, engine: Any, prepare: Callable[[GenerateBody], GenerateBody]) -> APIRouter:
+    """The routes over ``queue``; ``prepare(body)`` is the body with its paths confined
+    to the server's roots (blocking: it reads image headers)."""
     api = APIRouter(prefix="/v1")
 
     @api.post("/images/jobs", status_code=202)
     async def submit(body: GenerateBody) -> dict[str, Any]:
-        options = await run_in_threadpool(prepare, body)
-        return queue.submit(body.prompt, options).to_dict()
+        return queue.submit(await run_in_threadpool(prepare, body)).to_dict()
 
     @api.get("/images/jobs")
     def listing() -> dict[str, Any]:
@@ -75,11 +75,11 @@ def jobs_router(queue: JobQueue, engine: Any, prepare: Any) -> APIRouter:
     return api
 
 
-async def run_job(queue: JobQueue, request: Request, response: Response, prompt: str,
-                  options: dict[str, Any]) -> list[str]:
+async def run_job(queue: JobQueue, request: Request, response: Response, body: GenerateBody,
+                  inputs: Mapping[str, bytes] | None = None) -> list[str]:
     """Queue a generate and wait for it: its PNGs (base64), or its error raised.
     The client going away cancels the job, queued or running."""
-    job = queue.submit(prompt, job_options(options))
+    job = queue.submit(body, inputs)
     response.headers["X-Job-Id"] = job.id
     watcher = asyncio.create_task(_watch_disconnect(request, queue, job))
     try:

@@ -45,10 +45,12 @@ import math
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.errors import Cancelled, EngineError
+from engine.requests import GenerateBody
 
 log = logging.getLogger("engine.server")
 
@@ -59,8 +61,6 @@ TERMINAL: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 KEPT_JOBS = 256
 #: PNG bytes (base64) kept across finished jobs' results; older results are dropped first.
 KEPT_RESULT_BYTES = 512 * 1024 * 1024
-#: The request fields a finished job keeps (for its ``request`` summary).
-SUMMARY = ("width", "height", "count", "steps")
 #: Seconds the worker thread waits for a job before it ends (the next submit starts another).
 IDLE_WORKER_S = 30.0
 #: Run times the ``Retry-After`` estimate averages.
@@ -135,8 +135,10 @@ class Job:
     """One generate request and what became of it. Mutated only under the queue's lock."""
 
     id: str
-    prompt: str
-    options: dict[str, Any]
+    #: The request, as every face passes it to ``engine.images.generate`` (its paths confined).
+    body: GenerateBody
+    #: Images uploaded inline (OpenAI's edits), by the generate option they fill; dropped once the job ends.
+    inputs: dict[str, bytes]
     #: The model this job is for (the loaded pipeline's source when it was queued).
     model: Any
     state: State = "queued"
@@ -154,12 +156,16 @@ class Job:
     position: int | None = None
 
     @property
+    def prompt(self) -> str:
+        return self.body.prompt
+
+    @property
     def finished_state(self) -> bool:
         return self.state in TERMINAL
 
     def to_dict(self, *, images: bool = True) -> dict[str, Any]:
         """The job's JSON (see the module docstring); ``images=False`` leaves the PNGs out."""
-        options = self.options
+        body = self.body
         return {
             "id": self.id,
             "state": self.state,
@@ -170,8 +176,7 @@ class Job:
             "started": None if self.started is None else round(self.started, 3),
             "finished": None if self.finished is None else round(self.finished, 3),
             "seconds": None if self.started is None or self.finished is None else round(self.finished - self.started, 3),
-            "request": {"prompt": self.prompt, "width": options.get("width"), "height": options.get("height"),
-                        "count": options.get("count", 1)},
+            "request": {"prompt": body.prompt, "width": body.width, "height": body.height, "count": body.count},
             "images": list(self.images) if images else len(self.images),
             "error": None if self.error is None else {"code": self.error.code, "message": self.error.message},
         }
@@ -203,14 +208,15 @@ class JobQueue:
 
     # -- clients ----------------------------------------------------------------------
 
-    def submit(self, prompt: str, options: dict[str, Any]) -> Job:
+    def submit(self, body: GenerateBody, inputs: Mapping[str, bytes] | None = None) -> Job:
         """Queue a generate; :class:`QueueFull` when ``size`` jobs already wait,
-        ``not_loaded`` when there is no pipeline to queue for."""
+        ``not_loaded`` when there is no pipeline to queue for. ``inputs``: images
+        uploaded inline, in place of the body's path fields of those names."""
         model = self._loaded_model()
         if model is None:
             raise EngineError("no image pipeline is loaded; load one first (POST /v1/images/load)", code="not_loaded")
-        job = Job(f"j-{next(self._ids)}-{secrets.token_hex(6)}{self._suffix}", prompt, dict(options), model,
-                  steps=int(options.get("steps") or 0))
+        job = Job(f"j-{next(self._ids)}-{secrets.token_hex(6)}{self._suffix}", body, dict(inputs or {}), model,
+                  steps=body.steps or 0)
         with self._lock:
             if len(self._waiting) >= self.size:
                 retry = self._retry_after()
@@ -298,8 +304,8 @@ class JobQueue:
             if self._loaded_model() != job.model:
                 raise ModelChanged("the pipeline this job was queued for was unloaded or replaced before its turn; "
                                    "load the model again and resubmit")
-            images = self._engine.images.generate(job.prompt, progress=lambda d, t: self._step(job, d, t),
-                                           cancel=job.cancel, **job.options)
+            images = self._engine.images.generate(job.body, progress=lambda d, t: self._step(job, d, t),
+                                                  cancel=job.cancel, **job.inputs)
             encoded = [_png_b64(image) for image in images]
         except Cancelled as error:
             self._end(job, "cancelled", error)
@@ -333,8 +339,8 @@ class JobQueue:
     def _finish(self, job: Job, state: State, error: EngineError | None) -> None:
         """Record the end (under the lock), keep it bounded, wake the job's watchers."""
         job.state, job.error, job.finished, job.position = state, error, time.time(), None
-        # A kept record holds its summary, not its inputs (an upload, a mask).
-        job.options = {k: job.options[k] for k in SUMMARY if k in job.options}
+        # A kept record holds its request, not its uploads (an image, a mask).
+        job.inputs = {}
         self._finished.append(job)
         while len(self._finished) > self._kept:
             self._jobs.pop(self._finished.popleft().id, None)
@@ -358,11 +364,6 @@ class JobQueue:
         starts, so about one recent run time (1 s before any has finished)."""
         mean = sum(self._times) / len(self._times) if self._times else 1.0
         return max(1, min(3600, math.ceil(mean)))
-
-
-def job_options(body: dict[str, Any]) -> dict[str, Any]:
-    """A request's generate options without the unset lists the engine would take as empty."""
-    return {k: v for k, v in body.items() if not (k in ("seeds", "prompts", "batch") and v is None)}
 
 
 def _size(job: Job) -> int:
