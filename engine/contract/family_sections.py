@@ -152,6 +152,45 @@ class LoraLayout:
 
 
 @dataclass(frozen=True)
+class LatentGeometry:
+    """How the family's VAE and denoiser shape an image: the engine reads every
+    latent size and token count from here, never from a constant.
+
+    The default is the DiTs' shape (an 8x VAE, 2x2 patches: one token per
+    16x16 pixels). A family with a deeper VAE or no patching says so (Sana's
+    DC-AE: 32x, patch 1, one token per 32x32 pixels). A UNet has no tokens:
+    its table keeps patch 2, the 16-pixel square its activation figures count.
+    """
+
+    #: Pixels per latent cell along each side (the VAE's downsampling).
+    spatial_compression: int = 8
+    #: Latent cells per token along each side (the denoiser's patchify).
+    patch_size: int = 2
+    #: Frames per latent frame (1 for images; a video VAE's temporal stride).
+    temporal_compression: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("spatial_compression", "patch_size", "temporal_compression"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LatentGeometry.{name} must be a whole number of at least 1, not {value!r}")
+
+    @property
+    def token_pixels(self) -> int:
+        """The side in pixels of the square one token covers."""
+        return self.spatial_compression * self.patch_size
+
+    def latent_side(self, pixels: int) -> int:
+        """Latent cells along a side of ``pixels``."""
+        return pixels // self.spatial_compression
+
+    def image_tokens(self, width: int, height: int | None = None) -> int:
+        """Tokens the denoiser sees for a ``width`` x ``height`` image (square when ``height`` is None)."""
+        side = self.token_pixels
+        return (width // side) * ((width if height is None else height) // side)
+
+
+@dataclass(frozen=True)
 class MemoryProbe:
     """How the training-memory tool builds and feeds the family's denoiser.
 

@@ -64,9 +64,9 @@ class ActivationFigures:
     Measured (``bench/memory_accuracy.py --derive``) on a real-width,
     reduced-depth denoiser and carried here as data, like ``quant_factors``:
     never guessed. Multiply by the compute dtype's bytes. An *image token* is
-    one 16x16-pixel patch of the training resolution (a 2x2 patch of an
-    8x-downsampled latent), for every family, so one figure serves any
-    resolution. *Text tokens* are the encoded prompt positions the denoiser
+    one token of the family's ``LatentGeometry`` (a 16x16-pixel patch by
+    default: a 2x2 patch of an 8x-downsampled latent; 32x32 for a 32x VAE with
+    patch 1), so one figure serves any resolution. *Text tokens* are the encoded prompt positions the denoiser
     attends over (``text_tokens`` of them at training time).
     """
 

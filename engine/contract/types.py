@@ -175,6 +175,7 @@ class Capabilities:
 from engine.contract.family_sections import (  # noqa: E402
     COMPONENTS as COMPONENTS,
     FusionSite as FusionSite,
+    LatentGeometry as LatentGeometry,
     LoraLayout as LoraLayout,
     MemoryProbe as MemoryProbe,
     PrecisionRules as PrecisionRules,
@@ -238,6 +239,8 @@ class FamilySpec:
     workflows: tuple[tuple[Workflow, str], ...] = ()
     #: Image sides the denoiser takes are multiples of this (VAE stride x patch).
     side_multiple: int = 16
+    #: The VAE's compression and the denoiser's patch size (:class:`LatentGeometry`).
+    geometry: LatentGeometry = LatentGeometry()
     #: diffusers ControlNet model classes this family's pipelines take.
     controlnet_classes: tuple[str, ...] = ()
     # -- the sections -------------------------------------------------------------

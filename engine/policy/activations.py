@@ -23,10 +23,8 @@ from dataclasses import dataclass
 from engine.hardware.profile import GIB_IN_GB
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.requests.choices import VAE_TILING_REQUESTS
-from engine.contract.types import FamilySpec
+from engine.contract.types import FamilySpec, LatentGeometry
 
-#: An image token is one 16x16-pixel patch (see ActivationFigures).
-PATCH_PX = 16
 #: Resolution assumed when a load names none: the served families' native size.
 DEFAULT_SIDE_PX = 1024
 #: CUDA context, allocator and cuBLAS workspaces beside the activations.
@@ -48,9 +46,10 @@ class ImageShape:
     def pixels(self) -> int:
         return self.width * self.height
 
-    @property
-    def image_tokens(self) -> int:
-        return math.ceil(self.width / PATCH_PX) * math.ceil(self.height / PATCH_PX)
+    def image_tokens(self, geometry: LatentGeometry) -> int:
+        """Tokens one image of this size is to a denoiser of ``geometry`` (a partial one counts)."""
+        side = geometry.token_pixels
+        return math.ceil(self.width / side) * math.ceil(self.height / side)
 
 
 def denoiser_activation_gb(family: FamilySpec, shape: ImageShape, dtype_bytes: float) -> float:
@@ -60,7 +59,7 @@ def denoiser_activation_gb(family: FamilySpec, shape: ImageShape, dtype_bytes: f
         return 0.0
     per_image = figures.block_per_image_token + figures.outside_per_image_token
     per_text = figures.block_per_text_token + figures.outside_per_text_token
-    elements = per_image * shape.image_tokens + per_text * figures.text_tokens
+    elements = per_image * shape.image_tokens(family.geometry) + per_text * figures.text_tokens
     return elements * shape.batch * dtype_bytes / 1e9
 
 
@@ -104,7 +103,8 @@ def resolve_vae_tiling(
     per_pixel_gb = family.vae_decode_per_pixel * dtype_bytes / 1e9
     if per_pixel_gb <= 0:
         return auto(None, f"{family.label}'s table has no VAE decode figure; the decode is not tiled")
-    side = int(math.sqrt(max(0.0, headroom_gb) / per_pixel_gb)) // PATCH_PX * PATCH_PX
+    token = family.geometry.token_pixels
+    side = int(math.sqrt(max(0.0, headroom_gb) / per_pixel_gb)) // token * token
     return auto(
         side,
         f"an untiled decode above {side}x{side} px ({family.vae_decode_per_pixel:g} elements per pixel) "

@@ -29,9 +29,6 @@ from engine.policy.schemes import SCHEME_SIZES
 from engine.contract.types import ActivationFigures, FamilySpec, LoraTargetShape
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-#: Pixels per image token: a 2x2 patch of an 8x-downsampled latent.
-PATCH_PIXELS = 16
-
 
 @dataclass(frozen=True)
 class TrainingShape:
@@ -44,11 +41,6 @@ class TrainingShape:
     gradient_checkpointing: bool | None = False
     #: Target module names; None for the family's defaults.
     lora_targets: tuple[str, ...] | None = None
-
-    @property
-    def image_tokens(self) -> int:
-        side = self.resolution // PATCH_PIXELS
-        return side * side
 
 
 @dataclass(frozen=True)
@@ -178,7 +170,8 @@ def estimate_training_memory(
     lora_params = sum(t.lora_params(shape.lora_rank) for t in scale.targets)
     lora_gb = lora_params * thresholds.lora_bytes_per_param / 1e9
     activations = (
-        _activation_elements(figures.activations, scale, shape) * dtype_bytes / 1e9
+        _activation_elements(figures.activations, scale, shape, family.geometry.image_tokens(shape.resolution))
+        * dtype_bytes / 1e9
         if figures is not None else 0.0
     )
     overhead = thresholds.runtime_overhead_gb
@@ -243,8 +236,9 @@ def _total(shapes: tuple[LoraTargetShape, ...], target: str) -> int:
     return sum(t.count for t in shapes if t.target == target)
 
 
-def _activation_elements(figures: ActivationFigures, scale: _Scale, shape: TrainingShape) -> float:
-    image, text = shape.image_tokens, figures.text_tokens
+def _activation_elements(figures: ActivationFigures, scale: _Scale, shape: TrainingShape, image: int) -> float:
+    """Elements a step keeps for backward; ``image``: the tokens of one sample (its family's geometry)."""
+    text = figures.text_tokens
     blocks = figures.blocks * scale.depth
     full = figures.block_per_image_token * image + figures.block_per_text_token * text
     kept = (

@@ -97,7 +97,6 @@ from engine.contract.types import ActivationFigures, TrainingMemoryFigures
 SEPARATE_CHECKPOINTED_OUTSIDE = any(
     f.name == "checkpointed_outside_per_image_token" for f in dataclasses.fields(ActivationFigures)
 )
-PATCH = 16  # pixels per image token, as in engine.policy.training_memory
 GB = 1e9
 
 
@@ -145,7 +144,7 @@ def derive(d: Denoiser, resolutions: tuple[int, ...], log: Callable[[str], None]
             # checkpointing one block is recomputed in full on top.
             rest = plain.activations_peak / 2 - n_blocks * block
             rest_ckpt = ckpt.activations_peak / 2 - n_blocks * block_kept - block
-            image = (resolution // PATCH) ** 2
+            image = d.spec.geometry.image_tokens(resolution)  # as the estimate counts them
             rows.append((image, text))
             per_block.append(block)
             kept.append(block_kept)

@@ -317,7 +317,7 @@ def measure_step(
         # probe_conditioning gives it as plain values (one prompt, no padding).
         step = _TrainStep(
             d, _pipe_shim(d, model), model, params, optimizer, _conditioning(d, config, text, dtype),
-            side=resolution // 8, dtype=dtype,
+            side=d.spec.geometry.latent_side(resolution), dtype=dtype,
             flow=d.spec.training.objective.prediction == "flow_matching",  # type: ignore[union-attr]
         )
         step(m, None)  # AdamW's moments now exist, as in every later step

@@ -115,11 +115,11 @@ def _config(d: Denoiser, overrides: dict[str, Any]) -> dict[str, Any]:
 
 def _pipe_shim(d: Denoiser, model: torch.nn.Module) -> Any:
     """What the runtime's ``predict`` reads from a pipeline: the family's ``probe_pipeline``
-    where it has one, else the denoiser and the VAE scale."""
+    where it has one, else the denoiser and the VAE scale (the family's geometry)."""
     own = getattr(d.runtime, "probe_pipeline", None)
     if own is not None:
         return own(model)
-    return SimpleNamespace(vae_scale_factor=8, transformer=model, unet=model)
+    return SimpleNamespace(vae_scale_factor=d.spec.geometry.spatial_compression, transformer=model, unet=model)
 
 
 def _conditioning(

@@ -17,9 +17,8 @@ from typing import Any
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
-from engine.policy.training_memory import PATCH_PIXELS
 from engine.requests.references import EMA_FILE
-from engine.contract.types import FamilySpec, TrainingDefaults, TrainingObjective
+from engine.contract.types import FamilySpec, LatentGeometry, TrainingDefaults, TrainingObjective
 
 #: The engine's defaults where neither the config nor the family says.
 ENGINE_LEARNING_RATE = 1e-4
@@ -111,26 +110,21 @@ def resolve_flow_shift(
     if isinstance(requested, (int, float)):
         return explicit(float(requested), "as configured")
     if requested == "auto" or (requested is None and defaults.flow_shift_auto):
-        shift = resolution_shift(defaults, resolution)
+        shift = resolution_shift(defaults, resolution, family.geometry)
         source = auto if requested is None else explicit
         return source(round(shift, 4), (
             f"by resolution as {family.label}'s scheduler shifts: {resolution} px is "
-            f"{image_tokens(resolution)} image tokens, mu {math.log(shift):.3f} "
+            f"{family.geometry.image_tokens(resolution)} image tokens, mu {math.log(shift):.3f} "
             f"({defaults.base_shift} at {defaults.base_seq_len} to {defaults.max_shift} at {defaults.max_seq_len})"
         ))
     return auto(defaults.flow_shift, f"{family.label}'s default shift" + (f" ({defaults.source})" if defaults.source else ""))
 
 
-def image_tokens(resolution: int) -> int:
-    """Packed latent tokens of a square image: one per patch of pixels."""
-    return (resolution // PATCH_PIXELS) ** 2
-
-
-def resolution_shift(defaults: TrainingDefaults, resolution: int) -> float:
+def resolution_shift(defaults: TrainingDefaults, resolution: int, geometry: LatentGeometry = LatentGeometry()) -> float:
     """exp(mu), mu interpolated linearly in image tokens (the schedulers' dynamic shift)."""
     span = max(1, defaults.max_seq_len - defaults.base_seq_len)
     slope = (defaults.max_shift - defaults.base_shift) / span
-    mu = defaults.base_shift + slope * (image_tokens(resolution) - defaults.base_seq_len)
+    mu = defaults.base_shift + slope * (geometry.image_tokens(resolution) - defaults.base_seq_len)
     return math.exp(mu)
 
 
