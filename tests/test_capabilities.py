@@ -151,3 +151,25 @@ def test_a_bare_family_lora_is_checked_before_load_on_its_own_classes(
     save_file(wrong, str(tmp_path / "wrong.safetensors"))
     with pytest.raises(EngineError, match="match nothing"):
         check_loras(registry, source, read_loras(lora_choices([str(tmp_path / "wrong.safetensors")])))
+
+
+def test_a_family_with_no_runtime_module_generates_encoding_its_own_prompts(tmp_path: Path) -> None:
+    """The contract's default (no runtime module) is a family whose pipeline encodes its own
+    prompts: generate skips the prompt cache instead of importing a module named ''."""
+    import dataclasses
+
+    from engine import Engine
+    from tests.capability_families import BareDenoiser
+
+    spec = dataclasses.replace(BARE, name="plain", label="plain test family", runtime_module="",
+                               training=dataclasses.replace(BARE.training, objective=None))
+    spec = dataclasses.replace(spec, checkpoints=(dataclasses.replace(BARE.checkpoints[0], name="plain",
+                                                                      matches=("*plain*",)),))
+    registry = load_registry(plugins=[("plain", FixturePlugin(spec, BareDenoiser))])
+    assert registry.family("plain").runtime_module == ""
+    engine = Engine(registry=registry, hardware=probe(verify=False))
+    folder = registry.build_tiny_pipeline(registry.family("plain"), tmp_path / "plain")
+    engine.images.load(str(folder), family="plain")
+    image = engine.images.generate("a red square", steps=2, width=64, height=64, seed=1)[0]
+    assert image.size == (64, 64)
+    engine.images.unload()

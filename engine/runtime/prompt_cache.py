@@ -315,6 +315,7 @@ def for_pipeline(
     return CallPrompts(
         cache=PromptCache(folder or default_dir()),
         identity=identity or encoder_identity(root),
-        runtime=importlib.import_module(runtime_module),
+        # A family with no runtime module (the contract's default) encodes its own prompts: nothing to cache.
+        runtime=importlib.import_module(runtime_module) if runtime_module else None,
         settings={**settings, "runtime": runtime_module, "loras": applied},
     )
