@@ -17,7 +17,7 @@ from engine.server.bodies import TrainingStartBody
 from engine.server.paths import confine, confine_model
 from engine.server.settings import ServerSettings
 
-#: The generate options that name input images (sized from their headers here).
+#: The generate body's fields that name input images (confined to the input roots here).
 INPUT_IMAGES = ("image", "mask_image", "control_image")
 
 
@@ -63,8 +63,9 @@ class Confined:
             value = getattr(body, name)
             if value is not None:
                 update[name] = str(confine(value, self.settings.input_roots, "input image"))
-                self.engine.images.check_image(update[name], name)
-        return body.model_copy(update=update)
+        confined = body.model_copy(update=update)
+        self.engine.images.check_generate(confined)  # the engine's one image check, each field by name
+        return confined
 
     def training(self, body: TrainingStartBody) -> Any:
         """A training body as a config, its base, dataset, output and checkpoint confined."""
