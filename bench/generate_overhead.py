@@ -8,7 +8,11 @@ and the medians are compared. Target: engine / diffusers <= 1.03. The
 engine with its prompt cache on (the default: a repeated prompt skips the
 encoders) is printed beside it, as what a user gets, not as the comparison.
 
-    .venv/bin/python bench/generate_overhead.py [--families flux sdxl] [--runs 9] [--steps 8]
+    .venv/bin/python bench/generate_overhead.py [--families flux sdxl wan] [--runs 9] [--steps 8] [--frames 9]
+
+A video family (``wan``) renders a clip of ``--frames`` frames on both sides: plain
+``WanPipeline`` with ``num_frames`` and PIL frames out, the engine through the same call
+its ``engine.videos`` makes (the lattice checked, the VAE tiled: at 64 px no tile engages).
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ def session(registry, folder: Path, *, prompt_cache: bool) -> InferenceSession: 
     return loaded
 
 
-def bench_family(registry, family: str, folder: Path, runs: int, steps: int, size: int) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
+def bench_family(registry, family: str, folder: Path, runs: int, steps: int, size: int,  # type: ignore[no-untyped-def]
+                 frames: int = 9) -> tuple[float, float, float]:
     engine = session(registry, folder, prompt_cache=False)
     cached = session(registry, folder, prompt_cache=True)
     source = engine.source
@@ -59,6 +64,9 @@ def bench_family(registry, family: str, folder: Path, runs: int, steps: int, siz
     spec = registry.family(family)
     guidance = (source.checkpoint or spec.default_checkpoint).default_guidance
     extra = {"negative_prompt": " "} if spec.guidance_kwarg == "true_cfg_scale" and guidance > 1 else {}
+    clip = {"frames": frames} if spec.output == "frames" else {}
+    if clip:
+        extra = {**extra, "num_frames": frames, "output_type": "pil"}
 
     def run_plain() -> None:
         with torch.inference_mode():
@@ -66,10 +74,10 @@ def bench_family(registry, family: str, folder: Path, runs: int, steps: int, siz
                   generator=torch.Generator("cpu").manual_seed(0), **{spec.guidance_kwarg: guidance}, **extra)
 
     def run_engine() -> None:
-        engine.generate(GenerateRequest(PROMPT, steps=steps, width=size, height=size, seed=0))
+        engine.generate(GenerateRequest(PROMPT, steps=steps, width=size, height=size, seed=0, **clip))
 
     def run_cached() -> None:
-        cached.generate(GenerateRequest(PROMPT, steps=steps, width=size, height=size, seed=0))
+        cached.generate(GenerateRequest(PROMPT, steps=steps, width=size, height=size, seed=0, **clip))
 
     for _ in range(2):  # warm-up
         run_plain(), run_engine(), run_cached()
@@ -85,10 +93,11 @@ def bench_family(registry, family: str, folder: Path, runs: int, steps: int, siz
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", nargs="*", default=["flux", "qwen_image", "zimage", "sdxl"])
+    parser.add_argument("--families", nargs="*", default=["flux", "qwen_image", "zimage", "sdxl", "wan"])
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--frames", type=int, default=9, help="a video family's clip (on its lattice)")
     args = parser.parse_args()
     diffusers_logging.set_verbosity_error()
     registry = load_registry()
@@ -98,7 +107,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for family in args.families:
             folder = registry.build_tiny_pipeline(registry.family(family), Path(scratch) / family)
-            engine_s, plain_s, cached_s = bench_family(registry, family, folder, args.runs, args.steps, args.size)
+            engine_s, plain_s, cached_s = bench_family(registry, family, folder, args.runs, args.steps, args.size,
+                                                      args.frames)
             print(f"{family:<12} {engine_s:>9.4f} {plain_s:>12.4f} {engine_s / plain_s:>7.3f} "
                   f"{cached_s:>11.4f} {cached_s / plain_s:>7.3f}")
 

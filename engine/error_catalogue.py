@@ -66,6 +66,13 @@ _ROWS: tuple[ErrorCode, ...] = (
               "and VAE (`--base`, `base`)."),
     ErrorCode("unsupported_workflow", 400, "The loaded checkpoint does not serve this workflow (img2img, "
               "inpaint, edit, ControlNet)."),
+    ErrorCode("invalid_video_shape", 422, "A clip's frame count is off the family's lattice (k * step + "
+              "offset) or its range, or its size is not a multiple of the family's or beyond its presets; the "
+              "message names the nearest valid counts and the presets."),
+    ErrorCode("wrong_output", 400, "A video model asked for images, or an image model for a video "
+              "(`engine.videos` / `engine.images`, `--frames`); the message names the right door."),
+    ErrorCode("unreadable_output", 500, "The pipeline returned something its family's output kind does not "
+              "describe (a plugin's table says images for a video pipeline)."),
     ErrorCode("not_applicable", 400, "The request does not apply to what is loaded."),
     ErrorCode("empty_token", 400, "`serve --token` (or `DIFFUSION_ENGINE_TOKEN`) is set but empty."),
     ErrorCode("insecure_server", 400, "`serve --host` beyond loopback without a token (pass one, or "
@@ -89,6 +96,8 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("unknown_run", 404, "The server's runs folder holds no run of this id.", _SERVER),
     ErrorCode("unknown_run_file", 404, "The run holds no such file.", _SERVER),
     ErrorCode("job_not_found", 404, "No generate job of this id (it finished long ago, or never was).", _SERVER),
+    ErrorCode("not_ready", 409, "A video's content was asked for before its job completed (or after its files "
+              "were dropped).", _SERVER),
     ErrorCode("model_file_missing", 400, "A pipeline folder lacks a component its model_index.json lists."),
     ErrorCode("no_tiny_pipeline", 400, "The family provides no tiny pipeline builder."),
     # -- what the model is -----------------------------------------------------------------

@@ -144,3 +144,10 @@ def engine_lora_load(family: FamilySpec, pipeline: object, state_dict: dict, ada
 @hookimpl(trylast=True)
 def engine_generate_kwargs(family: FamilySpec, pipeline: object, kwargs: dict) -> dict | None:
     return kwargs
+
+
+@hookimpl(trylast=True)
+def engine_pipeline_output(family: FamilySpec, pipeline: object, result: object) -> list | None:
+    from engine.runtime.outputs import pipeline_output
+
+    return pipeline_output(family.output, result)

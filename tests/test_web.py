@@ -59,6 +59,7 @@ def site(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str]
         folder.mkdir()
     shutil.copytree(tiny_pipeline("sdxl"), models / "tiny-sdxl")
     shutil.copytree(tiny_pipeline("flux"), models / "tiny-flux")
+    shutil.copytree(tiny_pipeline("wan"), models / "tiny-wan")
     write_dataset(datasets / "shapes", count=2, size=64)
     corrupt = write_dataset(datasets / "corrupt", count=2, size=64)
     (corrupt / "zero.png").write_bytes(b"")
@@ -140,7 +141,7 @@ def test_the_page_is_public_and_every_api_call_needs_the_token(site: Site) -> No
         assert response.json()["error"]["code"] == "unauthorized"
     auth = {"Authorization": f"Bearer {TOKEN}"}
     roots = httpx.get(f"{site.url}/v1/roots", headers=auth).json()
-    assert sorted(m["family"] for m in roots["models"]) == ["flux", "sdxl"]
+    assert sorted(m["family"] for m in roots["models"]) == ["flux", "sdxl", "wan"]
     assert {d["name"]: d["images"] for d in roots["datasets"]} == {"corrupt": 3, "shapes": 2}
     # The dry run over HTTP: the plan a start would run, or its refusal, with nothing loaded or evicted.
     body = {"base_model": "tiny-sdxl", "dataset_dir": "shapes", "resolution": 64, "steps": 2, "device": "cpu"}
@@ -214,6 +215,44 @@ def test_generate_an_image_from_the_page(site: Site, open_page: Callable[..., Wa
     assert not any(re.fullmatch(r"v1/images/jobs/[^/?]+", url) for url in watched.requests)
     page.locator("#gallery").scroll_into_view_if_needed()  # type: ignore[attr-defined]
     page.screenshot(path=str(site.shots / "generate.png"))  # type: ignore[attr-defined]
+    assert watched.errors == []
+    site.engine.images.unload()
+
+
+def test_render_a_clip_and_play_it_in_the_page(site: Site, open_page: Callable[..., Watched]) -> None:
+    """The Video tab lists the video models only, renders through the OpenAI videos API, and
+    plays the MP4 in the page's player (decoded by the browser: its size and duration are read back)."""
+    watched = open_page()
+    page = signed_in(site, watched)
+    tab(page, "video")
+    pick(page, "#vid-model", site.roots / "models" / "tiny-wan")
+    listed = page.eval_on_selector_all("#vid-model option", "os => os.map(o => o.value)")  # type: ignore[attr-defined]
+    assert [Path(v).name for v in listed] == ["tiny-wan"]  # the image models are not offered here
+    for name, value in (("frames", "9"), ("fps", "8"), ("size", "64x64"), ("steps", "2")):
+        page.fill(f"#vid-{name}", value)  # type: ignore[attr-defined]
+    page.click("#vid-go")  # type: ignore[attr-defined]
+    page.wait_for_selector("#vid-reel figure.result video")  # type: ignore[attr-defined]
+    played = page.eval_on_selector("#vid-reel figure.result video", """v => new Promise((done) => {
+        const report = () => done([v.videoWidth, v.videoHeight, Math.round(v.duration * 8)]);
+        if (v.readyState >= 1) report(); else v.addEventListener("loadedmetadata", report);
+        v.addEventListener("error", () => done(["error", v.error && v.error.code]));
+    })""")  # type: ignore[attr-defined]
+    assert played == [64, 64, 9], played  # 9 frames at 8 fps, decoded by the browser
+    caption = page.inner_text("#vid-reel figure.result figcaption")  # type: ignore[attr-defined]
+    assert "9 frames, 64x64, 8 fps" in caption
+    assert any(re.fullmatch(r"v1/videos/[^/]+/events\?token=.+", url) for url in watched.requests)
+    player = page.locator("#vid-reel figure.result video")  # type: ignore[attr-defined]
+    player.scroll_into_view_if_needed()
+    page.eval_on_selector("#vid-reel figure.result video", "v => { v.pause(); v.currentTime = 0.5; }")  # type: ignore[attr-defined]
+    page.wait_for_function("() => !document.querySelector('#vid-reel video').seeking")  # type: ignore[attr-defined]
+    page.screenshot(path=str(site.shots / "video.png"))  # type: ignore[attr-defined]
+    box = player.bounding_box()
+    from PIL import Image
+
+    shown = Image.open(site.shots / "video.png").convert("L").crop(
+        (int(box["x"]) + 2, int(box["y"]) + 2, int(box["x"] + box["width"]) - 2, int(box["y"] + box["height"] * 0.6)))
+    low, high = shown.getextrema()
+    assert high - low > 8, "the player shows a flat area, not the clip's frame"
     assert watched.errors == []
     site.engine.images.unload()
 

@@ -124,6 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     body = generate_body(args, seed)
     items = body.images()
     paths = output_paths(args.output, len(items), overwrite=args.overwrite)
+    video = paths[0].suffix.lower() == ".mp4"
     engine = Engine(allow_download=download_allowed(args))
     engine.images.check_generate(body)  # input images: present, readable, within the caps
     if args.tiny:
@@ -144,6 +145,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "controlnet": args.controlnet}
         ticket = engine.images.check_load(model, **load)  # every refusal a load gives, before anything heavy
         plan = ticket.plan
+        shape = engine.videos.check_door(ticket, body, video_file=video)  # the door; a clip's shape gate
         weights = engine.images.weights(ticket)
         if not weights["here"]:
             print(f"downloading {weights['repo']}: about {weights['download_gb']} GB into the hub cache",
@@ -158,6 +160,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             status = engine.status()["pipeline"] or {}
             overridden += report_overrides(_controls(engine), strict=args.strict,
                                            already=[o["control"] for o in overridden])
+            if shape is not None:
+                clip = engine.videos.generate(body, progress=None if args.json else progress_bar())
+                clip.save(paths[0])
+                times = {"startup_s": started - PROCESS_STARTED, "import_s": imports, "load_s": loaded - started,
+                         "generate_s": time.perf_counter() - loaded}
+                return report_clip(args, paths[0], clip, seed, times, overridden)
             images = engine.images.generate(body, progress=None if args.json else progress_bar())
             status = engine.status()["pipeline"] or {}
         finally:
@@ -183,6 +191,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"seed{'s' if body.seeds else ''} {seeds}" + "".join(f", LoRA {lo['name']} x{lo['scale']:g}" for lo in applied))
     print(f"start-up {started - PROCESS_STARTED:.2f} s (importing torch and diffusers {imports:.2f} s), "
           f"load {loaded - started:.2f} s, generate {done - loaded:.2f} s")
+    return 0
+
+
+def report_clip(args: argparse.Namespace, path: Path, clip: Any, seed: int, times: Mapping[str, float],
+                overridden: list[Any]) -> int:
+    """What a video generate wrote, as a line or as JSON (``--json``)."""
+    recipe = path.with_suffix(".json")
+    if args.json:
+        print(json.dumps({"video": str(path), "recipe": str(recipe), "seed": seed, **clip.shape.to_dict(),
+                          **{k: round(v, 3) for k, v in times.items()}, "overridden": overridden},
+                         indent=2, default=str))
+        return 0
+    shape = clip.shape
+    print(f"wrote {path} ({shape.frames} frames, {shape.width}x{shape.height}, {shape.fps} fps, "
+          f"{shape.seconds:.2f} s) and its recipe {recipe}")
+    print(f"seed {seed}; start-up {times['startup_s']:.2f} s, load {times['load_s']:.2f} s, "
+          f"generate {times['generate_s']:.2f} s")
     return 0
 
 

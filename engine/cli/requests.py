@@ -37,6 +37,8 @@ CONTROL_FLAGS = PLAN_KEY_FLAGS
 TINY_DEFAULTS: dict[str, int] = {"width": 64, "height": 64, "steps": 4}
 #: Image formats that carry the prompt and seed in text chunks.
 IMAGE_SUFFIXES = (".png",)
+#: A video model's clip (H.264); its recipe is written beside it as JSON.
+VIDEO_SUFFIXES = (".mp4",)
 
 
 class InvalidFlags(EngineError):
@@ -82,14 +84,16 @@ def generate_body(args: argparse.Namespace, seed: int) -> GenerateBody:
 def output_paths(output: str, count: int, *, overwrite: bool) -> list[Path]:
     """The files a generate writes, refused now (before loading) if they cannot be written."""
     path = Path(output)
-    if path.suffix.lower() not in IMAGE_SUFFIXES:
+    if path.suffix.lower() not in (*IMAGE_SUFFIXES, *VIDEO_SUFFIXES):
         raise InvalidFlags(
             f"-o/--output {output}: give a file name ending in .png (the image keeps its prompt, "
-            "seed and model in PNG text chunks), e.g. -o out.png"
+            "seed and model in PNG text chunks), e.g. -o out.png, or .mp4 for a video model (-o clip.mp4)"
         )
     if path.is_dir():
-        raise InvalidFlags(f"-o/--output {output} is a folder; give a file name ending in .png")
+        raise InvalidFlags(f"-o/--output {output} is a folder; give a file name ending in .png or .mp4")
     paths = [path] if count == 1 else [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(count)]
+    if path.suffix.lower() in VIDEO_SUFFIXES:
+        paths = [path, path.with_suffix(".json")]  # the clip and its recipe
     existing = [str(p) for p in paths if p.exists()]
     if existing and not overwrite:
         raise EngineError(

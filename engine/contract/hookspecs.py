@@ -216,3 +216,18 @@ def engine_generate_kwargs(
 
     Stops at first non-None result.
     """
+
+
+@hookspec(firstresult=True)
+def engine_pipeline_output(family: FamilySpec, pipeline: object, result: object) -> list[Any] | None:
+    """What one pipeline call gave, one entry per prompt of the call.
+
+    :param result: the pipeline call's return value (``FluxPipelineOutput``,
+        a video pipeline's output with ``frames``...).
+    :return: a list with one entry per prompt: a PIL image for a family whose
+        ``output`` is ``images``, the clip's frames (a list of PIL images) for
+        ``frames``; or None to let another plugin answer. The engine's default
+        reads ``result.images`` or ``result.frames`` (PIL or arrays in 0-1).
+
+    Stops at first non-None result.
+    """

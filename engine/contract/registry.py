@@ -147,6 +147,14 @@ class Registry:
         answer = self._pm.hook.engine_generate_kwargs(family=family, pipeline=pipeline, kwargs=dict(kwargs))
         return dict(kwargs if answer is None else answer)
 
+    def pipeline_output(self, family: FamilySpec, pipeline: object, result: object) -> list[Any]:
+        """One pipeline call's outputs, one per prompt (images, or each clip's frames)."""
+        answer = self._pm.hook.engine_pipeline_output(family=family, pipeline=pipeline, result=result)
+        if answer is None:
+            raise PluginError(f"no plugin read the output of {type(result).__name__} for {family.name}",
+                              code="unreadable_output")
+        return list(answer)
+
     def build_tiny_pipeline(self, family: FamilySpec, path: Path) -> Path:
         built = self._pm.hook.engine_build_tiny_pipeline(family=family, path=Path(path))
         if built is None:

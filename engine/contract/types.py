@@ -29,8 +29,10 @@ Architecture = Literal["dit", "unet"]
 #: an image (``img2img``, with a strength), redraw the masked part of it
 #: (``inpaint``), follow an instruction about it (``edit``), or draw from
 #: text guided by a control map through a loaded ControlNet (``controlnet``).
-Workflow = Literal["txt2img", "img2img", "inpaint", "edit", "controlnet"]
-WORKFLOWS: tuple[Workflow, ...] = ("txt2img", "img2img", "inpaint", "edit", "controlnet")
+#: A video family draws from text the same way (``txt2img`` is its text-to-video) and
+#: animates an image (``img2vid``).
+Workflow = Literal["txt2img", "img2img", "inpaint", "edit", "controlnet", "img2vid"]
+WORKFLOWS: tuple[Workflow, ...] = ("txt2img", "img2img", "inpaint", "edit", "controlnet", "img2vid")
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,13 @@ class Checkpoint:
     #: class that serves each, where they differ from the family's
     #: ``workflows`` (an edit checkpoint: ``(("edit", "...EditPipeline"),)``).
     workflows: tuple[tuple[Workflow, str], ...] | None = None
+    #: A video checkpoint's own lattice, fps and sizes where they differ from the family's.
+    video: VideoSpec | None = None
+    #: Its own latent geometry where its VAE differs from the family's (a variant with a deeper VAE).
+    geometry: LatentGeometry | None = None
+    #: A two-expert checkpoint's guidance for its low-noise expert (the pipeline's
+    #: ``guidance_scale_2``); None: one guidance for every step.
+    expert_guidance: float | None = None
 
     def match_score(self, model_id: str) -> int:
         """Length of the longest pattern matching ``model_id`` (0: no match).
@@ -177,6 +186,8 @@ from engine.contract.family_sections import (  # noqa: E402
     FusionSite as FusionSite,
     LatentGeometry as LatentGeometry,
     LoraLayout as LoraLayout,
+    OUTPUT_KINDS as OUTPUT_KINDS,
+    OutputKind as OutputKind,
     MemoryProbe as MemoryProbe,
     PrecisionRules as PrecisionRules,
     QuantRules as QuantRules,
@@ -184,6 +195,7 @@ from engine.contract.family_sections import (  # noqa: E402
     SdcppSupport as SdcppSupport,
     SingleFileLayout as SingleFileLayout,
     TrainingSpec as TrainingSpec,
+    VideoSpec as VideoSpec,
 )
 
 
@@ -241,6 +253,13 @@ class FamilySpec:
     side_multiple: int = 16
     #: The VAE's compression and the denoiser's patch size (:class:`LatentGeometry`).
     geometry: LatentGeometry = LatentGeometry()
+    #: What a call gives back: ``images``, or ``frames`` (a clip, sized by ``video``).
+    output: OutputKind = "images"
+    #: A video family's lattice, fps and sizes (:class:`VideoSpec`); None for images.
+    video: VideoSpec | None = None
+    #: Pipeline components that denoise beside ``denoiser`` (a two-expert model's low-noise
+    #: ``transformer_2``): quantisation and the other optimisations apply to all of them or none.
+    experts: tuple[str, ...] = ()
     #: diffusers ControlNet model classes this family's pipelines take.
     controlnet_classes: tuple[str, ...] = ()
     # -- the sections -------------------------------------------------------------
@@ -292,6 +311,21 @@ class FamilySpec:
         default checkpoint when None); ``txt2img`` only where declared."""
         chosen = checkpoint or self.default_checkpoint
         return dict(self.workflows if chosen.workflows is None else chosen.workflows)
+
+    def video_of(self, checkpoint: Checkpoint | None) -> VideoSpec | None:
+        """The clips ``checkpoint`` renders (its own spec, else the family's; None: an image family)."""
+        chosen = checkpoint or self.default_checkpoint
+        return chosen.video or self.video
+
+    def geometry_of(self, checkpoint: Checkpoint | None) -> LatentGeometry:
+        """``checkpoint``'s latent geometry (its own, else the family's)."""
+        chosen = checkpoint or self.default_checkpoint
+        return chosen.geometry or self.geometry
+
+    @property
+    def denoisers(self) -> tuple[str, ...]:
+        """Every pipeline component that denoises: ``denoiser`` and its ``experts``."""
+        return (self.denoiser, *self.experts)
 
     @property
     def default_checkpoint(self) -> Checkpoint:

@@ -41,6 +41,8 @@ class ImageShape:
     width: int = DEFAULT_SIDE_PX
     height: int = DEFAULT_SIDE_PX
     batch: int = 1
+    #: Frames of a clip (1: an image).
+    frames: int = 1
 
     @property
     def pixels(self) -> int:
@@ -76,6 +78,8 @@ def guarded_overhead_gb(
     The VAE term assumes a tiled decode when the untiled one would be the
     larger peak (the tiling control then engages), sliced over the batch.
     """
+    if family.output == "frames":
+        return video_overhead_gb(shape, floor_gb)
     activations = denoiser_activation_gb(family, shape, dtype_bytes)
     tile = vae_decode_gb(family, min(shape.pixels, VAE_TILE_PX**2), dtype_bytes)
     guard = CONTEXT_GB + max(activations, tile)
@@ -86,6 +90,19 @@ def guarded_overhead_gb(
     if guard <= floor_gb:
         return floor_gb, f"{how}: within the {floor_gb:.1f} GB floor"
     return guard, how
+
+
+#: A clip's headroom beside its weights (the earlier system's rule, a starting point to measure):
+#: 4 GiB plus three fp32 RGB copies of every frame, and never under 3 GiB.
+VIDEO_BASE_GB, VIDEO_FLOOR_GB, VIDEO_COPIES = 4 * GIB_IN_GB, 3 * GIB_IN_GB, 3
+
+
+def video_overhead_gb(shape: ImageShape, floor_gb: float) -> tuple[float, str]:
+    """A clip's overhead: activations grow with frames x pixels (the decode holds the clip)."""
+    frames_gb = VIDEO_COPIES * shape.frames * shape.pixels * 3 * 4 * shape.batch / 1e9
+    guard = max(VIDEO_FLOOR_GB, VIDEO_BASE_GB + frames_gb, floor_gb)
+    return guard, (f"{shape.frames} frames of {shape.width}x{shape.height}: {VIDEO_BASE_GB:.1f} GB + "
+                   f"{VIDEO_COPIES} fp32 copies of the clip ({frames_gb:.1f} GB)")
 
 
 def resolve_vae_tiling(
@@ -100,6 +117,8 @@ def resolve_vae_tiling(
         return explicit(0, "every decode is tiled, as asked")
     if requested == "off":
         return explicit(None, "never tiled, as asked: a large image may run out of memory at the decode")
+    if family.output == "frames":
+        return auto(0, "a video always decodes in tiles: the whole clip's frames would be live at once")
     per_pixel_gb = family.vae_decode_per_pixel * dtype_bytes / 1e9
     if per_pixel_gb <= 0:
         return auto(None, f"{family.label}'s table has no VAE decode figure; the decode is not tiled")

@@ -8,6 +8,7 @@ advertised is exactly what a start would accept.
 
 from __future__ import annotations
 
+from typing import Any
 from dataclasses import asdict, dataclass, field, replace
 
 from engine.hardware.profile import HardwareProfile
@@ -50,6 +51,9 @@ class ImagesInfo:
     text_encoders_gb: dict[str, float] = field(default_factory=dict)
     #: Text-encoder schemes the table denies, with the reason.
     text_encoder_denied: dict[str, str] = field(default_factory=dict)
+    #: ``images`` or ``frames``; for a video family each checkpoint's clips (lattice, fps, presets).
+    output: str = "images"
+    video: dict[str, dict[str, object]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         data = asdict(self)
@@ -111,7 +115,16 @@ def images_info(registry: Registry, family: FamilySpec) -> ImagesInfo:
             for scheme in ENCODER_SCHEMES if scheme not in encoder_denials(family)
         },
         text_encoder_denied=encoder_denials(family),
+        output=family.output,
+        video={c.name: _clip_rules(family.video_of(c)) for c in family.checkpoints
+               if family.output == "frames" and family.video_of(c) is not None},
     )
+
+
+def _clip_rules(video: Any) -> dict[str, object]:
+    return {"fps": video.fps, "default_frames": video.default_frames, "lattice": video.lattice,
+            "frames": [video.min_frames, video.max_frames], "size_multiple": video.size_multiple,
+            "presets": [f"{w}x{h}" for w, h in video.presets]}
 
 
 def training_info(

@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from engine.contract.plugins import Registry
+from engine.contract.types import Checkpoint, FamilySpec
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.policy.activations import (
@@ -108,7 +109,7 @@ class TorchPlanner:
             resolve_text_encoder_quant, family, hardware, request.text_encoder_quant,
             encoders_gb=model.sizes.text_encoders_gb, precast=model.precast_encoders,
         )
-        self.shape = ImageShape(request.width or DEFAULT_SIDE_PX, request.height or DEFAULT_SIDE_PX, request.count)
+        self.shape = request_shape(family, model.checkpoint, request)
         #: The scheme and name of the transformer as given (the fallback's).
         self.base_quant = model.prequantised_scheme
         self.base_name = "GGUF" if model.gguf_transformer_gb is not None else "dense"
@@ -356,3 +357,14 @@ class TorchPlanner:
                 code="incompatible_plan",
             )
         return planned
+
+
+def request_shape(family: FamilySpec, checkpoint: Checkpoint | None, request: InferenceRequest) -> ImageShape:
+    """What the guard sizes for: the request's size and batch (1024 px by default), and for a
+    video family its clip (the checkpoint's default preset and frames where the request is silent)."""
+    video = family.video_of(checkpoint) if family.output == "frames" else None
+    if video is None:
+        return ImageShape(request.width or DEFAULT_SIDE_PX, request.height or DEFAULT_SIDE_PX, request.count)
+    width, height = video.default_size
+    return ImageShape(request.width or width, request.height or height, request.count,
+                      frames=request.frames or video.default_frames)

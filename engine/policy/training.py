@@ -169,7 +169,12 @@ def _request_error(
     registry: Registry, family: FamilySpec, hardware: HardwareProfile, base_precision: str,
     device: Device, mixed_precision: str,
 ) -> PreflightError | None:
-    """The request's own mistakes: an unknown value, fp16 on a bf16 family, cuda on no CUDA."""
+    """The request's own mistakes: a family with no trainer, an unknown value, fp16 on a bf16
+    family, cuda on no CUDA."""
+    if registry.training_objective(family) is None:
+        return PreflightError(f"the {family.name} plugin provides no trainer (no training_objective); "
+                              "train a LoRA on a family that has one (`diffusion-engine families`)",
+                              code="not_trainable")
     if base_precision not in TRAINING_PRECISIONS:
         return PreflightError(
             f"base_precision {base_precision!r} is not one of {', '.join(TRAINING_PRECISIONS)}",

@@ -40,6 +40,8 @@ MAX_PLAN_STEPS = 1000
 MAX_COUNT = 8
 MAX_SEED = 2**63 - 1
 MAX_LORAS = 8
+#: A clip's bounds before the family's own lattice and range are checked (engine.policy.video).
+MAX_FRAMES, MAX_FPS = 1025, 120
 
 Side = Annotated[int, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIDE_MULTIPLE)]
 Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
@@ -178,6 +180,10 @@ class GenerateBody(Body):
     control_image: PathText | None = None
     control_preprocess: Literal["canny", "none"] = "canny"
     control_scale: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    #: A video model's clip: frames on its lattice (checked against the family's before
+    #: anything loads) and the frame rate it is stamped with; omitted: the checkpoint's.
+    frames: Annotated[int, Field(ge=1, le=MAX_FRAMES)] | None = None
+    fps: Annotated[int, Field(ge=1, le=MAX_FPS)] | None = None
 
     @model_validator(mode="after")
     def _inputs_agree(self) -> GenerateBody:

@@ -158,6 +158,9 @@ GENERATE_CONTROLS: tuple[Control, ...] = (
             "ControlNet reads (default canny)", GENERATE, choices=("canny", "none"), group="images in"),
     Control("control_scale", "--control-scale", "ControlNet strength, 0-2 (default 1)", GENERATE,
             type=float, group="images in"),
+    Control("frames", "--frames", "a video model's clip length in frames, on its lattice (4k+1 for most; "
+            "default: the checkpoint's)", GENERATE, type=int, group="video"),
+    Control("fps", "--fps", "a video's frame rate (default: the checkpoint's)", GENERATE, type=int, group="video"),
 )
 
 #: Fields the generate command fills itself (the repeatable --prompt, --lora PATH:SCALE, --seeds N,N).

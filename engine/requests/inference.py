@@ -50,6 +50,8 @@ class InferenceRequest:
     width: int | None = None
     height: int | None = None
     count: int = 1
+    #: A video's frames the guard sizes for (None: the checkpoint's default clip; images: 1).
+    frames: int | None = None
 
 
 __all__ = ["InferenceRequest", "LoraPlanInput"]

@@ -11,12 +11,13 @@ family's ``engine_generate_kwargs`` hook).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -40,15 +41,58 @@ def _call_pipe(pipe: Any, call: dict[str, Any], encoded_again: Callable[[], dict
     the call fails with them (a planted or stale cache entry), the call is made once more with
     the prompts encoded again (the entry rewritten). Out of memory is the batching's to handle."""
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), _stepping(pipe, call):
             return pipe(**call)
     except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as exc:
         if encoded_again is None or isinstance(exc, torch.OutOfMemoryError):
             raise
         log.warning("generate failed with cached prompt embeddings (%s); encoding them again", exc)
         retry = encoded_again()
-        with torch.inference_mode():
+        with torch.inference_mode(), _stepping(pipe, retry):
             return pipe(**retry)
+
+
+@contextlib.contextmanager
+def _stepping(pipe: Any, call: dict[str, Any]) -> Iterator[None]:
+    """A pipeline whose call takes no step callback (its CFG on a guider, say) still reports each step
+    (and so stops there when cancelled): its scheduler's ``step`` calls the callback after it
+    returns, for this call only. A pipeline that takes the callback is left as it is."""
+    if "callback_on_step_end" in inspect.signature(pipe.__call__).parameters or "callback_on_step_end" not in call:
+        yield
+        return
+    callback = call.pop("callback_on_step_end")
+    scheduler = pipe.scheduler
+    step = scheduler.step
+    done = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        result = step(*args, **kwargs)
+        callback(pipe, done[0], None, {})
+        done[0] += 1
+        return result
+
+    scheduler.step = counted
+    try:
+        yield
+    finally:
+        del scheduler.step  # the class's own method again
+
+
+def set_component_guidance(pipe: Any, spelling: str, guidance: float) -> None:
+    """Guidance held by a pipeline component (``guider.guidance_scale``: a diffusers guider),
+    set for the next call: the guider is replaced by a copy with the new scale."""
+    name, attribute = spelling.split(".", 1)
+    component = getattr(pipe, name, None)
+    if component is None:
+        raise EngineError(f"the pipeline has no {name} to take its guidance ({spelling})", code="invalid_request")
+    if getattr(component, attribute, None) != guidance:
+        setattr(pipe, name, component.new(**{attribute: guidance}) if hasattr(component, "new")
+                else _with(component, attribute, guidance))
+
+
+def _with(component: Any, attribute: str, value: Any) -> Any:
+    setattr(component, attribute, value)
+    return component
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +128,10 @@ class GenerateRequest:
     control_image: ImageLike | None = None
     control_preprocess: str = "canny"
     control_scale: float | None = None
+    #: A video family's clip: frames (on its lattice; None: the checkpoint's default) and
+    #: the fps the clip is stamped with (None: the checkpoint's). Images: both None.
+    frames: int | None = None
+    fps: int | None = None
 
 
 class Generation:
@@ -132,9 +180,10 @@ class Generation:
             placement = (str(self.plan.value("memory_mode")), self.plan.device)
             pipe = workflows.workflow_pipeline(self.pipeline, class_name, self._workflow_pipes, extra, placement)
             picture = workflows.control_input(request.control_image, request.control_preprocess) if control else request.image
+            video = family.video_of(self.source.checkpoint)
             fitted = fit_inputs(
                 picture, request.mask_image, width=request.width, height=request.height,
-                multiple=family.side_multiple, dtype=vae_dtype(pipe),
+                multiple=video.size_multiple if video is not None else family.side_multiple, dtype=vae_dtype(pipe),
             )
             if control:
                 fitted = dataclasses.replace(fitted, control=True)
@@ -161,7 +210,7 @@ class Generation:
                 images = self._run_batch(pipe, request, steps, effective, strength, fitted, items, progress)
             finally:
                 self._active = None
-            if images:
+            if images and family.output == "images":
                 self._store_compile_cache(images[0].width, images[0].height, len(images))
             if workflow == "inpaint" and fitted.original is not None and fitted.mask is not None:
                 images = [paste_unmasked(image, fitted.original, fitted.mask) for image in images]
@@ -220,7 +269,7 @@ class Generation:
             finally:
                 if stream is not None:
                     stream.after_call()
-            return list(result.images)
+            return self.registry.pipeline_output(self.source.family, pipe, result)  # engine_pipeline_output
 
         def on_split(event: batching.SplitEvent) -> None:
             self.batch_events = [*self.batch_events[-19:], event.to_dict()]
@@ -278,7 +327,9 @@ class Generation:
             kwargs["height"] = height
         if width and height:
             kwargs["max_area"] = width * height  # edit pipelines scale their output to this area
-        if fitted.image is not None:
+        if fitted.image is not None and family.output == "frames":
+            kwargs["image"] = fitted.original  # a video pipeline's processor takes the fitted picture
+        elif fitted.image is not None:
             # A ControlNet pipeline takes its map as ``control_image`` where it
             # has that parameter (and its img2img input as ``image``), else as ``image``.
             kwargs["control_image" if fitted.control and "control_image" in accepted else "image"] = fitted.image
@@ -289,10 +340,25 @@ class Generation:
             kwargs["strength"] = strength
         if request.control_scale is not None:
             kwargs["controlnet_conditioning_scale"] = request.control_scale
+        if family.output == "frames":
+            kwargs.update(_clip_kwargs(request, checkpoint, family.video_of(checkpoint)))
         negative = request.negative_prompt
         if negative is None and family.guidance_kwarg == "true_cfg_scale" and guidance > 1:
             negative = " "  # true CFG runs only with a negative prompt
         if negative is not None and "negative_prompt" in accepted:
             kwargs["negative_prompt"] = [negative] * len(chunk)
+        if "." in family.guidance_kwarg:  # held by a component (a guider), not passed to the call
+            set_component_guidance(pipe, family.guidance_kwarg, guidance)
         kwargs = {k: v for k, v in kwargs.items() if k in accepted or k == "callback_on_step_end"}
         return self.registry.generate_kwargs(family, pipe, kwargs)  # engine_generate_kwargs
+
+
+def _clip_kwargs(request: GenerateRequest, checkpoint: Any, video: Any) -> dict[str, Any]:
+    """A video call's own arguments: the frame count (checked on the lattice before the
+    call), PIL frames out, one clip per prompt, and a second expert's guidance."""
+    kwargs: dict[str, Any] = {
+        "num_frames": request.frames or video.default_frames, "output_type": "pil", "num_videos_per_prompt": 1,
+    }
+    if checkpoint.expert_guidance is not None:
+        kwargs["guidance_scale_2"] = checkpoint.expert_guidance
+    return kwargs

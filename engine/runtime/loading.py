@@ -94,16 +94,15 @@ class PipelineLoading:
         pipe = self._load_pipeline(dtype, str(scheme) if scheme else None)
         self.quantised_layers, self.placement = 0, None
         if scheme and scheme != "nf4" and self.source.prequantised_scheme is None:
-            denoiser = getattr(pipe, self.source.family.denoiser)
-            self.placement = quantize_on_host_then_place(
-                denoiser, str(scheme), plan.device, resident=resident(plan),
-                keep=quantize.module_filter(str(scheme), self.source.family.quantisation.int8_dense_modules),
-            )
-            self.quantised_layers = self.placement.layers
-            self.canary = inference_canary(
-                denoiser, quantize.module_filter(str(scheme), self.source.family.quantisation.int8_dense_modules),
-                scheme=str(scheme), dtype=dtype,
-            ).to_dict()  # a broken scheme raises CanaryFailed: the fallback is built instead
+            keep = quantize.module_filter(str(scheme), self.source.family.quantisation.int8_dense_modules)
+            for denoiser in denoisers_of(pipe, self.source.family):  # every expert, or the load fails
+                self.placement = quantize_on_host_then_place(
+                    denoiser, str(scheme), plan.device, resident=resident(plan), keep=keep,
+                )
+                self.quantised_layers += self.placement.layers
+                self.canary = inference_canary(
+                    denoiser, keep, scheme=str(scheme), dtype=dtype,
+                ).to_dict()  # a broken scheme raises CanaryFailed: the fallback is built instead
         elif dtype == torch.float16:  # fp16 compute: the dtype some families render black in
             self.canary = inference_canary(
                 getattr(pipe, self.source.family.denoiser), lambda module, _: isinstance(module, torch.nn.Linear),
@@ -181,7 +180,10 @@ class PipelineLoading:
                 components.update(text_encoders.nf4_encoder_components(
                     str(root), diffusers.DiffusionPipeline.load_config(root), dtype
                 ))
-            return diffusers.DiffusionPipeline.from_pretrained(root, dtype=dtype, **components)
+            return diffusers.DiffusionPipeline.from_pretrained(
+                root, dtype=component_dtypes(source.family, dtype, diffusers.DiffusionPipeline.load_config(root)),
+                **components,
+            )
         except torch.OutOfMemoryError as exc:  # nf4 loads onto the GPU as it quantises
             raise PlacementFailed(
                 f"ran out of memory loading {source.location} ({quantize.first_line(exc)})",
@@ -215,6 +217,24 @@ class PipelineLoading:
                     num_blocks_per_group=1,
                     use_stream=True,
                 )
+
+
+def denoisers_of(pipe: Any, family: Any) -> list[Any]:
+    """The loaded pipeline's denoisers: the family's ``denoiser`` and each expert it has
+    (a one-expert checkpoint of a two-expert family leaves ``transformer_2`` None)."""
+    return [module for name in family.denoisers if (module := getattr(pipe, name, None)) is not None]
+
+
+def component_dtypes(family: Any, dtype: torch.dtype, config: dict[str, Any]) -> Any:
+    """``dtype``, or per component where the family keeps some in fp32 whatever the compute dtype
+    (its ``precision.keep_fp32``: a video VAE, say), as diffusers' ``from_pretrained`` takes a mapping."""
+    kept = {component for component, _ in family.precision.keep_fp32}
+    if not kept or dtype == torch.float32:
+        return dtype
+    names = {"denoiser": set(family.denoisers), "vae": {"vae"},
+             "text_encoders": {name for name in config if name.startswith("text_encoder")}}
+    pinned = {name: torch.float32 for component in kept for name in names[component] if name in config}
+    return {"default": dtype, **pinned} if pinned else dtype
 
 
 def resident(plan: Plan) -> bool:

@@ -110,6 +110,13 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
     def denoiser(self) -> torch.nn.Module:
         return getattr(self.pipeline, self.source.family.denoiser)
 
+    @property
+    def denoisers(self) -> list[torch.nn.Module]:
+        """The denoiser and every expert beside it (see ``FamilySpec.experts``)."""
+        from engine.runtime.loading import denoisers_of
+
+        return denoisers_of(self.pipeline, self.source.family)
+
     def load(self, progress: Progress | None = None) -> None:
         """Load and place the pipeline per the plan, then apply attention,
         LoRAs, compile and the step cache; on any failure, release it all."""

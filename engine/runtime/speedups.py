@@ -44,6 +44,12 @@ class SpeedControls:
     _cache_on: bool
     _active: Any
 
+    @property
+    def denoisers(self) -> list[torch.nn.Module]:
+        """Every denoiser of the pipeline (a two-expert model's both): each optimisation goes to all.
+        The session answers it from the family's ``denoiser`` and ``experts``."""
+        raise NotImplementedError
+
     def _apply_attention(self) -> None:
         resolved = self.plan["attention_backend"]
         backend = str(resolved.value)
@@ -56,7 +62,8 @@ class SpeedControls:
         if backend == "native":
             return
         try:
-            self.denoiser.set_attention_backend(DIFFUSERS_BACKENDS[backend])
+            for denoiser in self.denoisers:
+                denoiser.set_attention_backend(DIFFUSERS_BACKENDS[backend])
         except (RuntimeError, ValueError, ImportError, OSError) as exc:  # OSError: a hub kernel not fetched
             self._record("attention_backend", Resolved(
                 "native", resolved.source, f"{backend} could not be set ({exc}); native SDPA"
@@ -71,8 +78,9 @@ class SpeedControls:
         self.fusions = None
         if not self.plan.value("eager_fusions"):
             return
-        self.fusions = fuse(self.denoiser, self.source.family.eager_fusions)
-        if not self.fusions.fused:
+        for denoiser in reversed(self.denoisers):  # the first denoiser's report is the one kept
+            self.fusions = fuse(denoiser, self.source.family.eager_fusions)
+        if self.fusions is not None and not self.fusions.fused:
             why = "; ".join(f"{name}: {reason}" for name, reason in self.fusions.skipped.items())
             self._record("eager_fusions", Resolved(False, "auto", f"no block could be fused ({why})"))
 
@@ -97,7 +105,7 @@ class SpeedControls:
         })
         if self._compile_cache is not None:
             self._compile_cache.restore()  # the compile below then hits the saved artifacts
-        for module in self.denoiser.modules():
+        for module in (module for denoiser in self.denoisers for module in denoiser.modules()):
             if type(module).__name__ in regions:
                 module.compile(
                     dynamic=True, fullgraph=self.plan.compile_fullgraph, backend=self._compile_backend
@@ -141,20 +149,22 @@ class SpeedControls:
         records it in the plan, with anything half-enabled rolled back)."""
         if on == self._cache_on:
             return None
-        denoiser = self.denoiser
         if not on:
-            denoiser.disable_cache()
+            for denoiser in self.denoisers:
+                denoiser.disable_cache()
             self._cache_on = False
             return None
         failure = self._cache_unsupported()
         if failure is None:
             from diffusers import FirstBlockCacheConfig
 
-            try:
-                denoiser.enable_cache(FirstBlockCacheConfig(threshold=self.plan.step_cache_threshold))
+            try:  # every expert, or none: a half-cached pair is rolled back
+                for denoiser in self.denoisers:
+                    denoiser.enable_cache(FirstBlockCacheConfig(threshold=self.plan.step_cache_threshold))
             except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as exc:
-                if getattr(denoiser, "is_cache_enabled", False):
-                    denoiser.disable_cache()
+                for denoiser in self.denoisers:
+                    if getattr(denoiser, "is_cache_enabled", False):
+                        denoiser.disable_cache()
                 failure = f"enabling First-Block-Cache failed ({quantize.first_line(exc)}); rolled back"
         if failure is not None:
             was = self.plan["step_cache"]

@@ -44,9 +44,15 @@ def choose_workflow(
     if not image:
         if mask:
             raise UnsupportedWorkflow("mask_image was given without image; inpainting needs both (--image, --mask)")
-        return "txt2img", family.workflows_of(checkpoint).get("txt2img")
+        served = family.workflows_of(checkpoint)
+        if family.output == "frames" and "txt2img" not in served:  # an image-to-video checkpoint needs its image
+            label = (checkpoint or family.default_checkpoint).label
+            raise UnsupportedWorkflow(f"{label} needs an input image (it serves: {', '.join(sorted(served))}); "
+                                      "give image (--image)")
+        return "txt2img", served.get("txt2img")
     served = family.workflows_of(checkpoint)
-    workflow: Workflow = "inpaint" if mask else ("edit" if "edit" in served else "img2img")
+    workflow: Workflow = "inpaint" if mask else (
+        "edit" if "edit" in served else "img2vid" if family.output == "frames" else "img2img")
     if workflow not in served:
         label = (checkpoint or family.default_checkpoint).label
         offered = ", ".join(sorted(served)) or "text-to-image only"

@@ -2,7 +2,7 @@
 
 Routes mirror the Python facade (families, images info / plan / load /
 generate / status / unload, training info / start / status / stop / cancel / runs),
-plus OpenAI-compatible ``POST /v1/images/generations`` and ``/v1/images/edits`` on the loaded
+plus OpenAI-compatible ``POST /v1/images/generations``, ``/v1/images/edits`` and ``/v1/videos`` on the loaded
 pipeline, so existing clients work unchanged. The web page is served at ``/``
 (:mod:`engine.server.pages`), with listings of the roots and a run's files
 (:mod:`engine.server.browse`) for it to pick from.
@@ -50,11 +50,12 @@ from engine.server.jobs import JobQueue, QueueFull
 from engine.server.pages import PUBLIC_PATHS, PUBLIC_PREFIXES, add_pages
 from engine.server.settings import ServerSettings, allowed_hosts
 from engine.server.training_routes import training_router
+from engine.server.video_routes import videos_router
 
 __all__ = ["ServerSettings", "create_app"]
 
-#: The routes whose POST takes a multipart upload (OpenAI's edits, dataset images).
-FORM_PATHS = re.compile(rf"/v1/images/edits|{UPLOAD_PATHS.pattern}")
+#: The routes whose POST takes a multipart upload (OpenAI's edits and videos, dataset images).
+FORM_PATHS = re.compile(rf"/v1/images/edits|/v1/videos|{UPLOAD_PATHS.pattern}")
 
 
 class ErrorBody(BaseModel):
@@ -108,6 +109,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     app.include_router(images_router(engine, confined, queue))
     app.include_router(openai_images_router(engine, confined, queue, hosted))
     app.include_router(training_router(engine, confined))
+    app.include_router(videos_router(engine, queue))
     app.include_router(jobs_router(queue, engine, confined.generate))
     app.include_router(browse_router(engine, settings))
     app.include_router(datasets_router(engine, settings))

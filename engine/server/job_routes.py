@@ -38,7 +38,7 @@ __all__ = ["EVENT_PATHS", "jobs_router", "queue_full", "run_job"]
 #: Seconds between checks that a waiting client is still connected.
 DISCONNECT_POLL_S = 0.25
 #: The routes that also take the token as ``?token=`` (``EventSource`` cannot send headers).
-EVENT_PATHS = re.compile(r"/v1/images/jobs/[^/]+/events|/v1/training/events")
+EVENT_PATHS = re.compile(r"/v1/images/jobs/[^/]+/events|/v1/videos/[^/]+/events|/v1/training/events")
 
 
 def jobs_router(queue: JobQueue, engine: Any, prepare: Callable[[GenerateBody], GenerateBody]) -> APIRouter:

@@ -154,6 +154,10 @@ class Job:
     #: Fired on every change (state, position, step).
     signal: Signal = field(default_factory=Signal)
     position: int | None = None
+    #: ``images`` or ``video`` (a clip through ``engine.videos``; the OpenAI videos API's jobs).
+    kind: str = "images"
+    #: A finished clip: its MP4, thumbnail PNG and spritesheet PNG bytes, its shape and snap note.
+    video: dict[str, Any] | None = None
 
     @property
     def prompt(self) -> str:
@@ -208,7 +212,8 @@ class JobQueue:
 
     # -- clients ----------------------------------------------------------------------
 
-    def submit(self, body: GenerateBody, inputs: Mapping[str, bytes] | None = None) -> Job:
+    def submit(self, body: GenerateBody, inputs: Mapping[str, bytes] | None = None, *,
+               kind: str = "images", note: str = "") -> Job:
         """Queue a generate; :class:`QueueFull` when ``size`` jobs already wait,
         ``not_loaded`` when there is no pipeline to queue for. ``inputs``: images
         uploaded inline, in place of the body's path fields of those names."""
@@ -216,7 +221,7 @@ class JobQueue:
         if model is None:
             raise EngineError("no image pipeline is loaded; load one first (POST /v1/images/load)", code="not_loaded")
         job = Job(f"j-{next(self._ids)}-{secrets.token_hex(6)}{self._suffix}", body, dict(inputs or {}), model,
-                  steps=body.steps or 0)
+                  steps=body.steps or 0, kind=kind, video={"note": note} if kind == "video" else None)
         with self._lock:
             if len(self._waiting) >= self.size:
                 retry = self._retry_after()
@@ -272,6 +277,16 @@ class JobQueue:
                 return {"state": "idle", "step": 0, "steps": 0}
             return {"state": job.state, "step": job.step, "steps": job.steps, "id": job.id}
 
+    def delete(self, job_id: str) -> Job:
+        """Forget a job and its files (a running one is cancelled first, then forgotten as it ends)."""
+        job = self.cancel(job_id)
+        with self._lock:
+            self._jobs.pop(job.id, None)
+            if job in self._finished:
+                self._finished.remove(job)
+            job.images, job.video = [], None
+        return job
+
     def drop_result(self, job: Job) -> None:
         """Forget a delivered result (a waiting route already sent the images)."""
         with self._lock:
@@ -304,9 +319,15 @@ class JobQueue:
             if self._loaded_model() != job.model:
                 raise ModelChanged("the pipeline this job was queued for was unloaded or replaced before its turn; "
                                    "load the model again and resubmit")
-            images = self._engine.images.generate(job.body, progress=lambda d, t: self._step(job, d, t),
-                                                  cancel=job.cancel, **job.inputs)
-            encoded = [_png_b64(image) for image in images]
+            if job.kind == "video":
+                clip = self._engine.videos.generate(job.body, progress=lambda d, t: self._step(job, d, t),
+                                                    cancel=job.cancel, **job.inputs)
+                job.video = {**(job.video or {}), **clip.files()}
+                encoded: list[str] = []
+            else:
+                images = self._engine.images.generate(job.body, progress=lambda d, t: self._step(job, d, t),
+                                                      cancel=job.cancel, **job.inputs)
+                encoded = [_png_b64(image) for image in images]
         except Cancelled as error:
             self._end(job, "cancelled", error)
         except EngineError as error:
@@ -349,7 +370,7 @@ class JobQueue:
             if held <= self._kept_bytes:
                 break
             held -= _size(old)
-            old.images = []
+            old.images, old.video = [], None
         job.signal.fire()
 
     def _renumber(self) -> None:
@@ -367,7 +388,9 @@ class JobQueue:
 
 
 def _size(job: Job) -> int:
-    return sum(len(image) for image in job.images)
+    files = job.video or {}
+    return sum(len(image) for image in job.images) + sum(len(v) for v in files.values() if isinstance(v, bytes))
+
 
 
 def _png_b64(image: Any) -> str:

@@ -4,6 +4,7 @@
     ticket = engine.images.check_load("./my-model")   # every check, nothing loaded
     engine.images.load(ticket)
     images = engine.images.generate("a lighthouse at dusk", steps=20)
+    clip = engine.videos.generate("waves at dawn", frames=81)     # a video model: one clip
     run = engine.training.start({"base_model": "./my-model", "dataset_dir": "./cats"})
     engine.datasets.list(); engine.catalog.families()
 
@@ -48,6 +49,7 @@ from engine.service.machine import Machine
 from engine.service.residency import Residency, Resident
 from engine.service.slot import PIPELINE, TRAINER, JobSlot
 from engine.service.training import Training
+from engine.service.videos import Videos
 
 __all__ = ["Busy", "Cancelled", "Engine", "PIPELINE", "TRAINER"]
 
@@ -124,6 +126,8 @@ class Engine:
         self.machine = Machine(hardware, self.residency, held=lambda: self.images.held())
         consent = lambda: self.allow_download  # noqa: E731 - read at each check: an app may change it
         self.images = Images(self.registry, self.machine, self.slot, allow_download=consent)
+        #: Clips from a loaded video model: the same pipeline slot as ``images``.
+        self.videos = Videos(self.images)
         self.training = Training(self.registry, self.machine, self.slot, self.runs_dir,
                                  allow_download=consent, drop_pipeline=self.images.drop)
         self.datasets = Datasets(self.dataset_roots, self.runs_dir, lambda: self.training.current)

@@ -36,6 +36,7 @@ from engine.service.machine import Machine, capabilities
 from engine.service.residency import Resident
 from engine.service.slot import PIPELINE, JobSlot
 from engine.service.tickets import LoadTicket, stamp_files, ticket_files
+from engine.policy.video import check_output
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -267,6 +268,14 @@ class Images:
         concurrent generates queue on a lock rather than being refused.
         ``cancel``, set from any thread, stops the call with :class:`Cancelled`
         before it starts or after the running step; :meth:`cancel` sets it."""
+        return self.run("images", prompt, progress=progress, loras=loras, cancel=cancel, **options)
+
+    def run(self, output: str, prompt: str | GenerateBody, *, progress: Callable[[int, int], None] | None = None,
+            loras: Sequence[LoraLike] | None = None, cancel: threading.Event | None = None,
+            **options: object) -> list[Any]:
+        """The generate both doors share (``engine.images`` and ``engine.videos``): the loaded
+        pipeline's outputs, refused (``wrong_output``) where its family's ``output`` is not
+        ``output`` (a video model asked for images through the images door, say)."""
         from engine.runtime.engines import fall_back_from
         from engine.runtime.sdcpp import SdcppFailed
         from engine.runtime.session import GenerateRequest
@@ -288,6 +297,7 @@ class Images:
                 session = self._session
                 if session is None:
                     raise EngineError("no image pipeline is loaded; load one first", code="not_loaded")
+                check_output(session.source.family, output)
                 files = None if loras is None else read_loras(lora_choices(loras))
                 if cancel.is_set():
                     raise Cancelled("the generate was cancelled before it started")

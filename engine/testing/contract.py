@@ -103,7 +103,30 @@ class FamilyContract:
         assert all(reason for _, reason in family.precision.fp16_unsafe), (
             "a family unsafe in fp16 must say why"
         )
-        assert family.runtime_module.split(".")[0].isidentifier()
+        # No runtime module is the field's default (the pipeline encodes its own prompts).
+        assert not family.runtime_module or family.runtime_module.split(".")[0].isidentifier()
+        self.check_output_kind(family)
+
+    def check_output_kind(self, family: FamilySpec) -> None:
+        """A video family says how its clips are shaped, checkpoint by checkpoint."""
+        from engine.contract.types import OUTPUT_KINDS
+
+        assert family.output in OUTPUT_KINDS, f"output {family.output!r} is not one of {OUTPUT_KINDS}"
+        if family.output == "images":
+            assert family.video is None and all(c.video is None for c in family.checkpoints), (
+                "an image family declares no VideoSpec; set output='frames' for a video family"
+            )
+            return
+        for checkpoint in family.checkpoints:
+            video = family.video_of(checkpoint)
+            assert video is not None, f"{checkpoint.name}: a frames family declares its VideoSpec"
+            assert video.in_range(video.default_frames)
+            for width, height in video.presets:
+                assert width % video.size_multiple == 0 and height % video.size_multiple == 0, (
+                    f"{checkpoint.name}: preset {width}x{height} is off its size multiple {video.size_multiple}")
+                token = family.geometry_of(checkpoint).token_pixels
+                assert width % token == 0 and height % token == 0, (
+                    f"{checkpoint.name}: preset {width}x{height} is not whole tokens of {token} px")
 
     def test_checkpoint_patterns_match_repo_ids(self, family: FamilySpec) -> None:
         for checkpoint in family.checkpoints:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine.errors import EngineError
 from engine.contract.plugins import Registry
@@ -49,10 +50,17 @@ def run_model(
         folder = folder or registry.build_tiny_pipeline(family, workdir / "tiny")
         report.stages.append(stage)
         stage = "load and generate through the engine"
-        engine, base = _load_and_generate(registry, folder, family, size, steps)
+        if family.output == "frames":
+            stage = "load and render a clip through the engine, written as MP4 and decoded"
+            engine, base = _load_and_render(registry, folder, family, size, steps, workdir)
+        else:
+            engine, base = _load_and_generate(registry, folder, family, size, steps)
         status = engine.status()["pipeline"]
         report.plan, report.capabilities = status["plan"], status["capabilities"]  # type: ignore[index]
         report.stages.append(stage)
+        if registry.training_objective(family) is None:  # not trainable: nothing more to claim
+            engine.images.unload()
+            return report
         stage = "train 2 LoRA steps"
         report.lora = _train(registry, family, folder, workdir, report)
         report.stages.append(stage)
@@ -73,7 +81,7 @@ def run_model(
 
 def _load_and_generate(
     registry: Registry, folder: Path, family: FamilySpec, size: int, steps: int
-) -> tuple[object, bytes]:
+) -> tuple[Any, bytes]:
     from engine.hardware.probe import probe
     from engine.requests.inference import InferenceRequest
     from engine.service.facade import Engine
@@ -88,6 +96,35 @@ def _load_and_generate(
     if low == high:
         raise AssertionError("the generated image is a single flat colour")
     return engine, _pixels(images[0])
+
+
+def _load_and_render(
+    registry: Registry, folder: Path, family: FamilySpec, size: int, steps: int, workdir: Path
+) -> tuple[Any, bytes]:
+    """A video family's run: the shortest clip of more than one latent frame, at ``size``,
+    through ``engine.videos``; the MP4 it writes decodes to the frames, size and fps asked."""
+    from engine.hardware.probe import probe
+    from engine.requests.inference import InferenceRequest
+    from engine.runtime.video_files import read_mp4
+    from engine.service.facade import Engine
+
+    engine = Engine(registry=registry, hardware=probe(verify=False))
+    engine.images.load(str(folder), family=family.name, request=InferenceRequest(width=size, height=size,
+                                                                                  compile="off"))
+    session = engine.images.session
+    assert session is not None
+    spec = family.video_of(session.source.checkpoint)
+    assert spec is not None, "a family whose output is frames declares its VideoSpec (FamilySpec.video)"
+    frames = spec.snap(spec.frame_offset + spec.frame_step)
+    clip = engine.videos.generate(KIT_PROMPT, frames=frames, steps=steps, width=size, height=size, seed=0)
+    decoded, fps = read_mp4(clip.save(workdir / "clip.mp4"))
+    if len(decoded) != frames or decoded[0].size != (size, size) or round(fps) != spec.fps:
+        raise AssertionError(f"the MP4 holds {len(decoded)} frames of {decoded[0].size if decoded else None} at "
+                             f"{fps} fps, not {frames} of {size}x{size} at {spec.fps}")
+    low, high = clip.frames[0].convert("L").getextrema()
+    if low == high:
+        raise AssertionError("the rendered clip's first frame is a single flat colour")
+    return engine, b"".join(_pixels(frame) for frame in clip.frames)
 
 
 def _train(registry: Registry, family: FamilySpec, folder: Path, workdir: Path, report: RunReport) -> Path:

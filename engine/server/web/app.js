@@ -1,4 +1,4 @@
-// diffusion-engine web page, part 5 of 5: wiring the controls once the page is parsed.
+// diffusion-engine web page, part 6 of 6: wiring the controls once the page is parsed.
 // Every call carries the token the person signed in with (sessionStorage: this tab only).
 "use strict";
 
@@ -19,6 +19,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#gen-cancel").addEventListener("click", () => guarded($("#generate"), async () => {
     if (state.job) await api("DELETE", `/v1/images/jobs/${encodeURIComponent(state.job)}`);
   }));
+  $("#vid-form").addEventListener("submit", renderVideo);
   $("#ds-new").addEventListener("submit", newDataset);
   $("#ds-upload").addEventListener("submit", uploadImages);
   $("#train-base").addEventListener("change", precisionChoices);

@@ -1,4 +1,4 @@
-// diffusion-engine web page, part 2 of 5: the Machine and Generate pages.
+// diffusion-engine web page, part 2 of 6: the Machine and Generate pages.
 "use strict";
 
 // -- Machine ---------------------------------------------------------------------------------------
@@ -114,9 +114,12 @@ function streamUrl(path) {
 
 /** Follow a generate job over its event stream until it ends; its final JSON (images included).
  *  Should the stream break, the job is polled instead. */
-function followJob(job, onProgress) {
+function followJob(job, onProgress, kind = "images") {
+  // A video job streams at /v1/videos/{id}/events; polled, its job record is the image queue's own.
+  const events = kind === "videos" ? `/v1/videos/${encodeURIComponent(job.id)}/events`
+    : `/v1/images/jobs/${encodeURIComponent(job.id)}/events`;
   return new Promise((resolve, reject) => {
-    const stream = new EventSource(streamUrl(`/v1/images/jobs/${encodeURIComponent(job.id)}/events`));
+    const stream = new EventSource(streamUrl(events));
     const poll = async () => {
       try {
         let current = await api("GET", `/v1/images/jobs/${encodeURIComponent(job.id)}`);

@@ -1,0 +1,128 @@
+"""A clip's shape, decided before anything loads: frames on the lattice, a size the model takes.
+
+Torch-free. A video VAE compresses time by ``frame_step`` after a first frame of
+its own, so a frame count off ``k * step + offset`` cannot be encoded (diffusers
+rounds it silently; the engine refuses it and names the nearest valid counts).
+A size is a multiple of the family's ``size_multiple`` no larger in area than
+its largest preset (beyond what it was trained at, clips fall apart). The
+OpenAI face speaks seconds: :func:`frames_for_seconds` snaps them onto the
+lattice and says it did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.contract.types import Checkpoint, FamilySpec, VideoSpec
+from engine.errors import EngineError
+
+
+class InvalidVideoShape(EngineError):
+    """A frame count or size the family's VAE and denoiser cannot take."""
+
+    code = "invalid_video_shape"
+    http_status = 422
+
+
+@dataclass(frozen=True)
+class VideoShape:
+    """A clip's shape as it will render, and the tokens the denoiser sees for it."""
+
+    frames: int
+    width: int
+    height: int
+    fps: int
+    latent_frames: int
+    tokens: int
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.fps
+
+    def to_dict(self) -> dict[str, object]:
+        return {"frames": self.frames, "width": self.width, "height": self.height, "fps": self.fps,
+                "seconds": round(self.seconds, 3), "latent_frames": self.latent_frames, "tokens": self.tokens}
+
+
+def video_spec(family: FamilySpec, checkpoint: Checkpoint | None) -> VideoSpec:
+    """The checkpoint's clip rules; a family without any is refused (it renders images)."""
+    spec = family.video_of(checkpoint)
+    if spec is None or family.output != "frames":
+        raise EngineError(f"{family.label} renders images, not video; generate images with it "
+                          "(engine.images, no --frames)", code="wrong_output")
+    return spec
+
+
+def check_output(family: FamilySpec, output: str) -> None:
+    """Refuse a request through the door that does not serve the family's output kind."""
+    if family.output == output:
+        return
+    if family.output == "frames":
+        raise EngineError(f"{family.label} renders video; generate with engine.videos.generate "
+                          "(the CLI writes an .mp4 with -o clip.mp4; POST /v1/videos)", code="wrong_output")
+    raise EngineError(f"{family.label} renders images, not video; generate with engine.images.generate "
+                      "(drop --frames / --fps)", code="wrong_output")
+
+
+def presets_text(spec: VideoSpec) -> str:
+    return ", ".join(f"{w}x{h}" for w, h in spec.presets)
+
+
+def video_shape(family: FamilySpec, checkpoint: Checkpoint | None, *, frames: int | None = None,
+                width: int | None = None, height: int | None = None, fps: int | None = None) -> VideoShape:
+    """The clip a request renders (its defaults from the checkpoint), or :class:`InvalidVideoShape`."""
+    spec = video_spec(family, checkpoint)
+    label = (checkpoint or family.default_checkpoint).label
+    count = spec.default_frames if frames is None else frames
+    if not spec.in_range(count):
+        nearest = " and ".join(str(n) for n in spec.nearest(count))
+        why = (f"its VAE compresses time by {spec.frame_step}, so a frame count must be {spec.lattice}"
+               if not spec.on_lattice(count) else f"its clips run {spec.min_frames} to {spec.max_frames} long")
+        raise InvalidVideoShape(f"frames {count}: {label} cannot render that clip ({why}); "
+                                f"the nearest valid counts are {nearest}")
+    default_w, default_h = spec.default_size
+    w = width or (default_w if height is None else _other_side(height, spec, default_w, default_h))
+    h = height or (default_h if width is None else _other_side(width, spec, default_h, default_w))
+    multiple = spec.size_multiple
+    if w % multiple or h % multiple:
+        raise InvalidVideoShape(f"size {w}x{h}: {label} takes sides in multiples of {multiple} "
+                                f"(its presets: {presets_text(spec)})")
+    if w * h > spec.max_area:
+        raise InvalidVideoShape(f"size {w}x{h} is beyond what {label} was trained at "
+                                f"(its presets: {presets_text(spec)}); choose one of them or a smaller size")
+    geometry = family.geometry_of(checkpoint)
+    latent = spec.latent_frames(count)
+    return VideoShape(frames=count, width=w, height=h, fps=fps or spec.fps, latent_frames=latent,
+                      tokens=geometry.image_tokens(w, h) * latent)
+
+
+def _other_side(given: int, spec: VideoSpec, default_this: int, default_given: int) -> int:
+    """One side given: the other keeps the default preset's aspect, on the multiple."""
+    multiple = spec.size_multiple
+    return max(multiple, round(given * default_this / default_given / multiple) * multiple)
+
+
+@dataclass(frozen=True)
+class SnappedFrames:
+    """Seconds asked for, as frames on the lattice at the family's fps."""
+
+    frames: int
+    asked_frames: float
+    fps: int
+
+    @property
+    def snapped(self) -> bool:
+        return self.frames != self.asked_frames
+
+    def note(self) -> str:
+        return (f"{self.asked_frames:g} frames at {self.fps} fps snapped to {self.frames} "
+                "(the frame lattice and range)" if self.snapped else "")
+
+
+def frames_for_seconds(family: FamilySpec, checkpoint: Checkpoint | None, seconds: float,
+                       fps: int | None = None) -> SnappedFrames:
+    """``seconds`` of clip at ``fps`` (the checkpoint's by default), snapped onto the lattice and range."""
+    spec = video_spec(family, checkpoint)
+    rate = fps or spec.fps
+    asked = seconds * rate + (1 if spec.frame_offset else 0)  # n frame intervals hold n + 1 frames
+    return SnappedFrames(frames=spec.snap(round(asked)), asked_frames=asked, fps=rate)

@@ -1,0 +1,20 @@
+"""Entry point of the Wan family plugin: registers its table.
+
+Every per-concern hook is answered from the table by the engine's built-in
+table plugin (the output kind, the lattice, the second expert's guidance
+included); this module adds code only where a table cannot say it.
+"""
+
+from collections.abc import Callable
+
+from engine.contract.hookspecs import hookimpl
+from engine.contract.types import FamilySpec
+from families.wan.table import WAN
+
+#: The plugin API this plugin is written for (engine.contract.plugin_api).
+ENGINE_PLUGIN_API = 1
+
+
+@hookimpl
+def engine_register_families(register: Callable[[FamilySpec], None]) -> None:
+    register(WAN)

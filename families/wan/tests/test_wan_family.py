@@ -1,0 +1,78 @@
+"""The wan plugin: the contract (its video run included), its table's specifics, both experts."""
+
+from pathlib import Path
+
+import pytest
+
+from engine.contract.plugins import Registry
+from engine.policy.video import InvalidVideoShape, frames_for_seconds, video_shape
+from engine.testing import FamilyContract
+
+
+class TestWanContract(FamilyContract):
+    family_name = "wan"
+
+
+def test_each_variant_has_its_clip_rules(engine_registry: Registry) -> None:
+    wan = engine_registry.family("wan")
+    ti2v = wan.checkpoint("Wan-AI/Wan2.2-TI2V-5B-Diffusers")
+    a14b = wan.checkpoint("wan2.2-t2v-a14b")
+    small = wan.checkpoint("/models/Wan2.1-T2V-1.3B-Diffusers")
+    assert (wan.video_of(ti2v).fps, wan.video_of(ti2v).default_frames, wan.video_of(ti2v).size_multiple) == (24, 121, 32)
+    assert wan.geometry_of(ti2v).token_pixels == 32 and wan.geometry_of(small).token_pixels == 16
+    assert (wan.video_of(small).fps, wan.video_of(small).presets[0]) == (16, (832, 480))
+    assert a14b.expert_guidance == 3.0 and "transformer_2" in wan.denoisers
+    assert dict(wan.workflows_of(ti2v)) == {"txt2img": "WanPipeline", "img2vid": "WanImageToVideoPipeline"}
+
+
+def test_the_shape_gate_names_the_nearest_counts_and_the_presets(engine_registry: Registry) -> None:
+    wan = engine_registry.family("wan")
+    small = wan.checkpoint("wan2.1-t2v-1.3b")
+    with pytest.raises(InvalidVideoShape, match="frames 80: .*4k\\+1.*the nearest valid counts are 77 and 81") as off:
+        video_shape(wan, small, frames=80)
+    assert off.value.status == 422
+    with pytest.raises(InvalidVideoShape, match="multiples of 16.*832x480, 480x832"):
+        video_shape(wan, small, width=840, height=480)
+    with pytest.raises(InvalidVideoShape, match="beyond what Wan 2.1 T2V-1.3B was trained at"):
+        video_shape(wan, small, width=1280, height=720)
+    shape = video_shape(wan, small)
+    assert (shape.frames, shape.width, shape.height, shape.fps, shape.latent_frames) == (81, 832, 480, 16, 21)
+    assert shape.tokens == 21 * (832 // 16) * (480 // 16)
+
+
+def test_seconds_become_frames_on_the_lattice(engine_registry: Registry) -> None:
+    wan = engine_registry.family("wan")
+    assert frames_for_seconds(wan, wan.checkpoint("wan2.1-t2v-1.3b"), 5).frames == 81  # 5 s at 16 fps
+    snapped = frames_for_seconds(wan, wan.checkpoint("wan2.2-ti2v-5b"), 4.1)  # 4.1 s x 24 + 1 = 99.4
+    assert snapped.frames == 97 and snapped.snapped and "snapped to 97" in snapped.note()
+    assert frames_for_seconds(wan, wan.checkpoint("wan2.2-ti2v-5b"), 12).frames == 121  # capped at the range
+
+
+@pytest.mark.slow
+def test_two_experts_render_and_each_denoises(tmp_path: Path, engine_registry: Registry) -> None:
+    """The A14B shape: both experts run (the second below the boundary), and int8 quantises both."""
+    from engine.hardware.probe import probe
+    from engine.requests.inference import InferenceRequest
+    from engine.service.facade import Engine
+    from families.wan.tiny import build_tiny_two_experts
+
+    folder = build_tiny_two_experts(tmp_path / "Wan2.2-T2V-A14B-tiny")
+    engine = Engine(registry=engine_registry, hardware=probe(verify=False))
+    engine.images.load(str(folder), request=InferenceRequest(quant="int8", width=64, height=64))
+    pipe = engine.images.session.pipeline
+    calls = {"transformer": 0, "transformer_2": 0}
+    for name in calls:
+        getattr(pipe, name).register_forward_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
+    clip = engine.videos.generate("a red fox", frames=5, width=64, height=64, steps=4, seed=1)
+    assert len(clip.frames) == 5 and clip.recipe["checkpoint"] == "wan2.2-t2v-a14b"
+    assert calls["transformer"] > 0 and calls["transformer_2"] > 0, calls
+    cached = [getattr(getattr(pipe, name), "is_cache_enabled", False) for name in calls]
+    assert cached in ([True, True], [False, False]), f"the step cache reached one expert only: {cached}"
+    assert cached[0] == (engine.images.loaded_plan().value("step_cache") == "fbcache")  # type: ignore[union-attr]
+    assert engine.status()["pipeline"]["quantised_layers"] >= 2 * 4  # type: ignore[index]
+    from torchao.utils import TorchAOBaseTensor
+
+    for name in calls:
+        weight = getattr(pipe, name).blocks[0].attn1.to_q.weight
+        assert isinstance(weight, TorchAOBaseTensor), f"{name} was not quantised"
+    engine.images.unload()
