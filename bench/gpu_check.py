@@ -133,6 +133,12 @@ def _zimage_conditioning(config: Mapping[str, Any], tokens: int, batch: int) -> 
     }
 
 
+def _wan_conditioning(config: Mapping[str, Any], tokens: int, batch: int) -> dict[str, Any]:
+    import torch
+
+    return {"prompt_embeds": torch.randn(batch, tokens, config["text_dim"])}
+
+
 def _sdxl_conditioning(config: Mapping[str, Any], tokens: int, batch: int) -> dict[str, Any]:
     import torch
 
@@ -152,7 +158,17 @@ SHEETS: Mapping[str, Sheet] = {
     "zimage": Sheet({}, 128, _zimage_conditioning, lambda c: c["in_channels"]),
     # SDXL base 1.0 UNet.
     "sdxl": Sheet(dict(SDXL_UNET), 77, _sdxl_conditioning, lambda c: c["in_channels"]),
+    # Wan 2.2 TI2V-5B (the tiny pipeline's shape: the 48-channel Wan 2.2 VAE): 30 blocks, 3072
+    # wide, UMT5-XXL's 4096-wide text. A video family runs whole through the engine's
+    # generate (its pipeline encodes the prompt); the conditioning is the shape its encoder gives.
+    "wan": Sheet({"num_attention_heads": 24, "attention_head_dim": 128, "in_channels": 48, "out_channels": 48,
+                  "text_dim": 4096, "ffn_dim": 14336, "num_layers": 30, "freq_dim": 256, "patch_size": [1, 2, 2],
+                  "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6},
+                 512, _wan_conditioning, lambda c: c["in_channels"]),
 }
+#: A video case's clip on a GPU (frames, width, height): on the lattice, within TI2V's presets.
+GPU_CLIP = (33, 640, 352)
+TINY_CLIP = (5, 64, 64)
 #: Prompt tokens in --tiny mode (the tiny Z-Image's rope tables are short).
 TINY_TEXT_TOKENS = 8
 
@@ -213,6 +229,13 @@ INFERENCE_PATHS = (
     ("dense+attention:sage", {"attention": "sage"}, 19),
     ("dense+attention:xformers", {"attention": "xformers"}, 19),
 )
+#: A video family's paths: its clip rendered whole by the engine (the pipeline's own prompt
+#: encoding, the VAE's tiled decode), dense, int8 on both experts, and offloaded.
+VIDEO_PATHS = (
+    ("video", {}, 3),
+    ("video+int8", {"scheme": "int8"}, 5),
+    ("video+model_offload", {"memory": "model_offload"}, 16),
+)
 #: Spec families first, then the rest in registry order.
 FAMILY_ORDER = ("flux", "zimage", "qwen_image", "sdxl")
 
@@ -222,6 +245,9 @@ def all_cases(registry: Registry, families: list[str]) -> list[Case]:
     cases: list[Case] = []
     for family_name in families:
         family = registry.family(family_name)
+        if family.output == "frames":  # a clip through the engine's generate, dense and int8
+            cases += [Case(family_name, "inference", path, rank, **fields) for path, fields, rank in VIDEO_PATHS]  # type: ignore[arg-type]
+            continue
         training = TRAINING_PATHS if family.training.base_precision_applies else SINGLE_MODE_TRAINING
         for path, mode, compiled, static, rank in training:
             if static and family_name not in SPEC_DYNAMIC:
@@ -315,9 +341,13 @@ def check_inference(case: Case, plan: Plan, settings: Settings) -> None:
 
 
 def inference_request(case: Case, settings: Settings) -> InferenceRequest:
+    clip = {}
+    if case.path.startswith("video"):
+        frames, width, height = TINY_CLIP if settings.tiny else GPU_CLIP
+        clip = {"frames": frames, "width": width, "height": height}
     return InferenceRequest(
         quant=case.scheme, memory=case.memory, compile=case.compile,
-        attention=case.attention, step_cache="off", steps=settings.infer_steps,
+        attention=case.attention, step_cache="off", steps=settings.infer_steps, **clip,  # type: ignore[arg-type]
     )
 
 
@@ -585,7 +615,7 @@ class Runner:
         if not settings.spawn:
             # Each family's tiny-pipeline module imports its pipeline and encoder classes.
             modules = [f.tiny_pipeline.partition(":")[0] for f in families if f.tiny_pipeline]
-            modules += [f.runtime_module for f in families]
+            modules += [f.runtime_module for f in families if f.runtime_module]
             self.context.set_forkserver_preload([*self.PRELOAD, *modules])
 
     @property
@@ -839,10 +869,25 @@ class BenchModel:
             denoiser = to_nf4(denoiser, dtype, self.device)
         index = json.loads((self.folder / "model_index.json").read_text(encoding="utf-8"))
         parts: dict[str, Any] = {name: None for name in index if name.startswith(("text_encoder", "tokenizer"))}
+        if self.family.output == "frames":  # its pipeline encodes the prompt: a 1-layer encoder of the real width
+            parts = {"text_encoder": self.wide_encoder(dtype)}
         parts[self.family.denoiser] = denoiser
         pipe = DiffusionPipeline.from_pretrained(self.folder, dtype=dtype, **parts)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def wide_encoder(self, dtype: Any) -> Any:
+        """The tiny pipeline's text encoder class, one layer deep, as wide as the denoiser's
+        text input (``text_dim``): the real prompt shape at a fraction of the encoder's weights."""
+        import transformers
+
+        config = json.loads((self.folder / "text_encoder" / "config.json").read_text(encoding="utf-8"))
+        cls = getattr(transformers, config["architectures"][0])
+        if not self.settings.tiny:
+            config.update(d_model=int(self.config["text_dim"]), num_layers=1, d_kv=64, num_heads=64, d_ff=1024)
+        encoder = cls(cls.config_class.from_dict(config)).to(dtype).eval()
+        encoder.requires_grad_(False)
+        return encoder
 
     def conditioning(self, batch: int, device: str, dtype: Any) -> dict[str, Any]:
         import torch
@@ -938,7 +983,8 @@ def run_inference_case(case: Case, bench: BenchModel, settings: Settings, row: R
         final = session.plan
         if final["attention_backend"].value != plan["attention_backend"].value:
             row.status, row.message = "fallback", str(final["attention_backend"].reason)
-        speed, finite, warm_s = denoise(session, bench, settings, str(plan.value("dtype")), plan.device)
+        render = render_clip if family.output == "frames" else denoise
+        speed, finite, warm_s = render(session, bench, settings, str(plan.value("dtype")), plan.device)
         row.steps_per_s, row.finite = round(speed, 3), finite
         row.details["warmup_s"] = round(warm_s, 2)
         row.peak_gb, row.peak_source = bench.peak()
@@ -963,6 +1009,29 @@ def denoiser_estimate(plan: Plan) -> tuple[float, str]:
         gb = parts.transformer_gb + estimate.overhead_gb
         return round(gb, 2), f"{mode}: transformer {parts.transformer_gb:.2f} + overhead {estimate.overhead_gb:.2f} GB"
     return round(estimate.overhead_gb, 2), f"{mode}: overhead {estimate.overhead_gb:.2f} GB (blocks streamed)"
+
+
+def render_clip(
+    session: Any, bench: BenchModel, settings: Settings, dtype_name: str, device: str
+) -> tuple[float, bool, float]:
+    """A video family: one warm-up clip, then one timed clip through the engine's own generate
+    (the lattice, the second expert, the tiled fp32 decode); steps/s between the first and the
+    last step's callback. Finite: every frame is not one flat colour (NaNs decode to black)."""
+    from engine.runtime.session import GenerateRequest
+
+    frames, width, height = TINY_CLIP if settings.tiny else GPU_CLIP
+    request = GenerateRequest("a red fox running through snow", steps=settings.infer_steps, width=width,
+                              height=height, frames=frames, seed=0)
+    started = time.perf_counter()
+    session.generate(GenerateRequest(request.prompt, steps=2, width=width, height=height, frames=frames, seed=0))
+    warm_s = time.perf_counter() - started
+    stamps: list[float] = []
+    clips = session.generate(request, lambda done, total: stamps.append(time.perf_counter()))
+    steps_s = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+    clip = clips[0]
+    finite = len(clip) == frames and all(frame.convert("L").getextrema()[0] != frame.convert("L").getextrema()[1]
+                                         for frame in clip)
+    return steps_s, finite, warm_s
 
 
 def denoise(

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from engine.contract.plugins import load_registry
-from engine.contract.types import FamilySpec, LatentGeometry
+from engine.contract.types import ActivationFigures, FamilySpec, LatentGeometry, LoraTargetShape, TrainingMemoryFigures
 from engine.policy.activations import ImageShape, denoiser_activation_gb, resolve_vae_tiling
 from engine.policy.training_memory import BaseFacts, TrainingShape, estimate_training_memory
 from engine.training.levers import resolution_shift
@@ -99,3 +99,48 @@ def test_the_memory_tool_feeds_the_denoiser_latents_of_the_familys_compression()
     at_256_dits, _ = memory_figures.measure_step(dits, dits.narrow, 256, 32, False)
     assert at_256.activations_peak == at_64.activations_peak  # the same 8x8-cell latent
     assert at_256.activations_peak < at_256_dits.activations_peak
+
+
+# -- the Sana case: a family whose geometry differs, measured ---------------------------------
+
+#: tests/sana_probe.py's figures, as `python -m engine.testing.memory_figures --derive` printed them.
+SANA_FIGURES = TrainingMemoryFigures(
+    activations=ActivationFigures(
+        block_per_image_token=105936.0, block_per_text_token=13504.0,
+        checkpointed_block_per_image_token=2240.0, checkpointed_block_per_text_token=0.0,
+        outside_per_image_token=10119.7, outside_per_text_token=1120.0, blocks=20, text_tokens=300,
+        checkpointed_outside_per_image_token=11360.0, checkpointed_outside_per_text_token=2240.0,
+    ),
+    lora_targets=tuple(LoraTargetShape(name, 2240, 2240, 40) for name in ("to_k", "to_out.0", "to_q", "to_v")),
+)
+
+
+def test_a_sana_lora_run_is_sized_from_its_own_tokens_not_an_8x_vae() -> None:
+    """The dry run's estimate for 1024 px on a 24 GB card: about 8 GB (Sana's 1024 tokens), not the
+    74 GB an 8x / patch-2 reading gave, so gradient checkpointing is not forced and bf16 runs."""
+    from engine.hardware.presets import PRESETS
+    from engine.policy.training import MemoryRequest, training_precision_preflight_error
+    from tests.sana_probe import sana_family
+
+    sana = sana_family(SANA_FIGURES)
+    base = BaseFacts(sana.training.dense_gb, sana.sizes.text_encoders_gb, sana.sizes.vae_gb)
+    shape = TrainingShape(resolution=1024, batch_size=1, lora_rank=16, gradient_checkpointing=False)
+    estimate = estimate_training_memory(sana, base, "bf16", shape)
+    assert sana.geometry.image_tokens(1024) == 1024
+    assert 4.0 < estimate.activations_gb < 6.0 and estimate.training_peak_gb < 12.0, estimate
+    memory = MemoryRequest(base, shape)
+    registry = REGISTRY
+    assert training_precision_preflight_error(registry, sana, PRESETS["rtx4090"], "bf16", memory=memory) is None
+
+
+@pytest.mark.slow
+def test_the_sana_estimate_is_within_ten_percent_of_a_measured_step() -> None:
+    """A full-size Sana 1.6B LoRA step at 1024 px, measured under fake tensors (every op at its real
+    shape, bytes counted), against the engine's estimate from the family's figures: within 10%."""
+    from engine.testing import memory_figures
+    from tests.sana_probe import sana_family
+
+    d = memory_figures.Denoiser.of(sana_family(SANA_FIGURES))
+    lines: list[str] = []
+    errors = memory_figures.check(d, "full", (1024,), lines.append)
+    assert len(errors) == 4 and max(errors) < 10.0, "\n".join(lines)

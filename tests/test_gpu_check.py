@@ -127,12 +127,15 @@ def test_real_size_configs_are_the_published_models() -> None:
     bench = load_bench()
     registry = load_registry()
     classes = {"flux": "FluxTransformer2DModel", "qwen_image": "QwenImageTransformer2DModel",
-               "zimage": "ZImageTransformer2DModel", "sdxl": "UNet2DConditionModel"}
+               "zimage": "ZImageTransformer2DModel", "sdxl": "UNet2DConditionModel", "wan": "WanTransformer3DModel"}
+    #: The checkpoint a sheet is (the family's default where not named): Wan's is TI2V-5B, the tiny's shape.
+    checkpoints = {"wan": "wan2.2-ti2v-5b"}
     for family, sheet in bench.SHEETS.items():
         with torch.device("meta"):
             model = getattr(diffusers, classes[family]).from_config(dict(sheet.config))
         gb = sum(p.numel() for p in model.parameters()) * 2 / 1e9
-        table = registry.family(family).sizes.transformer_gb
+        spec = registry.family(family)
+        table = registry.component_sizes(spec, spec.checkpoint(checkpoints.get(family, spec.default_checkpoint.name))).transformer_gb
         assert abs(gb - table) / table < 0.02, (family, gb, table)
         cond = sheet.conditioning(dict(model.config), sheet.text_tokens, 2)
         assert all(t.shape[0] == 2 for t in cond.values())
@@ -222,3 +225,23 @@ def test_ratios_put_the_measured_figures_beside_the_spec() -> None:
     assert found[("zimage", "training compile dynamic / static")]["measured"] == 1.5
     assert found[("zimage", "training compile dynamic / static")]["spec_b200"] == 1.66
     assert not any(family == "sdxl" for family, _ in found)  # no spec figure, nothing measured to compare
+
+
+@pytest.mark.slow
+def test_tiny_check_renders_a_wan_clip_through_the_engine(tmp_path: Path) -> None:
+    """The video case: the clip rendered whole by the engine's generate (dense and int8 on
+    the tiny Wan), with its speed, peak and the plan's estimate, as the GPU run will."""
+    report, table = run_check(tmp_path, "--families", "wan")
+    rows = rows_by_id(report)
+    assert [r["id"] for r in report["rows"]] == ["wan/inference/video", "wan/inference/video+int8",
+                                                 "wan/inference/video+model_offload"]
+    for path in ("video", "video+int8"):
+        row = rows[f"wan/inference/{path}"]
+        assert row["status"] == "ok", row["message"]
+        assert row["steps_per_s"] > 0 and row["finite"] is True
+        assert row["peak_gb"] > 0 and row["estimate_gb"] > 0
+    assert rows["wan/inference/video+int8"]["details"]["quantised_layers"] > 0
+    assert rows["wan/inference/video"]["details"]["plan"]["vae_tiling"]["value"] == 0  # video always tiles
+    offload = rows["wan/inference/video+model_offload"]
+    assert offload["status"] == "skipped" and "memory_mode resident" in offload["message"]
+    assert "wan/inference/video" in table
