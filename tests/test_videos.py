@@ -192,3 +192,26 @@ def test_a_doomed_video_request_evicts_nothing(tiny_pipeline: Callable[[str], Pa
         engine.videos.check_door(ticket, GenerateBody(prompt="a fox", **fields), video_file=model == "wan")
     assert refused.value.code == code, refused.value
     assert host.evicted == 0 and engine.images.session is None
+
+
+def test_one_refusal_through_every_door(served: tuple[str, Engine], wan: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A frame count off the lattice: the same code and the same words from Python, HTTP and the
+    CLI (each naming the field as its caller spells it), and nothing rendered by any."""
+    from engine.cli import main
+    from engine.errors import EngineError
+
+    url, engine = served
+    with pytest.raises(EngineError) as python:
+        engine.videos.generate("a fox", frames=80, steps=1)
+    http = httpx.post(f"{url}/v1/videos", data={"prompt": "a fox", "frames": "80"}, headers=AUTH).json()["error"]
+    capsys.readouterr()
+    status = main(["generate", "--model", str(wan), "--prompt", "a fox", "--frames", "80", "-o",
+                   str(tmp_path / "clip.mp4")])
+    cli = capsys.readouterr().err
+    words = "cannot render that clip (its VAE compresses time by 4, so a frame count must be 4k+1); " \
+            "the nearest valid counts are 77 and 81"
+    assert python.value.code == http["code"] == "invalid_video_shape" and status == 2
+    assert words in python.value.message and words in http["message"] and words in cli
+    assert python.value.message.startswith("frames=80: ") and "error[invalid_video_shape]: --frames 80" in cli
+    assert not (tmp_path / "clip.mp4").exists()

@@ -78,7 +78,7 @@ def video_shape(family: FamilySpec, checkpoint: Checkpoint | None, *, frames: in
         nearest = " and ".join(str(n) for n in spec.nearest(count))
         why = (f"its VAE compresses time by {spec.frame_step}, so a frame count must be {spec.lattice}"
                if not spec.on_lattice(count) else f"its clips run {spec.min_frames} to {spec.max_frames} long")
-        raise InvalidVideoShape(f"frames {count}: {label} cannot render that clip ({why}); "
+        raise InvalidVideoShape(f"frames={count}: {label} cannot render that clip ({why}); "
                                 f"the nearest valid counts are {nearest}")
     default_w, default_h = spec.default_size
     w = width or (default_w if height is None else _other_side(height, spec, default_w, default_h))

@@ -28,7 +28,7 @@ def test_each_variant_has_its_clip_rules(engine_registry: Registry) -> None:
 def test_the_shape_gate_names_the_nearest_counts_and_the_presets(engine_registry: Registry) -> None:
     wan = engine_registry.family("wan")
     small = wan.checkpoint("wan2.1-t2v-1.3b")
-    with pytest.raises(InvalidVideoShape, match="frames 80: .*4k\\+1.*the nearest valid counts are 77 and 81") as off:
+    with pytest.raises(InvalidVideoShape, match="frames=80: .*4k\\+1.*the nearest valid counts are 77 and 81") as off:
         video_shape(wan, small, frames=80)
     assert off.value.status == 422
     with pytest.raises(InvalidVideoShape, match="multiples of 16.*832x480, 480x832"):
