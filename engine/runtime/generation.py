@@ -83,16 +83,11 @@ def set_component_guidance(pipe: Any, spelling: str, guidance: float) -> None:
     set for the next call: the guider is replaced by a copy with the new scale."""
     name, attribute = spelling.split(".", 1)
     component = getattr(pipe, name, None)
-    if component is None:
-        raise EngineError(f"the pipeline has no {name} to take its guidance ({spelling})", code="invalid_request")
+    if component is None or not hasattr(component, "new"):
+        raise EngineError(f"the pipeline has no {name} guider to take its guidance ({spelling})",
+                          code="invalid_request")
     if getattr(component, attribute, None) != guidance:
-        setattr(pipe, name, component.new(**{attribute: guidance}) if hasattr(component, "new")
-                else _with(component, attribute, guidance))
-
-
-def _with(component: Any, attribute: str, value: Any) -> Any:
-    setattr(component, attribute, value)
-    return component
+        setattr(pipe, name, component.new(**{attribute: guidance}))
 
 
 @dataclasses.dataclass(frozen=True)

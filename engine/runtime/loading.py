@@ -181,7 +181,7 @@ class PipelineLoading:
                     str(root), diffusers.DiffusionPipeline.load_config(root), dtype
                 ))
             return diffusers.DiffusionPipeline.from_pretrained(
-                root, dtype=component_dtypes(source.family, dtype, diffusers.DiffusionPipeline.load_config(root)),
+                root, dtype=component_dtypes(source.family, dtype, lambda: diffusers.DiffusionPipeline.load_config(root)),
                 **components,
             )
         except torch.OutOfMemoryError as exc:  # nf4 loads onto the GPU as it quantises
@@ -225,12 +225,14 @@ def denoisers_of(pipe: Any, family: Any) -> list[Any]:
     return [module for name in family.denoisers if (module := getattr(pipe, name, None)) is not None]
 
 
-def component_dtypes(family: Any, dtype: torch.dtype, config: dict[str, Any]) -> Any:
+def component_dtypes(family: Any, dtype: torch.dtype, read_config: Callable[[], dict[str, Any]]) -> Any:
     """``dtype``, or per component where the family keeps some in fp32 whatever the compute dtype
-    (its ``precision.keep_fp32``: a video VAE, say), as diffusers' ``from_pretrained`` takes a mapping."""
+    (its ``precision.keep_fp32``: a video VAE, say), as diffusers' ``from_pretrained`` takes a mapping.
+    The pipeline's config (its component names) is read only then."""
     kept = {component for component, _ in family.precision.keep_fp32}
     if not kept or dtype == torch.float32:
         return dtype
+    config = read_config()
     names = {"denoiser": set(family.denoisers), "vae": {"vae"},
              "text_encoders": {name for name in config if name.startswith("text_encoder")}}
     pinned = {name: torch.float32 for component in kept for name in names[component] if name in config}

@@ -213,7 +213,7 @@ class JobQueue:
     # -- clients ----------------------------------------------------------------------
 
     def submit(self, body: GenerateBody, inputs: Mapping[str, bytes] | None = None, *,
-               kind: str = "images", note: str = "") -> Job:
+               kind: str = "images", video: Mapping[str, Any] | None = None) -> Job:
         """Queue a generate; :class:`QueueFull` when ``size`` jobs already wait,
         ``not_loaded`` when there is no pipeline to queue for. ``inputs``: images
         uploaded inline, in place of the body's path fields of those names."""
@@ -221,7 +221,7 @@ class JobQueue:
         if model is None:
             raise EngineError("no image pipeline is loaded; load one first (POST /v1/images/load)", code="not_loaded")
         job = Job(f"j-{next(self._ids)}-{secrets.token_hex(6)}{self._suffix}", body, dict(inputs or {}), model,
-                  steps=body.steps or 0, kind=kind, video={"note": note} if kind == "video" else None)
+                  steps=body.steps or 0, kind=kind, video=dict(video or {}) if kind == "video" else None)
         with self._lock:
             if len(self._waiting) >= self.size:
                 retry = self._retry_after()

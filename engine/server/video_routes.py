@@ -115,8 +115,8 @@ def videos_router(engine: Engine, queue: JobQueue) -> APIRouter:
     async def create(request: Request) -> dict[str, Any]:
         form, upload = await read_video_form(request)
         body, note, planned, model = await run_in_threadpool(_video_request, engine, form, upload)
-        job = queue.submit(body, {"image": upload} if upload is not None else None, kind="video", note=note)
-        job.video = {**(job.video or {}), "planned": planned, "model": model}
+        job = queue.submit(body, {"image": upload} if upload is not None else None, kind="video",
+                           video={"note": note, "planned": planned, "model": model})
         return video_object(job)
 
     @api.get("")

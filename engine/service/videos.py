@@ -151,11 +151,8 @@ class Videos:
             self._images.check_image(value, name)
         session = self._images.session
         assert session is not None  # check_generate refused otherwise
-        call = {**body.options(), **inline, "frames": shape.frames, "fps": shape.fps, "width": shape.width,
-                "height": shape.height}
-        if loras is None and body.loras is not None:
-            loras = [{"path": lo.path, "scale": lo.scale} for lo in body.loras]
-        clips = self._images.run("frames", body.prompt, progress=progress, loras=loras, cancel=cancel, **call)
+        clips = self._images.run("frames", body, progress=progress, loras=loras, cancel=cancel, **inline,
+                                 frames=shape.frames, fps=shape.fps, width=shape.width, height=shape.height)
         frames = tuple(clips[0])
         if frames:
             shape = _as_rendered(shape, frames)

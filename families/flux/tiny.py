@@ -25,7 +25,6 @@ builds are identical.
 from __future__ import annotations
 
 import pathlib
-import string
 from typing import Any
 
 import torch
@@ -44,6 +43,8 @@ from transformers import (
     T5EncoderModel,
     T5Tokenizer,
 )
+
+from engine.testing.tiny_tokenizers import t5_unigram_tokenizer
 
 # Height/width that works: FLUX latents are packed 2x2 after the VAE's 8x
 # downsampling, so sizes must be multiples of 16.
@@ -78,11 +79,7 @@ def _clip_tokenizer() -> CLIPTokenizer:
 
 def _t5_tokenizer() -> T5Tokenizer:
     """Unigram over printable ASCII characters (and their word-initial ``▁`` forms)."""
-    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    chars: str = string.ascii_letters + string.digits + string.punctuation
-    pieces += [("▁" + char, -3.0) for char in chars]
-    pieces += [(char, -4.0) for char in chars]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=_T5_MAX_LENGTH)
+    return t5_unigram_tokenizer(_T5_MAX_LENGTH)
 
 
 def _clip_text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModel:

@@ -22,12 +22,13 @@ two blocks, the fewest First-Block-Cache can split into a head and a tail.
 from __future__ import annotations
 
 import pathlib
-import string
 from typing import Any
 
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
+
+from engine.testing.tiny_tokenizers import t5_unigram_tokenizer
 
 __all__ = ["TINY_FRAMES", "TINY_GENERATE_KWARGS", "TINY_RESOLUTION", "build_tiny_pipeline", "build_tiny_two_experts"]
 
@@ -43,12 +44,8 @@ _TEXT_DIM: int = 32
 
 
 def _tokenizer() -> T5Tokenizer:
-    """Unigram over printable ASCII characters (and their word-initial ``▁`` forms)."""
-    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    chars = string.ascii_letters + string.digits + string.punctuation
-    pieces += [("▁" + char, -3.0) for char in chars]
-    pieces += [(char, -4.0) for char in chars]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
+    """The T5 Unigram tokenizer the tiny FLUX.1 uses too (UMT5 shares T5's tokenizer class)."""
+    return t5_unigram_tokenizer(512)
 
 
 def _text_encoder(tokenizer: T5Tokenizer) -> UMT5EncoderModel:
