@@ -14,6 +14,7 @@ import sys
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -21,6 +22,20 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_PLUGIN = ROOT / "examples" / "diffusion-engine-sd3"
+
+
+def load_bench_script(script: str) -> ModuleType:
+    """``bench/<script>.py`` as a module (bench/ is not a package), registered so its dataclasses resolve."""
+    import importlib.util
+
+    name = f"bench_{script}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{script}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def example_installed() -> bool:

@@ -8,7 +8,6 @@ skipped with the engine's own reason.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +17,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.support import load_bench_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
@@ -105,15 +106,7 @@ def test_budget_skips_cases_with_the_reason_and_still_writes_the_report(tmp_path
 
 
 def load_bench() -> ModuleType:
-    """The script as a module (bench/ is not a package); registered so its dataclasses resolve."""
-    name = "bench_gpu_check"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_bench_script("gpu_check")
 
 
 def test_real_size_configs_are_the_published_models() -> None:

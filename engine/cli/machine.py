@@ -96,6 +96,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         for mode, gb in (train.get("estimated_peak_gb") or {}).items():
             print(f"    {mode}: about {gb} GB at peak")
         print(f"  note: {flag_words(train['vram_note'])}")
+        for name, clip in (entry.get("video") or {}).items():
+            print(f"  video {name}: {clip['frames']} frames of {clip['width']}x{clip['height']} at {clip['fps']} fps "
+                  f"({clip['seconds']} s): {clip['does']}" + (f"; {clip['hint']}" if clip["hint"] else ""))
     for error in info["errors"]:
         print(f"\nplugin {error['plugin']} ({error['package']}) failed to load: {error['error']}")
     return 0

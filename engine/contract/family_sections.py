@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from engine.contract.video_memory import VideoMemory
+
 if TYPE_CHECKING:  # annotations only: engine.contract.types imports this module
     from engine.contract.training_types import TrainingDefaults, TrainingMemoryFigures, TrainingObjective
     from engine.contract.types import Purpose, QuantDeny
@@ -229,6 +231,8 @@ class VideoSpec:
     size_multiple: int = 16
     #: Whether the clip carries sound (room for audio families; none yet).
     audio: bool = False
+    #: What a clip holds at its peak (:class:`VideoMemory`); None: the plan's generic rule.
+    memory: VideoMemory | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "presets", tuple((int(w), int(h)) for w, h in self.presets))

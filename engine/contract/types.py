@@ -197,6 +197,7 @@ from engine.contract.family_sections import (  # noqa: E402
     TrainingSpec as TrainingSpec,
     VideoSpec as VideoSpec,
 )
+from engine.contract.video_memory import VideoMemory as VideoMemory
 
 
 @dataclass(frozen=True, init=False)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from engine.hardware.profile import GIB_IN_GB
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.requests.choices import VAE_TILING_REQUESTS
-from engine.contract.types import FamilySpec, LatentGeometry
+from engine.contract.types import Checkpoint, FamilySpec, LatentGeometry, VideoMemory
 
 #: Resolution assumed when a load names none: the served families' native size.
 DEFAULT_SIDE_PX = 1024
@@ -71,7 +71,8 @@ def vae_decode_gb(family: FamilySpec, pixels: int, dtype_bytes: float) -> float:
 
 
 def guarded_overhead_gb(
-    family: FamilySpec, shape: ImageShape, dtype_bytes: float, floor_gb: float
+    family: FamilySpec, shape: ImageShape, dtype_bytes: float, floor_gb: float,
+    checkpoint: Checkpoint | None = None,
 ) -> tuple[float, str]:
     """The plan's overhead for ``shape``, and how it was sized.
 
@@ -79,7 +80,7 @@ def guarded_overhead_gb(
     larger peak (the tiling control then engages), sliced over the batch.
     """
     if family.output == "frames":
-        return video_overhead_gb(shape, floor_gb)
+        return video_overhead_gb(family, checkpoint, shape, dtype_bytes, floor_gb)
     activations = denoiser_activation_gb(family, shape, dtype_bytes)
     tile = vae_decode_gb(family, min(shape.pixels, VAE_TILE_PX**2), dtype_bytes)
     guard = CONTEXT_GB + max(activations, tile)
@@ -92,17 +93,51 @@ def guarded_overhead_gb(
     return guard, how
 
 
-#: A clip's headroom beside its weights (the earlier system's rule, a starting point to measure):
-#: 4 GiB plus three fp32 RGB copies of every frame, and never under 3 GiB.
+#: A clip's headroom where its table has no :class:`VideoMemory` figures (the earlier system's
+#: rule): 4 GiB plus three fp32 RGB copies of every frame, and never under 3 GiB.
 VIDEO_BASE_GB, VIDEO_FLOOR_GB, VIDEO_COPIES = 4 * GIB_IN_GB, 3 * GIB_IN_GB, 3
+#: Channels of a decoded frame.
+RGB = 3
 
 
-def video_overhead_gb(shape: ImageShape, floor_gb: float) -> tuple[float, str]:
-    """A clip's overhead: activations grow with frames x pixels (the decode holds the clip)."""
-    frames_gb = VIDEO_COPIES * shape.frames * shape.pixels * 3 * 4 * shape.batch / 1e9
-    guard = max(VIDEO_FLOOR_GB, VIDEO_BASE_GB + frames_gb, floor_gb)
-    return guard, (f"{shape.frames} frames of {shape.width}x{shape.height}: {VIDEO_BASE_GB:.1f} GB + "
-                   f"{VIDEO_COPIES} fp32 copies of the clip ({frames_gb:.1f} GB)")
+def video_overhead_gb(
+    family: FamilySpec, checkpoint: Checkpoint | None, shape: ImageShape, dtype_bytes: float, floor_gb: float
+) -> tuple[float, str]:
+    """A clip's overhead: the larger of one denoiser forward over every latent frame's tokens
+    and the tiled decode (every tile's frames live, then the assembled clip), plus the context.
+
+    Sized from the checkpoint's :class:`VideoMemory` figures; without them, the generic rule.
+    """
+    video = family.video_of(checkpoint)
+    memory = video.memory if video else None
+    if video is None or memory is None:
+        frames_gb = VIDEO_COPIES * shape.frames * shape.pixels * RGB * 4 * shape.batch / 1e9
+        guard = max(VIDEO_FLOOR_GB, VIDEO_BASE_GB + frames_gb, floor_gb)
+        return guard, (f"{shape.frames} frames of {shape.width}x{shape.height}: {VIDEO_BASE_GB:.1f} GB + "
+                       f"{VIDEO_COPIES} fp32 copies of the clip ({frames_gb:.1f} GB)")
+    geometry = family.geometry_of(checkpoint)
+    side = geometry.token_pixels
+    tokens = video.latent_frames(shape.frames) * math.ceil(shape.width / side) * math.ceil(shape.height / side)
+    denoiser = memory.denoiser_per_token * tokens * dtype_bytes * shape.batch / 1e9
+    vae_bytes = 4 if any(name == "vae" for name, _ in family.precision.keep_fp32) else dtype_bytes
+    tiles = (tiled_px(shape.width, geometry.spatial_compression, memory)
+             * tiled_px(shape.height, geometry.spatial_compression, memory) * shape.frames * RGB)
+    clip = shape.pixels * shape.frames * RGB
+    decode = (tiles + max(memory.decode_tile_elements, memory.clip_copies * clip)) * vae_bytes * shape.batch / 1e9
+    guard = CONTEXT_GB + max(denoiser, decode)
+    how = (f"{shape.frames} frames of {shape.width}x{shape.height} x{shape.batch}: denoiser {denoiser:.1f} GB "
+           f"({tokens} tokens), tiled VAE decode {decode:.1f} GB, context {CONTEXT_GB:.1f} GB")
+    if guard <= floor_gb:
+        return floor_gb, f"{how}: within the {floor_gb:.1f} GB floor"
+    return guard, how
+
+
+def tiled_px(pixels: int, compression: int, memory: VideoMemory) -> int:
+    """Output pixels the overlapping tiles decode along a side of ``pixels`` (each tile is
+    ``tile_px`` wide, cut at the edge, one every ``tile_stride_px``)."""
+    latent = pixels // compression
+    tile, stride = max(1, memory.tile_px // compression), max(1, memory.tile_stride_px // compression)
+    return sum(min(tile, latent - start) for start in range(0, latent, stride)) * compression
 
 
 def resolve_vae_tiling(

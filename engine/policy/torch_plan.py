@@ -127,7 +127,8 @@ class TorchPlanner:
     def thresholds(self, dtype: str) -> MemoryThresholds:
         """The memory knobs with the overhead guarded for the image shape in ``dtype``."""
         overhead, _ = guarded_overhead_gb(
-            self.family, self.shape, 2 * DTYPE_FACTOR[dtype], self.memory_thresholds.overhead_gb
+            self.family, self.shape, 2 * DTYPE_FACTOR[dtype], self.memory_thresholds.overhead_gb,
+            self.model.checkpoint,
         )
         return dataclasses.replace(self.memory_thresholds, overhead_gb=overhead)
 

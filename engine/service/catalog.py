@@ -9,12 +9,19 @@ reaching into the registry or the preflight themselves.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.contract.plugins import Registry
 from engine.errors import EngineError
 from engine.policy.info import images_info, training_info
+from engine.policy.video_fit import clip_fit
 from engine.preflight.model import resolve_model
 from engine.service.machine import Machine
+
+if TYPE_CHECKING:
+    from engine.contract.types import FamilySpec
+    from engine.hardware.profile import HardwareProfile
+    from engine.policy.available import AvailableMemory
 
 
 class Catalog:
@@ -75,12 +82,20 @@ class Catalog:
             "available_memory": available.to_dict(),
             "families": {
                 f.name: {"images": images_info(self._registry, f).to_dict(),
-                         "training": training_info(self._registry, f, hardware).to_dict()}
+                         "training": training_info(self._registry, f, hardware).to_dict(),
+                         **({"video": self._clips_here(f, hardware, available)} if f.output == "frames" else {})}
                 for f in chosen
             },
             **({"model": checked} if checked is not None else {}),
             "errors": [dict(e.__dict__) for e in self._registry.errors],
         }
+
+    def _clips_here(self, family: FamilySpec, hardware: HardwareProfile,
+                    available: AvailableMemory) -> dict[str, object]:
+        """Video on this machine: each checkpoint's default clip planned here, and the longest
+        clip that does better (:mod:`engine.policy.video_fit`)."""
+        return {c.name: clip_fit(self._registry, family, c, hardware, available).to_dict()
+                for c in family.checkpoints}
 
     def check_model(self, reference: str, *, family: str | None = None,
                     base: str | None = None) -> dict[str, object]:

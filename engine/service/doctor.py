@@ -20,6 +20,7 @@ from engine.errors import EngineError
 from engine.hardware.profile import HardwareProfile
 from engine.policy.info import training_info
 from engine.policy.plan import Plan
+from engine.policy.video_fit import ClipFit, clip_fit
 
 if TYPE_CHECKING:
     from engine.service.facade import Engine
@@ -64,18 +65,32 @@ def _cuda_from_wheel(version: str | None) -> str | None:
 
 
 def inference_verdict(engine: Engine, family: str, hardware: HardwareProfile) -> Verdict:
-    """The default plan for ``family`` here, summarised, with what would do better."""
+    """The default plan for ``family`` here, summarised, with what would do better (for a
+    video family: its default clip, and the longest clip that plans better)."""
+    clip = _clip_here(engine, family, hardware)
+    shorter = (clip.hint(),) if clip is not None and clip.hint() else ()
     try:
         plan: Plan = engine.images.plan(family=family)
     except EngineError as exc:
-        return Verdict(family, "inference", False, "refused", exc.message, _better_when_refused(hardware))
+        refused = f"{clip.frames} frames of {clip.width}x{clip.height}: refused" if clip is not None else "refused"
+        return Verdict(family, "inference", False, refused, exc.message, (*shorter, *_better_when_refused(hardware)))
     quant = plan.value("transformer_quant") or "dense"
     does = (
         f"{plan.value('dtype')} {quant}, {plan.value('memory_mode')}, attention {plan.value('attention_backend')}, "
         f"compile {plan.value('compile')}"
     )
+    if clip is not None:
+        does = f"{clip.frames} frames of {clip.width}x{clip.height} at {clip.fps} fps: {does}"
     reason = plan["memory_mode"].reason
-    return Verdict(family, "inference", True, does, reason, _better_inference(plan, hardware))
+    return Verdict(family, "inference", True, does, reason, (*shorter, *_better_inference(plan, hardware)))
+
+
+def _clip_here(engine: Engine, family: str, hardware: HardwareProfile) -> ClipFit | None:
+    """A video family's default clip on this machine (None: an image family)."""
+    spec = engine.registry.family(family)
+    if spec.output != "frames":
+        return None
+    return clip_fit(engine.registry, spec, spec.default_checkpoint, hardware)
 
 
 def _better_when_refused(hardware: HardwareProfile) -> tuple[str, ...]:

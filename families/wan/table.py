@@ -23,16 +23,26 @@ from engine.contract.types import (
     QuantRules,
     SingleFileLayout,
     TrainingSpec,
+    VideoMemory,
     VideoSpec,
 )
 
+#: What a clip holds at its peak (bench/video_memory.py --derive, at the real widths under fake
+#: tensors): a denoiser forward's elements per latent token (by DiT width) and one tile's
+#: decoder working set (Wan 2.1's 8x VAE; Wan 2.2's 16x one), beside the tile outputs.
+_VAE21_TILE, _VAE22_TILE = 304.1e6, 338.2e6
+_MEMORY_1_3B = VideoMemory(denoiser_per_token=24.58e3, decode_tile_elements=_VAE21_TILE)
+_MEMORY_14B = VideoMemory(denoiser_per_token=56.83e3, decode_tile_elements=_VAE21_TILE)
+_MEMORY_5B = VideoMemory(denoiser_per_token=41.47e3, decode_tile_elements=_VAE22_TILE)
+
 #: Wan 2.1's clips: 16 fps, 81 frames; 480p (the 1.3B) and 720p (the 14B).
-_WAN21_480P = VideoSpec(fps=16, default_frames=81, presets=((832, 480), (480, 832)), min_frames=5, max_frames=121)
+_WAN21_480P = VideoSpec(fps=16, default_frames=81, presets=((832, 480), (480, 832)), min_frames=5, max_frames=121,
+                        memory=_MEMORY_1_3B)
 _WAN21_720P = VideoSpec(fps=16, default_frames=81, presets=((1280, 720), (720, 1280), (832, 480), (480, 832)),
-                        min_frames=5, max_frames=121)
+                        min_frames=5, max_frames=121, memory=_MEMORY_14B)
 #: Wan 2.2 TI2V-5B: 24 fps, 121 frames, 704p, sides in multiples of 32.
 _WAN22_TI2V = VideoSpec(fps=24, default_frames=121, presets=((1280, 704), (704, 1280)), min_frames=5,
-                        max_frames=121, size_multiple=32)
+                        max_frames=121, size_multiple=32, memory=_MEMORY_5B)
 
 _UMT5_GB = 11.4
 _I2V = (("img2vid", "WanImageToVideoPipeline"),)
