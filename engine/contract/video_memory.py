@@ -24,9 +24,10 @@ class VideoMemory:
     #: Elements one tile's decoder holds at its peak (its convolutions over one latent
     #: frame chunk, the causal cache), beside the tile outputs already decoded.
     decode_tile_elements: float
-    #: The VAE's tile and its stride, in output pixels (diffusers' ``tile_sample_min_*``
-    #: and ``tile_sample_stride_*``): overlapping tiles decode more pixels than the clip has.
+    #: The side of one VAE tile in output pixels (diffusers' ``tile_sample_min_*``).
     tile_px: int = 256
+    #: One tile every this many output pixels (``tile_sample_stride_*``): overlapping
+    #: tiles decode more pixels than the clip has.
     tile_stride_px: int = 192
     #: Whole-clip copies the decode's assembly holds at its end beside the tile outputs
     #: (the blended rows, their concatenation, the unpatchified and clamped clip).
