@@ -61,7 +61,7 @@ def _hook_report(engine: Any, hook: str, *, as_json: bool) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from engine import Engine
 
-    info = Engine(hardware=machine_request(args)).catalog.info(args.family, model=args.model)
+    info: dict[str, Any] = Engine(hardware=machine_request(args)).catalog.info(args.family, model=args.model)
     if args.json:
         print(json.dumps({k: v for k, v in info.items() if k != "available_memory"}, indent=2))
         return 0
