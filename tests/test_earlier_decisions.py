@@ -457,6 +457,16 @@ def test_13_cpu_counts_swap_before_refusing() -> None:
     assert swapped.value("memory_mode") == "resident" and "swap" in swapped["memory_mode"].reason
 
 
+@pytest.mark.parametrize("mode", ["resident", "model_offload", "group_offload", "sequential_offload"])
+def test_13_an_explicit_memory_mode_on_a_cpu_is_refused_beyond_ram_and_swap_too(mode: str) -> None:
+    """Every mode keeps the weights in RAM on a CPU, so none gets past the refusal auto gives."""
+    small = preset("cpu").replace(free_memory_gb=12.0)
+    with pytest.raises(PreflightError) as raised:
+        plan("zimage", small, memory=mode)
+    assert raised.value.code == "insufficient_memory" and f"memory={mode}" in raised.value.message
+    assert plan("zimage", small.replace(swap_free_gb=16.0), memory=mode).value("memory_mode") == "resident"
+
+
 def test_12_lifted_denials_name_real_capabilities_and_real_denials() -> None:
     fields = {f.name for f in dataclasses.fields(HardwareProfile)}
     for spec in REGISTRY.families.values():

@@ -18,7 +18,7 @@ from engine.contract.hookspecs import hookimpl
 from engine.contract.plugin_api import PLUGIN_API_VERSION, PluginDeprecationWarning
 from engine.contract.plugins import BLOCK_ENV, load_registry
 from engine.testing import FamilyContract
-from engine.contract.types import FamilySpec, LoraLayout, TrainingSpec
+from engine.contract.types import FamilySpec, LoraLayout, TrainingObjective, TrainingSpec
 from families.flux.table import FLUX
 from tests.support import write_distribution
 
@@ -88,6 +88,13 @@ def test_the_old_names_read_the_new_fields_with_a_warning() -> None:
                                        kohya_map=FLUX.lora.kohya_map)
     with pytest.raises(AttributeError):
         FLUX.no_such_field  # type: ignore[attr-defined]  # noqa: B018
+    # An API 0 plugin reads back the runtime module it gave its objective: the value, and the new name.
+    with pytest.warns(PluginDeprecationWarning, match=r"TrainingObjective\(runtime_module"):
+        old = TrainingObjective("flow_matching", "uniform", runtime_module="my_family.runtime")
+    with pytest.warns(PluginDeprecationWarning, match=r"FamilySpec\.runtime_module"):
+        assert old.runtime_module == "my_family.runtime"
+    with pytest.warns(PluginDeprecationWarning):
+        assert TrainingObjective("flow_matching", "uniform").runtime_module is None
 
 
 def test_a_shape_no_shim_covers_fails_with_the_api_version_message() -> None:

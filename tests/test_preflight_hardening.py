@@ -22,7 +22,8 @@ import pytest
 
 from engine import Engine
 from engine.errors import EngineError
-from engine.hardware.presets import PRESETS
+from engine.hardware.presets import PRESETS, preset
+from engine.policy.training import training_precision_preflight_error
 from engine.hardware.probe import probe
 from engine.contract.plugins import load_registry
 from engine.preflight.dataset import DatasetError, discover_dataset
@@ -580,3 +581,24 @@ def test_allow_hub_never_loads_a_folder_of_the_servers_working_directory(
     response = httpx.post(f"{url}/v1/images/load", json={"model": "org/cwd-model"}, timeout=60)
     assert response.json()["error"]["code"] == "model_not_found", response.text
     assert engine.status()["pipeline"] is None
+
+
+@pytest.mark.parametrize(
+    ("name", "prequantised"),
+    [
+        ("someorg/checkpoint4-FLUX.1-dev", False),  # "int4" inside a word is no marker
+        ("someorg/mint4-flux-dev", False),
+        ("someorg/paint4k-FLUX.1-dev", False),
+        ("someorg/FLUX.1-dev-bnb4bitx", False),
+        ("someorg/FLUX.1-dev-int4", True),
+        ("someorg/FLUX.1-dev_int4_v2", True),
+        ("someorg/FLUX.1-dev-bnb-4bit", True),
+        ("someorg/flux.1-dev.nf4", True),
+    ],
+)
+def test_pre_quantised_markers_are_read_as_whole_tokens(name: str, prequantised: bool) -> None:
+    flux = REGISTRY.family("flux")
+    assert flux.is_prequantised(name) is prequantised
+    # The same reading decides training: a dense repo named checkpoint4-... trains in bf16.
+    error = training_precision_preflight_error(REGISTRY, flux, preset("h100"), "bf16", base_repo=name)
+    assert (error is not None and error.code == "prequantised_base") is prequantised

@@ -51,7 +51,9 @@ class QuantRules:
     #: the encoder Linears int8 leaves dense. None: no schedule, so an int8 encoder
     #: request runs as layerwise fp8 instead (the record says so).
     text_encoder_int8_keep: tuple[str, ...] | None = None
-    #: Glob patterns naming a pre-quantised repo (``*bnb-4bit*``).
+    #: Patterns naming a pre-quantised repo (``*bnb-4bit*``): a ``*marker*`` matches the
+    #: marker as whole tokens of the model's name (``*int4*`` takes ``flux-int4``, not
+    #: ``checkpoint4``); any other glob matches the whole name.
     prequantised_patterns: tuple[str, ...] = ()
     #: The dense base to use when a pre-quantised repo matches no checkpoint.
     default_dense_base: str = ""

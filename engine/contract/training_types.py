@@ -41,6 +41,15 @@ class TrainingObjective:
             deprecate("TrainingObjective(runtime_module=...)", "FamilySpec(runtime_module=...)")
             object.__setattr__(self, "_legacy_runtime_module", runtime_module)
 
+    @property
+    def runtime_module(self) -> str | None:
+        """Plugin API 0's spelling, read back (deprecated: read ``FamilySpec.runtime_module``).
+        The module an API 0 plugin passed here, else None (the family's table holds it)."""
+        from engine.contract.plugin_api import deprecate
+
+        deprecate("TrainingObjective.runtime_module", "FamilySpec.runtime_module")
+        return getattr(self, "_legacy_runtime_module", None)
+
 
 @dataclass(frozen=True)
 class LoraTargetShape:

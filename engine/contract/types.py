@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -84,6 +85,28 @@ def model_name(model_id: str) -> str:
     """
     parts = [part for part in model_id.replace("\\", "/").split("/") if part]
     return parts[-1] if parts else model_id
+
+
+#: What separates the tokens of a model name (``FLUX.1-dev_bnb-4bit``: flux, 1, dev, bnb, 4bit).
+_TOKEN_SEPARATORS = re.compile(r"[^a-z0-9]+")
+
+
+def name_has_marker(name: str, pattern: str) -> bool:
+    """Whether a model name carries ``pattern``, case-insensitively.
+
+    A pattern ``*marker*`` whose marker is tokens (``*int4*``, ``*bnb-4bit*``, ``*-4bit*``)
+    matches them as whole tokens of the name, in order: ``flux-int4`` and
+    ``FLUX.1-dev-bnb-4bit`` carry theirs; ``checkpoint4``, ``mint4-flux`` and
+    ``paint4k`` carry none, where a substring glob took all three for 4-bit repos.
+    Any other glob (``flux-*-q?``) matches as a glob over the whole name.
+    """
+    lowered, wanted = name.lower(), pattern.lower()
+    inner = wanted[1:-1] if len(wanted) > 2 and wanted.startswith("*") and wanted.endswith("*") else None
+    if inner is None or any(c in inner for c in "*?[]"):
+        return fnmatch.fnmatch(lowered, wanted)
+    marker = [t for t in _TOKEN_SEPARATORS.split(inner) if t]
+    tokens = [t for t in _TOKEN_SEPARATORS.split(lowered) if t]
+    return bool(marker) and any(tokens[i:i + len(marker)] == marker for i in range(len(tokens)))
 
 
 @dataclass(frozen=True)
@@ -344,8 +367,8 @@ class FamilySpec:
     def is_prequantised(self, model_id: str) -> bool:
         """Whether the model's own name (:func:`model_name`) says it is stored
         pre-quantised. The one test inference and training both use."""
-        lowered = model_name(model_id).lower()
-        return any(fnmatch.fnmatch(lowered, p.lower()) for p in self.quantisation.prequantised_patterns)
+        name = model_name(model_id)
+        return any(name_has_marker(name, p) for p in self.quantisation.prequantised_patterns)
 
     def matches_id(self, model_id: str) -> bool:
         return any(c.match_score(model_id) for c in self.checkpoints)

@@ -181,10 +181,11 @@ def _cpu_plan(resident: float, budget: float, hardware: HardwareProfile, request
             "resident",
             f"CPU: {sizing}; {resident - budget:.1f} GB spill into swap ({swap:.1f} GB free): slow",
         )
-    if requested != "auto":
-        return explicit("resident", f"CPU: host RAM only ({sizing}; {swap:.1f} GB swap free): may not fit")
+    # An explicit mode changes nothing here: on a CPU every mode keeps the weights in RAM,
+    # so beyond RAM and swap it is refused as auto is (the load would meet the OOM killer).
+    asked = f" (memory={requested} keeps every weight in RAM on a CPU too)" if requested != "auto" else ""
     raise PreflightError(
-        f"the model needs {sizing}; this machine's RAM and free swap ({swap:.1f} GB) cannot hold it. "
+        f"the model needs {sizing}; this machine's RAM and free swap ({swap:.1f} GB) cannot hold it{asked}. "
         "Choose a quantised transformer (quant=int8), a smaller model, or add swap.",
         code="insufficient_memory",
     )
