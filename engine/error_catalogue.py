@@ -38,6 +38,9 @@ _ROWS: tuple[ErrorCode, ...] = (
     # -- the request itself (422) --------------------------------------------------------
     ErrorCode("invalid_request", 422, "A value is out of its bounds, of the wrong type or not one of its choices; "
               "the message names the flag (terminal) or the JSON field (HTTP)."),
+    ErrorCode("usage", 422, "A command line the terminal's parser cannot take: an unknown flag (named, with the "
+              "nearest known one), a missing required flag, a value of the wrong form. Exit status 2.",
+              "at the terminal, before anything runs"),
     ErrorCode("invalid_config", 422, "A training config (flags, `--config` file or HTTP body) is incomplete or "
               "holds a value the trainer cannot take."),
     ErrorCode("invalid_path", 422, "A path no file system call could take: a NUL byte, not valid Unicode, or "

@@ -47,12 +47,18 @@ class UnknownName(EngineError):
     code = "unknown_name"
     http_status = 404
 
-    def __init__(self, kind: str, name: str, valid: Iterable[str]) -> None:
+    def __init__(self, kind: str, name: str, valid: Iterable[str], *, aliases: Iterable[str] = ()) -> None:
+        import difflib
+
         self.kind = kind
         self.name = name
         self.valid = tuple(sorted(valid))
+        #: The nearest valid name or alias (what a typo meant), or None.
+        close = difflib.get_close_matches(name.lower(), [*self.valid, *aliases], n=1, cutoff=0.6)
+        self.suggestion = close[0] if close else None
+        hint = f" (did you mean {self.suggestion!r}?)" if self.suggestion else ""
         super().__init__(
-            f"unknown {kind} {name!r}; valid {kind} names: {', '.join(self.valid) or '(none)'}",
+            f"unknown {kind} {name!r}{hint}; valid {kind} names: {', '.join(self.valid) or '(none)'}",
             code=f"unknown_{kind.replace(' ', '_')}",
         )
 

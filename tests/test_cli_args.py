@@ -204,3 +204,22 @@ def test_the_prompt_cache_flag_reaches_the_engines_request(flags: list[str], cac
         args = build_parser().parse_args([command, "--family" if command == "plan" else "--tiny", "sdxl",
                                           *(["--prompt", "x"] if command == "generate" else []), *flags])
         assert plan_controls(args).request().prompt_cache is cached
+
+
+def test_an_unknown_flag_is_named_first_with_the_nearest_known_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--modle`` is the mistake, not a missing ``--model``; abbreviations argparse expands still work."""
+    assert main(["generate", "--modle", "x", "--prompt", "a fox"]) == 2
+    err = capsys.readouterr().err
+    assert "error[usage]" in err and "unknown flag --modle (did you mean --model?)" in err
+    assert "required" not in err
+    args = build_parser().parse_args(["generate", "--tiny", "flux", "--prompt", "a", "--neg", "b"])
+    assert args.negative_prompt == "b"  # an unambiguous prefix is argparse's own
+    from engine.error_catalogue import CATALOGUE
+
+    assert "usage" in CATALOGUE  # the code the terminal prints has its row in docs/errors.md
+
+
+def test_an_unknown_family_suggests_the_nearest_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--family", "zimage-turbo"]) == 2
+    err = capsys.readouterr().err
+    assert "error[unknown_family]" in err and "did you mean 'zimage'?" in err

@@ -20,7 +20,9 @@ from engine.errors import PreflightError
 from engine.hardware import probe as probe_module
 from engine.hardware.presets import PRESETS, preset
 from engine.hardware.profile import GIB_IN_GB, HardwareProfile
+from engine.contract.hookspecs import hookimpl
 from engine.contract.plugins import load_registry
+from engine.contract.types import FamilySpec, QuantDeny
 from engine.policy.inference import CONTROLS, InferenceRequest, ModelFacts, Plan, plan_inference
 from engine.policy.memory import budget_gb
 from engine.policy.quant import quant_ladder
@@ -435,6 +437,28 @@ def test_12_qwen_image_fp8_inference_needs_and_gets_the_floor() -> None:
     spec = REGISTRY.family("qwen_image")
     assert "fp8" in REGISTRY.quant_deny(spec, "training")
     assert training_precision_preflight_error(REGISTRY, spec, preset("h100"), "fp8", base_repo="Qwen/Qwen-Image") is not None
+
+
+class DeniesFp8ForItsOwnReason:
+    """A third-party plugin denying Qwen-Image's fp8 for a reason the floor does not fix."""
+
+    @hookimpl
+    def engine_quant_deny(self, family: FamilySpec, purpose: str) -> list[QuantDeny] | None:
+        if family.name == "qwen_image" and purpose == "inference":
+            return [QuantDeny("fp8", "our fp8 kernels are not validated on this model")]
+        return None
+
+
+def test_12_the_floor_lifts_only_the_tables_own_deny() -> None:
+    """The floor lifts the deny Qwen-Image's table made for it, never another plugin's fp8 deny."""
+    registry = load_registry(plugins=[("denies-fp8", DeniesFp8ForItsOwnReason())])
+    spec = registry.family("qwen_image")
+    facts = ModelFacts(spec, spec.default_checkpoint, registry.component_sizes(spec, spec.default_checkpoint))
+    planned = plan_inference(registry, facts, preset("h100"), InferenceRequest(quant="fp8"), env=NO_ENV)
+    refused = planned["transformer_quant"]
+    assert refused.value != "fp8" and "not validated" in refused.reason
+    assert "black" not in refused.reason  # the table's own reason is lifted; the other plugin's stands
+    assert "lifted" not in refused.reason
 
 
 def test_12_the_runtime_sets_the_floor_where_torchao_has_it() -> None:

@@ -17,6 +17,7 @@ from engine.hardware import probe as probe_module
 from engine.hardware.presets import PRESETS, preset
 from engine.contract.plugins import load_registry
 from engine.policy.inference import CONTROLS, Plan
+from engine.policy.memory import reserve_gb
 from engine.policy.quant import quant_ladder
 from engine.policy.speed import install_requirement
 from engine.policy.training import training_precision_preflight_error
@@ -104,6 +105,22 @@ def test_unified_memory_compares_weights_and_base_overhead_with_the_budget_not_t
     with pytest.raises(PreflightError) as refused:  # beyond the budget itself it is refused
         plan("zimage", mac.replace(free_memory_gb=45.0), quant="none")
     assert refused.value.code == "insufficient_memory" and "frees nothing" in refused.value.message
+
+
+def test_unified_memory_leaves_the_size_grown_activation_headroom_out_of_the_oversize_check() -> None:
+    """FLUX on an M3 Max whose budget (37 GB) holds its weights and the base overhead but not
+    the headroom the activation guard adds at 2048 px or four images: resident all the same,
+    as the earlier system's later rule has it (a shared pool pages the soft headroom)."""
+    mac = preset("apple-m3-max")
+    mac = mac.replace(free_memory_gb=reserve_gb(mac) + 37.0)
+    for request in ({}, {"width": 2048, "height": 2048}, {"count": 4}):
+        planned = plan("flux", mac, **request)
+        assert planned.value("memory_mode") == "resident", request
+    big = plan("flux", mac, width=2048, height=2048)
+    assert "base overhead 2.1" in big["memory_mode"].reason  # the plan says what it compared
+    assert big.estimate.resident_gb > big.estimate.budget_gb  # the guarded figure alone would refuse it
+    with pytest.raises(PreflightError):  # beyond weights + base overhead it is still refused
+        plan("flux", mac.replace(free_memory_gb=reserve_gb(mac) + 34.0))
 
 
 def test_unified_memory_fails_open_when_free_memory_is_unknown() -> None:

@@ -9,6 +9,7 @@ allowed), so the library's own request and error mapping are what is tested.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -82,6 +83,12 @@ def test_a_gated_base_is_named_with_its_licence_page_before_any_download(hub: st
     assert "error[gated_repo]" in generated.stderr and f"request access at {page}" in generated.stderr
     assert "add a token" in generated.stderr and "Traceback" not in generated.stderr
     assert not (tmp_path / "fox.png").exists()
+    # The command it advises is one the pinned huggingface_hub installs (`hf`, not huggingface-cli).
+    advised = re.search(r"`(hf [a-z ]+)`", generated.stderr)
+    assert advised is not None, generated.stderr
+    helped = subprocess.run([str(Path(sys.executable).parent / "hf"), *advised.group(1).split()[1:], "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0, helped.stderr
     data = write_dataset(tmp_path / "data", count=1)
     trained = cli(hub, tmp_path, "train", "--base", "flux.1-dev", "--data", str(data), "--allow-download",
                   "--device", "cpu", "--steps", "1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NoReturn
 
 from engine import requests
@@ -52,6 +52,30 @@ class Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         print(f"error[usage]: {self.prog}: {message}", file=sys.stderr)
         raise SystemExit(EXIT_REFUSED)
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        """An unknown flag is named first (with the nearest known one), before argparse's own
+        checks: ``--modle x`` is not reported as a missing ``--model``."""
+        if not self._subparsers:  # a command's own parser sees every flag it will be given
+            self._name_unknown_flags(sys.argv[1:] if args is None else list(args))
+        return super().parse_known_args(args, namespace)
+
+    def _name_unknown_flags(self, args: list[str]) -> None:
+        import difflib
+
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        for token in args:
+            if token == "--":
+                return
+            if not token.startswith("--"):
+                continue
+            flag = token.split("=", 1)[0]
+            if flag in self._option_string_actions or any(o.startswith(flag) for o in known):
+                continue  # exact, or an abbreviation argparse expands
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            self.error(f"unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else "")
+                       + f"; {self.prog} --help lists its flags")
 
 
 def download_allowed(args: argparse.Namespace) -> bool:

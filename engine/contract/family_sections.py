@@ -43,7 +43,8 @@ class QuantRules:
     #: norm / modulation / timestep rule (layers run at M = prompt tokens or batch).
     int8_dense_modules: tuple[str, ...] = ()
     #: Inference denials a machine capability lifts: ``(scheme, HardwareProfile
-    #: attribute)`` pairs (``("fp8", "fp8_activation_floor")``).
+    #: attribute)`` pairs (``("fp8", "fp8_activation_floor")``). Only this table's own
+    #: deny of that scheme is lifted; another plugin's deny of it stands.
     deny_lifted_by: tuple[tuple[str, str], ...] = ()
     #: Text-encoder schemes the family must not use, with the reason.
     text_encoder_deny: tuple[QuantDeny, ...] = ()
@@ -52,7 +53,7 @@ class QuantRules:
     #: request runs as layerwise fp8 instead (the record says so).
     text_encoder_int8_keep: tuple[str, ...] | None = None
     #: Patterns naming a pre-quantised repo (``*bnb-4bit*``): a ``*marker*`` matches the
-    #: marker as whole tokens of the model's name (``*int4*`` takes ``flux-int4``, not
+    #: marker as whole tokens of the model's name (``*int4*`` takes ``model-int4``, not
     #: ``checkpoint4``); any other glob matches the whole name.
     prequantised_patterns: tuple[str, ...] = ()
     #: The dense base to use when a pre-quantised repo matches no checkpoint.

@@ -51,7 +51,7 @@ class Registry:
         try:
             return self.families[canonical]
         except KeyError:
-            raise UnknownName("family", name, self.families) from None
+            raise UnknownName("family", name, self.families, aliases=self._aliases) from None
 
     def hook_implementations(self, hook: str) -> list[dict[str, object]]:
         """The plugins implementing ``hook``, in the order pluggy calls them (the first
@@ -89,9 +89,13 @@ class Registry:
 
     def quant_deny(self, family: FamilySpec, purpose: Purpose) -> Mapping[str, str]:
         """Scheme -> reason for every scheme any plugin denies; reasons joined."""
+        return MappingProxyType({s: "; ".join(r) for s, r in self.quant_deny_reasons(family, purpose).items()})
+
+    def quant_deny_reasons(self, family: FamilySpec, purpose: Purpose) -> Mapping[str, tuple[str, ...]]:
+        """Scheme -> each plugin's reason apart (a rule that lifts one deny keeps the others)."""
         if purpose not in PURPOSES:
             raise ValueError(f"purpose must be one of {PURPOSES}, not {purpose!r}")
-        return _union(
+        return _reasons(
             (d.scheme, d.reason)
             for answer in self._pm.hook.engine_quant_deny(family=family, purpose=purpose)
             for d in answer or ()
@@ -165,11 +169,16 @@ class Registry:
         return Path(built)
 
 
-def _union(pairs: Iterable[tuple[str, str]]) -> Mapping[str, str]:
-    """Name -> reasons joined, over every plugin's deny answers."""
+def _reasons(pairs: Iterable[tuple[str, str]]) -> Mapping[str, tuple[str, ...]]:
+    """Name -> each distinct reason, over every plugin's deny answers."""
     denied: dict[str, list[str]] = {}
     for name, reason in pairs:
         reasons = denied.setdefault(name, [])
         if reason not in reasons:
             reasons.append(reason)
-    return MappingProxyType({name: "; ".join(r) for name, r in denied.items()})
+    return MappingProxyType({name: tuple(r) for name, r in denied.items()})
+
+
+def _union(pairs: Iterable[tuple[str, str]]) -> Mapping[str, str]:
+    """Name -> reasons joined, over every plugin's deny answers."""
+    return MappingProxyType({name: "; ".join(r) for name, r in _reasons(pairs).items()})

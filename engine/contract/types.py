@@ -87,7 +87,7 @@ def model_name(model_id: str) -> str:
     return parts[-1] if parts else model_id
 
 
-#: What separates the tokens of a model name (``FLUX.1-dev_bnb-4bit``: flux, 1, dev, bnb, 4bit).
+#: What separates the tokens of a model name (``Model.1-dev_bnb-4bit``: model, 1, dev, bnb, 4bit).
 _TOKEN_SEPARATORS = re.compile(r"[^a-z0-9]+")
 
 
@@ -95,10 +95,10 @@ def name_has_marker(name: str, pattern: str) -> bool:
     """Whether a model name carries ``pattern``, case-insensitively.
 
     A pattern ``*marker*`` whose marker is tokens (``*int4*``, ``*bnb-4bit*``, ``*-4bit*``)
-    matches them as whole tokens of the name, in order: ``flux-int4`` and
-    ``FLUX.1-dev-bnb-4bit`` carry theirs; ``checkpoint4``, ``mint4-flux`` and
+    matches them as whole tokens of the name, in order: ``model-int4`` and
+    ``Model.1-dev-bnb-4bit`` carry theirs; ``checkpoint4``, ``mint4-model`` and
     ``paint4k`` carry none, where a substring glob took all three for 4-bit repos.
-    Any other glob (``flux-*-q?``) matches as a glob over the whole name.
+    Any other glob (``model-*-q?``) matches as a glob over the whole name.
     """
     lowered, wanted = name.lower(), pattern.lower()
     inner = wanted[1:-1] if len(wanted) > 2 and wanted.startswith("*") and wanted.endswith("*") else None

@@ -40,6 +40,10 @@ class MemoryThresholds:
     unified_reserve_fraction: float = 0.20
     #: CUDA context and the activations floor.
     overhead_gb: float = 2 * GIB_IN_GB
+    #: The floor before the activation guard raised ``overhead_gb`` for a request's size
+    #: (None: not raised). Unified memory's oversize check reads it: a shared pool pages
+    #: the soft activation headroom rather than failing on it.
+    base_overhead_gb: float | None = None
 
 
 @dataclass(frozen=True)
@@ -131,14 +135,14 @@ def plan_memory(
         return _cpu_plan(resident, budget, hardware, requested, f"{needed} vs {budget:.1f} GB budget"), \
             estimate("resident")
     if hardware.unified_memory:
-        # The oversize check on one pool: weights + base overhead against the
-        # budget itself (the 0.85 activation headroom is a discrete card's
-        # guard against fragmentation; a shared pool pages instead), and open
-        # when free memory is unknown.
+        # One pool: weights + base overhead against the budget itself (the 0.85 and the
+        # size-grown activation headroom are soft there: it pages); open when free is unknown.
         if hardware.free_memory_gb is None:
             return _unified_plan(None, requested, f"{needed}; free memory unknown, not checked", hardware), \
                 estimate("resident")
-        return _unified_plan(resident <= budget, requested, f"{needed} vs {budget:.1f} GB budget", hardware), \
+        base = overhead if thresholds.base_overhead_gb is None else min(overhead, thresholds.base_overhead_gb)
+        checked = f"weights {weights:.1f} + base overhead {base:.1f} GB vs {budget:.1f} GB budget"
+        return _unified_plan(weights + base <= budget, requested, f"{needed}; {checked}", hardware), \
             estimate("resident")
     if requested != "auto":
         if requested in fits and not fits[requested]:

@@ -103,7 +103,8 @@ class TorchPlanner:
         self.memory_thresholds, self.cache_thresholds = memory_thresholds, cache_thresholds
         self.family = family = model.family
         self.family_denied = registry.quant_deny(family, "inference")
-        self.quant_denied = lift_denials(self.family_denied, family, hardware)
+        self.deny_reasons = registry.quant_deny_reasons(family, "inference")
+        self.quant_denied = lift_denials(self.family_denied, family, hardware, self.deny_reasons)
         self.denied = registry.optimization_deny(family)
         self.encoder_quant: Resolved[str] = checked(
             resolve_text_encoder_quant, family, hardware, request.text_encoder_quant,
@@ -130,7 +131,8 @@ class TorchPlanner:
             self.family, self.shape, 2 * DTYPE_FACTOR[dtype], self.memory_thresholds.overhead_gb,
             self.model.checkpoint,
         )
-        return dataclasses.replace(self.memory_thresholds, overhead_gb=overhead)
+        return dataclasses.replace(self.memory_thresholds, overhead_gb=overhead,
+                                   base_overhead_gb=self.memory_thresholds.overhead_gb)
 
     def transformer_gb(self, dtype: str, scheme: str | None) -> tuple[float, float]:
         """The denoiser's steady and transient GB in ``dtype`` and ``scheme``, its LoRAs included."""
@@ -187,7 +189,7 @@ class TorchPlanner:
         quant = checked(
             resolve_quant_request, self.request.quant, self.hardware, self.quant_denied,
             family_label=self.family.label, dtype=dtype.value,
-            lifted=lifted_denials(self.family_denied, self.family, self.hardware),
+            lifted=lifted_denials(self.family_denied, self.family, self.hardware, self.deny_reasons),
         )
         choice = choose_transformer_scheme(
             quant, prequantised=self.base_quant, base=self.memory(dtype.value, self.base_quant),

@@ -45,7 +45,7 @@ def hub_access_error(source: ModelSource, *, allow_download: bool = True) -> Pre
     repo = hub_repo(source)
     if repo is None or in_hub_cache(repo):
         return None
-    fix = (f"download it first (huggingface-cli download {repo} --local-dir DIR) and pass the local "
+    fix = (f"download it first (hf download {repo} --local-dir DIR) and pass the local "
            "folder, or try a tiny one: `diffusion-engine tiny save FAMILY DIR`")
     if hub_offline():
         return PreflightError(
@@ -83,13 +83,13 @@ def hub_gate_error(repo: str) -> PreflightError | None:
     except GatedRepoError:
         return PreflightError(
             f"{repo} is gated on the hub: request access at {page} (accept its licence there), then add a "
-            "token this machine uses (`huggingface-cli login`, or HF_TOKEN=...) and start again",
+            "token this machine uses (`hf auth login`, or HF_TOKEN=...) and start again",
             code="gated_repo",
         )
     except RepositoryNotFoundError:
         return PreflightError(
             f"the hub has no repo {repo} that this machine may see ({page}): check the name, or, if it is "
-            "private, add a token with access (`huggingface-cli login`, or HF_TOKEN=...)",
+            "private, add a token with access (`hf auth login`, or HF_TOKEN=...)",
             code="repo_not_found",
         )
     except Exception:  # noqa: BLE001 - the download reports its own failure
@@ -118,7 +118,7 @@ def hub_download_gb(repo: str, timeout_s: float = 10.0) -> float:
     except Exception as exc:  # noqa: BLE001 - any failure to ask the hub means we cannot download
         raise PreflightError(
             f"cannot reach the hub for {repo} ({type(exc).__name__}); download it elsewhere "
-            f"(huggingface-cli download {repo} --local-dir DIR) and pass the local folder",
+            f"(hf download {repo} --local-dir DIR) and pass the local folder",
             code="hub_offline",
         ) from None
     return sum(s.size or 0 for s in info.siblings or []) / 1e9
