@@ -77,6 +77,8 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("unreadable_output", 500, "The pipeline returned something its family's output kind does not "
               "describe (a plugin's table says images for a video pipeline)."),
     ErrorCode("not_applicable", 400, "The request does not apply to what is loaded."),
+    ErrorCode("port_in_use", 409, "`serve --port`: another process listens on that port (checked before a "
+              "model loads); stop it or pass another port.", "at the terminal, before anything runs"),
     ErrorCode("empty_token", 400, "`serve --token` (or `DIFFUSION_ENGINE_TOKEN`) is set but empty."),
     ErrorCode("insecure_server", 400, "`serve --host` beyond loopback without a token (pass one, or "
               "`--insecure-no-token`)."),

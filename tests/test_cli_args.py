@@ -223,3 +223,25 @@ def test_an_unknown_family_suggests_the_nearest_name(capsys: pytest.CaptureFixtu
     assert main(["plan", "--family", "zimage-turbo"]) == 2
     err = capsys.readouterr().err
     assert "error[unknown_family]" in err and "did you mean 'zimage'?" in err
+
+
+def test_replicas_without_a_model_are_refused_before_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """A replica cannot load a model after it starts, so ``serve --replicas 2`` needs ``--load``."""
+    assert main(["serve", "--replicas", "2", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "error[invalid_request]" in err and "--load MODEL" in err
+
+
+def test_a_port_in_use_or_out_of_range_is_refused_before_anything_loads(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    assert main(["serve", "--port", "99999"]) == 2
+    assert "error[usage]" in capsys.readouterr().err  # not printed as 99999 and served elsewhere
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--load", "/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert f"error[port_in_use]: port {port} on 127.0.0.1 is in use" in err  # before the load is tried

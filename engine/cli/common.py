@@ -41,6 +41,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+#: The error code of a command line the parser cannot take (its row: docs/errors.md).
+USAGE_CODE = "usage"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with usage errors as ``error[usage]: ...`` (exit 2) like every other refusal."""
 
@@ -50,7 +54,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        print(f"error[usage]: {self.prog}: {message}", file=sys.stderr)
+        print(f"error[{USAGE_CODE}]: {self.prog}: {message}", file=sys.stderr)
         raise SystemExit(EXIT_REFUSED)
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
@@ -76,6 +80,17 @@ class Parser(argparse.ArgumentParser):
             close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
             self.error(f"unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else "")
                        + f"; {self.prog} --help lists its flags")
+
+
+def port_number(text: str) -> int:
+    """A TCP port: 0-65535 (argparse names the flag when it is not)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0-65535)")
+    return value
 
 
 def download_allowed(args: argparse.Namespace) -> bool:

@@ -140,6 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = serve_settings(args)
     outputs = settings.output_roots[0]
     settings.check_bind(args.host)
+    check_port_free(args.host, args.port)
     try:
         import uvicorn
 
@@ -165,6 +166,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on, before a model loads (uvicorn would exit 3
+    after the load, with its own words and no code)."""
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise EngineError(f"port {port} on {host} is in use ({exc.strerror}); stop what listens there or "
+                              "pass another --port", code="port_in_use") from None
+
+
 def _serve_replicas(args: argparse.Namespace, settings: Any) -> int:
     """``serve --replicas N``: the same app on N Ray Serve replicas (see engine.server.replicas);
     the model each replica loads is checked here first, before Ray starts."""
@@ -178,8 +196,12 @@ def _serve_replicas(args: argparse.Namespace, settings: Any) -> int:
         autoscaling = json.loads(args.ray_autoscaling) if args.ray_autoscaling else None
     except ValueError as exc:
         raise EngineError(f"--ray-autoscaling is not JSON: {exc}", code="invalid_request") from None
-    if args.load:
-        Engine(allow_download=settings.allow_hub).images.check_load(args.load)
+    if not args.load:
+        # A replica refuses POST /v1/images/load (each holds the model it started with),
+        # so replicas started without one could never serve an image.
+        raise EngineError("serve --replicas needs --load MODEL: each replica loads it when it starts and "
+                          "cannot load one later", code="invalid_request")
+    Engine(allow_download=settings.allow_hub).images.check_load(args.load)
     try:
         from engine.server import replica_serve as replicas
     except ImportError as exc:

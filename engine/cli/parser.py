@@ -13,7 +13,7 @@ from pathlib import Path
 
 from engine import __version__
 from engine.cli import images, machine, training
-from engine.cli.common import DOWNLOAD_HELP, Parser, add_controls, add_json, add_verbose
+from engine.cli.common import DOWNLOAD_HELP, Parser, add_controls, add_json, add_verbose, port_number
 from engine.requests import GENERATE_CONTROLS, MODEL_CONTROLS, PLAN_CONTROLS
 from engine.server.settings import KEEP_URL_IMAGES_S
 
@@ -122,7 +122,7 @@ def _add_tiny(commands: Commands) -> None:
 def _add_serve(commands: Commands) -> None:
     serve = commands.add_parser("serve", help="serve the HTTP API (needs the [server] extra)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless you say otherwise)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port")
+    serve.add_argument("--port", type=port_number, default=8000, help="TCP port (0-65535; 0: any free one)")
     serve.add_argument("--token", help="require this bearer token (or DIFFUSION_ENGINE_TOKEN)")
     serve.add_argument("--models", action="append", default=[], metavar="DIR", help="a model root (repeatable)")
     serve.add_argument("--datasets", action="append", default=[], metavar="DIR", help="a dataset root (repeatable)")
