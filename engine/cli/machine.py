@@ -169,6 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def check_port_free(host: str, port: int) -> None:
     """Refuse a port another process listens on, before a model loads (uvicorn would exit 3
     after the load, with its own words and no code)."""
+    import errno
     import socket
 
     if port == 0:
@@ -179,8 +180,10 @@ def check_port_free(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            raise EngineError(f"port {port} on {host} is in use ({exc.strerror}); stop what listens there or "
-                              "pass another --port", code="port_in_use") from None
+            if exc.errno != errno.EADDRINUSE:
+                return  # not this machine's address, say: the server's own bind reports that
+            raise EngineError(f"port {port} on {host} is in use; stop what listens there or pass another --port",
+                              code="port_in_use") from None
 
 
 def _serve_replicas(args: argparse.Namespace, settings: Any) -> int:
