@@ -56,7 +56,7 @@ def test_every_preset_family_and_scheme_plans_or_refuses_with_a_code(hw: str, fa
     # Denials a machine capability lifts (Qwen-Image fp8 with torchao's
     # activation-scale floor) are not in force there.
     spec = REGISTRY.family(family)
-    denied = lift_denials(REGISTRY.quant_deny(spec, "inference"), spec, PRESETS[hw])
+    denied = lift_denials(REGISTRY.quant_deny_reasons(spec, "inference"), spec, PRESETS[hw])
     assert scheme not in denied
     if quant not in ("auto", "none") and scheme is None:
         assert "falling back" in result["transformer_quant"].reason

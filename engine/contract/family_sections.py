@@ -371,6 +371,10 @@ class PrecisionRules:
         if unknown:
             raise ValueError(f"PrecisionRules names {unknown}; components are {', '.join(COMPONENTS)}")
 
+    def keeps_fp32(self, component: str) -> bool:
+        """Whether ``component`` loads in fp32 whatever the compute dtype."""
+        return any(name == component for name, _ in self.keep_fp32)
+
     def fp16_safe(self, component: str = "denoiser") -> bool:
         return all(c != component for c, _ in self.fp16_unsafe)
 

@@ -119,7 +119,7 @@ def video_overhead_gb(
     side = geometry.token_pixels
     tokens = video.latent_frames(shape.frames) * math.ceil(shape.width / side) * math.ceil(shape.height / side)
     denoiser = memory.denoiser_per_token * tokens * dtype_bytes * shape.batch / 1e9
-    vae_bytes = 4 if any(name == "vae" for name, _ in family.precision.keep_fp32) else dtype_bytes
+    vae_bytes = 4 if family.precision.keeps_fp32("vae") else dtype_bytes
     tiles = (tiled_px(shape.width, geometry.spatial_compression, memory)
              * tiled_px(shape.height, geometry.spatial_compression, memory) * shape.frames * RGB)
     clip = shape.pixels * shape.frames * RGB

@@ -48,46 +48,41 @@ def _below_sm80(hardware: HardwareProfile) -> bool:
 
 
 def lift_denials(
-    denied: Mapping[str, str], family: FamilySpec, hardware: HardwareProfile,
-    reasons: Mapping[str, tuple[str, ...]] | None = None,
+    reasons: Mapping[str, tuple[str, ...]], family: FamilySpec, hardware: HardwareProfile
 ) -> Mapping[str, str]:
-    """The inference deny list less the entries this machine's libraries fix.
+    """The inference deny list (``reasons``: each plugin's reason per scheme,
+    :meth:`~engine.contract.plugins.Registry.quant_deny_reasons`) less what this
+    machine's libraries fix, reasons joined.
 
     A family's table names, per denied scheme, the capability that lifts the
     deny (``fp8_activation_floor``: torchao's float8 config floors activation
     scales, which the runtime then always sets). The deny and its fix move
     together: without the capability the deny stands. Only the table's own
-    deny is lifted: another plugin's (``reasons``: each plugin's reason apart;
-    without it, a joined reason that is not the table's alone) stands, with
-    its own reason.
+    deny is lifted: another plugin's deny of the scheme stands, with its reason.
     """
     own = {d.scheme: d.reason for d in family.quantisation.deny("inference")}
     lifting = {
         scheme for scheme, capability in family.quantisation.deny_lifted_by
-        if scheme in denied and scheme in own and bool(getattr(hardware, capability, False))
+        if scheme in own and bool(getattr(hardware, capability, False))
     }
     remaining: dict[str, str] = {}
-    for scheme, why in denied.items():
-        if scheme not in lifting:
-            remaining[scheme] = why
-            continue
-        others = [r for r in (reasons or {}).get(scheme, (why,)) if r != own[scheme]]
-        if others:
-            remaining[scheme] = "; ".join(others)
+    for scheme, why in reasons.items():
+        kept = [r for r in why if scheme not in lifting or r != own[scheme]]
+        if kept:
+            remaining[scheme] = "; ".join(kept)
     return remaining
 
 
 def lifted_denials(
-    denied: Mapping[str, str], family: FamilySpec, hardware: HardwareProfile,
-    reasons: Mapping[str, tuple[str, ...]] | None = None,
+    reasons: Mapping[str, tuple[str, ...]], family: FamilySpec, hardware: HardwareProfile
 ) -> dict[str, str]:
     """Per scheme whose deny :func:`lift_denials` lifts here, why it is safe now."""
-    remaining = lift_denials(denied, family, hardware, reasons)
+    remaining = lift_denials(reasons, family, hardware)
     lifted_by = dict(family.quantisation.deny_lifted_by)
     return {
         scheme: (f"{family.label}'s {scheme} deny is lifted: this machine has {lifted_by[scheme]}, the fix its "
                  f"table names, which is what makes {scheme} safe here")
-        for scheme in denied if scheme not in remaining
+        for scheme in reasons if scheme not in remaining
     }
 
 

@@ -102,9 +102,8 @@ class TorchPlanner:
         self.request, self.env, self.engine = request, env, engine
         self.memory_thresholds, self.cache_thresholds = memory_thresholds, cache_thresholds
         self.family = family = model.family
-        self.family_denied = registry.quant_deny(family, "inference")
         self.deny_reasons = registry.quant_deny_reasons(family, "inference")
-        self.quant_denied = lift_denials(self.family_denied, family, hardware, self.deny_reasons)
+        self.quant_denied = lift_denials(self.deny_reasons, family, hardware)
         self.denied = registry.optimization_deny(family)
         self.encoder_quant: Resolved[str] = checked(
             resolve_text_encoder_quant, family, hardware, request.text_encoder_quant,
@@ -189,7 +188,7 @@ class TorchPlanner:
         quant = checked(
             resolve_quant_request, self.request.quant, self.hardware, self.quant_denied,
             family_label=self.family.label, dtype=dtype.value,
-            lifted=lifted_denials(self.family_denied, self.family, self.hardware, self.deny_reasons),
+            lifted=lifted_denials(self.deny_reasons, self.family, self.hardware),
         )
         choice = choose_transformer_scheme(
             quant, prequantised=self.base_quant, base=self.memory(dtype.value, self.base_quant),
