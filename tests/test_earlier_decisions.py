@@ -392,7 +392,7 @@ def test_10_unknown_capability_does_not_block_and_installs_are_pinned() -> None:
     unknown = preset("rtx4090").replace(capability=None, device_name="NVIDIA Next GPU")
     sage = plan("flux", unknown, attention="sage")
     assert sage.value("attention_backend") == "sage" and "capability unknown" in sage["attention_backend"].reason
-    assert sage.attention_install == "sageattention>=1.0.6 --no-deps"
+    assert sage.attention_install == "sageattention>=2.1.1 --no-deps"
     matched = plan("flux", preset("rtx4090").replace(torch_version="2.8.0+cu128"), attention="xformers")
     # The wheel built for this torch and its CUDA, from PyTorch's index for that CUDA.
     assert matched.attention_install == (
@@ -403,7 +403,7 @@ def test_10_unknown_capability_does_not_block_and_installs_are_pinned() -> None:
     assert "no xformers wheel" in unmatched["attention_backend"].reason
     from engine.runtime.attention import pip_command
 
-    assert pip_command("sageattention>=1.0.6 --no-deps")[-3:] == ["--only-binary=:all:", "sageattention>=1.0.6", "--no-deps"]
+    assert pip_command("sageattention>=2.1.1 --no-deps")[-3:] == ["--only-binary=:all:", "sageattention>=2.1.1", "--no-deps"]
 
 
 # -- 11. provenance: requested and status on every control -------------------------------

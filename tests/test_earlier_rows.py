@@ -216,7 +216,7 @@ def test_optional_kernel_installs_are_wheel_only_no_deps_with_the_floor_and_the_
     from engine.runtime.attention import pip_command
 
     card = preset("rtx4090").replace(torch_version="2.8.0+cu128")
-    assert install_requirement("sage", card)[0] == "sageattention>=1.0.6 --no-deps"
+    assert install_requirement("sage", card)[0] == "sageattention>=2.1.1 --no-deps"
     xformers = install_requirement("xformers", card)[0]
     assert xformers == "xformers==0.0.32.post2 --index-url https://download.pytorch.org/whl/cu128 --no-deps"
     assert "--only-binary=:all:" in pip_command(str(xformers))

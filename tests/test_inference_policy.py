@@ -282,7 +282,7 @@ def test_attention_install_only_for_explicit_requests_after_the_arch_gate() -> N
     result = plan("flux", "rtx4090", attention="sage")
     # The install carries the version floor and --no-deps (keeps the installed torch).
     assert result.value("attention_backend") == "sage"
-    assert result.attention_install == "sageattention>=1.0.6 --no-deps"
+    assert result.attention_install == "sageattention>=2.1.1 --no-deps"
     assert plan("flux", "rtx4090").attention_install is None
     off = plan("flux", "rtx4090", env={ATTENTION_INSTALL_ENV: "0"}, attention="sage")
     assert off.value("attention_backend") == "native" and off.attention_install is None

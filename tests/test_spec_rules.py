@@ -320,8 +320,8 @@ def test_a_torchao_transformer_never_goes_to_group_offload() -> None:
 
 
 def test_attention_install_is_wheel_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert pip_command("sageattention>=1.0.6 --no-deps") == [
-        sys.executable, "-m", "pip", "install", "--only-binary=:all:", "sageattention>=1.0.6", "--no-deps",
+    assert pip_command("sageattention>=2.1.1 --no-deps") == [
+        sys.executable, "-m", "pip", "install", "--only-binary=:all:", "sageattention>=2.1.1", "--no-deps",
     ]
     ran: list[list[str]] = []
 

@@ -13,6 +13,7 @@ from typing import Mapping
 
 from engine.errors import UnknownName
 from engine.hardware.devices import with_devices
+from engine.hardware.kernel_floors import installed_attention_floors
 from engine.hardware.probe import gpu_class
 from engine.hardware.profile import HardwareProfile, Vendor, native_bf16
 
@@ -31,6 +32,9 @@ def _gpu(
     cuda = vendor in ("nvidia", "rocm")
     klass = gpu_class(device_name) if vendor == "nvidia" else ""
     return HardwareProfile(
+        # Software, not hardware: the floors of this machine's diffusers, so a plan for a
+        # card you do not have installs what your diffusers would accept.
+        attention_floors=installed_attention_floors(),
         name=name,
         vendor=vendor,
         device_name=device_name,

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from engine.hardware.kernel_floors import installed_attention_floors, installed_versions
 from engine.hardware.profile import HardwareProfile, native_bf16
 
 MIB_IN_GB = 2**20 / 1e9
@@ -128,6 +129,8 @@ def _light_probe() -> HardwareProfile:
     profile = _light_probe_device()
     return profile.replace(
         attention_packages=installed_attention_packages(),
+        attention_versions=installed_versions(installed_attention_packages()),
+        attention_floors=installed_attention_floors(),
         torch_fp16_accumulation=_torch_exposes_fp16_accumulation(),
         torch_version=_torch_version(),
         fp8_activation_floor=torchao_exposes_fp8_floor(),

@@ -73,6 +73,12 @@ class HardwareProfile:
     #: Optional attention kernels installed (import names: ``flash_attn``,
     #: ``kernels`` (loads the FA3 hub kernel), ``sageattention``, ``xformers``).
     attention_packages: tuple[str, ...] = ()
+    #: The installed attention packages' versions, as (import name, version) pairs.
+    attention_versions: tuple[tuple[str, str], ...] = ()
+    #: The version each optional kernel needs before diffusers' dispatcher takes it, as
+    #: (backend, version) pairs read from the installed diffusers
+    #: (:mod:`engine.hardware.kernel_floors`); presets carry this machine's too.
+    attention_floors: tuple[tuple[str, str], ...] = ()
     #: torch exposes ``torch.backends.cuda.matmul.allow_fp16_accumulation`` (2.7+).
     torch_fp16_accumulation: bool = True
     #: The installed torch's version (``2.8.0+cu128``), None when unknown

@@ -4,9 +4,12 @@
 -3 on Hopper) where the ``kernels`` package is installed, else cuDNN's fused
 SDPA on sm80+ NVIDIA cards, else native SDPA; the ``off`` speed tier keeps
 native SDPA. An explicit kernel the card cannot run (or the family denies)
-falls back to native SDPA with the reason; a missing package is installed
-best-effort at load, wheel-only, with its version floor and ``--no-deps``
-where its own requirements would replace the installed torch.
+falls back to native SDPA with the reason; a missing (or too old) package is
+installed best-effort at load, wheel-only, with the version floor the
+installed diffusers' dispatcher enforces (read from its source, see
+:mod:`engine.hardware.kernel_floors`) and ``--no-deps`` where its own
+requirements would replace the installed torch. A pinned release below that
+floor is refused before anything is installed.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
 
 from engine.hardware.profile import HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
@@ -31,7 +36,7 @@ class AttentionBackend:
     """An optional kernel: the package it needs and the cards it runs on."""
 
     package: str
-    #: The pip requirement, with its version floor (``sageattention>=1.0.6``).
+    #: The distribution pip installs (its version floor comes from the installed diffusers).
     pip_name: str
     min_capability: tuple[int, int]
     max_capability: tuple[int, int] | None = None
@@ -46,11 +51,11 @@ OPTIONAL_BACKENDS: Mapping[str, AttentionBackend] = {
     # FlashAttention-3 through the hub kernel diffusers loads with the
     # ``kernels`` package (its ``_flash_3_hub`` backend): FA3 itself has no
     # wheels, and a source build needs a CUDA toolchain.
-    "flash3": AttentionBackend("kernels", "kernels>=0.12", (9, 0), (9, 0)),
-    # FlashAttention-4 likewise (diffusers' ``flash_4_hub``; kernels 0.12.3+ loads it),
-    # written for Blackwell datacenter parts (sm100 / sm103).
-    "flash4": AttentionBackend("kernels", "kernels>=0.12.3", (10, 0), (10, 3)),
-    "sage": AttentionBackend("sageattention", "sageattention>=1.0.6", (8, 0), no_deps=True),
+    "flash3": AttentionBackend("kernels", "kernels", (9, 0), (9, 0)),
+    # FlashAttention-4 likewise (diffusers' ``flash_4_hub``), written for Blackwell
+    # datacenter parts (sm100 / sm103).
+    "flash4": AttentionBackend("kernels", "kernels", (10, 0), (10, 3)),
+    "sage": AttentionBackend("sageattention", "sageattention", (8, 0), no_deps=True),
     # The requirement is pinned per torch release (XFORMERS_FOR_TORCH).
     "xformers": AttentionBackend("xformers", "xformers", (7, 0), no_deps=True),
 }
@@ -100,16 +105,47 @@ def _unknown_capability_note(hardware: HardwareProfile) -> str:
     return ""
 
 
+def kernel_floor(name: str, hardware: HardwareProfile) -> str | None:
+    """The version diffusers' dispatcher needs for backend ``name`` (None: not read)."""
+    return dict(hardware.attention_floors).get(name)
+
+
+def below_floor(version: str | None, floor: str | None) -> bool:
+    """Whether ``version`` is older than ``floor`` (False where either is unknown or unreadable)."""
+    if version is None or floor is None:
+        return False
+    try:
+        return Version(version) < Version(floor)
+    except InvalidVersion:
+        return False
+
+
+def installed_usable(name: str, hardware: HardwareProfile) -> tuple[bool, str | None]:
+    """(whether backend ``name``'s package is installed at a version the dispatcher takes,
+    why not where it is installed but too old)."""
+    package = OPTIONAL_BACKENDS[name].package
+    if package not in hardware.attention_packages:
+        return False, None
+    version = dict(hardware.attention_versions).get(package)
+    floor = kernel_floor(name, hardware)
+    if below_floor(version, floor):
+        return False, f"{package} {version} is older than {floor}, the floor diffusers' dispatcher enforces"
+    return True, None
+
+
 def install_requirement(name: str, hardware: HardwareProfile) -> tuple[str | None, str]:
     """(pip arguments for backend ``name`` or None, why).
 
     The arguments are one string the runtime splits: the requirement with
-    its version floor, plus ``--no-deps`` where the package's own
-    requirements would replace the installed torch. xformers is pinned to
-    the release built against the installed torch, or not installed at all.
+    the version floor the installed diffusers' dispatcher enforces, plus
+    ``--no-deps`` where the package's own requirements would replace the
+    installed torch. xformers is pinned to the release built against the
+    installed torch, or not installed at all (also where that release is
+    below the dispatcher's floor: it would install and still be refused).
     """
     backend = OPTIONAL_BACKENDS[name]
-    requirement = backend.pip_name
+    floor = kernel_floor(name, hardware)
+    requirement = f"{backend.pip_name}>={floor}" if floor else backend.pip_name
     if name == "xformers":
         version = _torch_release(hardware.torch_version)
         pinned = XFORMERS_FOR_TORCH.get(version) if version else None
@@ -117,12 +153,18 @@ def install_requirement(name: str, hardware: HardwareProfile) -> tuple[str | Non
             return None, (
                 f"no xformers wheel is known to match torch {hardware.torch_version or '(version unknown)'}"
             )
+        if below_floor(pinned, floor):
+            return None, (
+                f"xformers {pinned} (the release built for torch {hardware.torch_version}) is older than "
+                f"{floor}, the floor diffusers' dispatcher enforces"
+            )
         requirement = f"xformers=={pinned}"
         cuda_tag = _cuda_tag(hardware.torch_version)
         if cuda_tag:  # the wheel built for this torch's CUDA, from PyTorch's index for it
             requirement += f" --index-url {PYTORCH_WHEEL_INDEX}/{cuda_tag}"
     args = f"{requirement} --no-deps" if backend.no_deps else requirement
-    return args, f"a wheel-only install of {args} is tried at load"
+    unknown = "" if floor or name == "xformers" else " (the dispatcher's floor could not be read from diffusers)"
+    return args, f"a wheel-only install of {args} is tried at load{unknown}"
 
 
 def _cuda_tag(version: str | None) -> str | None:
@@ -183,20 +225,18 @@ def resolve_attention(
             return explicit("native", why, requested=requested), None
         return explicit("cudnn", f"cuDNN fused SDPA (built into torch){note}"), None
     backend = OPTIONAL_BACKENDS[requested]
-    if backend.package in hardware.attention_packages:
+    usable, too_old = installed_usable(requested, hardware)
+    if usable:
         return explicit(requested, f"requested{note}"), None
+    missing = too_old or f"{backend.package} is not installed"
     if env.get(ATTENTION_INSTALL_ENV, "auto") == "0":
         return explicit(
-            "native", f"{backend.package} is not installed and {ATTENTION_INSTALL_ENV}=0; native SDPA",
-            requested=requested,
+            "native", f"{missing} and {ATTENTION_INSTALL_ENV}=0; native SDPA", requested=requested,
         ), None
     args, why = install_requirement(requested, hardware)
     if args is None:
-        why = f"{backend.package} is not installed and {why}; native SDPA"
-        return explicit("native", why, requested=requested), None
-    return explicit(
-        requested, f"{backend.package} is not installed: {why}; native SDPA if it fails{note}"
-    ), args
+        return explicit("native", f"{missing} and {why}; native SDPA", requested=requested), None
+    return explicit(requested, f"{missing}: {why}; native SDPA if it fails{note}"), args
 
 
 #: Hub kernels ``auto`` takes where ``kernels`` is installed, each on its own generation.
@@ -209,7 +249,7 @@ HUB_KERNELS: Mapping[str, str] = {
 def _auto_attention(hardware: HardwareProfile, denied: Mapping[str, str], dtype: str | None) -> Resolved[str]:
     for name, what in HUB_KERNELS.items():
         if (
-            OPTIONAL_BACKENDS[name].package in hardware.attention_packages
+            installed_usable(name, hardware)[0]
             and name not in denied
             and hardware.capability is not None
             and attention_arch_error(name, hardware) is None

@@ -7,14 +7,27 @@ whether to try (explicit request, arch gate passed, not disabled by
 requirement with its version floor (or, for xformers, the release built
 against the installed torch) and ``--no-deps`` where the package's own
 requirements would replace torch. Any failure keeps native SDPA.
+
+The install runs before this process imports diffusers (:func:`install_for_plan`,
+called by the engine router ahead of the session import): diffusers reads
+which kernels exist once, when it is imported, so a package installed after
+that is invisible to ``set_attention_backend`` until the next process. Where
+diffusers is already imported (a server's second load, a tiny pipeline built
+in-process), the package is still installed for the next start and this load
+keeps native SDPA, saying so.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import shlex
 import subprocess
 import sys
 from collections.abc import Callable
+
+from engine.policy.plan import Plan
+from engine.policy.resolved import Resolved
 
 #: Our backend names -> diffusers' ``set_attention_backend`` names.
 DIFFUSERS_BACKENDS = {
@@ -32,7 +45,7 @@ Installer = Callable[[str], bool]
 
 
 def pip_command(package: str) -> list[str]:
-    """The pip command for the plan's install arguments (``sageattention>=1.0.6 --no-deps``)."""
+    """The pip command for the plan's install arguments (``sageattention>=2.1.1 --no-deps``)."""
     return [sys.executable, "-m", "pip", "install", "--only-binary=:all:", *shlex.split(package)]
 
 
@@ -48,3 +61,40 @@ def pip_install_wheel(package: str, timeout_s: float = 600.0) -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     return result.returncode == 0
+
+
+def diffusers_imported() -> bool:
+    """Whether this process has imported diffusers (its kernel flags are then fixed)."""
+    return "diffusers" in sys.modules
+
+
+def install_kernel(plan: Plan, installer: Installer = pip_install_wheel) -> Resolved[str] | None:
+    """Run the plan's kernel install; None when the kernel can now be set in this process,
+    else the native-SDPA decision saying why (the install failed, or diffusers was
+    imported before it and cannot see it until the next process)."""
+    if not plan.attention_install:
+        return None
+    imported_before = diffusers_imported()
+    attention = plan["attention_backend"]
+    if not installer(plan.attention_install):
+        return Resolved("native", attention.source, f"installing {plan.attention_install} failed; native SDPA")
+    importlib.invalidate_caches()  # the new package is found by the imports that follow
+    if imported_before:
+        return Resolved("native", attention.source, (
+            f"{plan.attention_install} installed, but this process imported diffusers before the "
+            f"install and diffusers reads its kernels once, at import: {attention.value} engages "
+            "from the next start (restart the server or run the command again); native SDPA"
+        ))
+    return None
+
+
+def install_for_plan(plan: Plan, installer: Installer = pip_install_wheel) -> Plan:
+    """``plan`` after its kernel install, run before the session imports diffusers: the
+    install is done (no longer pending) and, where the kernel cannot engage, the
+    attention decision says why."""
+    if not plan.attention_install:
+        return plan
+    outcome = install_kernel(plan, installer)
+    if outcome is not None:
+        plan = plan.with_control("attention_backend", outcome)
+    return dataclasses.replace(plan, attention_install=None)

@@ -45,6 +45,9 @@ def start_session(
             return session
         except SdcppFailed as exc:
             return fall_back(registry, source, plan, request, exc, diffusers_refusal)
+    from engine.runtime.attention import install_for_plan
+
+    plan = install_for_plan(plan)  # before the session's import of diffusers: its kernels are read then
     from engine.runtime.session import InferenceSession
 
     session = InferenceSession(registry, source, plan, request, loras=loras, controlnet=controlnet)

@@ -11,6 +11,7 @@ ran rather than what was planned.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -23,7 +24,7 @@ from engine.policy.resolved import Resolved, explicit
 from engine.policy.speed import resolve_step_cache, step_cache_unsupported
 from engine.preflight.source import ModelSource
 from engine.runtime import capabilities, quantize
-from engine.runtime.attention import DIFFUSERS_BACKENDS, Installer
+from engine.runtime.attention import DIFFUSERS_BACKENDS, Installer, install_kernel
 from engine.runtime.compile_cache import CompileCache
 from engine.runtime.fusions import FusionReport, fuse
 
@@ -53,12 +54,11 @@ class SpeedControls:
     def _apply_attention(self) -> None:
         resolved = self.plan["attention_backend"]
         backend = str(resolved.value)
-        if self.plan.attention_install:
-            if not self._installer(self.plan.attention_install):
-                self._record("attention_backend", explicit(
-                    "native", f"installing {self.plan.attention_install} failed; native SDPA"
-                ))
-                return
+        outcome = install_kernel(self.plan, self._installer)  # a plan the router did not install for
+        self.plan = dataclasses.replace(self.plan, attention_install=None)
+        if outcome is not None:
+            self._record("attention_backend", outcome)
+            return
         if backend == "native":
             return
         try:
