@@ -602,3 +602,21 @@ def test_pre_quantised_markers_are_read_as_whole_tokens(name: str, prequantised:
     # The same reading decides training: a dense repo named checkpoint4-... trains in bf16.
     error = training_precision_preflight_error(REGISTRY, flux, preset("h100"), "bf16", base_repo=name)
     assert (error is not None and error.code == "prequantised_base") is prequantised
+
+
+def test_a_pre_quantised_repos_download_is_its_own_size_not_the_dense_repos(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """FACTS: FLUX.1-dev is 23.8 + 9.8 + 0.2 GB in bf16; a bnb 4-bit repo holds the
+    denoiser at ~0.30 of that, so it downloads about 23.8 * 0.30 + 10.0 = 17 GB."""
+    from engine.cli import main
+
+    assert main(["plan", "--model", "diffusers/FLUX.1-dev-bnb-4bit", "--hardware", "h100", "--json"]) == 0
+    out = capsys.readouterr()
+    weights = json.loads(out.out)["model"]["weights"]
+    assert weights["here"] is False
+    assert abs(weights["download_gb"] - (23.8 * 0.30 + 9.8 + 0.2)) < 1.0, weights
+    assert "about 17 GB" in out.err
+    # The dense repo stays its full size.
+    assert main(["plan", "--model", "black-forest-labs/FLUX.1-dev", "--hardware", "h100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["weights"]["download_gb"] == 33.8

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from engine.contract.types import ComponentSizes
 from engine.errors import PreflightError
+from engine.policy.schemes import transformer_gb
 from engine.preflight.source import ModelSource
 # How a reference is written, and the download consent: the request vocabulary's (re-exported).
 from engine.requests.references import (  # noqa: F401
@@ -133,22 +135,40 @@ def in_hub_cache(repo: str) -> bool:
     return isinstance(try_to_load_from_cache(repo, "model_index.json"), str)
 
 
-def weights_report(source: ModelSource, table_gb: float) -> dict[str, object]:
+def download_gb(source: ModelSource, sizes: ComponentSizes) -> float:
+    """GB that fetching ``source``'s hub repo brings, from the family's table.
+
+    A pre-quantised repo (a 4-bit or fp8 denoiser) holds its denoiser in that
+    scheme, so its download is the quantised denoiser (the family's own factor
+    where its table has one) plus the dense rest, not the dense repo's size;
+    the base of a single file or GGUF is the dense pipeline.
+    """
+    scheme = source.prequantised_scheme
+    if scheme is None or hub_repo(source) != source.location:
+        return sizes.total_gb
+    quantised, _ = transformer_gb(sizes.transformer_gb, scheme, prequantised=True,
+                                  factor=source.family.quantisation.factor(scheme, inference=True))
+    return sizes.total_gb - sizes.transformer_gb + quantised
+
+
+def weights_report(source: ModelSource, sizes: ComponentSizes) -> dict[str, object]:
     """Whether ``source``'s weights are on this machine, and if not what a start would fetch.
 
     A plan or a dry run answers for a model that is not here (a hub id, a
     checkpoint name) from the family's table, downloading nothing: this says
-    so, with the download's size from the table (the hub is never asked).
+    so, with the download's size from the table (:func:`download_gb`; the hub
+    is never asked).
     """
     repo = hub_repo(source)
     if repo is None:
         return {"here": True, "repo": None, "download_gb": 0.0, "note": "local files"}
     if in_hub_cache(repo):
         return {"here": True, "repo": repo, "download_gb": 0.0, "note": f"{repo} is in the local hub cache"}
+    gb = download_gb(source, sizes)
     return {
-        "here": False, "repo": repo, "download_gb": round(table_gb, 1),
+        "here": False, "repo": repo, "download_gb": round(gb, 1),
         "note": (f"{repo} is not on this machine: sized from the family's table; loading or training it downloads "
-                 f"about {table_gb:.0f} GB (allow it with --allow-download, or pass a local folder)"),
+                 f"about {gb:.0f} GB (allow it with --allow-download, or pass a local folder)"),
     }
 
 

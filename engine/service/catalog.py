@@ -109,12 +109,11 @@ class Catalog:
         from engine.preflight.hub import weights_report
 
         source = resolve_model(self._registry, reference, family=family, base=base)
-        table_gb = self._registry.component_sizes(source.family, source.checkpoint).total_gb
         return {
             "reference": reference, "kind": source.kind, "location": source.location,
             "family": source.family.name, "checkpoint": source.checkpoint.name if source.checkpoint else None,
             "base": source.base, "prequantised": source.prequantised_scheme,
-            "weights": weights_report(source, table_gb),
+            "weights": weights_report(source, self._registry.component_sizes(source.family, source.checkpoint)),
         }
 
     def tiny_pipeline(self, family: str, folder: str | Path, *, sdcpp: bool = False) -> Path:

@@ -378,8 +378,8 @@ class Images:
 
     def weights(self, ticket: LoadTicket) -> dict[str, object]:
         """Whether a ticket's weights are here (if not: the download a load needs)."""
-        table_gb = self._registry.component_sizes(ticket.source.family, ticket.source.checkpoint).total_gb
-        return weights_report(ticket.source, table_gb)
+        return weights_report(ticket.source,
+                              self._registry.component_sizes(ticket.source.family, ticket.source.checkpoint))
 
 
 def _unplanned(request: InferenceRequest) -> InferenceRequest:

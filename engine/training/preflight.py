@@ -156,7 +156,7 @@ def preflight_training(
         gradient_checkpointing=checkpointing,
         levers=levers,
         resume_changes=resume_changes,
-        weights=weights_report(base, registry.component_sizes(family, base.checkpoint).total_gb),
+        weights=weights_report(base, registry.component_sizes(family, base.checkpoint)),
         buckets=plan_buckets(
             [item.size for item in dataset.items], [item.relative for item in dataset.items],
             config.resolution, family.side_multiple, warned={name for name, _ in dataset.small},
