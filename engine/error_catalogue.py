@@ -268,7 +268,10 @@ def render() -> str:
         "Every refusal and failure carries a stable `code` (switch on it; the message is for people and "
         "names the file, flag or field at fault). The CLI prints `error[code]: message` and exits 2; the "
         "HTTP API answers `{\"error\": {\"code\", \"message\"}}` with the status below; Python raises "
-        "`engine.errors.EngineError` (its `.code`, `.message` and `.status`).",
+        "`engine.errors.EngineError` (its `.code`, `.message` and `.status`). A check that finds several "
+        "refusals of one request (a training dry run's missing dataset and the machine's refusal) reports "
+        "them together: the first's code, the others in `also` (each `{\"code\", \"message\"}`) and "
+        "after `; also error[code]:` in the message.",
         "",
         "| code | HTTP | when | meaning |",
         "|---|---|---|---|",

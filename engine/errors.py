@@ -9,7 +9,8 @@ traceback for bad input.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import copy
+from collections.abc import Iterable, Sequence
 
 from engine.error_catalogue import status_of
 
@@ -25,6 +26,8 @@ class EngineError(Exception):
     code: str = "engine_error"
     #: The HTTP status of a code the catalogue does not list.
     http_status: int = 400
+    #: The request's other refusals, found by the same check (:func:`together`).
+    also: tuple[EngineError, ...] = ()
 
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
@@ -37,8 +40,23 @@ class EngineError(Exception):
         """The HTTP status the server answers this error with (the catalogue's, by code)."""
         return status_of(self.code, self.http_status)
 
-    def to_dict(self) -> dict[str, str]:
-        return {"code": self.code, "message": self.message}
+    def to_dict(self) -> dict[str, object]:
+        also = {"also": [error.to_dict() for error in self.also]} if self.also else {}
+        return {"code": self.code, "message": self.message, **also}
+
+
+def together(errors: Sequence[EngineError]) -> EngineError:
+    """One refusal that reports every refusal of a request: the first's code and class, each
+    message after it (``; also error[code]: ...``), the others in ``also``. A user fixes them
+    in one go instead of meeting them one by one."""
+    first, rest = errors[0], tuple(errors[1:])
+    if not rest:
+        return first
+    joined = copy.copy(first)
+    joined.message = first.message + "".join(f"; also error[{e.code}]: {e.message}" for e in rest)
+    joined.args = (joined.message,)
+    joined.also = rest
+    return joined
 
 
 class UnknownName(EngineError):

@@ -212,3 +212,22 @@ def test_a_refusal_names_the_flag_at_the_terminal_and_the_field_over_http(
     body = httpx.post(f"{url}/v1/images/plan", json={"family": "flux", "quant": "int4"}, timeout=30).json()
     assert body["error"]["code"] == "invalid_request"
     assert "quant must be" in body["error"]["message"] and "--quant" not in body["error"]["message"]
+
+
+def test_a_dry_runs_refusals_are_reported_together_at_every_door(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A mistyped dataset on a T4 (no native bf16 for FLUX): both refusals, through every door."""
+    config = {"base_model": "flux.1-dev", "dataset_dir": str(tmp_path / "no-such-data")}
+    engine = Engine(hardware=MachineRequest("t4"), allow_download=False)
+    with pytest.raises(EngineError) as raised:
+        engine.training.plan(config)
+    python = (raised.value.code, [other.code for other in raised.value.also])
+    capsys.readouterr()
+    assert main(["train", "--dry-run", "--json", "--hardware", "t4", *_flags(config)]) == 2
+    out = json.loads(capsys.readouterr().out)["error"]
+    cli = (out["code"], [other["code"] for other in out["also"]])
+    with LiveServer(create_app(engine, ServerSettings(dataset_roots=(tmp_path,), allow_hub=True))) as url:
+        body = httpx.post(f"{url}/v1/training/plan", json=config, timeout=60).json()["error"]
+    http = (body["code"], [other["code"] for other in body["also"]])
+    assert python == cli == http == ("dataset_not_found", ["no_native_bf16"])

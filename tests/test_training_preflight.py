@@ -66,6 +66,21 @@ def test_dense_modes_need_cuda_unless_device_cpu(tiny_pipeline: Callable[[str], 
     assert refused(*dry_run(base, good_data, "--hardware", "cpu", "--base-precision", "nf4", "--device", "cpu")) == "needs_cuda"
 
 
+def test_a_dry_run_reports_a_missing_dataset_together_with_what_the_machine_refuses(
+    tiny_pipeline: Callable[[str], Path], tmp_path: Path,
+) -> None:
+    """The newcomer's dry run on a machine without CUDA, dataset path mistyped: both at once."""
+    missing = tmp_path / "no-such-dataset"
+    code, payload, stderr = dry_run(tiny_pipeline("zimage"), missing, "--hardware", "cpu", "--base-precision", "bf16")
+    assert refused(code, payload, stderr) == "dataset_not_found"
+    also = [error["code"] for error in payload["error"]["also"]]  # type: ignore[index]
+    assert also == ["needs_cuda"], payload
+    assert str(missing) in stderr and "also error[needs_cuda]" in stderr
+    # One refusal alone stays one refusal.
+    code, payload, _ = dry_run(tiny_pipeline("zimage"), missing, "--hardware", "cpu", "--device", "cpu")
+    assert refused(code, payload, "") == "dataset_not_found" and "also" not in payload["error"]  # type: ignore[operator]
+
+
 def test_int8_with_a_stub_torchao_is_refused(
     tiny_pipeline: Callable[[str], Path], good_data: Path, tmp_path: Path
 ) -> None:

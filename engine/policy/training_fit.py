@@ -89,7 +89,7 @@ class InsufficientMemory(PreflightError):
         self.fitting_modes = fitting_modes
         self.suggestions = suggestions
 
-    def to_dict(self) -> dict[str, object]:  # type: ignore[override]
+    def to_dict(self) -> dict[str, object]:
         return {
             **super().to_dict(),
             "estimate": self.estimate.to_dict(),

@@ -74,7 +74,10 @@ def status_for(error: EngineError) -> int:
 
 
 async def engine_error(_: Request, error: EngineError) -> JSONResponse:
-    return error_response(status_for(error), error.code, error.message)
+    payload: dict[str, dict[str, object]] = {**error_payload(error.code, error.message)}
+    if error.also:  # the request's other refusals, each in the one shape
+        payload["error"]["also"] = [error_payload(other.code, other.message)["error"] for other in error.also]
+    return JSONResponse(payload, status_code=status_for(error))
 
 
 async def http_error(_: Request, error: HTTPException) -> JSONResponse:

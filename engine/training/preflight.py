@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
-from engine.errors import PreflightError
+from engine.errors import PreflightError, together
 from engine.hardware.profile import HardwareProfile
 from engine.contract.plugins import Registry
 from engine.policy.resolved import Resolved, auto, explicit
@@ -36,6 +38,8 @@ from engine.training.levers import TrainingLevers, resolve_levers
 from engine.training.resume import check_resume
 from engine.training.multigpu import check_each_device, rank_devices
 from engine.contract.types import FamilySpec, TrainingObjective
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,40 @@ def preflight_training(
         False for a dry run, which sizes a base that is not here from the family's table,
         downloads nothing and says so (``TrainingPlan.weights``).
     """
-    resume_changes = check_resume(config)  # the checkpoint read safely, its settings kept
+    # Every path of the request is checked first and its refusals kept, so a dry run
+    # reports a missing dataset together with what the machine refuses.
+    problems: list[PreflightError] = []
+    resume_changes = _kept(problems, lambda: check_resume(config))  # the checkpoint read safely
+    dataset = _kept(problems, lambda: discover_dataset(config.dataset_dir, resolution=config.resolution,
+                                                       strict=config.strict))
+    _kept(problems, lambda: _output_check(config))
+    plan: TrainingPlan | None = None
+    try:
+        plan = _planned(registry, config, hardware, available, resume_changes, dataset,
+                        allow_download=allow_download, fetch=fetch)
+    except PreflightError as exc:
+        problems.append(exc)
+    if problems or plan is None:
+        raise together(problems)
+    return plan
+
+
+def _kept(problems: list[PreflightError], check: Callable[[], _T]) -> _T:
+    """``check()``'s answer; its refusal is kept in ``problems`` (the answer is then unused)."""
+    try:
+        return check()
+    except PreflightError as exc:
+        problems.append(exc)
+        return None  # type: ignore[return-value]  # a refused request never reaches its use
+
+
+def _planned(
+    registry: Registry, config: TrainingConfig, hardware: HardwareProfile, available: AvailableMemory | None,
+    resume_changes: tuple[tuple[str, object, object], ...], dataset: DatasetReport | None,
+    *, allow_download: bool, fetch: bool,
+) -> TrainingPlan | None:
+    """The plan once the request's paths are read: the base, the machine, the memory. None
+    after every check when the dataset was refused (its refusal is already kept)."""
     available = available or available_memory(hardware)
     hardware = available.apply(hardware)
     devices = rank_devices(config, hardware)  # --gpus N: N devices, each checked below
@@ -134,10 +171,10 @@ def preflight_training(
     _precision_check(registry, family, config, hardware, memory, mode=precision)
     check_each_device(devices, lambda device: _precision_check(registry, family, config, device, memory))
     checkpointing = resolve_checkpointing(family, precision.value, memory, hardware, config.device)
-    dataset = discover_dataset(config.dataset_dir, resolution=config.resolution, strict=config.strict)
     levers = resolve_levers(family, objective, config, device, hardware,
-                            steps=config.total_steps(len(dataset.items)))
-    _output_check(config)
+                            steps=config.total_steps(len(dataset.items)) if dataset is not None else None)
+    if dataset is None:
+        return None
     return TrainingPlan(
         config=config,
         family=family,
