@@ -154,6 +154,30 @@ def test_an_explicit_resident_that_does_not_fit_falls_to_the_next_tier_and_stric
     assert "overridden" in capsys.readouterr().err
 
 
+
+def test_an_explicit_resident_falls_to_the_tier_auto_ranks_next_streamed_encoders_included(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """FLUX int8 on a 3090 (24 GB): the whole pipeline (int8 denoiser about 23.8 x 0.55 = 13 GB
+    beside 9.8 GB of encoders) does not fit resident, but the denoiser alone does. ``auto``
+    keeps the denoiser resident and streams the encoders; ``--memory resident`` falls to that
+    same tier (the next that fits), not to whole-module offload, and says it fell back."""
+    from engine.cli import main
+
+    card = preset("rtx3090")
+    auto_plan = plan("flux", card, quant="int8")
+    assert (auto_plan.value("memory_mode"), auto_plan.value("text_encoder_memory")) == ("resident", "streamed")
+    asked = plan("flux", card, quant="int8", memory="resident")
+    assert (asked.value("memory_mode"), asked.value("text_encoder_memory")) == ("resident", "streamed")
+    record = asked["memory_mode"].to_dict()
+    assert (record["requested"], record["status"]) == ("resident", "fell back"), record
+    assert main(["plan", "--family", "flux", "--hardware", "rtx3090", "--quant", "int8", "--memory", "resident",
+                 "--strict"]) == 2
+    assert "overridden" in capsys.readouterr().err
+    # An explicit mode that fits is kept, and the encoders follow it.
+    kept = plan("flux", card, quant="int8", memory="model_offload")
+    assert (kept.value("memory_mode"), kept.value("text_encoder_memory")) == ("model_offload", "resident")
+
 def test_z_image_int8_on_a_16_gb_card_keeps_its_denoiser_resident_and_streams_the_encoders() -> None:
     """The earlier system's case: Z-Image int8 on a 16 GB card took 48 minutes for one image
     under whole-model offload; "group offload with streamed encoders takes minutes". Here the
@@ -166,6 +190,23 @@ def test_z_image_int8_on_a_16_gb_card_keeps_its_denoiser_resident_and_streams_th
     dense = plan("zimage", card, quant="none")
     assert dense.value("memory_mode") == "group_offload" and "does not fit" in dense["memory_mode"].reason
 
+
+
+def test_z_image_int8_at_a_large_size_streams_its_encoders_instead_of_sequential_offload() -> None:
+    """The same card at 1536 px with dense encoders: the activation headroom grows with the
+    image, but the encoders run on the prompt and need only the base overhead. From FACTS:
+    the dense encoders (8.0 GB) alone with the 2 GiB base overhead are 10.1 GB, under 0.85 of
+    the 15.5 - 2.15 GB budget (11.3 GB), and the int8 denoiser (about 12.3 x 0.55) with the
+    grown headroom fits too: the denoiser stays resident and the encoders stream. Charging
+    the encoders the image's headroom fell to sequential offload."""
+    card = preset("rtx4090").replace(total_memory_gb=16.0, free_memory_gb=15.5, device_name="GeForce RTX 4080")
+    assert 8.0 + 2 * 1.073741824 <= 0.85 * (15.5 - 2 * 1.073741824)
+    big = plan("zimage", card, quant="int8", text_encoder_quant="none", width=1536, height=1536)
+    assert (big.value("memory_mode"), big.value("text_encoder_memory")) == ("resident", "streamed"), \
+        big["memory_mode"].reason
+    # Where the grown headroom leaves no room for the denoiser itself, nothing but sequential fits.
+    huge = plan("zimage", card, quant="int8", text_encoder_quant="none", width=2048, height=2048)
+    assert huge.value("memory_mode") == "sequential_offload" and "transformer alone" in huge["memory_mode"].reason
 
 # -- quantisation --------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
-from engine.policy.memory import Components, MemoryEstimate, MemoryThresholds, plan_memory
+from engine.policy.memory import Components, MemoryEstimate, MemoryThresholds, base_overhead_gb, plan_memory
 from engine.policy.quant import scheme_unsupported_reason
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.requests.choices import TEXT_ENCODER_MEMORY_REQUESTS, TEXT_ENCODER_QUANT_REQUESTS
@@ -277,7 +277,8 @@ def resolve_text_encoder_memory(
     if mode[0].value == "resident":
         return auto("resident", "the whole pipeline fits resident"), mode
     rest = plan_memory(without, hardware, "auto", thresholds)
-    own = plan_memory(alone, hardware, "auto", thresholds)
+    # Alone on the device the encoders hold their weights and the base overhead only.
+    own = plan_memory(alone, hardware, "auto", replace(thresholds, overhead_gb=base_overhead_gb(thresholds)))
     if rest[0].value == "resident" and own[0].value == "resident":
         return auto(
             "streamed",

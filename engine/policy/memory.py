@@ -111,10 +111,13 @@ def plan_memory(
     weights = parts.transformer_gb + parts.text_encoders_gb + parts.vae_gb + parts.controlnet_gb
     resident = weights + overhead
     denoising = f"{parts.denoiser_label} + ControlNet" if parts.controlnet_gb else parts.denoiser_label
-    named = {denoising: parts.transformer_gb + parts.controlnet_gb, "text encoders": parts.text_encoders_gb,
-             "VAE": parts.vae_gb}
-    biggest = max(named, key=named.__getitem__)  # what one-at-a-time offload must still hold
-    largest = named[biggest] + overhead
+    base = base_overhead_gb(thresholds)
+    # What one-at-a-time offload must still hold, each part with its own headroom: the
+    # encoders run on the prompt, never at the image's size, so they need only the base overhead.
+    alone = {denoising: parts.transformer_gb + parts.controlnet_gb + overhead,
+             "text encoders": parts.text_encoders_gb + base, "VAE": parts.vae_gb + overhead}
+    biggest = max(alone, key=alone.__getitem__)
+    largest = alone[biggest]
     # Building a quantised transformer on the fly holds its dense weights
     # briefly: that peak may use the reserve, but not more than is free.
     hard = hardware.total_memory_gb if hardware.free_memory_gb is None else hardware.free_memory_gb
@@ -140,7 +143,6 @@ def plan_memory(
         if hardware.free_memory_gb is None:
             return _unified_plan(None, requested, f"{needed}; free memory unknown, not checked", hardware), \
                 estimate("resident")
-        base = overhead if thresholds.base_overhead_gb is None else min(overhead, thresholds.base_overhead_gb)
         checked = f"weights {weights:.1f} + base overhead {base:.1f} GB vs {budget:.1f} GB budget"
         return _unified_plan(weights + base <= budget, requested, f"{needed}; {checked}", hardware), \
             estimate("resident")
@@ -173,6 +175,13 @@ def plan_memory(
         "group_offload",
         f"even the {biggest} alone ({largest:.1f} GB with overhead) does not fit; its blocks are streamed",
     ), estimate("group_offload")
+
+
+def base_overhead_gb(thresholds: MemoryThresholds) -> float:
+    """The overhead before the activation guard raised it for the image's size (what a part
+    that never sees the image, such as the text encoders, needs beside its weights)."""
+    raised = thresholds.overhead_gb
+    return raised if thresholds.base_overhead_gb is None else min(raised, thresholds.base_overhead_gb)
 
 
 def _cpu_plan(resident: float, budget: float, hardware: HardwareProfile, requested: str, sizing: str) -> Resolved[str]:

@@ -231,8 +231,24 @@ class TorchPlanner:
         self, dtype: str, scheme: str | None, memory: MemoryPlan
     ) -> tuple[Resolved[str], MemoryPlan]:
         """Where the text encoders live, and the memory plan that placement leaves."""
-        if memory[0].source != "auto" and self.request.text_encoder_memory == "auto":
+        mode = memory[0]
+        fell_back = mode.source != "auto" and mode.overridden
+        if mode.source != "auto" and self.request.text_encoder_memory == "auto" and not fell_back:
             return auto("resident", "the memory mode was set explicitly: the encoders follow it"), memory
+        if fell_back and self.request.text_encoder_memory == "auto":
+            # An explicit mode that does not fit falls to the next tier that does, as auto ranks
+            # them: streamed encoders beside a resident denoiser rank ahead of model offload.
+            encoders, (settled, estimate) = checked(
+                resolve_text_encoder_memory, self.components(dtype, scheme), (auto(mode.value, mode.reason), memory[1]),
+                self.hardware, "auto", self.thresholds(dtype),
+            )
+            if encoders.value == "streamed":
+                refused, _, _ = mode.reason.partition("; next that does")
+                mode = dataclasses.replace(  # fell back even where the denoiser is resident: the encoders are not
+                    mode, value=settled.value, status="fell back",
+                    reason=f"{refused}; next that does: {settled.value}, the text encoders streamed per prompt",
+                )
+            return encoders, (mode, estimate)
         return checked(
             resolve_text_encoder_memory, self.components(dtype, scheme), memory, self.hardware,
             self.request.text_encoder_memory, self.thresholds(dtype),
