@@ -385,6 +385,22 @@ def test_gguf_base_with_a_lora_generates_unfused(
     assert np.isfinite(with_lora).all() and np.abs(with_lora - without).mean() > 1e-3
 
 
+
+def test_a_gguf_with_a_lora_and_no_base_is_refused_base_required_as_typed(
+    tiny_pipeline: Callable[[str], Path], loras: Callable[..., Path], tmp_path: Path
+) -> None:
+    """``generate --model X.gguf --lora FILE`` with no ``--base``: the same ``base_required``
+    as without the LoRA (LoRAs run on diffusers only, so no sd.cpp path could take it), never
+    diffusers' OSError from looking for the default base's model_index.json."""
+    from tests.support import run_cli
+
+    gguf = write_gguf(tiny_pipeline("flux"), "transformer", tmp_path / "tiny-flux-Q8_0.gguf")
+    result = run_cli("generate", "--model", str(gguf), "--lora", str(loras("flux")), "--prompt", "a cat",
+                     "--out", str(tmp_path / "cat.png"), env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "error[base_required]" in result.stderr and "--base DIR" in result.stderr
+    assert not (tmp_path / "cat.png").exists()
+
 # -- HTTP: load and generate bodies, the OpenAI endpoint, paths confined to the LoRA roots ----------
 
 

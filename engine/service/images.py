@@ -181,8 +181,10 @@ class Images:
         model, base, family, switching = asked
         source = resolve_model(self._registry, model, family=family, base=base)
         refusal = diffusers_refusal(source, base_given=base is not None, allow_download=self._allow_download())
-        if refusal is not None and source.kind not in source.family.sdcpp.kinds:
-            raise refusal  # no sd.cpp path could take this model instead: refused first
+        # LoRAs and a ControlNet run on diffusers only: with either, no sd.cpp path could take the model.
+        diffusers_only = bool(loras) or controlnet is not None
+        if refusal is not None and (diffusers_only or source.kind not in source.family.sdcpp.kinds):
+            raise refusal  # refused first, whatever else the request carries
         lora_files = tuple(read_loras(lora_choices(loras)))
         if controlnet is not None:
             controlnet = check_controlnet(source.family, controlnet)
