@@ -136,3 +136,26 @@ def test_component_without_weights_is_file_not_found_naming_the_folder(
     with pytest.raises(FileNotFoundError) as raised:
         resolve_model(REGISTRY, copy)
     assert str(copy) in str(raised.value) and "transformer" in str(raised.value)
+
+
+def test_a_folders_own_defaults_size_and_step_its_plan(tiny_pipeline: Callable[[str], Path], tmp_path: Path) -> None:
+    """``diffusion_engine.json`` beside model_index.json gives the model's own size and steps
+    (what a silent request gets); a malformed one is refused naming the file."""
+    from engine.hardware.presets import preset
+    from engine.policy.inference import plan_inference
+    from engine.requests import InferenceRequest
+
+    folder = tmp_path / "tiny-flux"
+    shutil.copytree(tiny_pipeline("flux"), folder)
+    plain = plan_inference(REGISTRY, resolve_model(REGISTRY, folder).facts(REGISTRY), preset("cpu"), InferenceRequest())
+    assert (plain.default_size, plain.default_steps) == (None, 28)  # FLUX.1-dev's table
+    (folder / "diffusion_engine.json").write_text(json.dumps({"defaults": {"width": 64, "height": 48, "steps": 4}}))
+    own = plan_inference(REGISTRY, resolve_model(REGISTRY, folder).facts(REGISTRY), preset("cpu"), InferenceRequest())
+    assert (own.default_size, own.default_steps) == ((64, 48), 4)
+    asked = plan_inference(REGISTRY, resolve_model(REGISTRY, folder).facts(REGISTRY), preset("cpu"),
+                           InferenceRequest(steps=9))
+    assert asked.default_steps == 9  # the request wins
+    (folder / "diffusion_engine.json").write_text(json.dumps({"defaults": {"width": "big"}}))
+    with pytest.raises(NotAPipeline) as refused:
+        resolve_model(REGISTRY, folder)
+    assert refused.value.code == "corrupt_checkpoint" and "diffusion_engine.json" in refused.value.message

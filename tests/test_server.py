@@ -41,7 +41,7 @@ def served(
     tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str], Path]
 ) -> Iterator[tuple[str, Engine, Roots, "HostModel"]]:
     roots = Roots(tmp_path_factory.mktemp("server"))
-    shutil.copytree(tiny_pipeline("sdxl"), roots.models / "tiny-sdxl")
+    Engine().catalog.tiny_pipeline("sdxl", roots.models / "tiny-sdxl")  # as `tiny save` writes it: 64 px its own
     write_dataset(roots.datasets / "shapes", count=2)
     # Real data outside the roots, and a symlink inside that leads to it.
     shutil.copytree(tiny_pipeline("sdxl"), roots.outside / "sdxl")
@@ -143,10 +143,11 @@ def test_openai_client_generates_an_image_through_the_server(served: tuple[str, 
     assert httpx.get(item.url).status_code == 401
     fetched = httpx.get(item.url, headers=AUTH)
     assert fetched.status_code == 200 and fetched.headers["content-type"] == "image/png"
+    # "auto" is the tiny model's own 64 px (its diffusion_engine.json), not the family's 1024.
+    assert Image.open(io.BytesIO(fetched.content)).size == (64, 64)
     unsized = httpx.post(f"{url}/v1/images/generate", json={"prompt": "x", "steps": 2}, headers=AUTH, timeout=120)
-    [default] = unsized.json()["images"]  # the model's own default size: what "auto" means
-    default_size = Image.open(io.BytesIO(base64.b64decode(default))).size
-    assert Image.open(io.BytesIO(fetched.content)).size == default_size
+    [default] = unsized.json()["images"]
+    assert Image.open(io.BytesIO(base64.b64decode(default))).size == (64, 64)
     assert httpx.get(f"{url}/v1/images/files/..%2Frun.json", headers=AUTH).status_code == 404
     generated = httpx.post(f"{url}/v1/images/generate", json={"prompt": "x", "steps": 2, "width": 64, "height": 64}, headers=AUTH, timeout=120)
     assert generated.status_code == 200 and len(generated.json()["images"]) == 1

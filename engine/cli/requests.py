@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from engine.errors import EngineError
+from engine.requests.choices import TINY_DEFAULTS
 from engine.requests import (
     FIELD_FLAGS,
     GENERATE_CONTROLS,
@@ -33,8 +34,6 @@ M = TypeVar("M", bound=BaseModel)
 
 #: Plan control (as the plan names it) -> the flag that asks for it.
 CONTROL_FLAGS = PLAN_KEY_FLAGS
-#: What ``--tiny`` means when a size or step count is not given: small and quick for every family.
-TINY_DEFAULTS: dict[str, int] = {"width": 64, "height": 64, "steps": 4}
 #: Image formats that carry the prompt and seed in text chunks.
 IMAGE_SUFFIXES = (".png",)
 #: A video model's clip (H.264); its recipe is written beside it as JSON.

@@ -111,10 +111,8 @@ def plan_memory(
     weights = parts.transformer_gb + parts.text_encoders_gb + parts.vae_gb + parts.controlnet_gb
     resident = weights + overhead
     denoising = f"{parts.denoiser_label} + ControlNet" if parts.controlnet_gb else parts.denoiser_label
-    base = base_overhead_gb(thresholds)
-    # What one-at-a-time offload must still hold, each part with its own headroom: the
-    # encoders run on the prompt, never at the image's size, so they need only the base overhead.
-    alone = {denoising: parts.transformer_gb + parts.controlnet_gb + overhead,
+    base = base_overhead_gb(thresholds)  # what the encoders need: they never see the image
+    alone = {denoising: parts.transformer_gb + parts.controlnet_gb + overhead,  # what one-at-a-time offload holds
              "text encoders": parts.text_encoders_gb + base, "VAE": parts.vae_gb + overhead}
     biggest = max(alone, key=alone.__getitem__)
     largest = alone[biggest]

@@ -50,6 +50,17 @@ CONTROLS: tuple[str, ...] = (
 
 
 @dataclass(frozen=True)
+class ModelDefaults:
+    """A model folder's own defaults where the family's table does not fit it (a tiny
+    random-weight pipeline is 64 px and 4 steps, not its family's 1024 px and 28), read
+    from the folder's ``diffusion_engine.json``; None: the table's."""
+
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """What the planner knows about the model to load, without loading it."""
 
@@ -70,6 +81,8 @@ class ModelFacts:
     controlnet_gb: float = 0.0
     #: What stable-diffusion.cpp would read for this model, or why it cannot.
     sdcpp: SdcppFiles = SdcppFiles(refusal="no model file was given")
+    #: The folder's own size and steps where a request is silent (:class:`ModelDefaults`).
+    defaults: ModelDefaults = ModelDefaults()
 
     @property
     def sizes(self) -> ComponentSizes:
@@ -92,6 +105,8 @@ class Plan:
     attention_install: str | None
     default_steps: int
     fallback: Plan | None = None
+    #: (width, height) where a request gives none and the model has its own (None: the pipeline's).
+    default_size: tuple[int, int] | None = None
     sizes: Mapping[str, ComponentSizes] = field(default_factory=dict)
     #: The memory the plan was made for (free after eviction, with sources).
     available: AvailableMemory | None = None

@@ -41,7 +41,7 @@ from engine.policy.encoders import (
 )
 from engine.policy.lora import resolve_lora
 from engine.policy.memory import Components, MemoryThresholds, plan_memory
-from engine.policy.plan import ModelFacts, Plan, requested_by_control
+from engine.policy.plan import ModelDefaults, ModelFacts, Plan, requested_by_control
 from engine.policy.quant import lift_denials, lifted_denials, resolve_quant_request
 from engine.policy.resolved import Resolved, auto, explicit, with_requests
 from engine.policy.scheme_choice import MemoryPlan, choose_transformer_scheme
@@ -109,7 +109,7 @@ class TorchPlanner:
             resolve_text_encoder_quant, family, hardware, request.text_encoder_quant,
             encoders_gb=model.sizes.text_encoders_gb, precast=model.precast_encoders,
         )
-        self.shape = request_shape(family, model.checkpoint, request)
+        self.shape = request_shape(family, model.checkpoint, request, own_size(model.defaults))
         #: The scheme and name of the transformer as given (the fallback's).
         self.base_quant = model.prequantised_scheme
         self.base_name = "GGUF" if model.gguf_transformer_gb is not None else "dense"
@@ -296,8 +296,8 @@ class TorchPlanner:
     @property
     def steps(self) -> int:
         """Steps per image: the request's, the checkpoint's default, or :data:`FALLBACK_STEPS`."""
-        checkpoint = self.model.checkpoint
-        return self.request.steps or (checkpoint.default_steps if checkpoint else FALLBACK_STEPS)
+        checkpoint, own = self.model.checkpoint, self.model.defaults.steps
+        return self.request.steps or own or (checkpoint.default_steps if checkpoint else FALLBACK_STEPS)
 
     def controls(
         self, dtype: Resolved[str], scheme: Resolved[str | None], memory: MemoryPlan,
@@ -360,6 +360,7 @@ class TorchPlanner:
             attention_install=speed.attention_install,
             default_steps=self.steps,
             fallback=fallback,
+            default_size=own_size(model.defaults),
             sizes=MappingProxyType(sizes),
             available=self.available,
             compile_from_image=speed.compile_from_image,
@@ -377,12 +378,20 @@ class TorchPlanner:
         return planned
 
 
-def request_shape(family: FamilySpec, checkpoint: Checkpoint | None, request: InferenceRequest) -> ImageShape:
-    """What the guard sizes for: the request's size and batch (1024 px by default), and for a
-    video family its clip (the checkpoint's default preset and frames where the request is silent)."""
+def own_size(defaults: ModelDefaults) -> tuple[int, int] | None:
+    """The model's own (width, height), where its folder gives both."""
+    return (defaults.width, defaults.height) if defaults.width and defaults.height else None
+
+
+def request_shape(family: FamilySpec, checkpoint: Checkpoint | None, request: InferenceRequest,
+                  own: tuple[int, int] | None = None) -> ImageShape:
+    """What the guard sizes for: the request's size and batch (the model's own size, else
+    1024 px, by default), and for a video family its clip (the checkpoint's default preset
+    and frames where the request is silent)."""
     video = family.video_of(checkpoint) if family.output == "frames" else None
     if video is None:
-        return ImageShape(request.width or DEFAULT_SIDE_PX, request.height or DEFAULT_SIDE_PX, request.count)
-    width, height = video.default_size
+        width, height = own or (DEFAULT_SIDE_PX, DEFAULT_SIDE_PX)
+        return ImageShape(request.width or width, request.height or height, request.count)
+    width, height = own or video.default_size
     return ImageShape(request.width or width, request.height or height, request.count,
                       frames=request.frames or video.default_frames)

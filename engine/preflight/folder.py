@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.errors import PreflightError
 from engine.contract.plugins import Registry
 from engine.policy.encoders import precast_encoders
+from engine.policy.plan import ModelDefaults
 from engine.preflight.headers import measured_sizes, sizes_by_scheme, tensor_storage
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline
 from engine.contract.types import FamilySpec
@@ -85,7 +86,29 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
             name: tensor_storage(sorted((folder / name).glob("*.safetensors")))
             for name in components if name.startswith("text_encoder")
         }),
+        defaults=own_defaults(folder),
     )
+
+
+#: A pipeline folder's own defaults, beside its ``model_index.json`` (diffusers ignores it).
+DEFAULTS_FILE = "diffusion_engine.json"
+
+
+def own_defaults(folder: Path) -> ModelDefaults:
+    """The folder's own ``{"defaults": {"width", "height", "steps"}}`` (a tiny pipeline's 64 px
+    and 4 steps), so a request that names no size, such as OpenAI's ``size="auto"``, gets
+    the model's own; a missing file is the table's defaults, a malformed one refused."""
+    path = folder / DEFAULTS_FILE
+    if not path.is_file():
+        return ModelDefaults()
+    given = read_json(path).get("defaults", {})
+    fields = ("width", "height", "steps")
+    if not isinstance(given, dict) or any(
+        not isinstance(given.get(k, 1), int) or isinstance(given.get(k), bool) or given.get(k, 1) < 1 for k in fields
+    ):
+        raise NotAPipeline(f"{path}: defaults must map width, height and steps to positive whole numbers",
+                           code="corrupt_checkpoint")
+    return ModelDefaults(**{k: given[k] for k in fields if k in given})
 
 
 def read_json(path: Path) -> dict[str, object]:

@@ -15,7 +15,7 @@ from typing import Literal
 from engine.errors import EngineError
 from engine.contract.plugins import Registry
 from engine.policy.encoders import PrecastEncoders
-from engine.policy.plan import ModelFacts
+from engine.policy.plan import ModelDefaults, ModelFacts
 from engine.preflight.model_errors import ModelNotFound, NotAPipeline  # noqa: F401 - their home before, re-exported
 from engine.preflight.sdcpp import sdcpp_files
 from engine.contract.types import Checkpoint, ComponentSizes, FamilySpec
@@ -47,6 +47,8 @@ class ModelSource:
     denoiser_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
     #: The text encoders' files are stored pre-cast (from their headers).
     precast_encoders: PrecastEncoders | None = None
+    #: A pipeline folder's own size and steps (its ``diffusion_engine.json``).
+    defaults: ModelDefaults = ModelDefaults()
 
     def facts(self, registry: Registry) -> ModelFacts:
         return ModelFacts(
@@ -59,6 +61,7 @@ class ModelSource:
             prequantised_scheme=self.prequantised_scheme,
             precast_encoders=self.precast_encoders,
             sdcpp=sdcpp_files(self.family, self.kind, self.location),
+            defaults=self.defaults,
         )
 
     def to_dict(self) -> dict[str, object]:

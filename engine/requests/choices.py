@@ -29,7 +29,12 @@ VAE_TILING_REQUESTS: tuple[str, ...] = ("auto", "on", "off")
 #: Where a training run computes.
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
 
+#: A tiny random-weight pipeline's own size and steps: small and quick for every family
+#: (written beside it, so a request that names no size stays tiny; ``--tiny`` fills them too).
+TINY_DEFAULTS: dict[str, int] = {"width": 64, "height": 64, "steps": 4}
+
 __all__ = [
+    "TINY_DEFAULTS",
     "ATTENTION_BACKENDS", "COMPILE_REQUESTS", "DEVICES", "DTYPES", "ENGINES", "MEMORY_MODES", "QUANT_REQUESTS",
     "SPEED_REQUESTS", "SPEED_TIERS", "STEP_CACHES", "TEXT_ENCODER_MEMORY_REQUESTS", "TEXT_ENCODER_QUANT_REQUESTS",
     "TRAINING_PRECISIONS", "VAE_TILING_REQUESTS",

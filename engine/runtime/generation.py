@@ -316,6 +316,8 @@ class Generation:
             family.guidance_kwarg: guidance,
         }
         width, height = (fitted.width, fitted.height) if fitted.image is not None else (request.width, request.height)
+        if not (width or height) and self.plan.default_size is not None:
+            width, height = self.plan.default_size  # the model's own size (a tiny pipeline's 64 px)
         if width:
             kwargs["width"] = width
         if height:

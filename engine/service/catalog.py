@@ -8,6 +8,7 @@ reaching into the registry or the preflight themselves.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,9 @@ from engine.contract.plugins import Registry
 from engine.errors import EngineError
 from engine.policy.info import images_info, training_info
 from engine.policy.video_fit import clip_fit
+from engine.preflight.folder import DEFAULTS_FILE
 from engine.preflight.model import resolve_model
+from engine.requests.choices import TINY_DEFAULTS
 from engine.service.machine import Machine
 
 if TYPE_CHECKING:
@@ -123,7 +126,10 @@ class Catalog:
         is returned, its companions beside it."""
         spec = self._registry.family(family)
         if not sdcpp:
-            return Path(self._registry.build_tiny_pipeline(spec, _new_folder(Path(folder))))
+            built = Path(self._registry.build_tiny_pipeline(spec, _new_folder(Path(folder))))
+            # Its own size and steps: a request that names none (OpenAI's size="auto") stays tiny.
+            (built / DEFAULTS_FILE).write_text(json.dumps({"defaults": TINY_DEFAULTS}) + "\n", encoding="utf-8")
+            return built
         if not spec.sdcpp.tiny_files:
             raise EngineError(f"{spec.label} has no tiny stable-diffusion.cpp files (its table's "
                               "sdcpp.tiny_files)", code="no_tiny_pipeline")
