@@ -300,3 +300,23 @@ def _gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def test_the_readme_sdcpp_commands_say_what_they_do(
+    sdcpp_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """As the README types them: ``plan --engine sdcpp`` says the diffusers fallback's figures
+    are below before printing them, and generate downloads nothing, so it says nothing of a
+    download (sd.cpp reads the files beside the model, never the hub base's 33.8 GB)."""
+    from engine.cli import main
+
+    assert main(["plan", "--model", str(sdcpp_model), "--engine", "sdcpp"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    sdcpp_line = next(i for i, line in enumerate(lines) if "memory (sd.cpp)" in line)
+    first_control = next(i for i, line in enumerate(lines) if line.strip().startswith("engine "))
+    assert "below" in lines[sdcpp_line] and sdcpp_line < first_control
+    assert main(["generate", "--model", str(sdcpp_model), "--engine", "sdcpp", "--prompt", "a lighthouse",
+                 "--width", "64", "--height", "64", "--steps", "2", "-o", str(tmp_path / "cpu.png")]) == 0
+    err = capsys.readouterr().err
+    assert "downloading" not in err and "GB into the hub cache" not in err
+    assert (tmp_path / "cpu.png").is_file()

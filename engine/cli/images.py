@@ -66,6 +66,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(f"{label} ({plan.checkpoint or 'unknown checkpoint'}) on {hardware.name} "
           f"({hardware.device_name}); device {plan.device}")
+    if plan.sdcpp is not None:  # first: every line after it is the diffusers fallback's
+        print(f"  memory (sd.cpp): {plan.sdcpp.gb:.2f} GB, its {len(plan.sdcpp.files)} files as stored; "
+              "the torch controls and figures below are the diffusers fallback's")
     for name in plan.to_dict()["resolved"]:  # type: ignore[union-attr]
         resolved = plan[name]
         how = "Auto" if resolved.source == "auto" else "Set"
@@ -75,9 +78,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{sizes.text_encoders_gb:.3g} GB, VAE {sizes.vae_gb:.3g} GB")
     estimate = plan.estimate
     controlnet = estimate.components.controlnet_gb
-    if plan.sdcpp is not None:
-        print(f"  memory (sd.cpp): {plan.sdcpp.gb:.2f} GB, its {len(plan.sdcpp.files)} files as stored; "
-              "the torch controls and figures below are the diffusers fallback's")
     print(f"  memory: {estimate.resident_gb:.1f} GB resident, {estimate.peak_gb:.1f} GB peak, "
           f"budget {estimate.budget_gb:.1f} GB" + (f" (ControlNet {controlnet:.2g} GB)" if controlnet else ""))
     if plan.available is not None:
@@ -147,7 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         plan = ticket.plan
         shape = engine.videos.check_door(ticket, body, video_file=video)  # the door; a clip's shape gate
         weights = engine.images.weights(ticket)
-        if not weights["here"]:
+        if not weights["here"] and plan.sdcpp is None:  # sd.cpp reads the files beside the model: no download
             print(f"downloading {weights['repo']}: about {weights['download_gb']} GB into the hub cache",
                   file=sys.stderr)
         _quiet_loading(args)
