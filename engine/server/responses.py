@@ -74,10 +74,10 @@ def status_for(error: EngineError) -> int:
 
 
 async def engine_error(_: Request, error: EngineError) -> JSONResponse:
-    payload: dict[str, dict[str, object]] = {**error_payload(error.code, error.message)}
+    body: dict[str, object] = dict(error_payload(error.code, error.message)["error"])
     if error.also:  # the request's other refusals, each in the one shape
-        payload["error"]["also"] = [error_payload(other.code, other.message)["error"] for other in error.also]
-    return JSONResponse(payload, status_code=status_for(error))
+        body["also"] = [error_payload(other.code, other.message)["error"] for other in error.also]
+    return JSONResponse({"error": body}, status_code=status_for(error))
 
 
 async def http_error(_: Request, error: HTTPException) -> JSONResponse:
