@@ -30,6 +30,7 @@ from engine.policy.resolved import explicit
 from engine.preflight.source import ModelSource
 from engine.runtime import flags, quantize, text_encoders
 from engine.runtime.canary import inference_canary
+from engine.runtime.processors import pipeline_processors
 from engine.runtime.quantize import (
     Placement,
     PlacementFailed,
@@ -180,6 +181,7 @@ class PipelineLoading:
                 components.update(text_encoders.nf4_encoder_components(
                     str(root), diffusers.DiffusionPipeline.load_config(root), dtype
                 ))
+            components.update(pipeline_processors(str(root)))  # built here: see runtime.processors
             return diffusers.DiffusionPipeline.from_pretrained(
                 root, dtype=component_dtypes(source.family, dtype, lambda: diffusers.DiffusionPipeline.load_config(root)),
                 **components,
@@ -261,32 +263,24 @@ def release(exc: BaseException) -> None:
 def check_weightless_components(source: ModelSource) -> None:
     """Build a pipeline folder's weightless transformers components (its
     processors) now, before anything is evicted: they read a few config and
-    tokenizer files, and one whose library lacks an optional package
-    (an edit model's vision-language processor may need torchvision for its video
-    processor) is then refused with the library's own words instead of
-    failing mid-load."""
-    import json
+    tokenizer files, and one that cannot be built here (a library it needs is
+    missing, a config is corrupt) is then refused with the library's own words
+    instead of failing mid-load. An edit model's processor builds without
+    torchvision (:mod:`engine.runtime.processors`)."""
     from pathlib import Path
 
-    folder = Path(source.location)
-    index = folder / "model_index.json"
-    if source.kind != "pipeline" or not index.is_file():
-        return
-    try:
-        entries = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # the loader reports an unreadable index
-    for name, entry in entries.items():
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "transformers"
-                and str(entry[1]).endswith("Processor")):
-            continue
-        import transformers
+    from engine.runtime.processors import build_processor, processor_entries
 
+    folder = Path(source.location)
+    if source.kind != "pipeline" or not (folder / "model_index.json").is_file():
+        return
+    for name, class_name in processor_entries(folder).items():
         try:
-            getattr(transformers, str(entry[1])).from_pretrained(folder / name)
+            build_processor(folder / name, class_name)
         except (ImportError, AttributeError, OSError, ValueError, TypeError) as exc:
             said = " ".join(str(exc).split()).split(". ")[0]  # its first sentence names what is missing
             raise LoadFailed(
-                f"the {name} ({entry[1]}) of {folder} cannot be built here: {said}; "
-                "install what it names into this environment (matching the installed torch), then load again"
+                f"the {name} ({class_name}) of {folder} cannot be built here: {said}; "
+                "install what it names into this environment (matching the installed torch), "
+                "or repair the file it names, then load again"
             ) from exc

@@ -169,22 +169,30 @@ def build_tiny_pipeline(path: pathlib.Path) -> pathlib.Path:
 def build_tiny_edit_pipeline(path: pathlib.Path) -> pathlib.Path:
     """Write a tiny ``QwenImageEditPipeline`` to ``path``: the same weights as
     :func:`build_tiny_pipeline` (same seeds) and a real ``Qwen2VLProcessor``
-    (the tiny tokenizer, a Qwen2-VL image processor capped at 112x112 pixels,
-    so the vision tower sees at most 16 merged patches; the real one allows
-    12.8 MP). transformers builds that processor only with torchvision
-    installed (its video processor needs it)."""
+    folder (the tiny tokenizer, a Qwen2-VL image processor capped at 112x112
+    pixels, so the vision tower sees at most 16 merged patches; the real one
+    allows 12.8 MP) with the video processor's config the real checkpoint ships.
+    The processor is built without its video part, which needs torchvision: an
+    edit never calls it, and the saved folder is the real layout either way."""
     from diffusers import QwenImageEditPipeline
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+
+    from engine.runtime.processors import without_video
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     parts = _components()
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112),
-        tokenizer=parts["tokenizer"],
-        video_processor=Qwen2VLVideoProcessor(),
+    limits = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
+    processor = without_video(Qwen2VLProcessor)(
+        image_processor=Qwen2VLImageProcessor(**limits), tokenizer=parts["tokenizer"]
     )
     QwenImageEditPipeline(**parts, processor=processor).save_pretrained(path, safe_serialization=True)
+    (path / "processor" / "video_preprocessor_config.json").write_text(json.dumps({
+        **limits, "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2VLProcessor",
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "do_resize": True, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }, indent=2))
     return path
 
 

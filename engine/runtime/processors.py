@@ -1,0 +1,79 @@
+"""A pipeline folder's transformers processors, built so a still-image pipeline loads here.
+
+An edit model's vision-language processor (a tokenizer, an image processor and a
+video processor) is saved whole, and transformers builds its video processor only
+with torchvision installed. A still-image pipeline never feeds that processor a
+video, and transformers' image processors fall back to their PIL backends on
+their own, so torchvision is not what the pipeline needs: where the video part is
+what cannot be built, the processor is built without it (a subclass whose
+sub-processors leave the video one out) and every image call is the library's own.
+A processor that cannot be built even so raises the library's first error.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+#: The sub-processor a still-image pipeline never calls.
+VIDEO_PART = "video_processor"
+
+
+def processor_entries(folder: Path) -> dict[str, str]:
+    """The folder's transformers processor components, name -> class name (none
+    where ``model_index.json`` is missing or unreadable: the loader reports that)."""
+    try:
+        entries = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(entries, dict):
+        return {}
+    return {name: str(entry[1]) for name, entry in entries.items()
+            if isinstance(entry, list) and len(entry) == 2 and entry[0] == "transformers"
+            and str(entry[1]).endswith("Processor")}
+
+
+def build_processor(path: Path, class_name: str) -> Any:
+    """The processor saved at ``path``; without its video part where only that part
+    needs a library this environment lacks."""
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    try:
+        return cls.from_pretrained(path)
+    except ImportError as exc:
+        if VIDEO_PART not in cls.get_attributes():
+            raise
+        try:
+            return without_video(cls).from_pretrained(path)  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - the library's own first error says what is missing
+            raise exc from None
+
+
+@cache
+def without_video(cls: type) -> type:
+    """``cls`` with its video sub-processor left out: transformers builds a
+    processor's parts from ``get_attributes``, so the video one is never read, and
+    the constructor's video argument (None) is dropped with it."""
+    kept = [name for name in cls.get_attributes() if name != VIDEO_PART]  # type: ignore[attr-defined]
+    if cls.get_attributes()[-1] != VIDEO_PART:  # type: ignore[attr-defined]
+        raise ImportError(f"{cls.__name__}'s video processor is not its last part")
+
+    def get_attributes(_: type) -> list[str]:
+        return list(kept)
+
+    # The library's own module and name: a pipeline saved with it records the library's class.
+    return type(cls.__name__, (cls,), {"get_attributes": classmethod(get_attributes), "__module__": cls.__module__,
+                                       "__doc__": f"{cls.__name__} without its video processor."})
+
+
+def pipeline_processors(root: str) -> dict[str, Any]:
+    """Each processor of a local pipeline folder, built here, for diffusers'
+    ``from_pretrained`` to take as given components (a hub id: none, diffusers builds them)."""
+    folder = Path(root)
+    if not (folder / "model_index.json").is_file():
+        return {}
+    return {name: build_processor(folder / name, class_name)
+            for name, class_name in processor_entries(folder).items()}
