@@ -9,10 +9,6 @@ from engine.testing import FamilyContract
 
 class TestQwenImageContract(FamilyContract):
     family_name = "qwen_image"
-    # The kit's model run (load, generate, train, reload the LoRA) is what
-    # tests/test_generate.py, test_training.py and test_lora_trained.py do for
-    # every built-in family at more depth: not run a second time here.
-    test_runs_the_model = None
 
 
 def test_qwen_image_denies_fp8_family_for_inference_with_measured_reasons(

@@ -9,10 +9,6 @@ from engine.testing import FamilyContract
 
 class TestSdxlContract(FamilyContract):
     family_name = "sdxl"
-    # The kit's model run (load, generate, train, reload the LoRA) is what
-    # tests/test_generate.py, test_training.py and test_lora_trained.py do for
-    # every built-in family at more depth: not run a second time here.
-    test_runs_the_model = None
 
 
 def test_sdxl_ignores_base_precision(engine_registry: Registry) -> None:

@@ -6,10 +6,6 @@ from engine.testing import FamilyContract
 
 class TestZImageContract(FamilyContract):
     family_name = "zimage"
-    # The kit's model run (load, generate, train, reload the LoRA) is what
-    # tests/test_generate.py, test_training.py and test_lora_trained.py do for
-    # every built-in family at more depth: not run a second time here.
-    test_runs_the_model = None
 
 
 def test_zimage_turbo_and_base_defaults(engine_registry: Registry) -> None:
