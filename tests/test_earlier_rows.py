@@ -17,7 +17,6 @@ from engine.hardware import probe as probe_module
 from engine.hardware.presets import PRESETS, preset
 from engine.contract.plugins import load_registry
 from engine.policy.inference import CONTROLS, Plan
-from engine.policy.memory import reserve_gb
 from engine.policy.quant import quant_ladder
 from engine.policy.speed import install_requirement
 from engine.policy.training import training_precision_preflight_error
@@ -112,7 +111,9 @@ def test_unified_memory_leaves_the_size_grown_activation_headroom_out_of_the_ove
     the headroom the activation guard adds at 2048 px or four images: resident all the same,
     as the earlier system's later rule has it (a shared pool pages the soft headroom)."""
     mac = preset("apple-m3-max")
-    mac = mac.replace(free_memory_gb=reserve_gb(mac) + 37.0)
+    reserve = 0.20 * 128.0  # FACTS: max(2 GiB, 20%) of a 128 GB unified pool, not the engine's own function
+    # FACTS: FLUX.1-dev weights 23.8 + 9.8 + 0.2 GB with the 2 GiB base overhead: about 35.9 GB.
+    mac = mac.replace(free_memory_gb=reserve + 37.0)
     for request in ({}, {"width": 2048, "height": 2048}, {"count": 4}):
         planned = plan("flux", mac, **request)
         assert planned.value("memory_mode") == "resident", request
@@ -120,7 +121,7 @@ def test_unified_memory_leaves_the_size_grown_activation_headroom_out_of_the_ove
     assert "base overhead 2.1" in big["memory_mode"].reason  # the plan says what it compared
     assert big.estimate.resident_gb > big.estimate.budget_gb  # the guarded figure alone would refuse it
     with pytest.raises(PreflightError):  # beyond weights + base overhead it is still refused
-        plan("flux", mac.replace(free_memory_gb=reserve_gb(mac) + 34.0))
+        plan("flux", mac.replace(free_memory_gb=reserve + 34.0))
 
 
 def test_unified_memory_fails_open_when_free_memory_is_unknown() -> None:
