@@ -321,3 +321,16 @@ def test_the_record_keeps_requested_reports_an_honoured_off_as_engaged_and_auto_
     off = plan("flux", "h100", step_cache="off", speed="default")["step_cache"].to_dict()
     assert (off["requested"], off["value"], off["status"], off["overridden"]) == ("off", "off", "engaged", False)
     assert json.dumps(_records(plan("flux", "rtx4090")))  # the record serialises as the API returns it
+
+
+def test_a_consumer_card_s_int8_pick_says_why_it_beats_fp8() -> None:
+    """"Consumer and workstation cards move int8 first": a 4090 computes fp8 too, so
+    the plan that picks int8 names the ranking it followed, not only "first usable";
+    an H100's ladder is fp8 first, and says so when asked for its candidate."""
+    from engine.policy.quant import quant_ladder
+
+    consumer = preset("rtx4090")
+    assert consumer.fp8 and quant_ladder(consumer) == ("int8", "fp8")
+    picked = plan("flux", "rtx4090")["transformer_quant"]
+    assert picked.value == "int8" and "int8 > fp8" in picked.reason and "consumer" in picked.reason
+    assert quant_ladder(preset("h100")) == ("fp8", "int8")

@@ -43,6 +43,18 @@ def quant_ladder(hardware: HardwareProfile, dtype: str | None = None) -> tuple[s
     return ladder
 
 
+def ladder_order(hardware: HardwareProfile, dtype: str | None = None) -> str:
+    """Why :func:`quant_ladder` ranks its schemes as it does here, for the plan's reason."""
+    ladder = quant_ladder(hardware, dtype)
+    if len(ladder) < 2:
+        return ""
+    order = " > ".join(ladder)
+    if hardware.consumer and ladder[0] == "int8":
+        return (f"ranked {order}: on a consumer or workstation card int8 ranks ahead of fp8, "
+                "the faster of the two there as measured (GeForce cards run fp8 with fp32 accumulation at half rate)")
+    return f"ranked {order} on {hardware.capability_label}: the fastest scheme this generation computes natively first"
+
+
 def _below_sm80(hardware: HardwareProfile) -> bool:
     return hardware.capability is not None and hardware.capability < NATIVE_BF16_MIN_CAPABILITY
 
@@ -157,7 +169,9 @@ def resolve_quant_request(
         if why_not is None:
             note = f" (skipped: {'; '.join(skipped)})" if skipped else ""
             safe = f"; {lifted[scheme]}" if scheme in lifted else ""
-            return auto(scheme, f"{scheme} is the first usable scheme on {hardware.device_name}{safe}{note}")
+            order = ladder_order(hardware, dtype)
+            ranked = f" ({order})" if order else ""
+            return auto(scheme, f"{scheme} is the first usable scheme on {hardware.device_name}{ranked}{safe}{note}")
         skipped.append(f"{scheme}: {why_not}")
     return auto(None, "no quantisation scheme is usable here" + (f" ({'; '.join(skipped)})" if skipped else ""))
 
