@@ -314,7 +314,15 @@ def test_the_train_page_offers_the_precisions_of_the_device_chosen(site: Site, o
     page.select_option("#train-device", "cpu")  # type: ignore[attr-defined]
     page.wait_for_selector("#train-precision input:not([disabled])")  # type: ignore[attr-defined]
     assert "Pass device=cpu" not in page.inner_text("#train-precision")  # type: ignore[attr-defined]
-    assert any("v1/training/info?device=cpu" in url for url in watched.requests)
+    # auto is preselected (the run decides and records it), and the choices are sized from
+    # the chosen base's own headers at the Resolution given, not from the real FLUX.1-dev.
+    assert page.locator("#train-precision input:checked").get_attribute("value") == "auto"  # type: ignore[attr-defined]
+    assert "from its file headers" in page.inner_text("#train-precision")  # type: ignore[attr-defined]
+    with page.expect_response(lambda r: "v1/training/info" in r.url and "resolution=128" in r.url):  # type: ignore[attr-defined]
+        page.fill("#train-resolution", "128")  # type: ignore[attr-defined]
+        page.press("#train-resolution", "Tab")  # type: ignore[attr-defined]
+    asked = [url for url in watched.requests if "v1/training/info?device=cpu" in url]
+    assert any("base_model=" in url and "tiny-flux" in url and "resolution=128" in url for url in asked), asked
     assert watched.errors == []
 
 

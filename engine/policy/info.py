@@ -133,12 +133,15 @@ def training_info(
     hardware: HardwareProfile,
     thresholds: TrainingThresholds = TrainingThresholds(),
     device: Device = "auto",
+    memory: MemoryRequest | None = None,
 ) -> TrainingInfo:
     """What training ``family`` on ``hardware`` offers, and why each other base precision is not
-    offered; ``device`` as a run would ask (``cpu``: what trains on the CPU here)."""
-    info = _offered(registry, family, hardware, thresholds, device)
+    offered; ``device`` as a run would ask (``cpu``: what trains on the CPU here). ``memory``:
+    the run's own sizes (a chosen base's headers at a chosen resolution); by default the
+    family table's default checkpoint at the default resolution."""
+    memory = memory or MemoryRequest.from_table(family, TrainingShape(gradient_checkpointing=None))
+    info = _offered(registry, family, hardware, thresholds, device, memory)
     candidates = registry.training_precision_modes(family, hardware) if info.trainable else ()
-    memory = MemoryRequest.from_table(family, TrainingShape(gradient_checkpointing=None)) if candidates else None
     denied: dict[str, str] = {}
     for mode in TRAINING_PRECISIONS:
         if mode in info.precision_modes or (mode == "auto" and info.trainable and not candidates):
@@ -157,7 +160,7 @@ def training_info(
 
 def _offered(
     registry: Registry, family: FamilySpec, hardware: HardwareProfile, thresholds: TrainingThresholds,
-    device: Device = "auto",
+    device: Device, memory: MemoryRequest,
 ) -> TrainingInfo:
     if registry.training_objective(family) is None:
         return TrainingInfo(family.name, False, (), None, False,
@@ -173,7 +176,6 @@ def _offered(
         )
         # A family that cannot train here has nothing to compile.
         return TrainingInfo(family.name, error is None, (), None, error is None and regions, note)
-    memory = MemoryRequest.from_table(family, TrainingShape(gradient_checkpointing=None))
     errors = {
         mode: training_precision_preflight_error(
             registry, family, hardware, mode, thresholds=thresholds, memory=memory, device=device
@@ -191,7 +193,8 @@ def _offered(
     best = recommended.value if "auto" in modes else next(m for m in modes if m != "auto")
     free = "unknown" if hardware.free_memory_gb is None else f"{hardware.free_memory_gb:.1f} GB"
     note = (
-        f"{free} free; dense bf16 base {family.training.dense_gb} GB; "
+        f"{free} free; dense bf16 base {memory.base.dense_gb:.3g} GB"
+        + (f" (from its {memory.base.source})" if memory.base.source != "table" else "") + "; "
         + (recommended.reason if "auto" in modes else f"auto is unavailable, {best} is")
     )
     where = training_device(hardware, device)

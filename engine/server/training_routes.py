@@ -19,9 +19,13 @@ def training_router(engine: Engine, confined: Confined) -> APIRouter:
     api = APIRouter(prefix="/v1/training")
 
     @api.get("/info")
-    def training_info(device: str = "auto") -> dict[str, Any]:
-        """Per family, the base precisions a run offers on ``device`` (auto, cuda, cpu), the others with why."""
-        return engine.training.info(device=device)
+    def training_info(device: str = "auto", base_model: str | None = None,
+                      resolution: int | None = None) -> dict[str, Any]:
+        """Per family, the base precisions a run offers on ``device`` (auto, cuda, cpu), the others
+        with why; with ``base_model`` (under the model roots) and ``resolution``, that base's family
+        sized as a run on it would be."""
+        base = confined.optional_model(base_model)
+        return engine.training.info(device=device, base_model=base, resolution=resolution)
 
     @api.post("/start")
     def start_training(body: TrainingStartBody) -> dict[str, Any]:

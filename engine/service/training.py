@@ -54,16 +54,30 @@ class Training:
         """The run this engine started last (a :class:`~engine.training.runner.TrainingRun`), or None."""
         return self._run
 
-    def info(self, *, device: str = "auto") -> dict[str, object]:
+    def info(self, *, device: str = "auto", base_model: str | None = None,
+             resolution: int | None = None) -> dict[str, object]:
         """Per family: the base precisions a run offers here on ``device`` (auto, cuda, cpu),
-        and why each other one is not offered (the Train page reads it for its Device choice)."""
+        and why each other one is not offered (the Train page reads it for its Device choice).
+        With ``base_model`` (and a ``resolution``): that base's family alone, sized from the
+        base's own file headers at that resolution, as a run on it would be, not from the
+        family's largest checkpoint; nothing is loaded."""
         from engine.policy.training import DEVICES
 
         if device not in DEVICES:
             raise EngineError(f"device must be one of {', '.join(DEVICES)} (got {device!r})", code="invalid_request")
         hardware = self._machine.available_memory().apply(self._machine.hardware())
-        return {f.name: training_info(self._registry, f, hardware, device=device).to_dict()  # type: ignore[arg-type]
-                for f in self._registry.families.values()}
+        if base_model is None:
+            return {f.name: training_info(self._registry, f, hardware, device=device).to_dict()  # type: ignore[arg-type]
+                    for f in self._registry.families.values()}
+        from engine.preflight.model import resolve_model
+        from engine.training.preflight import memory_request
+
+        config = TrainingConfig.from_data({"base_model": base_model, "dataset_dir": ".",
+                                           **({"resolution": resolution} if resolution is not None else {})})
+        base = resolve_model(self._registry, config.base_model)
+        memory = memory_request(self._registry, base.family, base, config)
+        info = training_info(self._registry, base.family, hardware, device=device, memory=memory)  # type: ignore[arg-type]
+        return {base.family.name: info.to_dict()}
 
     def plan(self, config: TrainingConfig | Mapping[str, object]) -> Any:
         """Every training preflight (bounds, family, precision, memory, dataset),

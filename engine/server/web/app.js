@@ -22,8 +22,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#vid-form").addEventListener("submit", renderVideo);
   $("#ds-new").addEventListener("submit", newDataset);
   $("#ds-upload").addEventListener("submit", uploadImages);
-  $("#train-base").addEventListener("change", precisionChoices);
-  $("#train-device").addEventListener("change", deviceChanged);
+  for (const choice of ["#train-base", "#train-device", "#train-resolution"]) $(choice).addEventListener("change", trainingChoicesChanged);
   $("#train-check").addEventListener("click", () => guarded($("#train"), dryRun));
   $("#train-form").addEventListener("submit", startTraining);
   $("#run-stop").addEventListener("click", () => stopRun(false));

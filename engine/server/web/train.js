@@ -6,21 +6,31 @@
 async function loadTrain() {
   const page = $("#train");
   await guarded(page, async () => {
-    const [found, info] = await Promise.all([roots(true), trainingInfo()]);
-    state.trainInfo = info;
+    const found = await roots(true);
     fillSelect($("#train-base"), found.models.filter((m) => m.kind === "pipeline"), (m) => `${m.name} (${m.family || "unknown family"})`);
     fillSelect($("#train-dataset"), found.datasets, (d) => `${d.name} (${d.images} images)`);
+    state.trainInfo = await trainingInfo();
     precisionChoices();
   });
 }
 
-/** What each family offers on the Device chosen (a CPU run offers what the CPU trains). */
+/** What each family offers on the Device chosen (a CPU run offers what the CPU trains); with a
+ * base chosen, its family sized from that base at the Resolution asked, as the run would be. */
 function trainingInfo() {
-  return api("GET", `/v1/training/info?device=${encodeURIComponent($("#train-device").value)}`);
+  const query = new URLSearchParams({ device: $("#train-device").value });
+  const base = $("#train-base").value;
+  if (base) query.set("base_model", base);
+  const resolution = Number($("#train-resolution").value);
+  if (resolution) query.set("resolution", String(resolution));
+  return api("GET", `/v1/training/info?${query}`);
 }
 
-async function deviceChanged() {
-  await guarded($("#train"), async () => { state.trainInfo = await trainingInfo(); precisionChoices(); });
+/** The Device, base or Resolution changed: ask again what the run would be offered. */
+async function trainingChoicesChanged() {
+  await guarded($("#train"), async () => {
+    state.trainInfo = { ...(state.trainInfo || {}), ...await trainingInfo() };
+    precisionChoices();
+  });
 }
 
 function precisionChoices() {
@@ -29,9 +39,13 @@ function precisionChoices() {
   const box = $("#train-precision");
   if (!info) { box.replaceChildren(el("p", { class: "muted", text: "pick a base model" })); return; }
   const offered = info.precision_modes.length ? info.precision_modes : (info.trainable ? ["auto"] : []);
+  // auto where offered: the run then decides (and records) the mode itself; recommended_precision
+  // is what auto resolves to, shown beside it, never pinned as if the user had asked for it.
+  const chosen = offered.includes("auto") ? "auto" : (offered.includes(info.recommended_precision) ? info.recommended_precision : offered[0]);
   box.replaceChildren(el("p", { class: "muted", text: info.vram_note }),
-    ...offered.map((mode, i) => el("label", { class: "mode" },
-      el("input", { type: "radio", name: "precision", value: mode, checked: mode === (info.recommended_precision || "auto") || i === 0 }), mode)),
+    ...offered.map((mode) => el("label", { class: "mode" },
+      el("input", { type: "radio", name: "precision", value: mode, checked: mode === chosen }),
+      mode === "auto" && info.recommended_precision ? `auto (${info.recommended_precision} here)` : mode)),
     ...Object.entries(info.denied_modes || {}).map(([mode, reason]) => el("label", { class: "mode denied", title: reason },
       el("input", { type: "radio", name: "precision", value: mode, disabled: true }), el("span", { text: mode }),
       el("span", { class: "reason", text: reason }))));
