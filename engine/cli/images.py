@@ -124,6 +124,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     body = generate_body(args, seed)
     items = body.images()
     paths = output_paths(args.output, len(items), overwrite=args.overwrite)
+    if not args.json:  # before torch and diffusers are imported: a cold start is many seconds of silence
+        print(starting_line(args, len(items), paths[0]), file=sys.stderr, flush=True)
     video = paths[0].suffix.lower() == ".mp4"
     engine = Engine(allow_download=download_allowed(args))
     engine.images.check_generate(body)  # input images: present, readable, within the caps
@@ -135,24 +137,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # The activation guard sizes the plan for this image size and batch.
     request = dataclasses.replace(request, width=body.width, height=body.height, count=len(items))
     loras = [f"{lora.path}:{lora.scale}" for lora in body.loras or ()]
+    startup = StartUp()
     with tempfile.TemporaryDirectory(prefix="diffusion-engine-tiny-") as scratch:
-        if args.tiny:
-            _quiet_loading(args)
-            model = str(engine.catalog.tiny_pipeline(args.tiny, Path(scratch) / args.tiny))
-        else:
-            model = args.model
+        model = _tiny_model(args, engine, Path(scratch), startup) if args.tiny else args.model
         load = {"base": args.base, "family": args.family, "request": request, "loras": loras,
                 "controlnet": args.controlnet}
+        checking = time.perf_counter()
         ticket = engine.images.check_load(model, **load)  # every refusal a load gives, before anything heavy
         plan = ticket.plan
         shape = engine.videos.check_door(ticket, body, video_file=video)  # the door; a clip's shape gate
         weights = engine.images.weights(ticket)
+        startup.checks = time.perf_counter() - checking
         if not weights["here"] and plan.sdcpp is None:  # sd.cpp reads the files beside the model: no download
             print(f"downloading {weights['repo']}: about {weights['download_gb']} GB into the hub cache",
                   file=sys.stderr)
-        _quiet_loading(args)
         overridden = report_overrides(plan.controls, strict=args.strict)
-        imports = engine.images.prepare_runtime()  # torch, diffusers...: start-up, not the model's load
+        startup.imports += _import_runtime(args, engine)  # start-up, not the model's load
         started = time.perf_counter()
         engine.images.load(ticket)  # the ticket's decisions, re-checked only where they can have changed
         loaded = time.perf_counter()
@@ -163,7 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if shape is not None:
                 clip = engine.videos.generate(body, progress=None if args.json else progress_bar())
                 clip.save(paths[0])
-                times = {"startup_s": started - PROCESS_STARTED, "import_s": imports, "load_s": loaded - started,
+                times = {**startup.to_dict(started - PROCESS_STARTED), "load_s": loaded - started,
                          "generate_s": time.perf_counter() - loaded}
                 return report_clip(args, paths[0], clip, seed, times, overridden)
             images = engine.images.generate(body, progress=None if args.json else progress_bar())
@@ -180,8 +180,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         image.save(path, pnginfo=info)
     if args.json:
         print(json.dumps({
-            "images": [str(p) for p in paths], "seed": seed, "startup_s": round(started - PROCESS_STARTED, 3),
-            "import_s": round(imports, 3), "load_s": round(loaded - started, 3),
+            "images": [str(p) for p in paths], "seed": seed,
+            **{k: round(v, 3) for k, v in startup.to_dict(started - PROCESS_STARTED).items()},
+            "load_s": round(loaded - started, 3),
             "generate_s": round(done - loaded, 3), "overridden": overridden, "status": status,
         }, indent=2, default=str))
         return 0
@@ -189,9 +190,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"wrote {path} ({image.width}x{image.height}, {steps} steps)")
     seeds = ", ".join(str(s) for s in body.seeds) if body.seeds else str(seed)
     print(f"seed{'s' if body.seeds else ''} {seeds}" + "".join(f", LoRA {lo['name']} x{lo['scale']:g}" for lo in applied))
-    print(f"start-up {started - PROCESS_STARTED:.2f} s (importing torch and diffusers {imports:.2f} s), "
-          f"load {loaded - started:.2f} s, generate {done - loaded:.2f} s")
+    print(f"{startup.line(started - PROCESS_STARTED)}, load {loaded - started:.2f} s, generate {done - loaded:.2f} s")
     return 0
+
+
+@dataclasses.dataclass
+class StartUp:
+    """Where a generate's start-up (process start to the model's load) went, so the timing
+    line explains it: the imports, the tiny pipeline's build, the request's checks; what is
+    left is Python itself and the engine's own import."""
+
+    imports: float = 0.0
+    build: float = 0.0
+    checks: float = 0.0
+
+    def to_dict(self, total: float) -> dict[str, float]:
+        return {"startup_s": total, "import_s": self.imports, "build_s": self.build, "checks_s": self.checks}
+
+    def line(self, total: float) -> str:
+        parts = [f"importing torch and diffusers {self.imports:.2f} s"]
+        if self.build:
+            parts.append(f"building the tiny pipeline {self.build:.2f} s")
+        parts.append(f"checks {self.checks:.2f} s")
+        parts.append(f"Python and the engine {max(0.0, total - self.imports - self.build - self.checks):.2f} s")
+        return f"start-up {total:.2f} s ({', '.join(parts)})"
+
+
+def starting_line(args: argparse.Namespace, count: int, first: Path) -> str:
+    """The first thing ``generate`` prints, before the heavy imports: what it is about to do."""
+    what = f"a tiny {args.tiny} pipeline (random weights)" if args.tiny else args.model
+    images = "a clip" if first.suffix.lower() == ".mp4" else f"{count} image{'s' if count != 1 else ''}"
+    return f"generate: {images} with {what} into {first} (checking the request, then importing torch and diffusers)"
+
+
+def _tiny_model(args: argparse.Namespace, engine: Any, scratch: Path, startup: StartUp) -> str:
+    """Build ``--tiny``'s pipeline in ``scratch``, timing its imports apart from the build."""
+    startup.imports += _import_runtime(args, engine)
+    building = time.perf_counter()
+    model = str(engine.catalog.tiny_pipeline(args.tiny, scratch / args.tiny))
+    startup.build = time.perf_counter() - building
+    return model
 
 
 def report_clip(args: argparse.Namespace, path: Path, clip: Any, seed: int, times: Mapping[str, float],
@@ -209,6 +247,14 @@ def report_clip(args: argparse.Namespace, path: Path, clip: Any, seed: int, time
     print(f"seed {seed}; start-up {times['startup_s']:.2f} s, load {times['load_s']:.2f} s, "
           f"generate {times['generate_s']:.2f} s")
     return 0
+
+
+def _import_runtime(args: argparse.Namespace, engine: Any) -> float:
+    """Import torch, diffusers and transformers (their log set-up included); seconds it took."""
+    started = time.perf_counter()
+    engine.images.prepare_runtime()
+    _quiet_loading(args)  # imports diffusers and transformers for their logging
+    return time.perf_counter() - started
 
 
 def _quiet_loading(args: argparse.Namespace) -> None:
