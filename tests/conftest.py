@@ -13,6 +13,8 @@ import pytest
 
 from tests.support import EXAMPLE_PLUGIN, example_installed, write_distribution
 
+pytest_plugins = ["tests.leftovers"]  # no trainer outlives the test that started it
+
 # One compute thread per process: the suite runs on xdist workers that share the cores
 # (see the Makefile's test target); children started by the tests inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -88,7 +90,7 @@ def cli_json(capsys: pytest.CaptureFixture[str]) -> Callable[..., object]:
 #: two workers in collection order, so a long file collected last leaves one worker alone at the
 #: end. Ordered by each file's measured total on 2 cores (``--durations=0``); the rest keep their order.
 SLOW_FIRST = (
-    "test_distributed.py", "test_compile_cache.py", "test_training_runs.py", "test_web.py", "test_replicas.py",
+    "test_distributed.py", "test_compile_cache.py", "test_demo.py", "test_training_runs.py", "test_web.py", "test_replicas.py",
     "test_lora.py", "test_training_reliability.py", "test_server.py", "test_generate.py", "test_readme.py",
     "test_sdcpp.py", "test_training_resume.py", "test_server_fuzz.py", "test_service.py", "test_run_confinement.py",
     "test_training.py", "test_training_preflight.py", "test_gpu_check.py", "test_runs_folder.py",
