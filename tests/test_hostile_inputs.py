@@ -158,6 +158,23 @@ def assert_refused(response: httpx.Response, status: int, code: str, world: tupl
 GENERATE = {"prompt": "a box", "steps": 1, "width": 64, "height": 64}
 
 
+@pytest.fixture
+def decoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The files whose pixels PIL decodes while the test runs (the server is in this process):
+    "refused from its header" means its name never shows up here."""
+    from PIL import ImageFile
+
+    seen: list[str] = []
+    load = ImageFile.ImageFile.load
+
+    def counted(image: ImageFile.ImageFile) -> object:
+        seen.append(Path(str(getattr(image, "filename", "") or "")).name)
+        return load(image)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", counted)
+    return seen
+
+
 @pytest.mark.parametrize("route", ["/v1/images/generate", "/v1/images/jobs"])
 @pytest.mark.parametrize(("field", "name", "status", "code"), [
     ("image", "bomb.png", 400, "invalid_image"),
@@ -167,7 +184,7 @@ GENERATE = {"prompt": "a box", "steps": 1, "width": 64, "height": 64}
     ("image", "escape.png", 400, "path_outside_roots"),
 ])
 def test_generate_image_paths(world: tuple[str, Engine, World, HostModel], route: str, field: str, name: str,
-                              status: int, code: str) -> None:
+                              status: int, code: str, decoded: list[str]) -> None:
     """Bombs and traversals are refused before the job is queued (a 202 never comes)."""
     url, *_ = world
     body = {**GENERATE, field: name, **({"image": "box.png"} if field == "mask_image" else {})}
@@ -175,6 +192,7 @@ def test_generate_image_paths(world: tuple[str, Engine, World, HostModel], route
     assert_refused(response, status, code, world)
     if name == "bomb.png":  # refused from its header: never decoded
         assert "declares 12000x12000" in response.json()["error"]["message"]
+        assert "bomb.png" not in decoded, decoded
 
 
 def test_a_truncated_input_image_is_refused_by_the_job(world: tuple[str, Engine, World, HostModel]) -> None:
@@ -343,11 +361,23 @@ def test_dataset_uploads(world: tuple[str, Engine, World, HostModel], dataset: s
     assert (sorted(p.name for p in w.outside.rglob("*")), sorted(p.name for p in (w.datasets / "fine").iterdir())) == before
 
 
-def test_a_thumbnail_of_a_bomb_is_refused_from_its_header(world: tuple[str, Engine, World, HostModel]) -> None:
+def test_a_thumbnail_of_a_bomb_is_refused_from_its_header(world: tuple[str, Engine, World, HostModel],
+                                                          decoded: list[str]) -> None:
     url, *_ = world
     response = httpx.get(f"{url}/v1/datasets/bombed/thumbnails/odd.png", headers=AUTH, timeout=60)
     assert_refused(response, 400, "invalid_image", world)
-    assert "144000000 pixels" in response.json()["error"]["message"]  # its header's size: never decoded
+    assert "144000000 pixels" in response.json()["error"]["message"]  # its header's size
+    assert "odd.png" not in decoded, decoded  # never decoded
+
+
+def test_the_decode_record_sees_a_decode(tmp_path: Path, decoded: list[str]) -> None:
+    """The record above is not empty by construction: a decoded image shows up in it."""
+    from PIL import Image
+
+    Image.new("RGB", (4, 4)).save(tmp_path / "seen.png")
+    with Image.open(tmp_path / "seen.png") as image:
+        image.load()
+    assert decoded == ["seen.png"]
 
 
 def test_roots_never_list_a_symlink_that_leads_out(world: tuple[str, Engine, World, HostModel]) -> None:
