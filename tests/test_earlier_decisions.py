@@ -481,6 +481,14 @@ def test_13_cpu_counts_swap_before_refusing() -> None:
     assert swapped.value("memory_mode") == "resident" and "swap" in swapped["memory_mode"].reason
 
 
+def test_kept_cpu_threads_are_one_per_physical_core_the_earlier_halving_where_unknown() -> None:
+    """Kept difference: the earlier cpu_count // 2 gave a 2-core machine without SMT 1 thread."""
+    no_smt = preset("cpu").replace(cpu_count=2, physical_cores=2, free_memory_gb=16.0)
+    assert plan("sdxl", no_smt).value("threads") == 2
+    assert plan("sdxl", no_smt.replace(cpu_count=16, physical_cores=8)).value("threads") == 8  # SMT: once per core
+    assert plan("sdxl", no_smt.replace(physical_cores=None)).value("threads") == 1  # unknown: the earlier rule
+
+
 @pytest.mark.parametrize("mode", ["resident", "model_offload", "group_offload", "sequential_offload"])
 def test_13_an_explicit_memory_mode_on_a_cpu_is_refused_beyond_ram_and_swap_too(mode: str) -> None:
     """Every mode keeps the weights in RAM on a CPU, so none gets past the refusal auto gives."""

@@ -77,13 +77,15 @@ def test_light_probe_reads_this_machine_without_torch() -> None:
         "import json, sys\n"
         "from engine.hardware.probe import probe\n"
         "p = probe()\n"
-        "print(json.dumps({'vendor': p.vendor, 'cpus': p.cpu_count, 'total': p.total_memory_gb,"
-        " 'torch': 'torch' in sys.modules}))"
+        "print(json.dumps({'vendor': p.vendor, 'cpus': p.cpu_count, 'cores': p.physical_cores,"
+        " 'total': p.total_memory_gb, 'torch': 'torch' in sys.modules}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout)
     assert result["torch"] is False
-    assert result["cpus"] == os.cpu_count()
+    assert result["cpus"] == len(os.sched_getaffinity(0))  # the CPUs this process may use
+    if result["vendor"] == "cpu" and Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").exists():
+        assert 1 <= result["cores"] <= result["cpus"]
     assert result["total"] > 0
     if not Path("/dev/nvidia0").exists():
         assert result["vendor"] == "cpu"
@@ -178,3 +180,40 @@ def test_verified_probe_on_a_cpu_machine_reports_no_bitsandbytes() -> None:
     assert hw.source == "probe+torch" and hw.vendor == "cpu"
     assert hw.bitsandbytes_usable is False
     assert hw.torchao_functional is True
+
+
+def _topology(root: Path, siblings: dict[int, str]) -> Path:
+    """A fake /sys/devices/system/cpu: each CPU's thread-sibling list."""
+    for cpu, listed in siblings.items():
+        (root / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (root / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(f"{listed}\n", encoding="ascii")
+    return root
+
+
+@pytest.mark.parametrize(("siblings", "cores"), [
+    ({0: "0", 1: "1"}, 2),  # this machine: two cores, no SMT
+    ({0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}, 2),  # two cores, two threads each
+    ({0: "0-1", 1: "0-1", 2: "2-3", 3: "2-3", 4: "4", 5: "5"}, 4),  # a hybrid part: SMT P-cores, lone E-cores
+])
+def test_physical_cores_count_smt_siblings_once(tmp_path: Path, siblings: dict[int, str], cores: int) -> None:
+    from engine.hardware.probe import physical_cores
+
+    root = _topology(tmp_path / "cpu", siblings)
+    assert physical_cores(str(root), set(siblings)) == cores
+    assert physical_cores(str(root), {0, 1}) == (1 if siblings[0] == siblings[1] else 2)  # only the CPUs we may use
+    assert physical_cores(str(root), {*siblings, 99}) is None  # one unreadable CPU: unknown, not a guess
+
+
+def test_a_two_core_machine_without_smt_plans_two_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The halving rule gave this 2-core machine 1 thread: every CPU path ran on half of it."""
+    from engine.hardware import probe as probing
+    from tests.test_inference_policy import plan
+
+    monkeypatch.setattr(probing, "CPU_TOPOLOGY", str(_topology(tmp_path / "cpu", {0: "0", 1: "1"})))
+    monkeypatch.setattr(probing.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(probing, "_nvidia_smi", lambda: None)
+    profile = probing.probe(verify=False)
+    assert (profile.vendor, profile.cpu_count, profile.physical_cores) == ("cpu", 2, 2)
+    threads = plan("sdxl", profile)["threads"]
+    assert threads.value == 2 and "2 physical cores" in threads.reason
+    assert plan("sdxl", profile.replace(cpu_count=4, physical_cores=2))["threads"].value == 2

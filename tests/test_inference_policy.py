@@ -298,9 +298,14 @@ def test_attention_auto_uses_flash3_on_hopper_when_installed() -> None:
     assert plan("flux", "h100", speed="default").value("attention_backend") == "cudnn"
 
 
-@pytest.mark.parametrize(("cpus", "threads"), [(16, 8), (2, 1), (1, 1), (None, 8)])
-def test_cpu_threads_are_half_the_logical_cores(cpus: int | None, threads: int) -> None:
-    cpu = preset("cpu").replace(cpu_count=cpus)
+@pytest.mark.parametrize(("cpus", "cores", "threads"), [
+    (16, None, 8), (2, None, 1), (1, None, 1), (None, None, 8),  # topology unknown: half the logical cores
+    (16, 8, 8), (2, 2, 2), (8, 6, 6),  # one thread per physical core, SMT siblings counted once
+])
+def test_cpu_threads_are_one_per_physical_core(cpus: int | None, cores: int | None, threads: int) -> None:
+    cpu = preset("cpu").replace(cpu_count=cpus, physical_cores=cores)
+    shared = plan("sdxl", cpu, env={"OMP_NUM_THREADS": "3"})["threads"]  # processes sharing the cores set it
+    assert shared.value == 3 and "OMP_NUM_THREADS=3" in shared.reason
     assert plan("sdxl", cpu).value("threads") == threads
     assert plan("sdxl", "h100").value("threads") is None
 

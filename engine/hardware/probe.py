@@ -150,8 +150,37 @@ def _cpu_bf16_matmul() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+CPU_TOPOLOGY = "/sys/devices/system/cpu"
+
+
+def physical_cores(root: str | None = None, cpus: set[int] | None = None) -> int | None:
+    """Physical cores among ``cpus`` (default: the CPUs this process may run on), read from
+    each CPU's ``topology/thread_siblings_list``: SMT siblings share one core and its FPU,
+    so they count once. None where a CPU's list cannot be read (not Linux, a container
+    without /sys)."""
+    if cpus is None:
+        cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 0))
+    cores: set[frozenset[int]] = set()
+    for cpu in cpus:
+        try:
+            with open(os.path.join(root or CPU_TOPOLOGY, f"cpu{cpu}", "topology", "thread_siblings_list"), encoding="ascii") as handle:
+                cores.add(frozenset(_cpu_list(handle.read())))
+        except (OSError, ValueError):
+            return None
+    return len(cores) or None
+
+
+def _cpu_list(text: str) -> set[int]:
+    """``0-3,8`` -> {0, 1, 2, 3, 8} (the kernel's CPU list format)."""
+    found: set[int] = set()
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        found.update(range(int(low), int(high or low) + 1))
+    return found
+
+
 def _light_probe_device() -> HardwareProfile:
-    cpu_count = os.cpu_count()
+    cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torchao_installed = importlib.util.find_spec("torchao") is not None
     bnb_installed = importlib.util.find_spec("bitsandbytes") is not None
     gpu = _nvidia_smi()
@@ -212,6 +241,7 @@ def _light_probe_device() -> HardwareProfile:
         torchao_functional=torchao_installed,
         bitsandbytes_usable=False,
         cpu_count=cpu_count,
+        physical_cores=physical_cores(),
         source="probe",
     )
 

@@ -70,6 +70,9 @@ class HardwareProfile:
     torchao_functional: bool = True
     bitsandbytes_usable: bool = False
     cpu_count: int | None = None
+    #: Physical cores among the CPUs this process may use (Linux's thread-sibling lists: SMT
+    #: siblings count once); None where the topology is unreadable (presets, other systems).
+    physical_cores: int | None = None
     #: Optional attention kernels installed (import names: ``flash_attn``,
     #: ``kernels`` (loads the FA3 hub kernel), ``sageattention``, ``xformers``).
     attention_packages: tuple[str, ...] = ()

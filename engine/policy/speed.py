@@ -280,16 +280,29 @@ def resolve_fp16_accumulation(
     return auto(False, f"{dtype} compute drifts with it; only the max tier takes that trade")
 
 
-def resolve_threads(hardware: HardwareProfile, requested: int | None) -> Resolved[int | None]:
-    """CPU threads for compute-bound GEMMs: half the logical cores.
+def resolve_threads(hardware: HardwareProfile, requested: int | None,
+                    env: Mapping[str, str] | None = None) -> Resolved[int | None]:
+    """CPU threads for compute-bound GEMMs: one per physical core.
 
-    Hyperthreads add scheduling contention, not throughput, to GEMM work.
+    SMT siblings share one core's FPU, so a second thread on it adds contention, not GEMM
+    throughput; a core without a sibling is a whole core (on a 2-core machine without SMT
+    halving the logical count ran every CPU path on half the machine). Where the topology is
+    unknown, the earlier rule: half the logical cores (written for SMT machines). An
+    ``OMP_NUM_THREADS`` in the environment is the user's (or a scheduler's) say, and wins
+    over the count: processes that share the cores set it.
     """
     if requested is not None:
         return explicit(requested)
     if hardware.vendor != "cpu":
         return auto(None, "GPU compute: torch's default CPU threads")
-    count = hardware.cpu_count
+    omp = (env or {}).get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        return auto(int(omp), f"OMP_NUM_THREADS={omp} in the environment")
+    count, cores = hardware.cpu_count, hardware.physical_cores
+    if cores is not None:
+        if count is not None and count > cores:
+            return auto(cores, f"{cores} physical cores of {count} logical (SMT siblings share one core's FPU)")
+        return auto(cores, f"{cores} physical cores, no SMT siblings: one thread each")
     if count is None:
         return auto(8, "cpu count unknown: 8")
-    return auto(max(1, count // 2), f"{count} logical cores // 2 (hyperthreads add contention to GEMMs)")
+    return auto(max(1, count // 2), f"{count} logical cores // 2 (topology unknown; hyperthreads add contention to GEMMs)")

@@ -322,7 +322,8 @@ class TorchPlanner:
             ),
             # sd.cpp computes on its CPU backend whatever the accelerator: its threads are the CPU's
             "threads": resolve_threads(
-                hardware.replace(vendor="cpu") if self.engine.value == "sdcpp" else hardware, self.request.threads
+                hardware.replace(vendor="cpu") if self.engine.value == "sdcpp" else hardware, self.request.threads,
+                env=self.env,
             ),
             "lora": resolve_lora(
                 self.request.loras, quantised=scheme.value or gguf_name, compiled=speed.compile.value == "regional"

@@ -8,7 +8,7 @@ persistent server of the earlier system): loaded once, reused by every
 generate, stopped at unload. A one-shot CLI generate is the same path, run
 once.
 
-- threads: the plan's ``threads`` control (logical cores // 2);
+- threads: the plan's ``threads`` control (one per physical core);
 - cancel: honoured after the step the worker reported, or at once while it
   computes one: the worker is stopped (the library has no cancel) and
   restarted, reloading, at the next generate;
@@ -102,7 +102,7 @@ class SdcppSession:
         self.plan = plan
         self.request = request
         self.files = dict(plan.sdcpp.files)
-        self.threads = int(plan.value("threads") or 1)  # the plan's: logical cores // 2 (engine.policy.speed)
+        self.threads = int(plan.value("threads") or 1)  # the plan's: one per physical core (engine.policy.speed)
         #: Why this session replaced another (unused here; diffusers sessions record their fallback).
         self.fallback: dict[str, object] | None = None
         self.loras: Any = None
