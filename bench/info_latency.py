@@ -1,8 +1,10 @@
-"""Cold-process wall time of `diffusion-engine info --json` vs `import torch`.
+"""Cold-process cost of the light commands against `import torch`, wall and CPU time.
 
-Both run as fresh interpreters, alternating, several times; the script
-prints the medians and their ratio. Targets: info under 0.3 s, and under 1/5
-of the torch import (info must never import torch on a machine without a GPU).
+Each command and the torch import run as fresh interpreters, interleaved (A B C ... A B C
+...), several times; the script prints each median, wall and CPU seconds (user + system
+of the child, so other load on the machine drops out), and its ratio to the torch import.
+Targets: `--version` under 1/10 of the torch import, `info` under 1/5 and 0.3 s; none of
+them may import torch on a machine without a GPU.
 
     .venv/bin/python bench/info_latency.py [--runs N]
 """
@@ -10,33 +12,54 @@ of the torch import (info must never import torch on a machine without a GPU).
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import subprocess
 import sys
 import time
 
+COMMANDS: dict[str, list[str]] = {
+    "import torch": [sys.executable, "-c", "import torch"],
+    "diffusion-engine --version": [sys.executable, "-m", "engine", "--version"],
+    "diffusion-engine --help": [sys.executable, "-m", "engine", "--help"],
+    "diffusion-engine info --json": [sys.executable, "-m", "engine", "info", "--json"],
+    "diffusion-engine plan --family flux": [sys.executable, "-m", "engine", "plan", "--family", "flux",
+                                            "--hardware", "rtx4090"],
+}
+TARGETS = {"diffusion-engine --version": 0.1, "diffusion-engine info --json": 0.2}
 
-def wall(command: list[str]) -> float:
+
+def timed(command: list[str]) -> tuple[float, float]:
+    """(wall s, CPU s) of one cold run of ``command``."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
     runs = parser.parse_args().runs
-    info_cmd = [sys.executable, "-m", "engine", "info", "--json"]
-    torch_cmd = [sys.executable, "-c", "import torch"]
-    wall(info_cmd), wall(torch_cmd)  # warm the OS file cache for both
-    info, torch = [], []
+    for command in COMMANDS.values():
+        timed(command)  # warm the OS file cache for each
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in COMMANDS}
     for _ in range(runs):
-        info.append(wall(info_cmd))
-        torch.append(wall(torch_cmd))
-    info_s, torch_s = statistics.median(info), statistics.median(torch)
-    print(f"diffusion-engine info --json : {info_s:.3f} s (median of {runs})")
-    print(f"python -c 'import torch'      : {torch_s:.3f} s (median of {runs})")
-    print(f"ratio info / torch import     : {info_s / torch_s:.3f}  (target < 0.2; info target < 0.3 s)")
+        for name, command in COMMANDS.items():  # interleaved: drift reaches every side alike
+            samples[name].append(timed(command))
+    torch_wall = statistics.median(w for w, _ in samples["import torch"])
+    torch_cpu = statistics.median(c for _, c in samples["import torch"])
+    print(f"median of {runs} interleaved cold runs; ratios against `import torch`")
+    for name in COMMANDS:
+        wall = statistics.median(w for w, _ in samples[name])
+        cpu = statistics.median(c for _, c in samples[name])
+        target = f"  (target < {TARGETS[name]})" if name in TARGETS else ""
+        print(f"{name:<38} wall {wall:.3f} s  CPU {cpu:.3f} s  ratio wall {wall / torch_wall:.3f}, "
+              f"CPU {cpu / torch_cpu:.3f}{target}")
 
 
 if __name__ == "__main__":

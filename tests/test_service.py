@@ -241,6 +241,22 @@ def test_engine_import_stays_light() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_version_imports_only_what_it_answers_with() -> None:
+    """``--version`` cost 0.32 CPU-s (316 modules: the request models, pydantic) against 3.3 for
+    ``import torch``; it now answers from the package's version alone (bench/info_latency.py
+    measures about 1/100 of the torch import)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom engine.cli import main\nmain(['--version'])\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'pydantic', 'torch', 'PIL', 'numpy'}),"
+            " len([m for m in sys.modules if m.startswith('engine')]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    version, heavy = out.stdout.strip().splitlines()
+    assert version.startswith("diffusion-engine ") and heavy.split()[0] == "[]", out.stdout
+    assert int(heavy.split()[-1]) <= 4, out.stdout  # engine, its version, engine.cli and its start clock
+
+
 @pytest.mark.slow
 def test_two_engines_in_one_process_share_one_gpu_arbiter(tiny_pipeline: Callable[[str], Path]) -> None:
     """One process, one GPU: a second Engine's load evicts the first's idle pipeline (and the

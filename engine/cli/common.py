@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NoReturn
 
@@ -15,9 +14,7 @@ EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130
 DOWNLOAD_HELP = ("allow downloading a hub model that is not in the local cache (its size is printed "
                  "first); or set DIFFUSION_ENGINE_ALLOW_DOWNLOAD=1")
-#: When the CLI began (``engine.cli`` is the console script's first import): ``generate``
-#: reports the start-up before it (Python, imports) apart from loading the model.
-PROCESS_STARTED = time.perf_counter()
+from engine.cli.started import PROCESS_STARTED  # set where the console script starts
 
 
 def flag_words(message: str, overrides: Mapping[str, str] | None = None) -> str:
