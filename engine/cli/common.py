@@ -14,7 +14,6 @@ EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130
 DOWNLOAD_HELP = ("allow downloading a hub model that is not in the local cache (its size is printed "
                  "first); or set DIFFUSION_ENGINE_ALLOW_DOWNLOAD=1")
-from engine.cli.started import PROCESS_STARTED  # set where the console script starts
 
 
 def flag_words(message: str, overrides: Mapping[str, str] | None = None) -> str:

@@ -20,9 +20,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.cli.common import PROCESS_STARTED, download_allowed
+from engine.cli.common import download_allowed
 from engine.cli.machine import machine_request
 from engine.cli.requests import CONTROL_FLAGS, generate_body, output_paths, plan_controls
+from engine.cli.started import PROCESS_STARTED
 from engine.errors import EngineError
 
 

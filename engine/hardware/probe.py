@@ -153,15 +153,17 @@ def _cpu_bf16_matmul() -> bool:
 CPU_TOPOLOGY = "/sys/devices/system/cpu"
 
 
+def usable_cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity, where the system reports it)."""
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 0))
+
+
 def physical_cores(root: str | None = None, cpus: set[int] | None = None) -> int | None:
-    """Physical cores among ``cpus`` (default: the CPUs this process may run on), read from
-    each CPU's ``topology/thread_siblings_list``: SMT siblings share one core and its FPU,
-    so they count once. None where a CPU's list cannot be read (not Linux, a container
-    without /sys)."""
-    if cpus is None:
-        cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 0))
+    """Physical cores among ``cpus`` (default: :func:`usable_cpus`), read from each CPU's
+    ``topology/thread_siblings_list``: SMT siblings share one core and its FPU, so they
+    count once. None where a CPU's list cannot be read (not Linux, a container without /sys)."""
     cores: set[frozenset[int]] = set()
-    for cpu in cpus:
+    for cpu in usable_cpus() if cpus is None else cpus:
         try:
             with open(os.path.join(root or CPU_TOPOLOGY, f"cpu{cpu}", "topology", "thread_siblings_list"), encoding="ascii") as handle:
                 cores.add(frozenset(_cpu_list(handle.read())))
@@ -172,15 +174,12 @@ def physical_cores(root: str | None = None, cpus: set[int] | None = None) -> int
 
 def _cpu_list(text: str) -> set[int]:
     """``0-3,8`` -> {0, 1, 2, 3, 8} (the kernel's CPU list format)."""
-    found: set[int] = set()
-    for part in text.strip().split(","):
-        low, _, high = part.partition("-")
-        found.update(range(int(low), int(high or low) + 1))
-    return found
+    spans = (part.partition("-") for part in text.strip().split(","))
+    return {cpu for low, _, high in spans for cpu in range(int(low), int(high or low) + 1)}
 
 
 def _light_probe_device() -> HardwareProfile:
-    cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpu_count, cores = len(usable_cpus()) or None, physical_cores()  # sd.cpp threads them on any machine
     torchao_installed = importlib.util.find_spec("torchao") is not None
     bnb_installed = importlib.util.find_spec("bitsandbytes") is not None
     gpu = _nvidia_smi()
@@ -200,6 +199,7 @@ def _light_probe_device() -> HardwareProfile:
             torchao_functional=torchao_installed,
             bitsandbytes_usable=bnb_installed,
             cpu_count=cpu_count,
+            physical_cores=cores,
             source="probe",
         )
     if shutil.which("rocm-smi") or os.path.exists("/dev/kfd"):
@@ -214,6 +214,7 @@ def _light_probe_device() -> HardwareProfile:
             torchao_functional=torchao_installed,
             bitsandbytes_usable=False,
             cpu_count=cpu_count,
+            physical_cores=cores,
             source="probe",
         )
     total, free = _host_memory_gb()
@@ -229,6 +230,7 @@ def _light_probe_device() -> HardwareProfile:
             torchao_functional=torchao_installed,
             bitsandbytes_usable=bnb_installed,
             cpu_count=cpu_count,
+            physical_cores=cores,
             source="probe",
         )
     return HardwareProfile(
@@ -241,7 +243,7 @@ def _light_probe_device() -> HardwareProfile:
         torchao_functional=torchao_installed,
         bitsandbytes_usable=False,
         cpu_count=cpu_count,
-        physical_cores=physical_cores(),
+        physical_cores=cores,
         source="probe",
     )
 
