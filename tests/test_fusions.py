@@ -33,7 +33,7 @@ def test_fused_blocks_generate_the_stock_image_and_unfuse_back_to_it(
 ) -> None:
     """Every site the table names is fused at load on the default tier; the image equals
     stock up to float rounding; unfusing puts diffusers' own methods back (bit-identical)."""
-    session = session_for(tiny_pipeline(family), InferenceRequest(speed="default", compile="off"))
+    session = session_for(tiny_pipeline(family), InferenceRequest(speed="default", compile="off", dtype="fp32"))
     session.load()
     try:
         assert session.plan.value("eager_fusions") is True

@@ -196,7 +196,7 @@ def _topology(root: Path, siblings: dict[int, str]) -> Path:
     ({0: "0-1", 1: "0-1", 2: "2-3", 3: "2-3", 4: "4", 5: "5"}, 4),  # a hybrid part: SMT P-cores, lone E-cores
 ])
 def test_physical_cores_count_smt_siblings_once(tmp_path: Path, siblings: dict[int, str], cores: int) -> None:
-    from engine.hardware.probe import physical_cores
+    from engine.hardware.cpu import physical_cores
 
     root = _topology(tmp_path / "cpu", siblings)
     assert physical_cores(str(root), set(siblings)) == cores
@@ -206,10 +206,10 @@ def test_physical_cores_count_smt_siblings_once(tmp_path: Path, siblings: dict[i
 
 def test_a_two_core_machine_without_smt_plans_two_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The halving rule gave this 2-core machine 1 thread: every CPU path ran on half of it."""
-    from engine.hardware import probe as probing
+    from engine.hardware import cpu, probe as probing
     from tests.test_inference_policy import plan
 
-    monkeypatch.setattr(probing, "CPU_TOPOLOGY", str(_topology(tmp_path / "cpu", {0: "0", 1: "1"})))
+    monkeypatch.setattr(cpu, "CPU_TOPOLOGY", str(_topology(tmp_path / "cpu", {0: "0", 1: "1"})))
     monkeypatch.setattr(probing.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(probing, "_nvidia_smi", lambda: None)
     profile = probing.probe(verify=False)

@@ -25,6 +25,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from engine.hardware import gemm
+from engine.hardware.cpu import cpu_flags, matmul_isa, physical_cores, usable_cpus
 from engine.hardware.kernel_floors import installed_attention_floors, installed_versions
 from engine.hardware.profile import HardwareProfile, native_bf16
 
@@ -136,46 +138,14 @@ def _light_probe() -> HardwareProfile:
         fp8_activation_floor=torchao_exposes_fp8_floor(),
         swap_free_gb=_swap_free_gb(),
         sdcpp_installed=importlib.util.find_spec("stable_diffusion_cpp") is not None,
-        cpu_bf16_matmul=_cpu_bf16_matmul(),
+        **_cpu_matmul(),
     )
 
 
-def _cpu_bf16_matmul() -> bool:
-    """AMX or AVX512-BF16 in the CPU's flags (Linux's /proc/cpuinfo; False where unreadable)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            flags = next((line for line in handle if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-CPU_TOPOLOGY = "/sys/devices/system/cpu"
-
-
-def usable_cpus() -> set[int]:
-    """The CPUs this process may run on (its affinity, where the system reports it)."""
-    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 0))
-
-
-def physical_cores(root: str | None = None, cpus: set[int] | None = None) -> int | None:
-    """Physical cores among ``cpus`` (default: :func:`usable_cpus`), read from each CPU's
-    ``topology/thread_siblings_list``: SMT siblings share one core and its FPU, so they
-    count once. None where a CPU's list cannot be read (not Linux, a container without /sys)."""
-    cores: set[frozenset[int]] = set()
-    for cpu in usable_cpus() if cpus is None else cpus:
-        try:
-            with open(os.path.join(root or CPU_TOPOLOGY, f"cpu{cpu}", "topology", "thread_siblings_list"), encoding="ascii") as handle:
-                cores.add(frozenset(_cpu_list(handle.read())))
-        except (OSError, ValueError):
-            return None
-    return len(cores) or None
-
-
-def _cpu_list(text: str) -> set[int]:
-    """``0-3,8`` -> {0, 1, 2, 3, 8} (the kernel's CPU list format)."""
-    spans = (part.partition("-") for part in text.strip().split(","))
-    return {cpu for low, _, high in spans for cpu in range(int(low), int(high or low) + 1)}
+def _cpu_matmul() -> dict[str, object]:
+    """The CPU's matmul ISA and its GEMM figures as cached (measured: ``verify=True``)."""
+    isa = matmul_isa(cpu_flags())
+    return {"cpu_isa": isa, "cpu_bf16_matmul": gemm.native_bf16(isa), "cpu_gemm": gemm.cached(isa)}
 
 
 def _light_probe_device() -> HardwareProfile:
@@ -361,6 +331,8 @@ def _verify_with_torch(light: HardwareProfile) -> HardwareProfile:
             total, free = _host_memory_gb()
             changes.update(vendor="cpu", total_memory_gb=total, free_memory_gb=free)
     changes["torchao_functional"] = light.torchao_functional and torchao_functional()
+    if changes.get("vendor", light.vendor) == "cpu":  # CPU compute: its kernels timed once per machine
+        changes["cpu_gemm"] = gemm.measured(light.cpu_isa)
     device = changes.get("device_name")
     if device and changes.get("vendor") == "nvidia":
         changes.update(consumer=consumer_class(str(device)), gpu_class=gpu_class(str(device)))

@@ -51,6 +51,27 @@ class DeviceFacts:
 
 
 @dataclass(frozen=True)
+class CpuGemm:
+    """GFLOP/s of one 3072-wide GEMM through each CPU kernel torch has, on ``threads`` threads.
+
+    ``fp32_mkl`` is ``nn.Linear``'s default (MKL's sgemm), ``fp32_onednn`` the same product
+    through oneDNN, ``bf16`` torch's bf16 GEMM (oneDNN: AMX or AVX512-BF16 where the CPU has
+    them, emulated elsewhere). Which is fastest differs by CPU: on a Zen 5 MKL ran at AVX2
+    speed (72-82 per core) where oneDNN ran 161-168; on a Sapphire Rapids both ran 170.
+    """
+
+    fp32_mkl: float
+    fp32_onednn: float
+    bf16: float
+    threads: int
+
+    @property
+    def fp32_best(self) -> tuple[str, float]:
+        """The faster fp32 kernel and its speed."""
+        return ("onednn", self.fp32_onednn) if self.fp32_onednn > self.fp32_mkl else ("mkl", self.fp32_mkl)
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """One machine's accelerator and the libraries usable on it.
 
@@ -95,6 +116,12 @@ class HardwareProfile:
     #: The host CPU multiplies bf16 natively (AMX or AVX512-BF16): torch's bf16 GEMMs run
     #: at full speed there, and are emulated (several times slower) elsewhere.
     cpu_bf16_matmul: bool = False
+    #: The CPU's best matmul instruction set ("AMX-BF16", "AVX512-BF16", "AVX-512", "AVX2";
+    #: "" unknown): what a CPU plan's dtype reason names (:mod:`engine.hardware.cpu`).
+    cpu_isa: str = ""
+    #: The CPU's GEMM speeds per kernel, measured once per machine and cached
+    #: (:mod:`engine.hardware.gemm`); None until measured.
+    cpu_gemm: CpuGemm | None = None
     #: Free swap, GB: host memory a CPU run may spill into (slowly).
     swap_free_gb: float | None = None
     #: "consumer", "workstation" or "datacenter", by the device name.

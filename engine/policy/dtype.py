@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
+from engine.policy.cpu_kernel import cpu_dtype
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.requests.choices import DTYPES
 from engine.contract.types import FamilySpec
@@ -24,11 +25,14 @@ def resolve_dtype(
     requested: str,
     *,
     fp32_fits: bool,
+    exact: bool = True,
 ) -> Resolved[str]:
     """The compute dtype, or a :class:`PreflightError` raised for a doomed request.
 
     :param fp32_fits: whether the memory plan can hold the model in fp32
         (decided by the caller, who owns the memory arithmetic).
+    :param exact: no speed tier was asked for (the off tier: images equal stock diffusers'),
+        so a CPU computes in fp32 where it fits; a tier takes its native bf16.
     """
     if requested not in DTYPES:
         raise PreflightError(
@@ -50,9 +54,7 @@ def resolve_dtype(
     if requested != "auto":
         return explicit(requested)
     if hardware.vendor == "cpu":
-        if fp32_fits:
-            return auto("fp32", "CPU: fp32 is exact and the fastest dtype most CPUs run")
-        return auto("bf16", "CPU: fp32 does not fit host memory, bf16 halves it")
+        return cpu_dtype(hardware, fp32_fits=fp32_fits, exact=exact)
     if hardware.native_bf16:
         return auto("bf16", f"native bf16 on {hardware.device_name}")
     if family.precision.pipeline_fp16_safe():

@@ -41,6 +41,7 @@ CONTROLS: tuple[str, ...] = (
     "speed_tier",
     "fp16_accumulation",
     "threads",
+    "cpu_kernel",
     "lora",
     "tf32",
     "vae_tiling",

@@ -116,6 +116,6 @@ def torch_is_faster(dtype: str, hardware: HardwareProfile) -> str | None:
                 "(bench/cpu_engines.py); sd.cpp takes loads torch would not fit or would run in "
                 "emulated bf16 (engine=sdcpp forces it: it holds about a quarter of the RAM)")
     if hardware.cpu_bf16_matmul:
-        return (f"CPU with native bf16 matmul (AMX / AVX512-BF16): torch's {dtype} ran a step 9x faster "
+        return (f"CPU with native bf16 matmul ({hardware.cpu_isa or 'AMX or AVX512-BF16'}): torch's {dtype} ran a step 9x faster "
                 "than sd.cpp's Q8_0 (bench/cpu_engines.py); engine=sdcpp forces it (about a quarter of the RAM)")
     return None

@@ -32,6 +32,7 @@ from engine.policy.activations import (
 from engine.policy.attention import resolve_attention
 from engine.policy.available import AvailableMemory
 from engine.policy.compatibility import plan_refusals
+from engine.policy.cpu_kernel import resolve_cpu_kernel
 from engine.policy.dtype import DTYPE_FACTOR, resolve_dtype
 from engine.policy.encoders import (
     encoder_gb_as_planned,
@@ -211,7 +212,7 @@ class TorchPlanner:
         """The compute dtype; fp32 is weighed by whether it fits without streaming."""
         fp32 = self.memory("fp32", None, "auto")
         fp32_fits = fp32 is not None and fp32[0].value in ("resident", "model_offload")
-        return resolve_dtype(self.family, self.hardware, self.request.dtype, fp32_fits=fp32_fits)
+        return resolve_dtype(self.family, self.hardware, self.request.dtype, fp32_fits=fp32_fits, exact=self.request.speed in ("auto", "off"))
 
     def does_not_fit(self, dtype: str) -> PreflightError:
         """The refusal for a model no plan fits, in the memory rule's own words."""
@@ -325,6 +326,7 @@ class TorchPlanner:
                 hardware.replace(vendor="cpu") if self.engine.value == "sdcpp" else hardware, self.request.threads,
                 env=self.env,
             ),
+            "cpu_kernel": resolve_cpu_kernel(hardware, dtype=dtype.value, engine=self.engine.value, tier=tier),
             "lora": resolve_lora(
                 self.request.loras, quantised=scheme.value or gguf_name, compiled=speed.compile.value == "regional"
             ),

@@ -30,6 +30,7 @@ from engine.policy.resolved import explicit
 from engine.preflight.source import ModelSource
 from engine.runtime import flags, quantize, text_encoders
 from engine.runtime.canary import inference_canary
+from engine.runtime.cpu_kernels import route_linears_to_onednn
 from engine.runtime.processors import pipeline_processors
 from engine.runtime.quantize import (
     Placement,
@@ -66,6 +67,7 @@ class PipelineLoading:
     plan: Plan
     canary: dict[str, object] | None
     quantised_layers: int
+    onednn_layers: int
     placement: Placement | None
     fallback: dict[str, object] | None
     encoder_stream: text_encoders.EncoderStream | None
@@ -104,10 +106,11 @@ class PipelineLoading:
                 self.canary = inference_canary(
                     denoiser, keep, scheme=str(scheme), dtype=dtype,
                 ).to_dict()  # a broken scheme raises CanaryFailed: the fallback is built instead
-        elif dtype == torch.float16:  # fp16 compute: the dtype some families render black in
+        elif dtype == torch.float16 or (plan.device == "cpu" and dtype == torch.bfloat16):
+            # fp16 compute (some families render black in it), or bf16 chosen for a CPU's kernels
             self.canary = inference_canary(
                 getattr(pipe, self.source.family.denoiser), lambda module, _: isinstance(module, torch.nn.Linear),
-                scheme="fp16", dtype=dtype,
+                scheme=str(plan.value("dtype")), dtype=dtype,
             ).to_dict()
         self.encoder_stream, self.encoder_placements, failure = text_encoders.prepare_encoders(
             pipe, getattr(pipe, self.source.family.denoiser), plan, self._root(), dtype, resident=resident(plan),
@@ -117,6 +120,8 @@ class PipelineLoading:
         if failure is not None:
             self.plan = plan = plan.with_control("text_encoder_quant", explicit("none", failure))
         self._apply_memory_mode(pipe, plan)
+        if plan.value("cpu_kernel") == "onednn" and dtype == torch.float32:
+            self.onednn_layers = route_linears_to_onednn(pipe)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

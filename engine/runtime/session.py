@@ -77,6 +77,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
         self._cache_on = False
         self._lock = threading.Lock()
         self.quantised_layers = 0
+        self.onednn_layers = 0  # fp32 Linears routed through oneDNN (the plan's cpu_kernel)
         #: Streams the text encoders per call (``text_encoder_memory=streamed``).
         self.encoder_stream: text_encoders.EncoderStream | None = None
         self.encoder_placements: list[Placement] = []
@@ -156,6 +157,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
             "plan": self.plan.to_dict(),
             "step_cache_engaged": self._cache_on,
             "quantised_layers": self.quantised_layers,
+            "onednn_layers": self.onednn_layers,
             "text_encoders": {
                 "placements": [p.to_dict() for p in self.encoder_placements],
                 "stream": self.encoder_stream.status() if self.encoder_stream else None,

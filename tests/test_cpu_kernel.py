@@ -1,0 +1,62 @@
+"""The CPU plan's dtype and GEMM kernel, from the ISA and the GEMM speeds measured on the machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.hardware.cpu import matmul_isa
+from engine.hardware.presets import preset
+from engine.hardware.profile import CpuGemm
+from tests.test_inference_policy import plan
+
+SAPPHIRE_RAPIDS = preset("cpu").replace(total_memory_gb=128.0, free_memory_gb=120.0, cpu_isa="AMX-BF16", cpu_bf16_matmul=True,
+                                        cpu_gemm=CpuGemm(374.5, 383.0, 2159.9, 2))  # measured on a 2-core VM
+ZEN5 = preset("cpu").replace(total_memory_gb=128.0, free_memory_gb=120.0, cpu_isa="AVX512-BF16", cpu_bf16_matmul=True, cpu_gemm=CpuGemm(154.0, 330.0, 604.0, 2))
+AVX2 = preset("cpu").replace(total_memory_gb=128.0, free_memory_gb=120.0, cpu_isa="AVX2", cpu_gemm=CpuGemm(150.0, 160.0, 40.0, 2))
+
+
+def test_a_speed_tier_computes_in_bf16_where_the_cpu_multiplies_it_natively() -> None:
+    controls = plan("flux", SAPPHIRE_RAPIDS, speed="default")
+    assert controls["dtype"].value == "bf16" and "AMX-BF16" in controls["dtype"].reason
+    assert "5.6x" in controls["dtype"].reason and controls["cpu_kernel"].value == "onednn"
+    assert plan("flux", ZEN5, speed="default")["dtype"].value == "bf16"
+
+
+def test_no_speed_request_stays_exact_and_says_what_bf16_would_gain() -> None:
+    dtype = plan("flux", SAPPHIRE_RAPIDS)["dtype"]
+    assert dtype.value == "fp32" and "--speed default" in dtype.reason and "AMX-BF16" in dtype.reason
+    assert plan("flux", ZEN5)["cpu_kernel"].value == "mkl"  # the off tier keeps torch's default kernel
+
+
+def test_fp32_takes_onednn_only_where_measured_faster() -> None:
+    zen = plan("flux", ZEN5, speed="default", dtype="fp32")["cpu_kernel"]
+    assert zen.value == "onednn" and "2.1x" in zen.reason
+    avx2 = plan("flux", AVX2, speed="default")
+    assert avx2["dtype"].value == "fp32" and "AVX2" in avx2["dtype"].reason  # emulated bf16 is slower
+    assert avx2["cpu_kernel"].value == "mkl"
+    assert plan("flux", preset("rtx4090"))["cpu_kernel"].value is None
+
+
+def test_the_isa_is_read_from_the_cpu_flags() -> None:
+    assert matmul_isa(frozenset({"avx2", "avx512f", "amx_bf16"})) == "AMX-BF16"
+    assert matmul_isa(frozenset({"avx2", "avx512f"})) == "AVX-512"
+    assert matmul_isa(frozenset()) == ""
+
+
+def test_the_gemm_figures_are_measured_once_and_read_back_without_torch(tmp_path: Path) -> None:
+    cache = tmp_path / "gemm.json"
+    env = {"DIFFUSION_ENGINE_CPU_GEMM": str(cache), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    measure = "from engine.hardware.probe import probe; print(probe(verify=True).cpu_gemm.bf16)"
+    subprocess.run([sys.executable, "-c", measure], env=env, check=True, capture_output=True)
+    entries = json.loads(cache.read_text())
+    (entry,) = entries.values()
+    assert entry["fp32_mkl"] > 0 and entry["bf16"] > 0
+    read = ("import sys, json; from engine.hardware.probe import probe; g = probe(verify=False).cpu_gemm;"
+            " print(json.dumps([g.fp32_mkl, 'torch' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", read], env=env, check=True, capture_output=True, text=True)
+    assert json.loads(out.stdout) == [entry["fp32_mkl"], False]
