@@ -25,6 +25,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["DIFFUSION_ENGINE_HOME"] = tempfile.mkdtemp(prefix="diffusion-engine-test-home-")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's home starts as a used machine's does: its CPU GEMMs measured once (a fresh
+    machine's first verified probe measures them and re-plans once; test_cpu_kernel covers that)."""
+    from engine.hardware import cpu, gemm
+
+    gemm.measured(cpu.matmul_isa(cpu.cpu_flags()))
+
+
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh folder on sys.path (and PYTHONPATH, for child processes)."""
