@@ -40,10 +40,7 @@ def test_a_failed_test_leaves_no_trainer_training(
         assert len(left) == 1
     finally:
         stop(left)
-    # With it, the test still fails as it should, and its trainer is stopped and named (a runs
-    # folder of its own: the killed trainer's lock may outlive stop() by a moment under load).
-    pytester.makepyfile(test_inner=INNER.format(runs=str(tmp_path / "runs-guarded"), base=str(tiny_pipeline("sdxl")),
-                                                data=str(data)))
+    # With it, the test still fails as it should, and its trainer is stopped and named.
     guarded = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "tests.leftovers", "-rA")
     guarded.assert_outcomes(failed=1)
     assert [pid for pid in running_trainers() if pid not in before] == []
