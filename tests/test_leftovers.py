@@ -17,7 +17,8 @@ import time
 from engine import Engine
 
 def test_a_resume_that_regresses():
-    engine = Engine(runs_dir={runs!r})
+    # a runs folder per run: the killed trainer's lock may outlive its stop by a moment under load
+    engine = Engine(runs_dir={runs!r} + "/" + str(time.time_ns()))
     engine.training.start({{"base_model": {base!r}, "dataset_dir": {data!r}, "resolution": 64,
                            "steps": 100000, "lora_rank": 2, "device": "cpu"}})
     assert engine.training.status()["status"] in ("starting", "running")
