@@ -138,14 +138,14 @@ def _light_probe() -> HardwareProfile:
         fp8_activation_floor=torchao_exposes_fp8_floor(),
         swap_free_gb=_swap_free_gb(),
         sdcpp_installed=importlib.util.find_spec("stable_diffusion_cpp") is not None,
-        **_cpu_matmul(),
+        **_cpu_matmul(profile.physical_cores),
     )
 
 
-def _cpu_matmul() -> dict[str, object]:
-    """The CPU's matmul ISA and its GEMM figures as cached (measured: ``verify=True``)."""
+def _cpu_matmul(cores: int | None) -> dict[str, object]:
+    """The CPU's matmul ISA and its GEMM figures as cached for ``cores`` threads (measured: ``verify=True``)."""
     isa = matmul_isa(cpu_flags())
-    return {"cpu_isa": isa, "cpu_bf16_matmul": gemm.native_bf16(isa), "cpu_gemm": gemm.cached(isa)}
+    return {"cpu_isa": isa, "cpu_bf16_matmul": gemm.native_bf16(isa), "cpu_gemm": gemm.cached(isa, cores)}
 
 
 def _light_probe_device() -> HardwareProfile:
@@ -332,7 +332,7 @@ def _verify_with_torch(light: HardwareProfile) -> HardwareProfile:
             changes.update(vendor="cpu", total_memory_gb=total, free_memory_gb=free)
     changes["torchao_functional"] = light.torchao_functional and torchao_functional()
     if changes.get("vendor", light.vendor) == "cpu":  # CPU compute: its kernels timed once per machine
-        changes["cpu_gemm"] = gemm.measured(light.cpu_isa)
+        changes["cpu_gemm"] = gemm.measured(light.cpu_isa, light.physical_cores)
     device = changes.get("device_name")
     if device and changes.get("vendor") == "nvidia":
         changes.update(consumer=consumer_class(str(device)), gpu_class=gpu_class(str(device)))

@@ -95,7 +95,7 @@ class PipelineLoading:
         dtype = TORCH_DTYPES[str(plan.value("dtype"))]
         scheme = plan.value("transformer_quant")
         pipe = self._load_pipeline(dtype, str(scheme) if scheme else None)
-        self.quantised_layers, self.placement = 0, None
+        self.quantised_layers, self.onednn_layers, self.placement = 0, 0, None
         if scheme and scheme != "nf4" and self.source.prequantised_scheme is None:
             keep = quantize.module_filter(str(scheme), self.source.family.quantisation.int8_dense_modules)
             for denoiser in denoisers_of(pipe, self.source.family):  # every expert, or the load fails
