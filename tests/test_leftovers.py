@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +42,12 @@ def test_a_failed_test_leaves_no_trainer_training(
         assert len(left) == 1
     finally:
         stop(left)
+    # The bare run's Engine lives on in this process: its watcher sees the stopped trainer
+    # within a poll and gives the GPU back; the guarded run's Engine waits for that, as an
+    # app's second Engine would (until then it is refused Busy, which is right).
+    for watcher in [t for t in threading.enumerate() if t.name == "engine-run-watch"]:
+        watcher.join(timeout=30)
+        assert not watcher.is_alive()
     # With it, the test still fails as it should, and its trainer is stopped and named.
     guarded = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "tests.leftovers", "-rA")
     guarded.assert_outcomes(failed=1)

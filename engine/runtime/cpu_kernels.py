@@ -27,22 +27,29 @@ def route_linears_to_onednn(pipe: Any) -> int:
             continue
         for module in component.modules():
             weight = getattr(module, "weight", None)
-            if (isinstance(module, torch.nn.Linear) and isinstance(weight, torch.nn.Parameter)
+            if (isinstance(module, torch.nn.Linear) and _plain(weight)
                     and weight.dtype == torch.float32 and weight.device.type == "cpu"):
-                module.forward = _OnednnForward(module)  # type: ignore[method-assign]
+                module.forward = OnednnForward(module)  # type: ignore[method-assign]
                 routed += 1
     return routed
 
 
-class _OnednnForward:
+def _plain(weight: object) -> bool:
+    """A dense parameter: not a quantised tensor subclass (torchao's Int8Tensor and kin
+    dispatch ``F.linear`` to their own kernels and have no oneDNN op)."""
+    return type(weight) is torch.nn.Parameter
+
+
+class OnednnForward:
     """A Linear's forward through oneDNN, falling back to torch's own where oneDNN cannot
-    take the call (gradients wanted, an input in another dtype)."""
+    take the call (gradients wanted, an input in another dtype, a weight quantised since)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         self.linear = linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear
-        if x.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or linear.weight.requires_grad)):
+        grad = torch.is_grad_enabled() and (x.requires_grad or linear.weight.requires_grad)
+        if x.dtype != torch.float32 or grad or not _plain(linear.weight):
             return torch.nn.functional.linear(x, linear.weight, linear.bias)
         return onednn_linear(x, linear.weight, linear.bias)
