@@ -4,7 +4,7 @@ The model is a slice of FLUX.1 at its real width (3072, 24 heads of 128) with
 fewer blocks, written once as the files sd.cpp reads (``families/flux/sdcpp_files.py``:
 the transformer as a GGUF, the autoencoder and CLIP-L beside it). Each engine
 runs in a child process of its own (so its peak RSS is its own), with the same
-thread count (the plan's: logical cores // 2), the same image size and steps:
+thread count (the plan's: one per physical core), the same image size and steps:
 
 * sd.cpp: the binding runs a text-to-image call; a step's time is what its
   progress callback reports for each denoising step;
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -81,16 +80,24 @@ def run_torch(files: dict[str, str], size: int, steps: int, threads: int, dtype:
     rows = torch.arange(side).repeat_interleave(side).float()
     image_ids = torch.stack([torch.zeros(side * side), rows, torch.arange(side).repeat(side).float()], -1)
     text_ids = torch.zeros(256, 3)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def step(index: int) -> None:
+        model(hidden_states=latents, encoder_hidden_states=context,
+              pooled_projections=torch.zeros(1, 768, dtype=torch_dtype),
+              timestep=torch.tensor([1.0 - index / steps]), guidance=torch.tensor([3.5]), img_ids=image_ids,
+              txt_ids=text_ids, return_dict=False)
+
     times = []
     with torch.inference_mode():
-        for step in range(steps):
+        for index in range(steps):
             started = time.perf_counter()
-            model(hidden_states=latents, encoder_hidden_states=context,
-                  pooled_projections=torch.zeros(1, 768, dtype=torch_dtype),
-                  timestep=torch.tensor([1.0 - step / steps]), guidance=torch.tensor([3.5]), img_ids=image_ids,
-                  txt_ids=text_ids, return_dict=False)
+            step(index)
             times.append(time.perf_counter() - started)
-    return {"s_per_step": statistics.median(times[1:] or times), "total_s": sum(times)}
+        with FlopCounterMode(display=False) as counter:  # after the timed steps: it slows the call it counts
+            step(0)
+    return {"s_per_step": statistics.median(times[1:] or times), "total_s": sum(times),
+            "gflop_per_step": counter.get_total_flops() / 1e9}
 
 
 def _read_transformer(path: str) -> dict[str, object]:
@@ -132,7 +139,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=3072, help="transformer width (3072: FLUX.1's)")
     parser.add_argument("--double", type=int, default=1, help="double-stream blocks (FLUX.1 has 19)")
     parser.add_argument("--single", type=int, default=2, help="single-stream blocks (FLUX.1 has 38)")
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument("--threads", type=int, default=None, help="default: the plan's (one per physical core)")
     parser.add_argument("--folder", type=Path, help="write the files here and reuse them on the next run "
                         "(default: a temporary folder)")
     parser.add_argument("--torch-dtype", choices=("fp32", "bf16", "both"), default="both",
@@ -141,6 +148,10 @@ def main() -> None:
     parser.add_argument("--child", choices=("sdcpp", "torch"))
     parser.add_argument("--files")
     args = parser.parse_args()
+    if args.threads is None:
+        from engine.hardware.gemm import default_threads
+
+        args.threads = default_threads()
     if args.child:
         files = json.loads(args.files)
         if args.child == "sdcpp":
@@ -169,10 +180,15 @@ def main() -> None:
         sdcpp = child("sdcpp", files, args.size, args.steps, args.threads)
         dtypes = ("fp32", "bf16") if args.torch_dtype == "both" else (args.torch_dtype,)
         torch_runs = {dtype: child("torch", files, args.size, args.steps, args.threads, dtype) for dtype in dtypes}
-    print(f"{'engine':<24} {'s/step':>8} {'peak RSS GB':>12} {'sd.cpp faster':>14}")
-    print(f"{'sd.cpp (Q8_0 GGUF)':<24} {sdcpp['s_per_step']:>8.3f} {sdcpp['peak_rss_gb']:>12.2f}")
+    # The same model and token counts on both sides: a step's FLOPs, counted on the torch side.
+    gflop = next(iter(torch_runs.values()))["gflop_per_step"]
+    print(f"a step: {gflop:.0f} GFLOP (torch's FlopCounterMode)")
+    print(f"{'engine':<24} {'s/step':>8} {'GFLOP/s':>8} {'a thread':>9} {'peak RSS GB':>12} {'sd.cpp faster':>14}")
+    print(f"{'sd.cpp (Q8_0 GGUF)':<24} {sdcpp['s_per_step']:>8.3f} {gflop / sdcpp['s_per_step']:>8.1f} "
+          f"{gflop / sdcpp['s_per_step'] / args.threads:>9.1f} {sdcpp['peak_rss_gb']:>12.2f}")
     for dtype, run in torch_runs.items():
-        print(f"{f'torch ({dtype}, diffusers)':<24} {run['s_per_step']:>8.3f} {run['peak_rss_gb']:>12.2f} "
+        print(f"{f'torch ({dtype}, diffusers)':<24} {run['s_per_step']:>8.3f} {gflop / run['s_per_step']:>8.1f} "
+              f"{gflop / run['s_per_step'] / args.threads:>9.1f} {run['peak_rss_gb']:>12.2f} "
               f"{run['s_per_step'] / sdcpp['s_per_step']:>13.2f}x")
     print("target: sd.cpp >= 3x faster per step than the torch path the engine would take")
 

@@ -17,7 +17,8 @@ pipeline call would give, in process: N separate calls, one call with the N
 prompts and seeds as the engine runs it (its memory plan chooses the images
 per forward: one on the CPU), and one call forced to one forward.
 
-``--ray`` runs the load through 1 and then 2 replicas on Ray Serve (``serve --replicas``).
+``--ray`` runs the load through one server with a thread per core (the fair baseline),
+then 1 and 2 replicas on Ray Serve (``serve --replicas``), one thread each.
 
     .venv/bin/python bench/serve_load.py [--clients 32] [--requests 4] [--low-bound 8] [--batch-probe] [--ray]
 """
@@ -65,8 +66,12 @@ def free_port() -> int:
 class Server:
     """A ``serve`` child on a free loopback port, with the tiny pipeline loaded."""
 
-    def __init__(self, work: Path, pipeline: Path, queue_size: int, replicas: int = 0) -> None:
-        """``replicas``: that many replicas on Ray Serve (``serve --replicas``); 0: the single process."""
+    def __init__(self, work: Path, pipeline: Path, queue_size: int, replicas: int = 0,
+                 threads: int | None = None) -> None:
+        """``replicas``: that many replicas on Ray Serve (``serve --replicas``); 0: the single process.
+        ``threads``: the server's compute threads (``OMP_NUM_THREADS``, which the plan takes
+        over its own choice); None: the plan's (one per physical core; a Ray replica gets
+        Ray's ``OMP_NUM_THREADS``, its ``num_cpus``: 1)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         outputs = work / "runs"
@@ -76,7 +81,8 @@ class Server:
         if replicas:  # a fixed count through Ray Serve's own autoscaling config (1 included)
             command += ["--ray-autoscaling", f'{{"min_replicas": {replicas}, "max_replicas": {replicas}}}']
         self.log = (work / f"server-{queue_size}-{replicas}.log").open("w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
     def __enter__(self) -> Server:
         try:
@@ -264,20 +270,26 @@ def main() -> int:
 
 
 def ray_mode(work: Path, pipeline: Path, args: argparse.Namespace) -> int:
-    """The same load through 1 and then 2 replicas on Ray Serve (``serve --replicas``).
+    """The same load through one server with every core's thread, then 1 and 2 replicas
+    on Ray Serve (``serve --replicas``), one after another.
 
-    On a 2-core machine two replicas share the cores (each one thread), so the speed-up is
-    bounded by the cores, not by the engine; what must hold is 0 failed, 0 lost, every
-    image valid, and both replicas serving."""
+    Each replica is one Ray actor of ``num_cpus=1``, which computes on one thread; so the
+    fair baseline for N replicas is the single process with the same total threads
+    (here: one per core), not one replica, which leaves the other cores idle. What must
+    hold is 0 failed, 0 lost, every image valid, and both replicas serving."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    runs = {"single": ("1 process", 0, cores), "one": ("1 replica on Ray Serve", 1, None),
+            "two": ("2 replicas on Ray Serve", 2, None)}
     results = {}
-    for replicas in (1, 2):
-        with Server(work, pipeline, args.queue_size, replicas=replicas) as server:
-            results[replicas] = load_run(server, args.clients, args.requests, args.steps, args.size, args.queue_size)
-            report(f"{replicas} replica(s) on Ray Serve", results[replicas])
-    one, two = results[1], results[2]
-    print(f"\n2 vs 1 replicas: throughput x{two['images_per_s'] / one['images_per_s']:.2f}, "
-          f"p50 {one['p50_s']} -> {two['p50_s']} s, p95 {one['p95_s']} -> {two['p95_s']} s "
-          f"({os.cpu_count()} cores: the replicas share them)")
+    for key, (label, replicas, threads) in runs.items():
+        with Server(work, pipeline, args.queue_size, replicas=replicas, threads=threads) as server:
+            results[key] = load_run(server, args.clients, args.requests, args.steps, args.size, args.queue_size)
+            report(f"{label}, {threads or 1} thread(s) each", results[key])
+    single, one, two = results["single"], results["one"], results["two"]
+    print(f"\n2 replicas (1 thread each) vs 1 process with {cores} threads (same total threads): throughput "
+          f"x{two['images_per_s'] / single['images_per_s']:.2f}, p50 {single['p50_s']} -> {two['p50_s']} s, "
+          f"p95 {single['p95_s']} -> {two['p95_s']} s")
+    print(f"2 replicas vs 1 replica (1 thread, the other cores idle): x{two['images_per_s'] / one['images_per_s']:.2f}")
     healthy = all(r["failed"] == r["lost"] == r["invalid_images"] == 0 for r in results.values())
     print("verdict:", "every rule held" if healthy else "A RULE FAILED")
     return 0 if healthy else 1

@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -32,30 +33,34 @@ from engine.testing.datasets import write_dataset  # noqa: E402
 from engine.training.config import TrainingConfig  # noqa: E402
 from engine.training.preflight import preflight_training  # noqa: E402
 from engine.training.buckets import fit  # noqa: E402
-from engine.training.inputs import load_pixels
+from engine.training.inputs import load_pixels  # noqa: E402
 from engine.training.trainer import run_training  # noqa: E402
 
 WARMUP = 5
 
 
-def engine_steps_per_s(plan, scratch: Path) -> float:  # type: ignore[no-untyped-def]
-    times: list[float] = []
-    last = [0.0]
+def engine_steps_per_s(plan, scratch: Path) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """The engine trainer's median steps/s after warm-up, and its median CPU-s a step."""
+    walls: list[float] = []
+    cpus: list[float] = []
+    last = [0.0, 0.0]
 
     def emit(event: dict[str, object]) -> None:
         if event["type"] == "started":
-            last[0] = time.perf_counter()
+            last[:] = [time.perf_counter(), time.process_time()]
         elif event["type"] == "progress":
-            now = time.perf_counter()
+            now = [time.perf_counter(), time.process_time()]
             if int(event["step"]) > WARMUP:  # type: ignore[arg-type]
-                times.append(now - last[0])
-            last[0] = now
+                walls.append(now[0] - last[0])
+                cpus.append(now[1] - last[1])
+            last[:] = now
 
     run_training(plan, scratch / "engine-out", emit, lambda: None)
-    return 1 / statistics.median(times)
+    return 1 / statistics.median(walls), statistics.median(cpus)
 
 
-def plain_steps_per_s(plan, steps: int) -> float:  # type: ignore[no-untyped-def]
+def plain_steps_per_s(plan, steps: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """The textbook peft loop's median steps/s after warm-up, and its median CPU-s a step."""
     runtime = importlib.import_module(plan.family.runtime_module)
     torch.manual_seed(plan.config.seed)
     pipe = DiffusionPipeline.from_pretrained(plan.base.location, dtype=torch.float32)
@@ -76,10 +81,10 @@ def plain_steps_per_s(plan, steps: int) -> float:  # type: ignore[no-untyped-def
     optimizer = torch.optim.AdamW(params, lr=plan.config.learning_rate)
     scheduler = runtime.training_scheduler(pipe) if plan.objective.prediction != "flow_matching" else None
     generator = torch.Generator().manual_seed(0)
-    times = []
+    times, cpus = [], []
     denoiser.train()
     for step in range(steps):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         batch = torch.randint(0, len(latents), (plan.config.batch_size,), generator=generator).tolist()
         x0 = torch.stack([latents[i] for i in batch])
         cond = {k: v[[index[i] for i in batch]] for k, v in cond_all.items()}
@@ -98,7 +103,31 @@ def plain_steps_per_s(plan, steps: int) -> float:  # type: ignore[no-untyped-def
         optimizer.zero_grad(set_to_none=True)
         if step >= WARMUP:
             times.append(time.perf_counter() - start)
-    return 1 / statistics.median(times)
+            cpus.append(time.process_time() - cpu)
+    return 1 / statistics.median(times), statistics.median(cpus)
+
+
+def compare(registry, family: str, scratch: Path, data: Path, steps: int, rounds: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The engine trainer against the plain loop on ``family``'s tiny pipeline, the sides
+    alternating (plain, engine, plain, engine ...): medians, the ratio, and each round's."""
+    base = registry.build_tiny_pipeline(registry.family(family), scratch / family)
+    config = TrainingConfig.from_data({
+        "base_model": str(base), "dataset_dir": str(data), "resolution": 64,
+        "steps": steps, "lora_rank": 4, "learning_rate": 1e-4, "device": "cpu",
+    })
+    plan = preflight_training(registry, config, probe(verify=False))
+    plains, engines = [], []
+    for _ in range(rounds):  # interleaved, A B A B: drift reaches both sides alike
+        plains.append(plain_steps_per_s(plan, steps))
+        engines.append(engine_steps_per_s(plan, scratch))
+    plain = statistics.median(p for p, _ in plains)
+    engine = statistics.median(e for e, _ in engines)
+    return {
+        "engine_it_s": engine, "plain_it_s": plain, "ratio": engine / plain,
+        "engine_cpu_s": statistics.median(c for _, c in engines),
+        "plain_cpu_s": statistics.median(c for _, c in plains),
+        "rounds": [e / p for (e, _), (p, _) in zip(engines, plains)],
+    }
 
 
 def main() -> None:
@@ -109,24 +138,18 @@ def main() -> None:
     args = parser.parse_args()
     diffusers_logging.set_verbosity_error()
     registry = load_registry()
-    print(f"{'family':<12} {'engine it/s':>11} {'plain it/s':>11} {'ratio':>7}   (CPU, batch 1, 64 px, median after {WARMUP} warm-up steps)")
+    print(f"{'family':<12} {'engine it/s':>11} {'plain it/s':>11} {'ratio':>7} {'engine CPU-s':>13} "
+          f"{'plain CPU-s':>12} {'CPU ratio':>10}   (CPU, batch 1, 64 px, medians after {WARMUP} warm-up steps; "
+          "a CPU ratio is plain CPU-s / engine CPU-s, over 1 when the engine spends less)")
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
         data = write_dataset(scratch / "data", count=4, size=64)
         for family in args.families:
-            base = registry.build_tiny_pipeline(registry.family(family), scratch / family)
-            config = TrainingConfig.from_data({
-                "base_model": str(base), "dataset_dir": str(data), "resolution": 64,
-                "steps": args.steps, "lora_rank": 4, "learning_rate": 1e-4, "device": "cpu",
-            })
-            plan = preflight_training(registry, config, probe(verify=False))
-            plains, engines = [], []
-            for _ in range(args.rounds):  # interleaved, A B A B: drift reaches both sides alike
-                plains.append(plain_steps_per_s(plan, args.steps))
-                engines.append(engine_steps_per_s(plan, scratch))
-            plain, engine = statistics.median(plains), statistics.median(engines)
-            rounds = ", ".join(f"{e / p:.3f}" for e, p in zip(engines, plains))
-            print(f"{family:<12} {engine:>11.2f} {plain:>11.2f} {engine / plain:>7.3f}   per round: {rounds}")
+            row = compare(registry, family, scratch, data, args.steps, args.rounds)
+            rounds = ", ".join(f"{r:.3f}" for r in row["rounds"])
+            print(f"{family:<12} {row['engine_it_s']:>11.2f} {row['plain_it_s']:>11.2f} {row['ratio']:>7.3f} "
+                  f"{row['engine_cpu_s']:>13.4f} {row['plain_cpu_s']:>12.4f} "
+                  f"{row['plain_cpu_s'] / row['engine_cpu_s']:>10.3f}   per round: {rounds}")
 
 
 if __name__ == "__main__":

@@ -188,3 +188,21 @@ def test_a_prompt_cache_entry_of_the_wrong_shape_is_encoded_again(
     assert first["type"] == second["type"] == "completed"
     rewritten = load_file(str(entry))
     assert all(torch.equal(rewritten[k], good[k]) for k in good)
+
+
+def test_batched_noise_gives_each_example_what_its_own_generator_draws(
+    tiny_pipeline: Callable[[str], Path], dataset: Path,
+) -> None:
+    """The noise is drawn into one batch tensor, yet each row (and its timestep) is what the
+    example's own generator gives alone: a batch split over ranks, or resumed, draws the same."""
+    from engine.training.replicas import example_generators
+    from engine.training.trainer import _noise
+
+    plan = make_plan(tiny_pipeline("flux"), dataset)
+    x0 = torch.randn(3, 16, 8, 8)
+    noisy, sigmas, target = _noise(plan, x0, None, example_generators(7, 5, [0, 1, 2]))
+    for slot in range(3):
+        alone = _noise(plan, x0[slot:slot + 1], None, example_generators(7, 5, [slot]))
+        assert torch.equal(alone[0][0], noisy[slot]) and torch.equal(alone[1][0], sigmas[slot])
+        assert torch.equal(alone[2][0], target[slot])
+    assert not torch.equal(target[0], target[1])  # each example its own draw

@@ -10,7 +10,7 @@ rounding. bf16 needs nothing: torch already sends bf16 GEMMs to oneDNN.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -34,7 +34,7 @@ def route_linears_to_onednn(pipe: Any) -> int:
     return routed
 
 
-def _plain(weight: object) -> bool:
+def _plain(weight: object) -> TypeGuard[torch.nn.Parameter]:
     """A dense parameter: not a quantised tensor subclass (torchao's Int8Tensor and kin
     dispatch ``F.linear`` to their own kernels and have no oneDNN op)."""
     return type(weight) is torch.nn.Parameter

@@ -333,8 +333,15 @@ def _compiled(plan: TrainingPlan, denoiser: torch.nn.Module) -> torch.nn.Module:
 def _noise(
     plan: TrainingPlan, x0: torch.Tensor, schedule: Any, draws: list[torch.Generator], shift: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Noise and a timestep per example, each from that example's own generator (``draws``)."""
-    noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in draws]).to(x0.device, x0.dtype)
+    """Noise and a timestep per example, each from that example's own generator (``draws``).
+
+    The noise is drawn straight into its rows of one batch tensor (no per-example tensors
+    to stack: a video latent's noise is tens of MB an example), the same values a
+    per-example draw gives, so a resume and any split over ranks draw what they drew."""
+    noise = torch.empty((len(draws), *x0.shape[1:]))
+    for row, generator in zip(noise, draws, strict=True):
+        torch.randn(row.shape, generator=generator, out=row)
+    noise = noise.to(x0.device, x0.dtype)
     if schedule is None:  # flow matching
         if plan.objective.timestep_sampling == "logit_normal":
             sigmas = torch.sigmoid(torch.cat([torch.randn(1, generator=g) for g in draws]))
