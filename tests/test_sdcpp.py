@@ -71,12 +71,34 @@ def test_auto_stays_on_diffusers_and_says_why(sdcpp_model: Path, hardware: Calla
 
 
 def test_auto_keeps_torch_where_it_was_measured_faster(sdcpp_model: Path) -> None:
-    """bf16 on a CPU with AMX ran 9x faster than sd.cpp's Q8_0; emulated bf16 2.3x slower."""
+    """Before this CPU's GEMMs are measured its flags decide: native bf16 keeps torch,
+    emulated bf16 goes to sd.cpp."""
     roomy = {"total_memory_gb": 24.0, "free_memory_gb": 22.0}  # its table encoders: bf16 fits, fp32 not
     amx = Engine(hardware=cpu(cpu_bf16_matmul=True, **roomy)).images.plan(str(sdcpp_model))
     assert amx.value("dtype") == "bf16" and amx["engine"].value == "diffusers" and "AMX" in amx["engine"].reason
     avx2 = Engine(hardware=cpu(**roomy)).images.plan(str(sdcpp_model))
     assert avx2["engine"].value == "sdcpp" and "without native bf16 matmul" in avx2["engine"].reason
+
+
+@pytest.mark.parametrize(("flags_say_bf16", "bf16_gflops", "engine"), [
+    (True, 427.0, "diffusers"),  # this Zen 5's AVX512-BF16: 427 GFLOP/s against 0.54 x 173 for sd.cpp
+    (True, 40.0, "sdcpp"),  # flags that promise native bf16 on a CPU that measured it slow (a masked VM)
+    (False, 120.0, "diffusers"),  # no such flags, yet bf16 measured past sd.cpp's: the measurement decides
+])
+def test_auto_between_torch_and_sdcpp_follows_this_cpus_measured_gemms(
+    sdcpp_model: Path, flags_say_bf16: bool, bf16_gflops: float, engine: str,
+) -> None:
+    """The same rule on every machine: torch's measured GEMM in the plan's dtype against
+    what sd.cpp's Q8_0 step reaches relative to this CPU's MKL fp32 (bench/cpu_engines.py)."""
+    from engine.hardware.profile import CpuGemm
+
+    roomy = {"total_memory_gb": 24.0, "free_memory_gb": 22.0}  # its table encoders: bf16 fits, fp32 not
+    gemm = CpuGemm(fp32_mkl=173.0, fp32_onednn=215.0, bf16=bf16_gflops, threads=2)
+    plan = Engine(hardware=cpu(cpu_bf16_matmul=flags_say_bf16, cpu_isa="AVX512-BF16" if flags_say_bf16 else "AVX2",
+                               cpu_gemm=gemm, **roomy)).images.plan(str(sdcpp_model))
+    assert plan.value("dtype") == "bf16" and plan["engine"].value == engine, plan["engine"].reason
+    reason = plan["engine"].reason
+    assert f"{bf16_gflops:.0f} GFLOP/s" in reason and "93" in reason  # 0.54 x 173: sd.cpp's reach here
 
 
 def test_sdcpp_is_sized_from_its_files_where_torch_would_not_fit(sdcpp_model: Path) -> None:
@@ -208,7 +230,7 @@ def test_a_file_the_library_refuses_falls_back_to_diffusers_with_the_reason(
     shutil.copy(sdcpp_model.parent / "ae.safetensors", model.parent / "ae.safetensors")
     save_file({"text_model.final_layer_norm.weight": np.ones(8, np.float16)}, str(model.parent / "clip_l.safetensors"))
     fast = Engine(hardware=cpu()).images.plan(str(model), base=str(base))["engine"]  # a tiny base: fp32 fits
-    assert fast.value == "diffusers" and "fp32 fits" in fast.reason and "3.5x" in fast.reason
+    assert fast.value == "diffusers" and "fp32 fits" in fast.reason and "1.85x" in fast.reason
     engine = Engine()
     status = engine.images.load(str(model), base=str(base), request=SDCPP)
     engine_control = status["plan"]["resolved"]["engine"]

@@ -34,7 +34,7 @@ from engine.policy.lora import resolve_lora
 from engine.policy.memory import MemoryThresholds
 from engine.policy.plan import CONTROLS, ModelFacts, Plan, requested_by_control
 from engine.policy.resolved import auto
-from engine.policy.runtime_engine import resolve_engine, torch_is_faster
+from engine.policy.runtime_engine import resolve_engine, torch_is_faster, torch_is_slower
 from engine.policy.speed import StepCacheThresholds, resolve_speed_tier
 from engine.policy.torch_plan import FALLBACK_STEPS, TorchPlanner, checked
 from engine.requests.inference import InferenceRequest, LoraPlanInput
@@ -95,12 +95,12 @@ def plan_inference(
         planned = plan(roomy, available_memory(roomy))
         return dataclasses.replace(planned.with_control("engine", dataclasses.replace(engine, reason=reason)),
                                    diffusers_fits=False, fallback=None)
-    faster = torch_is_faster(str(planned.value("dtype")), hardware) if engine.source == "auto" else None
+    dtype, kernel = str(planned.value("dtype")), planned.value("cpu_kernel")
+    faster = torch_is_faster(dtype, hardware, str(kernel) if kernel else None) if engine.source == "auto" else None
     if engine.value == "sdcpp" and faster:
         return dataclasses.replace(planned.with_control("engine", auto("diffusers", faster)), sdcpp=None)
     if engine.value == "sdcpp" and engine.source == "auto":
-        reason = (f"{engine.reason}; torch would run {planned.value('dtype')} without native bf16 matmul here, "
-                  "2.3x slower per step (bench/cpu_engines.py)")
+        reason = f"{engine.reason}; {torch_is_slower(dtype, hardware)}"
         return planned.with_control("engine", dataclasses.replace(engine, reason=reason))
     return planned
 

@@ -12,13 +12,17 @@ diffusers otherwise, with the reason naming the one that failed:
   :mod:`engine.preflight.sdcpp`);
 - the ``stable-diffusion-cpp-python`` binding is installed;
 - the load needs nothing sd.cpp does not run here (LoRAs, a ControlNet);
-- torch would be slower (:func:`torch_is_faster`): measured on one model in
-  both engines (``bench/cpu_engines.py``, a 12 B transformer's slice at full width, 2
-  threads), torch's fp32 GEMMs ran a step 3.5x faster than sd.cpp's Q8_0, and
-  its bf16 9x faster on a CPU with AMX, but emulated bf16 (AVX2 only) 2.3x
-  slower. So sd.cpp takes a load when torch would not fit it at all, or would
-  run it in bf16 on a CPU without native bf16 matmul; it always holds less
-  (the files as stored: 1.6 GB against torch's 6.5-6.8 GB there).
+- torch would be slower (:func:`torch_is_faster`), judged from this CPU's own measured
+  GEMMs (:mod:`engine.hardware.gemm`): the installed sd.cpp wheel's ggml is an AVX2 build
+  whatever the CPU, and on one model in both engines (``bench/cpu_engines.py``, a 12 B
+  transformer's slice at full width, 2 threads) its Q8_0 step ran at 0.54 of torch's MKL
+  fp32 step on a Zen 5 (41.5 GFLOP/s a thread against 76.7) and 0.33 on a Sapphire Rapids.
+  So torch is faster where its GEMM in the plan's dtype and kernel beats
+  :data:`SDCPP_PER_MKL_FP32` x this CPU's MKL fp32 GEMM: fp32 everywhere (1.85x), bf16
+  where the CPU multiplies it natively (Zen 5, AVX512-BF16: 427 GFLOP/s against 173 for
+  MKL fp32, 4.6x sd.cpp), but not emulated bf16 (several times slower than fp32). Where
+  nothing is measured yet the CPU's flags decide (native bf16 matmul or not). sd.cpp
+  always holds less (the files as stored: 2.3 GB against torch's 6.6-6.8 GB there).
 
 ``engine=sdcpp`` asked for where one of these fails is refused before
 anything is evicted (``sdcpp_unavailable``), naming what to change.
@@ -108,14 +112,50 @@ def _sdcpp_reason(files: SdcppFiles) -> str:
     return reason
 
 
-def torch_is_faster(dtype: str, hardware: HardwareProfile) -> str | None:
-    """Why diffusers beats sd.cpp per step for a load torch runs in ``dtype`` here, or None
-    (the figures: the module docstring)."""
+#: sd.cpp's Q8_0 step at best, as a share of torch's MKL fp32 step on the same CPU
+#: (``bench/cpu_engines.py``: 0.54 on a Zen 5, 0.33 on a Sapphire Rapids; the higher one,
+#: so "torch is faster" is never claimed on the Intel figure alone).
+SDCPP_PER_MKL_FP32 = 0.54
+
+
+def torch_is_faster(dtype: str, hardware: HardwareProfile, kernel: str | None = None) -> str | None:
+    """Why diffusers beats sd.cpp per step for a load torch runs in ``dtype`` (through
+    ``kernel``: ``mkl`` or ``onednn`` for fp32) here, or None (see the module docstring)."""
+    gemm = hardware.cpu_gemm
+    if gemm is not None and gemm.fp32_mkl > 0:
+        isa = hardware.cpu_isa or "ISA unknown"
+        if dtype == "bf16":
+            torch_gflops, how = gemm.bf16, f"bf16 ({isa})"
+        elif kernel == "onednn" and gemm.fp32_onednn > 0:
+            torch_gflops, how = gemm.fp32_onednn, "fp32 through oneDNN"
+        else:
+            torch_gflops, how = gemm.fp32_mkl, "fp32 through MKL"
+        sdcpp = SDCPP_PER_MKL_FP32 * gemm.fp32_mkl
+        if torch_gflops <= sdcpp:
+            return None
+        return (f"CPU: torch's {how} GEMMs ran {torch_gflops:.0f} GFLOP/s here on {gemm.threads} threads, "
+                f"{torch_gflops / sdcpp:.1f}x the {sdcpp:.0f} sd.cpp's Q8_0 step reaches (at best {SDCPP_PER_MKL_FP32} "
+                f"of MKL's fp32, {gemm.fp32_mkl:.0f} here: bench/cpu_engines.py); engine=sdcpp forces it "
+                "(about a third of the RAM)")
     if dtype == "fp32":
-        return ("CPU: fp32 fits, and torch's fp32 GEMMs ran a step 3.5x faster than sd.cpp's Q8_0 "
+        return ("CPU: fp32 fits, and torch's fp32 GEMMs ran a step 1.85x faster than sd.cpp's Q8_0 "
                 "(bench/cpu_engines.py); sd.cpp takes loads torch would not fit or would run in "
-                "emulated bf16 (engine=sdcpp forces it: it holds about a quarter of the RAM)")
+                "emulated bf16 (engine=sdcpp forces it: it holds about a third of the RAM)")
     if hardware.cpu_bf16_matmul:
-        return (f"CPU with native bf16 matmul ({hardware.cpu_isa or 'AMX or AVX512-BF16'}): torch's {dtype} ran a step 9x faster "
-                "than sd.cpp's Q8_0 (bench/cpu_engines.py); engine=sdcpp forces it (about a quarter of the RAM)")
+        return (f"CPU with native bf16 matmul ({hardware.cpu_isa or 'AMX or AVX512-BF16'}): torch's {dtype} ran a "
+                "step 4x faster than sd.cpp's Q8_0 (bench/cpu_engines.py); engine=sdcpp forces it "
+                "(about a third of the RAM)")
     return None
+
+
+def torch_is_slower(dtype: str, hardware: HardwareProfile, kernel: str | None = None) -> str:
+    """Why sd.cpp beats torch here for a load torch would run in ``dtype`` (where
+    :func:`torch_is_faster` says None)."""
+    gemm = hardware.cpu_gemm
+    if gemm is not None and gemm.fp32_mkl > 0:
+        torch_gflops = gemm.bf16 if dtype == "bf16" else gemm.fp32_mkl
+        return (f"torch's {dtype} GEMMs ran {torch_gflops:.0f} GFLOP/s here, below the "
+                f"{SDCPP_PER_MKL_FP32 * gemm.fp32_mkl:.0f} sd.cpp's Q8_0 step reaches "
+                f"({SDCPP_PER_MKL_FP32} of MKL's fp32: bench/cpu_engines.py)")
+    return (f"torch would run {dtype} without native bf16 matmul here, several times slower than "
+            "fp32 and slower than sd.cpp per step (bench/cpu_engines.py)")
