@@ -63,6 +63,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _threads_in(status: Any) -> int | None:
+    """The compute threads a server's status reports (its plan's, as its session set them)."""
+    if isinstance(status, dict):
+        threads = status.get("threads")
+        if isinstance(threads, dict):  # a plan's resolved control: {"value": N, "reason": ...}
+            threads = threads.get("value")
+        if isinstance(threads, int):
+            return threads
+        status = list(status.values())
+    if isinstance(status, list):
+        for value in status:
+            found = _threads_in(value)
+            if found is not None:
+                return found
+    return None
+
+
 class Server:
     """A ``serve`` child on a free loopback port, with the tiny pipeline loaded."""
 
@@ -73,6 +90,7 @@ class Server:
         over its own choice); None: the plan's (one per physical core; a Ray replica gets
         Ray's ``OMP_NUM_THREADS``, its ``num_cpus``: 1)."""
         self.port = free_port()
+        self.threads: int | None = None
         self.url = f"http://127.0.0.1:{self.port}"
         outputs = work / "runs"
         command = [sys.executable, "-m", "engine", "serve", "--port", str(self.port), "--token", TOKEN,
@@ -99,6 +117,7 @@ class Server:
             try:
                 answer = httpx.get(f"{self.url}/v1/images/status", headers=AUTH, timeout=5)
                 if answer.status_code == 200 and answer.json().get("pipeline"):
+                    self.threads = _threads_in(answer.json())
                     return self  # (Ray Serve's proxy answers 404/503 in plain text until the app is up)
             except (httpx.HTTPError, ValueError):
                 pass
@@ -284,7 +303,7 @@ def ray_mode(work: Path, pipeline: Path, args: argparse.Namespace) -> int:
     for key, (label, replicas, threads) in runs.items():
         with Server(work, pipeline, args.queue_size, replicas=replicas, threads=threads) as server:
             results[key] = load_run(server, args.clients, args.requests, args.steps, args.size, args.queue_size)
-            report(f"{label}, {threads or 1} thread(s) each", results[key])
+            report(f"{label}, {server.threads} thread(s) each (as its status reports)", results[key])
     single, one, two = results["single"], results["one"], results["two"]
     print(f"\n2 replicas (1 thread each) vs 1 process with {cores} threads (same total threads): throughput "
           f"x{two['images_per_s'] / single['images_per_s']:.2f}, p50 {single['p50_s']} -> {two['p50_s']} s, "

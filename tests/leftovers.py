@@ -1,6 +1,7 @@
 """A pytest plugin: a test that fails (or forgets) while a trainer runs leaves none running.
 
-A trainer is a real child process (``python -m engine.training.child``). A resume or
+A trainer is a real process (forked from the engine's fork server, or ``python -m
+engine.training.child``). A resume or
 server test that regresses fails before its ``wait`` or ``cancel``, and the child went on
 training into the next module's fixtures, on the same two cores, for minutes. After each
 test, every trainer child it started that is still alive is stopped (SIGTERM, then SIGKILL)
@@ -14,17 +15,25 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-#: The module every trainer child runs (engine/training/process.py starts it).
+#: The module a trainer started as a fresh interpreter runs (engine/training/process.py).
 TRAINER = "engine.training.child"
+#: The fork server's module: its children are trainers (engine/training/forkserver.py);
+#: the server itself stays warm for the next test's trainer.
+FORKSERVER = "engine.training.forkserver"
 
 
 def running_trainers() -> dict[int, psutil.Process]:
-    """This process's trainer children that are alive, by pid."""
+    """This process's trainers that are alive, by pid: its own trainer children and
+    those its fork server forked."""
     found = {}
     for child in psutil.Process().children():
         try:
-            if child.status() != psutil.STATUS_ZOMBIE and TRAINER in child.cmdline():
-                found[child.pid] = child
+            command = child.cmdline()
+            forked = child.children() if FORKSERVER in command else []
+            trainers = [child] if TRAINER in command else forked
+            for trainer in trainers:
+                if trainer.status() != psutil.STATUS_ZOMBIE:
+                    found[trainer.pid] = trainer
         except psutil.Error:  # gone meanwhile
             continue
     return found

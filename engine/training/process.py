@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from engine.training.forkserver import Forked
     from engine.training.preflight import TrainingPlan
 
 #: The folder that holds the ``engine`` package: the child imports it from there.
@@ -46,7 +47,8 @@ class Child:
     the run); the keeper waits for the exit, so ``exitcode`` is the real one.
     """
 
-    def __init__(self, process: subprocess.Popen[bytes], conn: Connection) -> None:
+    def __init__(self, process: subprocess.Popen[bytes] | Forked, conn: Connection) -> None:
+        """``process``: a started interpreter, or a trainer forked by the fork server."""
         self._popen = process
         self._conn = conn
         self._send_lock = threading.Lock()
@@ -95,19 +97,58 @@ class Child:
             self._exited.set()
 
 
-def start_child(plan: TrainingPlan, folder: Path, run_id: str) -> Child:
-    """Start ``python -m engine.training.child`` and hand it the plan over a socket.
+def child_env() -> dict[str, str]:
+    """The environment a trainer (or the fork server) gets: this process's, with the
+    folder that holds the ``engine`` package first on ``PYTHONPATH``."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ENGINE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
 
-    Not ``multiprocessing``: its spawn would re-run the host's ``__main__``
-    in the child (see :mod:`engine.training.child`). The child gets its own
-    process group, so a terminal's Ctrl-C reaches only the CLI.
+
+def start_child(plan: TrainingPlan, folder: Path, run_id: str) -> Child:
+    """Start a trainer running :mod:`engine.training.child` and hand it the plan over a socket.
+
+    On Linux it is forked from the fork server (:mod:`engine.training.forkserver`), where
+    torch and diffusers are imported already; elsewhere, or where the server cannot be
+    had, it is a fresh ``python -m engine.training.child``. Not ``multiprocessing``: its
+    spawn would re-run the host's ``__main__`` in the child (see
+    :mod:`engine.training.child`). The child gets its own session, so a terminal's
+    Ctrl-C reaches only the CLI.
     """
+    from engine.training import forkserver
+
+    child = None
+    if forkserver.available():
+        try:
+            child = _forked_child(forkserver.server(), run_id)
+        except OSError:
+            child = None  # no server to be had: a fresh interpreter, as everywhere else
+    if child is None:
+        child = _spawned_child(run_id)
+    child.send([p for p in sys.path if p])
+    child.send((plan, str(folder)))
+    return child
+
+
+def _forked_child(server: Any, run_id: str) -> Child:
+    parent_end, child_end = socket.socketpair()
+    try:
+        forked = server.fork(child_end.fileno(), child_env(), os.getcwd(), [p for p in sys.path if p])
+        child = Child(forked, Connection(os.dup(parent_end.fileno())))
+    finally:
+        child_end.close()
+        parent_end.close()
+    threading.Thread(target=child.keep, name=f"diffusion-engine-train-{run_id}-keeper", daemon=True).start()
+    return child
+
+
+def _spawned_child(run_id: str) -> Child:
+    """``python -m engine.training.child``, started from a keeper thread that lives as long as
+    the child (the parent-death signal follows the spawning thread)."""
     parent_end, child_end = socket.socketpair()
     command = [sys.executable, "-m", "engine.training.child", str(child_end.fileno()), str(os.getpid())]
     options: dict[str, Any] = {"start_new_session": True} if os.name == "posix" else {
         "creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}  # no terminal SIGINT reaches it
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ENGINE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    env = child_env()
     failure: list[BaseException] = []
     launched = threading.Event()
     holder: list[Child] = []
@@ -129,10 +170,7 @@ def start_child(plan: TrainingPlan, folder: Path, run_id: str) -> Child:
     launched.wait()
     if failure:
         raise failure[0]
-    child = holder[0]
-    child.send([p for p in sys.path if p])
-    child.send((plan, str(folder)))
-    return child
+    return holder[0]
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -143,7 +181,7 @@ def die_with_parent(parent_pid: int) -> None:
     watch thread everywhere (the parent pipe closes, or we get reparented).
     """
     if sys.platform.startswith("linux"):
-        _set_parent_death_signal(signal.SIGKILL)
+        set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:
         os._exit(ORPHAN_EXIT)  # the parent died before the signal was armed
     parent = multiprocessing.parent_process()
@@ -161,7 +199,9 @@ def die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _set_parent_death_signal(signum: int) -> None:
+def set_parent_death_signal(signum: int) -> None:
+    """Ask the kernel (Linux) to send ``signum`` to this process when its parent's
+    spawning thread ends."""
     import ctypes
 
     pr_set_pdeathsig = 1

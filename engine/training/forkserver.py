@@ -1,0 +1,320 @@
+"""A warm process that trainer children are forked from: torch and diffusers imported once.
+
+A trainer child started as ``python -m engine.training.child`` spends 4-7 s importing
+torch, diffusers, transformers and peft before its first step, every run. On Linux
+the engine keeps one fork server per engine process instead (``python -m
+engine.training.forkserver``): it imports those once, then forks a trainer per run,
+which starts with them already imported. It is the pattern of torch's own DataLoader
+workers (forked from a process that imported torch) and of multiprocessing's
+``forkserver``, which is not used here for the reason :mod:`engine.training.child`
+gives (its children re-run the host's ``__main__``).
+
+What a trainer keeps from :mod:`engine.training.process`'s rules, and how:
+
+* **It dies with the engine.** The server asks for SIGKILL when the engine's keeper
+  thread goes (``PR_SET_PDEATHSIG``) and exits when its control socket reads EOF; each
+  trainer asks for SIGKILL when the server goes and watches its parent PID. So the
+  engine's death takes the server, and the server's takes its trainers.
+* **It has its own session** (``os.setsid``) and ignores SIGINT, as before.
+* **It runs in the engine's present, not the server's past:** each fork request
+  carries the engine's environment, working folder and ``sys.path``, applied in the
+  trainer before anything runs. What libraries read when they are *imported*
+  (thread counts, hub and cache folders, visible devices) cannot be changed after the
+  fork, so a request whose :data:`IMPORT_TIME_ENV` variables differ from the server's
+  starts a fresh server for it.
+* **Its exit code reaches the engine:** the server reaps its trainers (it is their
+  parent) and sends each exit status back; a trainer killed by a signal reads as
+  ``-signal``, as ``subprocess`` has it.
+
+Elsewhere (macOS, where forking after its frameworks load is unsafe; Windows, which
+has no fork), or with ``DIFFUSION_ENGINE_TRAINER_FORKSERVER=0``, or when the server
+cannot start, every trainer is a fresh ``python -m engine.training.child`` as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_ready
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any
+
+#: ``0`` turns the fork server off: every trainer is a fresh interpreter.
+ENV_SWITCH = "DIFFUSION_ENGINE_TRAINER_FORKSERVER"
+#: Environment variables (by prefix) that libraries read when imported: a fork request
+#: whose values differ from the server's gets a fresh server.
+IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "ONEDNN_", "DNNL_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_",
+                   "TORCH", "PYTORCH_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "TRITON_",
+                   "PYTHON", "LD_", "XDG_")
+#: The modules a trainer imports, imported once in the server.
+WARM_MODULES = ("engine.training.trainer", "engine.training.child")
+#: How long a fork request waits for the server (its first imports included).
+FORK_TIMEOUT_S = 300.0
+
+
+def available() -> bool:
+    """Whether trainers are forked from a server on this platform and by this setting."""
+    return sys.platform.startswith("linux") and os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def import_time_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The variables of ``environ`` that libraries read when imported."""
+    return {k: v for k, v in environ.items() if k.startswith(IMPORT_TIME_ENV)}
+
+
+class Forked:
+    """A trainer forked by the server: what :class:`~engine.training.process.Child`
+    needs of a process (``pid``, ``returncode``, ``kill``), its exit reported by the server."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.exited = threading.Event()
+
+    def kill(self) -> None:
+        if not self.exited.is_set():  # a reaped PID may be another process's by now
+            with contextlib.suppress(ProcessLookupError, OSError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self.exited.wait(timeout)
+        return self.returncode
+
+    def _ended(self, code: int) -> None:
+        self.returncode = code
+        self.exited.set()
+
+
+class ForkServer:
+    """The engine's side of one server: start it, ask it for a trainer, learn exits."""
+
+    def __init__(self) -> None:
+        self.env = import_time_env(os.environ)
+        self._conn: Connection | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()  # one fork request at a time
+        self._replies: list[tuple[str, Any]] = []
+        self._reply = threading.Condition()
+        self._children: dict[int, Forked] = {}
+        self._gone = threading.Event()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def alive(self) -> bool:
+        return self._process is not None and not self._gone.is_set()
+
+    def start(self) -> None:
+        """Start the server from a keeper thread that lives as long as it (the parent-death
+        signal follows the spawning thread) and reads its messages."""
+        parent_end, child_end = socket.socketpair()
+        command = [sys.executable, "-m", "engine.training.forkserver", str(child_end.fileno()), str(os.getpid())]
+        from engine.training.process import child_env
+
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def keep() -> None:
+            try:
+                self._process = subprocess.Popen(command, pass_fds=(child_end.fileno(),), env=child_env(),
+                                                 start_new_session=True)
+                self._conn = Connection(os.dup(parent_end.fileno()))
+            except BaseException as exc:  # handed to start() below
+                failure.append(exc)
+                self._gone.set()
+                return
+            finally:
+                child_end.close()
+                parent_end.close()
+                started.set()
+            self._read_messages()
+
+        threading.Thread(target=keep, name="diffusion-engine-trainer-forkserver", daemon=True).start()
+        started.wait()
+        if failure:
+            raise failure[0]
+
+    def fork(self, child_fd: int, env: dict[str, str], cwd: str, path: list[str]) -> Forked:
+        """A trainer running ``engine.training.child`` on ``child_fd``, in ``env`` and ``cwd``."""
+        with self._lock:
+            if self._conn is None or self._gone.is_set():
+                raise OSError("the trainer fork server is not running")
+            server_pid = self.pid
+            assert server_pid is not None
+            with self._reply:
+                self._replies.clear()
+            self._conn.send(("fork", env, cwd, path))
+            send_handle(self._conn, child_fd, server_pid)
+            with self._reply:
+                if not self._reply.wait_for(lambda: bool(self._replies) or self._gone.is_set(),
+                                            timeout=FORK_TIMEOUT_S):
+                    raise OSError(f"the trainer fork server did not answer in {FORK_TIMEOUT_S:.0f} s")
+                if not self._replies:
+                    raise OSError("the trainer fork server ended before it forked the trainer")
+                kind, value = self._replies.pop(0)
+            if kind != "forked":
+                raise OSError(f"the trainer fork server could not fork: {value}")
+            return self._children[int(value)]
+
+    def stop(self) -> None:
+        """End the server (its trainers end with it)."""
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.close()
+        if self._process is not None:
+            with contextlib.suppress(OSError):
+                self._process.kill()
+
+    def _read_messages(self) -> None:
+        assert self._conn is not None and self._process is not None
+        try:
+            while True:
+                message = self._conn.recv()
+                if message[0] == "exited":
+                    child = self._children.get(int(message[1]))
+                    if child is not None:
+                        child._ended(int(message[2]))
+                    continue
+                if message[0] == "forked":  # registered before the requester sees it
+                    self._children[int(message[1])] = Forked(int(message[1]))
+                with self._reply:
+                    self._replies.append((message[0], message[1]))
+                    self._reply.notify_all()
+        except (EOFError, OSError):
+            pass
+        finally:
+            self._gone.set()
+            with contextlib.suppress(OSError):
+                self._process.wait()
+            for child in self._children.values():  # killed with the server (its parent-death signal)
+                if not child.exited.is_set():
+                    child._ended(-signal.SIGKILL)
+            with self._reply:
+                self._reply.notify_all()
+
+
+_server: ForkServer | None = None
+_server_lock = threading.Lock()
+
+
+def server() -> ForkServer:
+    """This engine process's server, started (or restarted) for the present environment."""
+    global _server
+    with _server_lock:
+        if _server is None or not _server.alive() or _server.env != import_time_env(os.environ):
+            if _server is not None:
+                _server.stop()
+            _server = ForkServer()
+            _server.start()
+        return _server
+
+
+def prewarm() -> None:
+    """Start the server now, so its imports overlap the caller's own work (the CLI's)."""
+    if available():
+        with contextlib.suppress(OSError):
+            server()
+
+
+# -- the server process ----------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    """``python -m engine.training.forkserver FD ENGINE_PID``: import, then fork on request."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fd, engine_pid = int(argv[0]), int(argv[1])
+    from engine.training.process import ORPHAN_EXIT, set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != engine_pid:
+        return ORPHAN_EXIT
+    conn = Connection(fd)
+    from engine.logs import quiet_library_logs
+
+    quiet_library_logs(progress_bars=False)
+    for module in WARM_MODULES:
+        importlib.import_module(module)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.signal(signal.SIGCHLD, lambda *_: _poke(wake_write))
+    while True:
+        ready = wait_ready([conn, wake_read])
+        if wake_read in ready:
+            os.read(wake_read, 512)
+        _reap(conn)
+        if conn not in ready:
+            continue
+        try:
+            request = conn.recv()
+            handle = recv_handle(conn)
+        except (EOFError, OSError):
+            return 0  # the engine is gone; its trainers end with this process
+        _, env, cwd, path = request
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            os.close(handle)
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+            continue
+        if pid == 0:
+            _become_trainer(handle, env, cwd, path, close=(conn.fileno(), wake_read, wake_write))
+        os.close(handle)
+        conn.send(("forked", pid))
+
+
+def _poke(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, b"c")
+
+
+def _reap(conn: Connection) -> None:
+    """Report every trainer that has ended (this process is their parent)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        with contextlib.suppress(OSError):
+            conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
+
+
+def _become_trainer(handle: int, env: dict[str, str], cwd: str, path: list[str], *, close: tuple[int, ...]) -> None:
+    """In the forked process: take the engine's present, run the trainer, never return."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in close:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        os.setsid()
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.path[:] = path
+        from engine.training import child
+
+        code = child.main([str(handle), str(os.getppid())])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - whatever it was, the trainer ends here with its traceback
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
