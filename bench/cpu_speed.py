@@ -154,7 +154,6 @@ def main() -> None:
             sides["plain"].append(timed(run_plain))
             sides["engine"].append(timed(run_engine))
         engine.unload()
-        del plain
 
         wall = {side: statistics.median(w for w, _ in runs) for side, runs in sides.items()}
         cpu = {side: statistics.median(c for _, c in runs) for side, runs in sides.items()}

@@ -93,3 +93,31 @@ def test_switched_off_every_trainer_is_a_fresh_interpreter(
     trainer = started(engine, config)
     assert trainer.ppid() == os.getpid() and "engine.training.child" in trainer.cmdline()
     assert finish(engine)["status"] == "completed"
+
+
+def test_a_forked_trainer_writes_where_the_engine_writes_now() -> None:
+    """The server keeps the stderr it started with (another test's capture, a terminal since
+    closed); a trainer's traceback goes to the engine's stderr as it points now."""
+    import socket
+    import sys
+    from multiprocessing.connection import Connection
+
+    server = forkserver.server()  # started (or warm) with this process's stderr as it was
+    read_end, write_end = os.pipe()
+    saved = os.dup(2)
+    os.dup2(write_end, 2)  # the engine's stderr moves after the server started
+    try:
+        parent_end, child_end = socket.socketpair()
+        forked = server.fork(child_end.fileno(), dict(os.environ), os.getcwd(), [p for p in sys.path if p])
+        child_end.close()
+        conn = Connection(parent_end.detach())
+        conn.send(12345)  # not the list of paths it expects: it fails before any plan, with a traceback
+        assert forked.wait(timeout=60) == 1
+        conn.close()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(write_end)
+    with os.fdopen(read_end, encoding="utf-8", errors="replace") as written:
+        text = written.read()
+    assert "Traceback" in text and "TypeError" in text, text

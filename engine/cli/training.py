@@ -64,11 +64,10 @@ def add_parsers(commands: argparse._SubParsersAction, *, runs_dir_help: str,  # 
 def cmd_train(args: argparse.Namespace) -> int:
     import tempfile
 
-    if not args.dry_run:  # the trainer's fork server imports torch while this process does
-        from engine.training.forkserver import prewarm
-
-        prewarm()
     from engine import Engine
+
+    if not args.dry_run:  # the trainer's fork server imports torch while this process does
+        Engine.prewarm_training()
 
     if args.hardware and not args.dry_run:
         raise EngineError(

@@ -135,6 +135,15 @@ class Engine:
 
     # -- the engine's own questions -------------------------------------------------
 
+    @staticmethod
+    def prewarm_training() -> None:
+        """Start the trainer fork server now (Linux; see :mod:`engine.training.forkserver`),
+        so its imports of torch and diffusers overlap the caller's own start-up (``train``
+        calls it before it builds its Engine); elsewhere, nothing."""
+        from engine.training.forkserver import prewarm
+
+        prewarm()
+
     def hardware(self, *, verify: bool | None = None) -> HardwareProfile:
         """The machine decisions are made for: the one given, else a probe (see
         :class:`~engine.service.machine.Machine`)."""

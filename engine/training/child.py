@@ -60,7 +60,7 @@ class ControlChannel:
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the CLI owns Ctrl-C; it asks us to stop
     fd, parent_pid = int(argv[0]), int(argv[1])
-    from engine.training.process import die_with_parent
+    from engine.training.lineage import die_with_parent
 
     die_with_parent(parent_pid)
     conn = Connection(fd)

@@ -9,7 +9,7 @@ workers (forked from a process that imported torch) and of multiprocessing's
 ``forkserver``, which is not used here for the reason :mod:`engine.training.child`
 gives (its children re-run the host's ``__main__``).
 
-What a trainer keeps from :mod:`engine.training.process`'s rules, and how:
+What a trainer keeps from :mod:`engine.training.lineage`'s rules, and how:
 
 * **It dies with the engine.** The server asks for SIGKILL when the engine's keeper
   thread goes (``PR_SET_PDEATHSIG``) and exits when its control socket reads EOF; each
@@ -17,8 +17,8 @@ What a trainer keeps from :mod:`engine.training.process`'s rules, and how:
   engine's death takes the server, and the server's takes its trainers.
 * **It has its own session** (``os.setsid``) and ignores SIGINT, as before.
 * **It runs in the engine's present, not the server's past:** each fork request
-  carries the engine's environment, working folder and ``sys.path``, applied in the
-  trainer before anything runs. What libraries read when they are *imported*
+  carries the engine's environment, working folder and ``sys.path``, and its standard
+  output and error as they point now, applied in the trainer before anything runs. What libraries read when they are *imported*
   (thread counts, hub and cache folders, visible devices) cannot be changed after the
   fork, so a request whose :data:`IMPORT_TIME_ENV` variables differ from the server's
   starts a fresh server for it.
@@ -118,7 +118,7 @@ class ForkServer:
         signal follows the spawning thread) and reads its messages."""
         parent_end, child_end = socket.socketpair()
         command = [sys.executable, "-m", "engine.training.forkserver", str(child_end.fileno()), str(os.getpid())]
-        from engine.training.process import child_env
+        from engine.training.lineage import child_env
 
         started = threading.Event()
         failure: list[BaseException] = []
@@ -153,7 +153,13 @@ class ForkServer:
             with self._reply:
                 self._replies.clear()
             self._conn.send(("fork", env, cwd, path))
-            send_handle(self._conn, child_fd, server_pid)
+            outputs, opened = _output_fds()
+            try:
+                for fd in (child_fd, *outputs):  # the socket, then where this process writes now
+                    send_handle(self._conn, fd, server_pid)
+            finally:
+                for fd in opened:
+                    os.close(fd)
             with self._reply:
                 if not self._reply.wait_for(lambda: bool(self._replies) or self._gone.is_set(),
                                             timeout=FORK_TIMEOUT_S):
@@ -232,7 +238,7 @@ def main(argv: list[str]) -> int:
     """``python -m engine.training.forkserver FD ENGINE_PID``: import, then fork on request."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     fd, engine_pid = int(argv[0]), int(argv[1])
-    from engine.training.process import ORPHAN_EXIT, set_parent_death_signal
+    from engine.training.lineage import ORPHAN_EXIT, set_parent_death_signal
 
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != engine_pid:
@@ -255,20 +261,41 @@ def main(argv: list[str]) -> int:
             continue
         try:
             request = conn.recv()
-            handle = recv_handle(conn)
+            handle, stdout, stderr = (recv_handle(conn) for _ in range(3))
         except (EOFError, OSError):
             return 0  # the engine is gone; its trainers end with this process
         _, env, cwd, path = request
+        settled_read, settled_write = os.pipe()
         try:
             pid = os.fork()
         except OSError as exc:
-            os.close(handle)
             conn.send(("failed", f"{type(exc).__name__}: {exc}"))
-            continue
+            pid = -1
         if pid == 0:
-            _become_trainer(handle, env, cwd, path, close=(conn.fileno(), wake_read, wake_write))
-        os.close(handle)
-        conn.send(("forked", pid))
+            _become_trainer(handle, env, cwd, path, outputs=(stdout, stderr), settled=settled_write,
+                            close=(conn.fileno(), wake_read, wake_write, settled_read))
+        for fd in (handle, stdout, stderr, settled_write):
+            os.close(fd)
+        if pid > 0:
+            with contextlib.suppress(OSError):
+                os.read(settled_read, 1)  # EOF once the trainer has its own session (or has died)
+            conn.send(("forked", pid))
+        os.close(settled_read)
+
+
+def _output_fds() -> tuple[list[int], list[int]]:
+    """This process's standard output and error as they point now (a test runner may
+    have redirected them since the server started), or the null device where one is
+    closed; and the descriptors opened here for that, to close once sent."""
+    fds, opened = [], []
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+            fds.append(fd)
+        except OSError:  # closed: the trainer writes nowhere, as a spawned one would
+            opened.append(os.open(os.devnull, os.O_WRONLY))
+            fds.append(opened[-1])
+    return fds, opened
 
 
 def _poke(fd: int) -> None:
@@ -289,15 +316,21 @@ def _reap(conn: Connection) -> None:
             conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
 
 
-def _become_trainer(handle: int, env: dict[str, str], cwd: str, path: list[str], *, close: tuple[int, ...]) -> None:
-    """In the forked process: take the engine's present, run the trainer, never return."""
+def _become_trainer(handle: int, env: dict[str, str], cwd: str, path: list[str], *, outputs: tuple[int, int],
+                    settled: int, close: tuple[int, ...]) -> None:
+    """In the forked process: a session of its own (then ``settled`` is closed, which the
+    server waits for), the engine's present, the trainer; never returns."""
     code = 1
     try:
+        os.setsid()  # before the engine hears of it, as Popen's start_new_session
+        os.close(settled)
+        for fd, target in zip(outputs, (1, 2), strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in close:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        os.setsid()
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)

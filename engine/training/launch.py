@@ -172,7 +172,7 @@ def _wait_all(processes: list[Any], errors: Path, first: int = 0) -> list[RankEn
 
 def _rank(plan: Any, folder: str, channel: Any, errors: str, launcher_pid: int) -> None:
     """One rank (forked): die with the launcher, join the group through accelerate, train."""
-    from engine.training.process import die_with_parent
+    from engine.training.lineage import die_with_parent
 
     die_with_parent(launcher_pid)
     rank = int(os.environ.get("RANK", "0"))

@@ -1,5 +1,6 @@
-"""The trainer's process: how it starts, the socket it talks on, and how it
-dies with its parent.
+"""The trainer's process: how it starts (forked from the warm server, or a fresh
+interpreter) and the socket it talks on; how it dies with its parent is
+:mod:`engine.training.lineage`.
 
 The rules are those of :mod:`engine.training.runner` (which watches the
 run): the child has its own session and ignores the terminal's SIGINT; it
@@ -12,30 +13,20 @@ long as the child starts it.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from multiprocessing.connection import Connection
-from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from engine.training.lineage import child_env
 
 if TYPE_CHECKING:
     from engine.training.forkserver import Forked
     from engine.training.preflight import TrainingPlan
-
-#: The folder that holds the ``engine`` package: the child imports it from there.
-ENGINE_ROOT = Path(__file__).resolve().parents[2]
-
-#: How often the child's parent watch looks at the parent PID (seconds).
-PARENT_CHECK_S = 0.25
-#: Exit status of a child that ended because its parent was gone.
-ORPHAN_EXIT = 75
 
 
 class Child:
@@ -95,13 +86,6 @@ class Child:
             self._popen.wait()
         finally:
             self._exited.set()
-
-
-def child_env() -> dict[str, str]:
-    """The environment a trainer (or the fork server) gets: this process's, with the
-    folder that holds the ``engine`` package first on ``PYTHONPATH``."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ENGINE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
 
 
 def start_child(plan: TrainingPlan, folder: Path, run_id: str) -> Child:
@@ -173,40 +157,3 @@ def _spawned_child(run_id: str) -> Child:
     return holder[0]
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Make this (child) process end when ``parent_pid`` does, however the parent ends.
-
-    SIGKILL/SIGTERM of a server or CLI runs no cleanup in it, so the child
-    must notice on its own: the kernel's parent-death signal on Linux, and a
-    watch thread everywhere (the parent pipe closes, or we get reparented).
-    """
-    if sys.platform.startswith("linux"):
-        set_parent_death_signal(signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(ORPHAN_EXIT)  # the parent died before the signal was armed
-    parent = multiprocessing.parent_process()
-    sentinel = parent.sentinel if parent is not None else None
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            if sentinel is not None:
-                if wait_ready([sentinel], timeout=PARENT_CHECK_S):
-                    break
-            else:
-                time.sleep(PARENT_CHECK_S)
-        os._exit(ORPHAN_EXIT)  # no cleanup: there is nobody left to report to
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def set_parent_death_signal(signum: int) -> None:
-    """Ask the kernel (Linux) to send ``signum`` to this process when its parent's
-    spawning thread ends."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(pr_set_pdeathsig, int(signum), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # no prctl (an unusual libc): the watch thread still ends the child
