@@ -2,9 +2,8 @@
 fresh ``python -m engine.training.child``, the sides alternating (A B A B) in one engine.
 
 Each run is a tiny pipeline's 1-step LoRA through ``Engine.training.start``; timed from
-the call to its first step, and to its end, wall and this machine's CPU seconds (the
-engine's and every child's: ``os.times`` of this process and its reaped children, plus
-the fork server's, read from /proc). The fork server is started (and its imports paid)
+the call to its first step, and to its end, wall and CPU seconds (this process's and
+its reaped children's, plus the fork server's and those it reaped, read from /proc). The fork server is started (and its imports paid)
 before the rounds, as a server or a second run of one process finds it.
 
     .venv/bin/python bench/train_start.py [--family sdxl] [--rounds 4]
@@ -34,10 +33,10 @@ def cpu_seconds() -> float:
     """CPU seconds of this process, its reaped children and its live descendants."""
     times = os.times()
     total = times.user + times.system + times.children_user + times.children_system
-    for child in psutil.Process().children(recursive=True):
+    for child in psutil.Process().children(recursive=True):  # the fork server and what it reaped
         try:
             spent = child.cpu_times()
-            total += spent.user + spent.system
+            total += spent.user + spent.system + spent.children_user + spent.children_system
         except psutil.Error:
             continue
     return total
