@@ -121,3 +121,36 @@ def test_a_forked_trainer_writes_where_the_engine_writes_now() -> None:
     with os.fdopen(read_end, encoding="utf-8", errors="replace") as written:
         text = written.read()
     assert "Traceback" in text and "TypeError" in text, text
+
+
+def test_a_loaded_gpu_driver_is_named_and_a_clean_map_is_not() -> None:
+    """A forked process cannot initialise CUDA once its parent did: the server reads its own
+    memory map after its imports."""
+    clean = "7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+    cuda = clean + "7f02-7f03 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libcuda.so.535.104.05\n"
+    assert forkserver.gpu_driver_touched(clean, torch_initialised=False) == ""
+    assert "libcuda.so" in forkserver.gpu_driver_touched(cuda, torch_initialised=False)
+    assert "torch initialised the GPU" in forkserver.gpu_driver_touched(clean, torch_initialised=True)
+    with open("/proc/self/maps", encoding="utf-8") as maps:  # this CPU build of torch loads no driver
+        assert forkserver.gpu_driver_touched(maps.read(), torch_initialised=False) == ""
+
+
+def test_a_server_that_found_a_gpu_driver_hands_every_later_trainer_to_a_fresh_interpreter(
+    config: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+    from multiprocessing import Pipe
+
+    monkeypatch.setattr(forkserver, "_unusable", "")
+    server = forkserver.ForkServer()  # its messages, as a server on a CUDA machine would send them
+    ours, theirs = Pipe()
+    server._conn, server._process = ours, subprocess.Popen([sys.executable, "-c", "pass"])
+    theirs.send(("unusable", "a GPU driver (libcuda.so) was loaded while the server imported its modules"))
+    theirs.close()
+    server._read_messages()  # until the server's end of the socket closes
+    assert not forkserver.available() and not server.alive()
+    engine = Engine(hardware=probe(verify=False), runs_dir=tmp_path / "runs")
+    trainer = started(engine, config)
+    assert trainer.ppid() == os.getpid() and "engine.training.child" in trainer.cmdline()
+    assert finish(engine)["status"] == "completed"

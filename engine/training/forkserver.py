@@ -26,6 +26,12 @@ What a trainer keeps from :mod:`engine.training.lineage`'s rules, and how:
   parent) and sends each exit status back; a trainer killed by a signal reads as
   ``-signal``, as ``subprocess`` has it.
 
+A forked process cannot initialise CUDA once its parent did, so the server imports
+nothing that initialises a GPU: where torch is a CUDA (or ROCm) build it leaves peft
+(whose bitsandbytes asks the driver for devices at import) to each trainer, and after
+its imports it checks its own memory for a loaded GPU driver; if one is there it says so
+and ends, and every later trainer of this process is a fresh interpreter.
+
 Elsewhere (macOS, where forking after its frameworks load is unsafe; Windows, which
 has no fork), or with ``DIFFUSION_ENGINE_TRAINER_FORKSERVER=0``, or when the server
 cannot start, every trainer is a fresh ``python -m engine.training.child`` as before.
@@ -54,15 +60,38 @@ ENV_SWITCH = "DIFFUSION_ENGINE_TRAINER_FORKSERVER"
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "ONEDNN_", "DNNL_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_",
                    "TORCH", "PYTORCH_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "TRITON_",
                    "PYTHON", "LD_", "XDG_")
-#: The modules a trainer imports, imported once in the server.
+#: Imported once in every server: the trainer's modules, with torch, diffusers and transformers.
 WARM_MODULES = ("engine.training.trainer", "engine.training.child")
+#: Imported too where torch has no GPU backend (a CPU build): peft, which imports
+#: bitsandbytes and torchao, and diffusers' pipeline loader. Where torch has CUDA (or
+#: ROCm), bitsandbytes' import asks the driver for its devices, after which a forked
+#: process cannot initialise CUDA; those stay for each trainer to import.
+CPU_BUILD_WARM_MODULES = ("peft", "diffusers.pipelines.pipeline_utils")
+#: Libraries whose presence in the server's memory means a GPU driver was initialised.
+GPU_DRIVER_LIBRARIES = ("libcuda.so", "libamdhip64.so", "libhsa-runtime64.so")
 #: How long a fork request waits for the server (its first imports included).
 FORK_TIMEOUT_S = 300.0
 
 
+#: Why this process's servers cannot fork trainers ("" while they can): set once a server
+#: found a GPU driver initialised by its imports; trainers are fresh interpreters after.
+_unusable = ""
+
+
 def available() -> bool:
     """Whether trainers are forked from a server on this platform and by this setting."""
-    return sys.platform.startswith("linux") and os.environ.get(ENV_SWITCH, "1") != "0"
+    return sys.platform.startswith("linux") and os.environ.get(ENV_SWITCH, "1") != "0" and not _unusable
+
+
+def gpu_driver_touched(maps: str, torch_initialised: bool) -> str:
+    """Why a process whose memory map is ``maps`` cannot fork trainers that use the GPU
+    ("" where it can): torch initialised its GPU, or a GPU driver library is loaded."""
+    if torch_initialised:
+        return "torch initialised the GPU while the server imported its modules"
+    loaded = sorted({name for name in GPU_DRIVER_LIBRARIES if name in maps})
+    if loaded:
+        return f"a GPU driver ({', '.join(loaded)}) was loaded while the server imported its modules"
+    return ""
 
 
 def import_time_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
@@ -190,6 +219,10 @@ class ForkServer:
                     if child is not None:
                         child._ended(int(message[2]))
                     continue
+                if message[0] == "unusable":  # the server ends: trainers are fresh interpreters from now on
+                    global _unusable
+                    _unusable = str(message[1])
+                    continue
                 if message[0] == "forked":  # registered before the requester sees it
                     self._children[int(message[1])] = Forked(int(message[1]))
                 with self._reply:
@@ -247,8 +280,16 @@ def main(argv: list[str]) -> int:
     from engine.logs import quiet_library_logs
 
     quiet_library_logs(progress_bars=False)
-    for module in WARM_MODULES:
+    import torch
+
+    cpu_build = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+    for module in WARM_MODULES + (CPU_BUILD_WARM_MODULES if cpu_build else ()):
         importlib.import_module(module)
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        unusable = gpu_driver_touched(maps.read(), torch.cuda.is_initialized())
+    if unusable:
+        conn.send(("unusable", unusable))
+        return 0
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.signal(signal.SIGCHLD, lambda *_: _poke(wake_write))
