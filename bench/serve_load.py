@@ -63,21 +63,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _threads_in(status: Any) -> int | None:
-    """The compute threads a server's status reports (its plan's, as its session set them)."""
-    if isinstance(status, dict):
-        threads = status.get("threads")
-        if isinstance(threads, dict):  # a plan's resolved control: {"value": N, "reason": ...}
-            threads = threads.get("value")
-        if isinstance(threads, int):
-            return threads
-        status = list(status.values())
-    if isinstance(status, list):
-        for value in status:
-            found = _threads_in(value)
-            if found is not None:
-                return found
-    return None
+def _threads_in(status: dict[str, Any]) -> int | None:
+    """The compute threads a server's status reports: its loaded plan's ``threads``."""
+    threads = status["pipeline"]["plan"]["resolved"].get("threads") or {}
+    return threads.get("value")
 
 
 class Server:

@@ -66,14 +66,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from engine import Engine
 
-    if not args.dry_run:  # the trainer's fork server imports torch while this process does
-        Engine.prewarm_training()
-
     if args.hardware and not args.dry_run:
         raise EngineError(
             "--hardware describes a machine you do not have: use it with --dry-run",
             code="invalid_request",
         )
+    if not args.dry_run:  # the trainer's fork server imports torch while this process does
+        Engine.prewarm_training()
     machine = MachineRequest(args.hardware, args.free_gb, torchao=not args.no_torchao)
     # A start is heavy anyway: verify torchao and bf16 for real, not by name.
     engine = Engine(hardware=machine, runs_dir=Path(args.runs_dir), allow_download=download_allowed(args))

@@ -96,11 +96,12 @@ def plan_inference(
         return dataclasses.replace(planned.with_control("engine", dataclasses.replace(engine, reason=reason)),
                                    diffusers_fits=False, fallback=None)
     dtype, kernel = str(planned.value("dtype")), planned.value("cpu_kernel")
-    faster = torch_is_faster(dtype, hardware, str(kernel) if kernel else None) if engine.source == "auto" else None
+    kernel = str(kernel) if kernel else None
+    faster = torch_is_faster(dtype, hardware, kernel) if engine.source == "auto" else None
     if engine.value == "sdcpp" and faster:
         return dataclasses.replace(planned.with_control("engine", auto("diffusers", faster)), sdcpp=None)
     if engine.value == "sdcpp" and engine.source == "auto":
-        reason = f"{engine.reason}; {torch_is_slower(dtype, hardware)}"
+        reason = f"{engine.reason}; {torch_is_slower(dtype, hardware, kernel)}"
         return planned.with_control("engine", dataclasses.replace(engine, reason=reason))
     return planned
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import PreflightError
-from engine.hardware.profile import HardwareProfile
+from engine.hardware.profile import CpuGemm, HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.requests.choices import ENGINES
 
@@ -118,19 +118,27 @@ def _sdcpp_reason(files: SdcppFiles) -> str:
 SDCPP_PER_MKL_FP32 = 0.54
 
 
+def _measured(dtype: str, hardware: HardwareProfile, kernel: str | None) -> tuple[float, str, float, CpuGemm] | None:
+    """This CPU's measured GEMM GFLOP/s for torch in ``dtype`` through ``kernel``, its name,
+    what sd.cpp's Q8_0 step reaches here, and the figures; None before a measurement."""
+    gemm = hardware.cpu_gemm
+    if gemm is None or gemm.fp32_mkl <= 0:
+        return None
+    if dtype == "bf16":
+        torch_gflops, how = gemm.bf16, f"bf16 ({hardware.cpu_isa or 'ISA unknown'})"
+    elif kernel == "onednn" and gemm.fp32_onednn > 0:
+        torch_gflops, how = gemm.fp32_onednn, "fp32 through oneDNN"
+    else:
+        torch_gflops, how = gemm.fp32_mkl, "fp32 through MKL"
+    return torch_gflops, how, SDCPP_PER_MKL_FP32 * gemm.fp32_mkl, gemm
+
+
 def torch_is_faster(dtype: str, hardware: HardwareProfile, kernel: str | None = None) -> str | None:
     """Why diffusers beats sd.cpp per step for a load torch runs in ``dtype`` (through
     ``kernel``: ``mkl`` or ``onednn`` for fp32) here, or None (see the module docstring)."""
-    gemm = hardware.cpu_gemm
-    if gemm is not None and gemm.fp32_mkl > 0:
-        isa = hardware.cpu_isa or "ISA unknown"
-        if dtype == "bf16":
-            torch_gflops, how = gemm.bf16, f"bf16 ({isa})"
-        elif kernel == "onednn" and gemm.fp32_onednn > 0:
-            torch_gflops, how = gemm.fp32_onednn, "fp32 through oneDNN"
-        else:
-            torch_gflops, how = gemm.fp32_mkl, "fp32 through MKL"
-        sdcpp = SDCPP_PER_MKL_FP32 * gemm.fp32_mkl
+    measured = _measured(dtype, hardware, kernel)
+    if measured is not None:
+        torch_gflops, how, sdcpp, gemm = measured
         if torch_gflops <= sdcpp:
             return None
         return (f"CPU: torch's {how} GEMMs ran {torch_gflops:.0f} GFLOP/s here on {gemm.threads} threads, "
@@ -151,11 +159,10 @@ def torch_is_faster(dtype: str, hardware: HardwareProfile, kernel: str | None = 
 def torch_is_slower(dtype: str, hardware: HardwareProfile, kernel: str | None = None) -> str:
     """Why sd.cpp beats torch here for a load torch would run in ``dtype`` (where
     :func:`torch_is_faster` says None)."""
-    gemm = hardware.cpu_gemm
-    if gemm is not None and gemm.fp32_mkl > 0:
-        torch_gflops = gemm.bf16 if dtype == "bf16" else gemm.fp32_mkl
-        return (f"torch's {dtype} GEMMs ran {torch_gflops:.0f} GFLOP/s here, below the "
-                f"{SDCPP_PER_MKL_FP32 * gemm.fp32_mkl:.0f} sd.cpp's Q8_0 step reaches "
-                f"({SDCPP_PER_MKL_FP32} of MKL's fp32: bench/cpu_engines.py)")
+    measured = _measured(dtype, hardware, kernel)
+    if measured is not None:
+        torch_gflops, how, sdcpp, _ = measured
+        return (f"torch's {how} GEMMs ran {torch_gflops:.0f} GFLOP/s here, below the {sdcpp:.0f} sd.cpp's "
+                f"Q8_0 step reaches ({SDCPP_PER_MKL_FP32} of MKL's fp32: bench/cpu_engines.py)")
     return (f"torch would run {dtype} without native bf16 matmul here, several times slower than "
             "fp32 and slower than sd.cpp per step (bench/cpu_engines.py)")

@@ -43,7 +43,6 @@ import contextlib
 import importlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -143,34 +142,20 @@ class ForkServer:
         return self._process is not None and not self._gone.is_set()
 
     def start(self) -> None:
-        """Start the server from a keeper thread that lives as long as it (the parent-death
-        signal follows the spawning thread) and reads its messages."""
-        parent_end, child_end = socket.socketpair()
-        command = [sys.executable, "-m", "engine.training.forkserver", str(child_end.fileno()), str(os.getpid())]
-        from engine.training.lineage import child_env
+        """Start the server, kept by a thread that reads its messages and so lives as long
+        as it (the parent-death signal follows the spawning thread)."""
+        from engine.training.lineage import start_kept
 
-        started = threading.Event()
-        failure: list[BaseException] = []
+        try:
+            start_kept("engine.training.forkserver", "diffusion-engine-trainer-forkserver", self._started,
+                       ForkServer._read_messages)
+        except BaseException:
+            self._gone.set()
+            raise
 
-        def keep() -> None:
-            try:
-                self._process = subprocess.Popen(command, pass_fds=(child_end.fileno(),), env=child_env(),
-                                                 start_new_session=True)
-                self._conn = Connection(os.dup(parent_end.fileno()))
-            except BaseException as exc:  # handed to start() below
-                failure.append(exc)
-                self._gone.set()
-                return
-            finally:
-                child_end.close()
-                parent_end.close()
-                started.set()
-            self._read_messages()
-
-        threading.Thread(target=keep, name="diffusion-engine-trainer-forkserver", daemon=True).start()
-        started.wait()
-        if failure:
-            raise failure[0]
+    def _started(self, process: subprocess.Popen[bytes], conn: Connection) -> ForkServer:
+        self._process, self._conn = process, conn
+        return self
 
     def fork(self, child_fd: int, env: dict[str, str], cwd: str, path: list[str]) -> Forked:
         """A trainer running ``engine.training.child`` on ``child_fd``, in ``env`` and ``cwd``."""

@@ -11,11 +11,18 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: The folder that holds the ``engine`` package: the child imports it from there.
 ENGINE_ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +38,42 @@ def child_env() -> dict[str, str]:
     folder that holds the ``engine`` package first on ``PYTHONPATH``."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ENGINE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+
+
+def start_kept(module: str, name: str, make: Callable[[subprocess.Popen[bytes], Connection], T],
+               keep: Callable[[T], None]) -> T:
+    """Start ``python -m module FD PARENT_PID`` (FD: its end of a new socket pair) in a
+    session of its own, from a thread named ``name`` that then runs ``keep`` on what
+    ``make`` built of the process and this side's connection, and so lives as long as
+    ``keep`` needs the process: Linux sends the parent-death signal when the *thread* that
+    spawned a child ends (a server's request thread may end long before the run)."""
+    parent_end, child_end = socket.socketpair()
+    command = [sys.executable, "-m", module, str(child_end.fileno()), str(os.getpid())]
+    options: dict[str, Any] = {"start_new_session": True} if os.name == "posix" else {
+        "creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}  # no terminal SIGINT reaches it
+    env = child_env()
+    failure: list[BaseException] = []
+    made: list[T] = []
+    started = threading.Event()
+
+    def run() -> None:
+        try:
+            process = subprocess.Popen(command, pass_fds=(child_end.fileno(),), env=env, **options)
+            made.append(make(process, Connection(os.dup(parent_end.fileno()))))
+        except BaseException as exc:  # handed to the caller below, re-raised there
+            failure.append(exc)
+            return
+        finally:
+            child_end.close()
+            parent_end.close()
+            started.set()
+        keep(made[0])
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    started.wait()
+    if failure:
+        raise failure[0]
+    return made[0]
 
 
 def die_with_parent(parent_pid: int) -> None:

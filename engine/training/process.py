@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.training.lineage import child_env
+from engine.training.lineage import child_env, start_kept
 
 if TYPE_CHECKING:
     from engine.training.forkserver import Forked
@@ -126,34 +126,5 @@ def _forked_child(server: Any, run_id: str) -> Child:
 
 
 def _spawned_child(run_id: str) -> Child:
-    """``python -m engine.training.child``, started from a keeper thread that lives as long as
-    the child (the parent-death signal follows the spawning thread)."""
-    parent_end, child_end = socket.socketpair()
-    command = [sys.executable, "-m", "engine.training.child", str(child_end.fileno()), str(os.getpid())]
-    options: dict[str, Any] = {"start_new_session": True} if os.name == "posix" else {
-        "creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}  # no terminal SIGINT reaches it
-    env = child_env()
-    failure: list[BaseException] = []
-    launched = threading.Event()
-    holder: list[Child] = []
-
-    def keep() -> None:
-        try:
-            process = subprocess.Popen(command, pass_fds=(child_end.fileno(),), env=env, **options)
-            holder.append(Child(process, Connection(os.dup(parent_end.fileno()))))
-        except BaseException as exc:  # handed to the caller below, re-raised there
-            failure.append(exc)
-            return
-        finally:
-            child_end.close()
-            parent_end.close()
-            launched.set()
-        holder[0].keep()
-
-    threading.Thread(target=keep, name=f"diffusion-engine-train-{run_id}-keeper", daemon=True).start()
-    launched.wait()
-    if failure:
-        raise failure[0]
-    return holder[0]
-
-
+    """``python -m engine.training.child``, kept by a thread that lives as long as it."""
+    return start_kept("engine.training.child", f"diffusion-engine-train-{run_id}-keeper", Child, Child.keep)
