@@ -78,7 +78,7 @@ def test_buckets_group_by_shape_and_warn_about_enlarging_and_extreme_aspects() -
     assert len(plan.warnings) == 1 and plan.warnings[0].startswith("f (900x100) is past the 4:1")
     assert "enlarged" in plan_buckets([(20, 20)], ["e"], 64, 16).warnings[0]
     table = plan.to_dict()
-    assert table["buckets"][0] == {"width": 48, "height": 80, "images": 1}  # type: ignore[index]
+    assert table["buckets"][0] == {"width": 48, "height": 80, "frames": 1, "images": 1}  # type: ignore[index]
 
 
 def test_epoch_batches_stay_in_one_bucket_cover_every_image_and_follow_the_seed() -> None:

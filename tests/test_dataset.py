@@ -22,7 +22,7 @@ def test_sidecar_captions_and_skipped_files_are_reported(tmp_path: Path) -> None
     assert [i.relative for i in report.items] == ["image_000.png", "image_001.png", "image_002.png"]
     assert report.items[0].caption == "a red circle on a blue background"
     assert report.uncaptioned == ("image_001.png",) and report.items[1].caption == ""
-    assert report.skipped == (("notes.md", "not an image (.md)"),)
+    assert report.skipped == (("notes.md", "not an image or a clip (.md)"),)
 
 
 def test_caption_file_and_nested_metadata_keys_match_as_posix_paths(tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_every_bad_file_is_listed_in_one_error(tmp_path: Path) -> None:
     reasons = dict(error.problems)
     assert set(reasons) == {"empty.png", "truncated.png", "fake.jpg"}
     assert "0 bytes" in reasons["empty.png"] and "not an image" in reasons["fake.jpg"]
-    assert "3 of 5 images" in error.message
+    assert "3 of 5 files" in error.message
 
 
 def test_decompression_bomb_is_refused(tmp_path: Path) -> None:

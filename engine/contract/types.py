@@ -209,8 +209,6 @@ from engine.contract.family_sections import (  # noqa: E402
     FusionSite as FusionSite,
     LatentGeometry as LatentGeometry,
     LoraLayout as LoraLayout,
-    OUTPUT_KINDS as OUTPUT_KINDS,
-    OutputKind as OutputKind,
     MemoryProbe as MemoryProbe,
     PrecisionRules as PrecisionRules,
     QuantRules as QuantRules,
@@ -218,8 +216,8 @@ from engine.contract.family_sections import (  # noqa: E402
     SdcppSupport as SdcppSupport,
     SingleFileLayout as SingleFileLayout,
     TrainingSpec as TrainingSpec,
-    VideoSpec as VideoSpec,
 )
+from engine.contract.video_spec import OUTPUT_KINDS as OUTPUT_KINDS, OutputKind as OutputKind, VideoSpec as VideoSpec
 from engine.contract.video_memory import VideoMemory as VideoMemory
 
 

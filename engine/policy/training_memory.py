@@ -35,6 +35,8 @@ class TrainingShape:
     """The parts of a training request that decide its memory."""
 
     resolution: int = 512
+    #: Frames of each example (a video family's clip window; 1 for images).
+    frames: int = 1
     batch_size: int = 1
     lora_rank: int = 16
     #: None: the engine decides (off when the run fits without it).
@@ -170,7 +172,8 @@ def estimate_training_memory(
     lora_params = sum(t.lora_params(shape.lora_rank) for t in scale.targets)
     lora_gb = lora_params * thresholds.lora_bytes_per_param / 1e9
     activations = (
-        _activation_elements(figures.activations, scale, shape, family.geometry.image_tokens(shape.resolution))
+        _activation_elements(figures.activations, scale, shape,
+                             family.geometry.clip_tokens(shape.frames, shape.resolution))
         * dtype_bytes / 1e9
         if figures is not None else 0.0
     )

@@ -1,9 +1,16 @@
-"""Training data: find every image and its caption, and decode each one now.
+"""Training data: find every image and clip and its caption, and decode each one now.
 
 A corrupt upload must fail the start, not the trainer halfway through a run
 after the GPU was freed. Every image is fully decoded (EXIF transposed)
 before anything is evicted; all bad files are listed in one error, so a user
 fixes the folder once. Files that are not images are skipped and reported.
+
+Clips (``.mp4 .mov .mkv .webm .m4v``) sit beside images: each is probed
+and decoded as far as the run's window reaches (:mod:`engine.preflight.clips`;
+an image is a one-frame clip), and a clip that is empty, corrupt, has no video
+stream or an absurd header is named with the broken images. A clip shorter
+than the window is refused (``short_clips="refuse"``) or padded; a longer one
+is cut, and a variable frame rate one is sampled by its timestamps: both noted.
 
 Captions come from ``metadata.jsonl`` at the dataset root (``file_name`` and
 ``text`` or ``caption``; names matched as posix paths relative to the root,
@@ -35,6 +42,7 @@ from pathlib import Path, PurePosixPath
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from engine.errors import PreflightError
+from engine.preflight.clips import CLIP_EXTENSIONS, ClipInfo, ClipProblem, ClipWindow, probe_clip
 from engine.requests.references import IMAGE_EXTENSIONS
 
 CAPTION_EXTENSIONS = (".txt", ".caption")
@@ -49,6 +57,12 @@ class DatasetItem:
     relative: str
     caption: str
     size: tuple[int, int]
+    #: A clip's probe (None: a still image, trained as a one-frame clip by a video family).
+    clip: ClipInfo | None = None
+
+    @property
+    def is_clip(self) -> bool:
+        return self.clip is not None
 
 
 @dataclass(frozen=True)
@@ -67,11 +81,27 @@ class DatasetReport:
     missing_images: tuple[str, ...] = ()
     #: The training resolution the sizes were judged against (None: not judged).
     resolution: int | None = None
+    #: The window clips were judged against (None: no clips, or not judged).
+    window: ClipWindow | None = None
+    #: (relative path, note) of clips cut to the window, padded to it, or of a variable frame rate.
+    cut: tuple[tuple[str, str], ...] = ()
+    padded: tuple[tuple[str, str], ...] = ()
+    variable_rate: tuple[str, ...] = ()
+
+    @property
+    def clips(self) -> int:
+        return sum(1 for item in self.items if item.is_clip)
 
     def to_dict(self) -> dict[str, object]:
         return {
             "root": str(self.root),
-            "images": len(self.items),
+            "images": len(self.items) - self.clips,
+            "clips": self.clips,
+            "window": {"frames": self.window.frames, "fps": self.window.fps, "short_clips": self.window.short}
+            if self.window else None,
+            "cut": [{"file": f, "note": n} for f, n in self.cut],
+            "padded": [{"file": f, "note": n} for f, n in self.padded],
+            "variable_rate": list(self.variable_rate),
             "uncaptioned": list(self.uncaptioned),
             "skipped": [{"file": f, "reason": r} for f, r in self.skipped],
             "small": [{"file": f, "size": s} for f, s in self.small],
@@ -92,6 +122,12 @@ class DatasetReport:
                          + _names([f"{f} ({s})" for f, s in self.small]))
         lines += [f"identical images (same bytes): {', '.join(group)}" for group in self.duplicates]
         lines += [f"{METADATA} has a caption for {name}, which is not an image in the folder" for name in self.missing_images]
+        lines += [f"{file} is longer than the window and is cut: {note}" for file, note in self.cut]
+        lines += [f"{file} is shorter than the window and is padded (its last frame held): {note}"
+                  for file, note in self.padded]
+        if self.variable_rate:
+            lines.append(f"{len(self.variable_rate)} clip(s) have a variable frame rate and are sampled by their "
+                         f"timestamps: {_names(self.variable_rate)}")
         return lines
 
 
@@ -108,13 +144,16 @@ class DatasetError(PreflightError):
 
 
 def discover_dataset(
-    root: Path | str, *, max_pixels: int = DEFAULT_MAX_PIXELS, resolution: int | None = None, strict: bool = False
+    root: Path | str, *, max_pixels: int = DEFAULT_MAX_PIXELS, resolution: int | None = None, strict: bool = False,
+    window: ClipWindow | None = None,
 ) -> DatasetReport:
-    """Every usable image with its caption; :class:`DatasetError` lists what is broken.
+    """Every usable image and clip with its caption; :class:`DatasetError` lists what is broken.
 
     :param resolution: the training resolution; images whose area is under a
         quarter of ``resolution ** 2`` (half the side) are reported in ``small``.
     :param strict: refuse small images (``small_images``) instead of reporting them.
+    :param window: what a run trains of each clip (a video family's frames at its fps);
+        clips are decoded that far and judged against it. None: decoded in full, not judged.
     """
     root = Path(root).expanduser()
     if not root.is_dir():
@@ -135,11 +174,11 @@ def discover_dataset(
     for path in files:
         relative = path.relative_to(root).as_posix()
         suffix = path.suffix.lower()
-        if suffix not in IMAGE_EXTENSIONS:
+        if suffix not in IMAGE_EXTENSIONS and suffix not in CLIP_EXTENSIONS:
             if suffix not in CAPTION_EXTENSIONS and path.name != METADATA:
-                skipped.append((relative, f"not an image ({suffix or 'no extension'})"))
+                skipped.append((relative, f"not an image or a clip ({suffix or 'no extension'})"))
             continue
-        problem, size = decode_image(path, max_pixels)
+        problem, size, clip = _decode(path, max_pixels, window)
         if problem:
             problems.append((relative, problem))
             continue
@@ -151,17 +190,19 @@ def discover_dataset(
             uncaptioned.append(relative)
             caption = ""
         # The real path: the trainer reads what was checked, even if a link is swapped later.
-        items.append(DatasetItem(Path(os.path.realpath(path)), relative, caption, size))
+        items.append(DatasetItem(Path(os.path.realpath(path)), relative, caption, size, clip))
     if problems:
         raise DatasetError(
-            f"{len(problems)} of {len(problems) + len(items)} images in {root} cannot be decoded; "
+            f"{len(problems)} of {len(problems) + len(items)} files in {root} cannot be decoded; "
             "fix or remove them and start again:",
             problems,
         )
     if not items:
         raise DatasetError(
-            f"no images in {root} (looked for {', '.join(IMAGE_EXTENSIONS)})", code="empty_dataset"
+            f"no images or clips in {root} (looked for {', '.join(IMAGE_EXTENSIONS + CLIP_EXTENSIONS)})",
+            code="empty_dataset",
         )
+    cut, padded = _judged(items, window)
     small = _small_images(items, resolution)
     if small and strict:
         raise DatasetError(
@@ -178,7 +219,50 @@ def discover_dataset(
         duplicates=tuple(tuple(group) for group in hashes.values() if len(group) > 1),
         missing_images=tuple(sorted(name for name in captions if name not in found)),
         resolution=resolution,
+        window=window if any(item.is_clip for item in items) else None,
+        cut=cut, padded=padded,
+        variable_rate=tuple(item.relative for item in items if item.clip is not None and item.clip.variable_rate),
     )
+
+
+def _decode(
+    path: Path, max_pixels: int, window: ClipWindow | None,
+) -> tuple[str | None, tuple[int, int], ClipInfo | None]:
+    """A file's problem (None: it reads), its upright size, and a clip's probe (None: an image)."""
+    if path.suffix.lower() not in CLIP_EXTENSIONS:
+        return (*decode_image(path, max_pixels), None)
+    try:
+        clip = probe_clip(path, max_pixels, window)
+    except ClipProblem as problem:
+        return str(problem), (0, 0), None
+    return None, clip.size, clip
+
+
+def _judged(
+    items: list[DatasetItem], window: ClipWindow | None,
+) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """Clips cut to the window and clips padded to it; short clips refused unless the window pads."""
+    if window is None:
+        return (), ()
+    cut, short = [], []
+    for item in items:
+        clip = item.clip
+        if clip is None:
+            continue
+        if clip.window_frames < window.frames:
+            short.append((item.relative, f"{clip.seconds:.2f} s holds {clip.window_frames} of the window's "
+                                         f"{window.frames} frames at {window.fps:g} fps"))
+        elif clip.seconds > window.seconds + 1e-6:
+            cut.append((item.relative, f"the first {window.seconds:.2f} s ({window.frames} frames at "
+                                       f"{window.fps:g} fps) of a longer clip"))
+    if short and window.short != "pad":
+        raise DatasetError(
+            f"{len(short)} clip(s) are shorter than the training window ({window.frames} frames at {window.fps:g} fps, "
+            f"{window.seconds:.2f} s): use fewer --frames, longer clips, or --short-clips pad to hold their last frame:",
+            short,
+            code="short_clips",
+        )
+    return tuple(cut), tuple(short)
 
 
 def _small_images(items: list[DatasetItem], resolution: int | None) -> tuple[tuple[str, str], ...]:

@@ -242,6 +242,13 @@ TRAIN_CONTROLS: tuple[Control, ...] = (
             TRAIN, type=int, metavar="N", group="captions and data"),
     Control("strict", "--strict", "refuse images under half the training resolution instead of warning",
             TRAIN, action="store_true", group="captions and data"),
+    Control("frames", "--frames", "frames of each training clip, on the family's lattice (e.g. 4k+1), "
+            "sampled at its fps (default: the family's)", TRAIN, type=int, metavar="N", group="video"),
+    Control("short_clips", "--short-clips", "a clip shorter than --frames: refuse it (default) or pad it "
+            "by holding its last frame", TRAIN, choices=("refuse", "pad"), group="video"),
+    Control("expert", "--expert", "a two-expert base: train the high-noise expert, the "
+            "low-noise one, or both (default), each on the timesteps of its range", TRAIN,
+            choices=("high", "low", "both"), group="video"),
     Control("output_dir", "--output", "run folder (default: RUNS_DIR/<run id>)", TRAIN, metavar="DIR"),
 )
 

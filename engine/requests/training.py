@@ -125,6 +125,14 @@ class TrainingConfig(BaseModel):
     keep_tags: int = Field(0, ge=0, le=1000)
     #: Refuse (instead of warn about) images under half the training resolution.
     strict: bool = False
+    #: Frames of each training clip (a video family; on its VAE's lattice, e.g. 4k+1), sampled at the
+    #: family's fps; None: the family's. Images train as one-frame clips.
+    frames: int | None = Field(None, ge=1, le=1024)
+    #: A clip shorter than the window: refused (named), or padded by holding its last frame.
+    short_clips: Literal["refuse", "pad"] = "refuse"
+    #: Which expert of a two-expert base trains: ``high`` (the high-noise steps),
+    #: ``low``, or ``both`` (each on its own timesteps, two LoRA files); None: both.
+    expert: Literal["high", "low", "both"] | None = None
 
     @field_validator("base_model")
     @classmethod

@@ -126,12 +126,13 @@ def derive(d: Denoiser, resolutions: tuple[int, ...], log: Callable[[str], None]
     rows, per_block, kept, outside, outside_ckpt = [], [], [], [], []
     for resolution in resolutions:
         for text in texts:
-            plain, _ = measure_step(d, d.derive, resolution, text, False)
-            ckpt, _ = measure_step(d, d.derive, resolution, text, True)
+            frames = d.probe.frames
+            plain, _ = measure_step(d, d.derive, resolution, text, False, frames=frames)
+            ckpt, _ = measure_step(d, d.derive, resolution, text, True, frames=frames)
             seconds = plain.seconds + ckpt.seconds
             if d.deeper is not None:
-                plain_b, _ = measure_step(d, d.deeper, resolution, text, False)
-                ckpt_b, _ = measure_step(d, d.deeper, resolution, text, True)
+                plain_b, _ = measure_step(d, d.deeper, resolution, text, False, frames=frames)
+                ckpt_b, _ = measure_step(d, d.deeper, resolution, text, True, frames=frames)
                 seconds += plain_b.seconds + ckpt_b.seconds
                 added = n_deeper - n_blocks
                 block = (plain_b.activations_peak - plain.activations_peak) / added / 2  # elements (bf16)
@@ -144,7 +145,7 @@ def derive(d: Denoiser, resolutions: tuple[int, ...], log: Callable[[str], None]
             # checkpointing one block is recomputed in full on top.
             rest = plain.activations_peak / 2 - n_blocks * block
             rest_ckpt = ckpt.activations_peak / 2 - n_blocks * block_kept - block
-            image = d.spec.geometry.image_tokens(resolution)  # as the estimate counts them
+            image = d.spec.geometry.clip_tokens(frames, resolution)  # as the estimate counts them
             rows.append((image, text))
             per_block.append(block)
             kept.append(block_kept)
@@ -205,7 +206,7 @@ def literal(figures: TrainingMemoryFigures) -> str:
 
 
 def estimate_for(d: Denoiser, config: dict[str, Any], m: Measured, extra: dict[str, Any],
-                 resolution: int, text: int, checkpointing: bool):  # type: ignore[no-untyped-def]
+                 resolution: int, text: int, checkpointing: bool, frames: int = 1):  # type: ignore[no-untyped-def]
     """The engine's estimate for this reduced model: the family's figures with
     this model's block count, prompt length and LoRA target shapes, and the
     measured weight bytes as the base."""
@@ -221,7 +222,7 @@ def estimate_for(d: Denoiser, config: dict[str, Any], m: Measured, extra: dict[s
     )
     family = replace(spec, training=replace(spec.training, memory=own))
     base = BaseFacts(dense_gb=m.weights / GB, text_encoders_gb=0.0, vae_gb=0.0, source="measured")
-    shape = TrainingShape(resolution=resolution, lora_rank=RANK, gradient_checkpointing=checkpointing)
+    shape = TrainingShape(resolution=resolution, frames=frames, lora_rank=RANK, gradient_checkpointing=checkpointing)
     return estimate_training_memory(family, base, "bf16", shape)
 
 
@@ -233,10 +234,10 @@ def check(d: Denoiser, depth: str, resolutions: tuple[int, ...], log: Callable[[
     overrides = d.check if depth == "reduced" else {}
     config = _config(d, overrides)
     errors = []
-    for resolution in resolutions:
+    for resolution, frames in ((r, f) for r in resolutions for f in d.probe.check_frames or (d.probe.frames,)):
         for checkpointing in (False, True):
-            m, extra = measure_step(d, overrides, resolution, d.text_tokens, checkpointing)
-            est = estimate_for(d, config, m, extra, resolution, d.text_tokens, checkpointing)
+            m, extra = measure_step(d, overrides, resolution, d.text_tokens, checkpointing, frames=frames)
+            est = estimate_for(d, config, m, extra, resolution, d.text_tokens, checkpointing, frames)
             peak_est = est.training_peak_gb - est.overhead_gb  # allocated bytes, no CUDA context
             lora_meas = m.lora_state / GB
             cells = [
@@ -245,7 +246,8 @@ def check(d: Denoiser, depth: str, resolutions: tuple[int, ...], log: Callable[[
             ]
             errors += [abs(e - me) / me * 100 for e, me in cells[2:] if me]
             text = "  ".join(f"{me:7.3f} {e:7.3f} {_err(e, me)}" for e, me in cells)
-            log(f"| {d.family:<10} | {depth:<7} {count_blocks(d, config):>3} | {resolution:>4} | "
+            log(f"| {d.family:<10} | {depth:<7} {count_blocks(d, config):>3} | {resolution:>4}"
+                + (f" x{frames:>3}f" if frames > 1 else "") + " | "
                 f"{'yes' if checkpointing else 'no ':<3} | {text} | {m.inference_peak / GB:7.3f} | "
                 f"{m.seconds:4.0f}s")
     return errors

@@ -221,13 +221,14 @@ class _TrainStep:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     cond: Any
-    side: int
+    #: The latent batch's shape: [1, C, h, w], or [1, C, f, h, w] for a video family's clip.
+    shape: tuple[int, ...]
     dtype: torch.dtype
     flow: bool
 
     def __call__(self, m: Measured, tracker: LiveBytes | None) -> None:
         """Take the step; with ``tracker``, record what the forward keeps for backward in ``m``."""
-        x0 = torch.randn(1, self.d.latent_channels, self.side, self.side, dtype=self.dtype)
+        x0 = torch.randn(self.shape, dtype=self.dtype)
         noise = torch.randn_like(x0)
         if self.flow:
             t = torch.rand(1)
@@ -251,7 +252,7 @@ class _TrainStep:
         inference = LiveBytes()
         with torch.no_grad(), inference:
             self.d.runtime.predict(
-                self.pipe, self.model, torch.randn(1, self.d.latent_channels, self.side, self.side, dtype=self.dtype),
+                self.pipe, self.model, torch.randn(self.shape, dtype=self.dtype),
                 torch.rand(1) if self.flow else torch.randint(0, 1000, (1,)), self.cond,
             )
         return inference.peak
@@ -301,9 +302,10 @@ class _BlockRecorder:
 
 def measure_step(
     d: Denoiser, overrides: dict[str, Any], resolution: int, text: int, checkpointing: bool,
-    *, dtype: torch.dtype = torch.bfloat16, fake: bool = True, profile: bool = False,
+    *, dtype: torch.dtype = torch.bfloat16, fake: bool = True, profile: bool = False, frames: int = 1,
 ) -> tuple[Measured, dict[str, Any]]:
-    """Build the denoiser, take a warm-up step, measure the second one."""
+    """Build the denoiser, take a warm-up step, measure the second one (``frames``: a video
+    family's clip length, fed as its latent frames)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = _config(d, overrides)
@@ -317,7 +319,7 @@ def measure_step(
         # probe_conditioning gives it as plain values (one prompt, no padding).
         step = _TrainStep(
             d, _pipe_shim(d, model), model, params, optimizer, _conditioning(d, config, text, dtype),
-            side=d.spec.geometry.latent_side(resolution), dtype=dtype,
+            shape=latent_shape(d, resolution, frames), dtype=dtype,
             flow=d.spec.training.objective.prediction == "flow_matching",  # type: ignore[union-attr]
         )
         step(m, None)  # AdamW's moments now exist, as in every later step
@@ -348,6 +350,15 @@ def measure_step(
         extra["base_shapes"] = _base_shapes(model)
     m.seconds = time.perf_counter() - started
     return m, extra
+
+
+def latent_shape(d: Denoiser, resolution: int, frames: int = 1) -> tuple[int, ...]:
+    """The latents one example is: [1, C, h, w] for an image family, [1, C, f, h, w] for a video one."""
+    geometry = d.spec.geometry
+    side = geometry.latent_side(resolution)
+    if d.spec.output == "frames":
+        return (1, d.latent_channels, geometry.latent_frames(frames), side, side)
+    return (1, d.latent_channels, side, side)
 
 
 def _add_grad(tracker: LiveBytes | None, p: torch.Tensor) -> None:

@@ -65,11 +65,18 @@ def run_model(
         report.lora = _train(registry, family, folder, workdir, report)
         report.stages.append(stage)
         stage = "reload the LoRA through the engine and generate"
-        after = _pixels(engine.images.generate(KIT_PROMPT, steps=steps, width=size, height=size, seed=0,
-                                         loras=[f"{report.lora}:{KIT_LORA_SCALE}"])[0])
+        loras = [f"{report.lora}:{KIT_LORA_SCALE}"]
+        if family.output == "frames":
+            clip = engine.videos.generate(KIT_PROMPT, frames=_frames_of(engine, family), steps=steps, width=size, height=size,
+                                          seed=0, loras=loras)
+            after = b"".join(_pixels(frame) for frame in clip.frames)
+        else:
+            after = _pixels(engine.images.generate(KIT_PROMPT, steps=steps, width=size, height=size, seed=0,
+                                                   loras=loras)[0])
         engine.images.unload()
         if after == base:
-            report.failure = f"{stage}: the image did not change with the trained LoRA loaded"
+            report.failure = f"{stage}: the {'clip' if family.output == 'frames' else 'image'} did not change " \
+                             "with the trained LoRA loaded"
             return report
         report.stages.append(stage)
     except Exception as exc:  # the kit reports any failure of the family's code, as a failure
@@ -115,7 +122,7 @@ def _load_and_render(
     assert session is not None
     spec = family.video_of(session.source.checkpoint)
     assert spec is not None, "a family whose output is frames declares its VideoSpec (FamilySpec.video)"
-    frames = spec.snap(spec.frame_offset + spec.frame_step)
+    frames = kit_frames(spec)
     clip = engine.videos.generate(KIT_PROMPT, frames=frames, steps=steps, width=size, height=size, seed=0)
     decoded, fps = read_mp4(clip.save(workdir / "clip.mp4"))
     if len(decoded) != frames or decoded[0].size != (size, size) or round(fps) != spec.fps:
@@ -129,21 +136,41 @@ def _load_and_render(
 
 def _train(registry: Registry, family: FamilySpec, folder: Path, workdir: Path, report: RunReport) -> Path:
     from engine.hardware.probe import probe
-    from engine.testing.datasets import write_dataset
+    from engine.testing.datasets import write_clip_dataset, write_dataset
     from engine.requests.training import TrainingConfig
     from engine.training.preflight import preflight_training
     from engine.training.trainer import run_training
 
+    video = family.output == "frames"  # a video family trains on real clips (and an image) at the kit's length
+    data = write_clip_dataset(workdir / "data", clips=2, images=1) if video else write_dataset(workdir / "data", count=2)
     config = TrainingConfig.from_data({
-        "base_model": str(folder), "family": family.name, "dataset_dir": str(write_dataset(workdir / "data", count=2)),
+        "base_model": str(folder), "family": family.name, "dataset_dir": str(data),
         "resolution": 64, "steps": 2, "lora_rank": 4, "learning_rate": KIT_LEARNING_RATE,
         "device": "cpu", "compile": "off", "mixed_precision": "no",
+        **({"frames": kit_frames(family.video_of(registry_checkpoint(registry, folder)))} if video else {}),
     })
     plan = preflight_training(registry, config, probe(verify=False))
     result = run_training(plan, workdir / "lora", report.train_events.append, lambda: None, registry=registry)
     if result.get("type") != "completed":
         raise AssertionError(f"training ended {result.get('type')}: {result}")
     return Path(str(result["outputs"]["lora"]))  # type: ignore[index]
+
+
+def kit_frames(spec: Any) -> int:
+    """The kit's clip: the shortest of more than one latent frame (5 on a 4k+1 lattice)."""
+    return int(spec.snap(spec.frame_offset + spec.frame_step))
+
+
+def _frames_of(engine: Any, family: FamilySpec) -> int:
+    session = engine.images.session
+    return kit_frames(family.video_of(session.source.checkpoint if session is not None else None))
+
+
+def registry_checkpoint(registry: Registry, folder: Path) -> Any:
+    """The checkpoint the folder is (its family table's match), as the engine resolves it."""
+    from engine.preflight.model import resolve_model
+
+    return resolve_model(registry, folder).checkpoint
 
 
 def _pixels(image: object) -> bytes:

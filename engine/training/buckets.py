@@ -10,6 +10,10 @@ bucket and centre-cropped: the crop is only the rounding remainder, never a
 square cut of a wide image. Images with the same bucket form one group, and
 every batch is drawn from one group (tensors in a batch share a shape).
 
+A video family's examples are clips of the run's window and images (one
+frame each): a bucket is (frames, width, height), so a clip and an image of
+one shape never share a batch.
+
 Aspect ratios past :data:`MAX_ASPECT` are cut to it (a 10:1 strip at 64 px
 would leave one latent row), and an image that must be enlarged more than
 :data:`UPSCALE_LIMIT` times to cover its bucket is trained anyway, with a
@@ -55,6 +59,8 @@ class Bucket:
     height: int
     #: Indices of the images (dataset order) trained at this size.
     images: tuple[int, ...]
+    #: Frames of each example (a clip's window; 1 for an image).
+    frames: int = 1
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,8 @@ class BucketPlan:
         return {
             "resolution": self.resolution,
             "side_multiple": self.multiple,
-            "buckets": [{"width": b.width, "height": b.height, "images": len(b.images)} for b in self.buckets],
+            "buckets": [{"width": b.width, "height": b.height, "frames": b.frames, "images": len(b.images)}
+                        for b in self.buckets],
             "warnings": list(self.warnings),
         }
 
@@ -82,7 +89,9 @@ class BucketPlan:
         """The bucket table as text: one line per bucket, then the warnings."""
         lines = [f"{len(self.buckets)} aspect bucket(s), about {self.resolution}x{self.resolution} pixels each, "
                  f"sides multiples of {self.multiple}:"]
-        lines += [f"  {b.width}x{b.height} ({b.width / b.height:.2f}:1)  {len(b.images)} image(s)" for b in self.buckets]
+        lines += [f"  {b.width}x{b.height} ({b.width / b.height:.2f}:1)"
+                  + (f" x {b.frames} frames  {len(b.images)} clip(s)" if b.frames > 1 else f"  {len(b.images)} image(s)")
+                  for b in self.buckets]
         lines += [f"  warning: {w}" for w in self.warnings]
         return lines
 
@@ -119,17 +128,20 @@ def fit(source: tuple[int, int], bucket: tuple[int, int]) -> Fit:
 
 def plan_buckets(
     sizes: Sequence[tuple[int, int]], names: Sequence[str], resolution: int, multiple: int,
-    warned: Collection[str] = (),
+    warned: Collection[str] = (), frames: Sequence[int] | None = None,
 ) -> BucketPlan:
     """Buckets for images of ``sizes`` (upright width, height), named ``names`` in warnings.
 
     ``warned``: names already reported as too small (the dataset report), not warned twice.
+    ``frames``: each example's frames (a video run's clips and images); None: all images.
     """
     fits = [fit(size, bucket_size(*size, resolution, multiple)) for size in sizes]
-    members: dict[tuple[int, int], list[int]] = {}
+    counts = list(frames) if frames is not None else [1] * len(fits)
+    members: dict[tuple[int, int, int], list[int]] = {}
     for index, item in enumerate(fits):
-        members.setdefault(item.bucket, []).append(index)
-    buckets = tuple(Bucket(w, h, tuple(members[(w, h)])) for w, h in sorted(members, key=lambda b: (b[0] / b[1], b)))
+        members.setdefault((*item.bucket, counts[index]), []).append(index)
+    buckets = tuple(Bucket(w, h, tuple(members[(w, h, n)]), n)
+                    for w, h, n in sorted(members, key=lambda b: (b[0] / b[1], b)))
     warnings: list[str] = []
     for name, item in zip(names, fits):
         w, h = item.source

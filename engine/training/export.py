@@ -107,8 +107,23 @@ def save_lora(
     plan: TrainingPlan, pipe: Any, denoiser: torch.nn.Module, output_dir: Path, *, registry: Registry,
 ) -> dict[str, str]:
     """The adapter in diffusers' key format (``transformer.<module>.lora_A.weight``,
-    what diffusers' own training scripts write; loads with ``load_lora_weights``)."""
+    what diffusers' own training scripts write; loads with ``load_lora_weights``).
+
+    Both experts of a two-expert run (:class:`~engine.training.experts.ExpertPair`) are
+    written one file each: the high-noise expert's here, the low-noise one's in
+    ``low_noise/`` (its outputs keyed ``..._low_noise``); each loads on its own, the second
+    with ``load_lora_weights(..., load_into_transformer_2=True)``."""
     from safetensors.torch import save_file
+
+    experts = getattr(denoiser, "experts", None)
+    if callable(experts):
+        from engine.training.experts import EXPERT_FOLDERS
+
+        outputs: dict[str, str] = {}
+        for name, module in experts().items():
+            saved = save_lora(plan, pipe, module, output_dir / EXPERT_FOLDERS[name], registry=registry)
+            outputs.update({key if name == "high" else f"{key}_low_noise": path for key, path in saved.items()})
+        return outputs
 
     output_dir.mkdir(parents=True, exist_ok=True)
     state = registry.lora_state_dict(plan.family, denoiser)  # engine_lora_state_dict
@@ -121,7 +136,7 @@ def save_lora(
               weight_name=LORA_WEIGHTS)
     else:
         save_file({f"{prefix}.{k}": v for k, v in state.items()}, str(lora_path))
-    outputs = {"lora": str(lora_path)}
+    outputs: dict[str, str] = {"lora": str(lora_path)}
     if plan.config.export_kohya:
         outputs["lora_kohya"] = str(export_kohya(plan, denoiser, state, output_dir))
     return outputs

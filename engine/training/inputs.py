@@ -1,5 +1,5 @@
 """The trainer's inputs, encoded once before the first step: a latent per
-image at its bucket's size, and an embedding per distinct prompt (from the
+image (or clip: its window's frames, each fitted as an image is) at its bucket's size, and an embedding per distinct prompt (from the
 on-disk prompt cache when this base encoded these prompts before).
 
 The caption options are met here (the trigger word, caption dropout's empty
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from PIL import Image, ImageOps
 
+from engine.preflight.clips import ClipWindow, read_window
 from engine.training.buckets import Fit, fit
 from engine.training.captions import CaptionOptions, choose, prompt_table
 from engine.training.preflight import TrainingPlan
@@ -54,15 +55,18 @@ def cache_inputs(
     stop check: a stop is honoured while caching).
     """
     for name, component in pipe.components.items():
-        if isinstance(component, torch.nn.Module) and name != plan.family.denoiser:
+        if isinstance(component, torch.nn.Module) and name not in plan.family.denoisers:
             component.to(device)
     size = plan.config.resolution
     latents = []
     for index, item in enumerate(plan.dataset.items):
         between()
         shape = plan.buckets.fits[index] if plan.buckets else fit(item.size, (size, size))
-        pixels = load_pixels(item.image, shape).to(device, dtype)
-        latents.append(runtime.encode_images(pipe, pixels)[0].to("cpu"))
+        if item.is_clip and plan.window is not None:
+            pixels = load_clip(item.image, shape, plan.window)
+        else:
+            pixels = load_pixels(item.image, shape)
+        latents.append(runtime.encode_images(pipe, pixels.to(device, dtype))[0].to("cpu"))
     config = plan.config
     prompts, per_image, empty = prompt_table(
         [item.caption for item in plan.dataset.items], CaptionOptions.from_config(config), config.seed
@@ -92,13 +96,25 @@ def cached_prompts(
     return embeddings
 
 
+def load_clip(path: Path, shape: Fit, window: ClipWindow) -> torch.Tensor:
+    """The clip's window (:func:`engine.preflight.clips.read_window`: sampled at the family's fps,
+    upright), each frame fitted as an image is, in [-1, 1], [1, 3, F, H, W]."""
+    frames = [_fitted(frame, shape) for frame in read_window(path, window)]
+    return torch.stack(frames, dim=1).unsqueeze(0)
+
+
 def load_pixels(path: Path, shape: Fit) -> torch.Tensor:
     """Upright RGB resized to cover ``shape.bucket`` and centre-cropped to it, in [-1, 1], [1, 3, H, W]."""
     with Image.open(path) as image:
         rgb = ImageOps.exif_transpose(image).convert("RGB")
+    return _fitted(rgb, shape).unsqueeze(0)
+
+
+def _fitted(rgb: Image.Image, shape: Fit) -> torch.Tensor:
+    """``rgb`` resized to cover the bucket and centre-cropped, in [-1, 1], [3, H, W]."""
     if rgb.size != shape.source:
         shape = fit(rgb.size, shape.bucket)  # the file changed since the preflight: fit what is there
     rgb = rgb.resize(shape.resized, Image.Resampling.BICUBIC).crop(shape.box)
     width, height = shape.bucket
     data = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(height, width, 3)
-    return (data.permute(2, 0, 1).float() / 127.5 - 1.0).unsqueeze(0)
+    return data.permute(2, 0, 1).float() / 127.5 - 1.0

@@ -8,8 +8,6 @@ never re-decides anything.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +33,11 @@ from engine.preflight.model import ModelSource, hub_access_error, lora_target_er
 from engine.training.buckets import BucketPlan, plan_buckets
 from engine.requests.training import TrainingConfig
 from engine.training.levers import TrainingLevers, resolve_levers
+from engine.training.output_dir import output_check
 from engine.training.resume import check_resume
 from engine.training.multigpu import check_each_device, rank_devices
+from engine.training.video_plan import ExpertChoice, clip_window, early_window, expert_choice, video_spec_of
+from engine.preflight.clips import ClipWindow
 from engine.contract.types import FamilySpec, TrainingObjective
 
 _T = TypeVar("_T")
@@ -68,6 +69,19 @@ class TrainingPlan:
     resume_changes: tuple[tuple[str, object, object], ...] = ()
     #: Whether the base's weights are here, and what a start would download (:func:`weights_report`).
     weights: dict[str, object] | None = None
+    #: A video family's clip window (frames at its fps); None for an image family.
+    window: ClipWindow | None = None
+    #: A two-expert base's trained expert(s) (:mod:`engine.training.video_plan`); None: one denoiser.
+    expert: Resolved[ExpertChoice] | None = None
+
+    @property
+    def trained_components(self) -> tuple[str, ...]:
+        """The pipeline components the LoRA goes on: the denoiser, or the expert(s) chosen."""
+        return self.expert.value.components if self.expert is not None else (self.family.denoiser,)
+
+    def frames_of(self, index: int) -> int:
+        """Frames dataset item ``index`` trains at: the window for a clip, 1 for an image."""
+        return self.window.frames if self.window is not None and self.dataset.items[index].is_clip else 1
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -94,6 +108,9 @@ class TrainingPlan:
             },
             "dataset": self.dataset.to_dict(),
             "buckets": self.buckets.to_dict() if self.buckets else None,
+            "window": {"frames": self.window.frames, "fps": self.window.fps, "short_clips": self.window.short}
+            if self.window else None,
+            "expert": {**self.expert.to_dict(), "value": self.expert.value.to_dict()} if self.expert else None,
         }
 
 
@@ -120,9 +137,10 @@ def preflight_training(
     # reports a missing dataset together with what the machine refuses.
     problems: list[PreflightError] = []
     resume_changes = _kept(problems, lambda: check_resume(config))  # the checkpoint read safely
+    window = early_window(registry, config)  # a video family's clips are judged against it
     dataset = _kept(problems, lambda: discover_dataset(config.dataset_dir, resolution=config.resolution,
-                                                       strict=config.strict))
-    _kept(problems, lambda: _output_check(config))
+                                                       strict=config.strict, window=window))
+    _kept(problems, lambda: output_check(config))
     plan: TrainingPlan | None = None
     try:
         plan = _planned(registry, config, hardware, available, resume_changes, dataset,
@@ -158,8 +176,12 @@ def _planned(
     objective = registry.training_objective(family)
     if objective is None:
         raise PreflightError(f"the {family.name} plugin provides no trainer", code="not_trainable")
+    window = clip_window(family, base.checkpoint, config)
+    expert = expert_choice(family, base, config)
     device = training_device(hardware, config.device, four_bit_base=family.training.base_precision_applies)
-    memory = memory_request(registry, family, base, config)
+    # Sized by the longest example: a clip's window where the dataset has clips.
+    clips = dataset is not None and any(item.is_clip for item in dataset.items)
+    memory = memory_request(registry, family, base, config, frames=window.frames if window and clips else 1)
     precision = (
         resolve_training_precision(
             registry, family, hardware, config.base_precision,
@@ -196,9 +218,18 @@ def _planned(
         weights=weights_report(base, registry.component_sizes(family, base.checkpoint)),
         buckets=plan_buckets(
             [item.size for item in dataset.items], [item.relative for item in dataset.items],
-            config.resolution, family.side_multiple, warned={name for name, _ in dataset.small},
+            config.resolution, _side_multiple(family, base), warned={name for name, _ in dataset.small},
+            frames=[window.frames if window and item.is_clip else 1 for item in dataset.items],
         ),
+        window=window,
+        expert=expert,
     )
+
+
+def _side_multiple(family: FamilySpec, base: ModelSource) -> int:
+    """Bucket sides: a video checkpoint's own multiple (TI2V-5B's 16x VAE x patch 2 = 32) where larger."""
+    spec = video_spec_of(family, base.checkpoint)
+    return max(family.side_multiple, spec.size_multiple if spec is not None else 1)
 
 
 def _family_and_base(
@@ -254,58 +285,9 @@ def _anchored(config: TrainingConfig, base: ModelSource) -> TrainingConfig:
     return config.model_copy(update=update)
 
 
-def _output_check(config: TrainingConfig) -> None:
-    """Refuse an ``output_dir`` that holds anything (a run never overwrites another's record or
-    LoRA), or that cannot be written (``/proc/1/nope``: found at the dry run, not at the first save)."""
-    folder = config.output_dir
-    if folder is None:
-        return
-    if folder.exists() or folder.is_symlink():
-        _check_empty_folder(folder)
-    _check_writable(folder)
-
-
-def _check_empty_folder(folder: Path) -> None:
-    """An ``output_dir`` that exists must be an empty folder."""
-    if not folder.is_dir():
-        raise PreflightError(
-            f"output_dir {folder} is a file, not a folder; give a new folder for the run",
-            code="output_exists",
-        )
-    try:
-        empty = next(folder.iterdir(), None) is None
-    except OSError as exc:
-        raise PreflightError(
-            f"output_dir {folder} cannot be read ({exc.strerror}); give a folder you can write",
-            code="output_exists",
-        ) from None
-    if not empty:
-        what = "an earlier run (run.json)" if (folder / "run.json").exists() else "files"
-        raise PreflightError(
-            f"output_dir {folder} already holds {what}; training there would overwrite them. "
-            "Give a new (or empty) folder, or move that one away",
-            code="output_exists",
-        )
-
-
-def _check_writable(folder: Path) -> None:
-    """Make (and remove) an empty folder where ``folder`` is or would be made: permission bits
-    do not say it (root passes every ``access`` check, and ``/proc`` refuses even root)."""
-    place = folder
-    while not os.path.lexists(place) and place != place.parent:
-        place = place.parent
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".diffusion-engine-probe-", dir=place))
-    except OSError as exc:
-        raise PreflightError(
-            f"output_dir {folder} cannot be written: making a folder in {place} failed "
-            f"({exc.strerror or type(exc).__name__}); give a folder you can write",
-            code="output_not_writable",
-        ) from None
-
-
-def _shape(config: TrainingConfig) -> TrainingShape:
+def _shape(config: TrainingConfig, frames: int | None = None) -> TrainingShape:
     return TrainingShape(
+        frames=frames or config.frames or 1,
         resolution=config.resolution,
         batch_size=config.batch_size,
         lora_rank=config.lora_rank,
@@ -315,10 +297,11 @@ def _shape(config: TrainingConfig) -> TrainingShape:
 
 
 def memory_request(
-    registry: Registry, family: FamilySpec, base: ModelSource, config: TrainingConfig
+    registry: Registry, family: FamilySpec, base: ModelSource, config: TrainingConfig, *, frames: int | None = None,
 ) -> MemoryRequest:
-    """The estimate's inputs: the base's own header sizes where it has them."""
-    shape = _shape(config)
+    """The estimate's inputs: the base's own header sizes where it has them; ``frames``: the
+    longest example's (a clip's window; 1 for images)."""
+    shape = _shape(config, frames)
     measured = base.measured_sizes
     if measured is not None and measured.transformer_gb > 0:
         facts = BaseFacts(

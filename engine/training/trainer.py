@@ -152,7 +152,6 @@ def _set_up(plan: TrainingPlan, emit: Emit, should_stop: StopCheck, registry: Re
     emit({"type": "phase", "phase": "loading", "message": f"loading {plan.base.location}"})
     pipe = _load_pipeline(plan, dtype)
     _check_stop(should_stop)
-    denoiser: torch.nn.Module = getattr(pipe, plan.family.denoiser)
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             component.requires_grad_(False)
@@ -160,12 +159,16 @@ def _set_up(plan: TrainingPlan, emit: Emit, should_stop: StopCheck, registry: Re
           "dataset": plan.dataset.to_dict(), "buckets": plan.buckets.to_dict() if plan.buckets else None})
     latents, conditioning, captions = cache_inputs(plan, pipe, runtime, device, dtype, lambda: _check_stop(should_stop))
     for name, component in pipe.components.items():
-        if isinstance(component, torch.nn.Module) and name != plan.family.denoiser:
+        if isinstance(component, torch.nn.Module) and name not in plan.trained_components:
             component.to("cpu")  # the encoders are done: give their memory back
-    added = _add_lora(plan, denoiser, registry)  # on the host: the base is converted after the adapter is in
-    placement = place_base(denoiser, plan.base_precision.value, plan.device)
+    trained = {name: getattr(pipe, name) for name in plan.trained_components}
+    placement = None
+    for module in trained.values():
+        added = _add_lora(plan, module, registry)  # on the host: the base is converted after the adapter is in
+        placement = place_base(module, plan.base_precision.value, plan.device) or placement
     if placement is not None:
         emit({"type": "phase", "phase": "placing", "message": placement.path})
+    denoiser = _trained_module(plan, pipe, list(trained.values()))
     params = [p for p in denoiser.parameters() if p.requires_grad]  # as placed on the device
     if plan.gradient_checkpointing.value and hasattr(denoiser, "enable_gradient_checkpointing"):
         denoiser.enable_gradient_checkpointing()
@@ -212,7 +215,8 @@ def _optimizer_step(plan: TrainingPlan, run: _Run, step: int, replicas: Replicas
                 for slot, (_, image) in zip(slots, shard)]
         cond = {k: v[rows].to(device) for k, v in run.conditioning.items()}
         draws = example_generators(config.seed, step, slots)
-        noisy, timesteps, target = _noise(plan, x0, run.noise_schedule, draws, chosen.flow_shift.value)
+        noisy, timesteps, target = _noise(plan, x0, run.noise_schedule, draws, chosen.flow_shift.value,
+                                          plan.expert.value.sigma_range() if plan.expert else (0.0, 1.0))
         with replicas.no_sync(run.forward, last=micro == config.grad_accumulation - 1):
             prediction = run.runtime.predict(run.pipe, run.forward, noisy, timesteps, cond)
             loss = levers.weighted_mse(prediction, target, str(chosen.loss_weighting.value),
@@ -321,6 +325,18 @@ def _add_lora(plan: TrainingPlan, denoiser: torch.nn.Module, registry: Registry)
     return how
 
 
+def _trained_module(plan: TrainingPlan, pipe: Any, modules: list[torch.nn.Module]) -> torch.nn.Module:
+    """The module the loop trains: the one denoiser, or both experts as one (each row to the
+    expert of its timestep, at the pipeline's boundary)."""
+    if len(modules) == 1:
+        return modules[0]
+    from engine.training.experts import ExpertPair
+
+    assert plan.expert is not None
+    steps = float(getattr(pipe.scheduler.config, "num_train_timesteps", 1000))
+    return ExpertPair(modules[0], modules[1], plan.expert.value.boundary * steps)
+
+
 def _compiled(plan: TrainingPlan, denoiser: torch.nn.Module) -> torch.nn.Module:
     if plan.compile.value == "regional":
         regions = set(plan.family.compile_regions)
@@ -332,8 +348,12 @@ def _compiled(plan: TrainingPlan, denoiser: torch.nn.Module) -> torch.nn.Module:
 
 def _noise(
     plan: TrainingPlan, x0: torch.Tensor, schedule: Any, draws: list[torch.Generator], shift: float | None = None,
+    sigma_range: tuple[float, float] = (0.0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Noise and a timestep per example, each from that example's own generator (``draws``).
+
+    Flow matching draws a sigma the family's way, shifts it, and maps it into
+    ``sigma_range`` (one expert's range of a two-expert base; the whole schedule otherwise).
 
     The noise is drawn straight into its rows of one batch tensor (no per-example tensors
     to stack: a video latent's noise is tens of MB an example), the same values a
@@ -347,7 +367,11 @@ def _noise(
             sigmas = torch.sigmoid(torch.cat([torch.randn(1, generator=g) for g in draws]))
         else:
             sigmas = torch.cat([torch.rand(1, generator=g) for g in draws])
-        sigmas = levers.shift_sigmas(sigmas, shift).to(x0.device)
+        low, high = sigma_range
+        sigmas = levers.shift_sigmas(sigmas, shift)
+        if (low, high) != (0.0, 1.0):
+            sigmas = low + (high - low) * sigmas
+        sigmas = sigmas.to(x0.device)
         s = sigmas.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
         return (1 - s) * x0 + s * noise, sigmas, noise - x0
     steps = int(schedule.config.num_train_timesteps)

@@ -13,15 +13,21 @@ Every Wan VAE compresses time by 4 after a first frame of its own: a clip is
 """
 
 from engine.contract.types import (
+    ActivationFigures,
     Capabilities,
     Checkpoint,
     ComponentSizes,
     FamilySpec,
     LatentGeometry,
     LoraLayout,
+    LoraTargetShape,
+    MemoryProbe,
     PrecisionRules,
     QuantRules,
     SingleFileLayout,
+    TrainingDefaults,
+    TrainingMemoryFigures,
+    TrainingObjective,
     TrainingSpec,
     VideoMemory,
     VideoSpec,
@@ -36,15 +42,43 @@ _MEMORY_14B = VideoMemory(denoiser_per_token=56.83e3, decode_tile_elements=_VAE2
 _MEMORY_5B = VideoMemory(denoiser_per_token=41.47e3, decode_tile_elements=_VAE22_TILE)
 
 #: Wan 2.1's clips: 16 fps, 81 frames; 480p (the 1.3B) and 720p (the 14B).
+#: A LoRA run trains 33-frame windows by default (about 2 s at 16 fps): the length the common
+#: Wan LoRA recipes (diffusion-pipe's frame buckets, musubi-tuner's target frames) train motion at.
+_TRAIN_FRAMES = 33
 _WAN21_480P = VideoSpec(fps=16, default_frames=81, presets=((832, 480), (480, 832)), min_frames=5, max_frames=121,
-                        memory=_MEMORY_1_3B)
+                        memory=_MEMORY_1_3B, training_frames=_TRAIN_FRAMES)
 _WAN21_720P = VideoSpec(fps=16, default_frames=81, presets=((1280, 720), (720, 1280), (832, 480), (480, 832)),
-                        min_frames=5, max_frames=121, memory=_MEMORY_14B)
+                        min_frames=5, max_frames=121, memory=_MEMORY_14B, training_frames=_TRAIN_FRAMES)
 #: Wan 2.2 TI2V-5B: 24 fps, 121 frames, 704p, sides in multiples of 32.
 _WAN22_TI2V = VideoSpec(fps=24, default_frames=121, presets=((1280, 704), (704, 1280)), min_frames=5,
-                        max_frames=121, size_multiple=32, memory=_MEMORY_5B)
+                        max_frames=121, size_multiple=32, memory=_MEMORY_5B, training_frames=_TRAIN_FRAMES)
 
 _UMT5_GB = 11.4
+#: The original checkpoint's attention Linears and diffusers' names for them.
+_ATTENTION = (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"))
+#: What a LoRA step on the 1.3B keeps, per token (``python -m engine.testing.memory_figures --derive
+#: --families wan``: a bf16 step, rank 16, real width, 1 and 2 blocks, 256 and 512 px, 9 frames).
+#: An image token here is one token of a clip: latent frames x (side / 16) squared.
+_TRAINING_MEMORY = TrainingMemoryFigures(
+    activations=ActivationFigures(
+        block_per_image_token=55298.0,
+        block_per_text_token=12354.0,
+        checkpointed_block_per_image_token=4612.0,
+        checkpointed_block_per_text_token=0.0,
+        outside_per_image_token=17212.0,
+        outside_per_text_token=0.0,
+        blocks=30,
+        text_tokens=512,
+        checkpointed_outside_per_image_token=14136.0,
+        checkpointed_outside_per_text_token=1536.0,
+    ),
+    lora_targets=(
+        LoraTargetShape("to_k", 1536, 1536, 60),
+        LoraTargetShape("to_out.0", 1536, 1536, 60),
+        LoraTargetShape("to_q", 1536, 1536, 60),
+        LoraTargetShape("to_v", 1536, 1536, 60),
+    ),
+)
 _I2V = (("img2vid", "WanImageToVideoPipeline"),)
 
 WAN = FamilySpec(
@@ -107,8 +141,8 @@ WAN = FamilySpec(
     cache_context_pipelines=("WanPipeline", "WanImageToVideoPipeline"),
     capabilities=Capabilities(step_cache=True, attention_dispatcher=True, peft_adapters=True,
                               regional_compile=True, pipeline_lora=True),
-    # No runtime module: WanPipeline encodes its own prompts; the family is not trainable yet.
-    runtime_module="",
+    # The trainer's torch code (prompts, clips to latents, the model call); inference needs none.
+    runtime_module="families.wan.runtime",
     tiny_pipeline="families.wan.tiny:build_tiny_pipeline",
     quantisation=QuantRules(
         prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*nf4*"),
@@ -123,8 +157,45 @@ WAN = FamilySpec(
         # ``diffusion_model.blocks.N`` / kohya's ``lora_unet_blocks_N``) and the original's
         # self_attn / cross_attn; other DiTs name theirs ``transformer_blocks``, UNets ``attn1``.
         key_markers=("transformer.blocks.", "diffusion_model.blocks.", "lora_unet_blocks_", "self_attn", "cross_attn"),
+        # The kohya / ComfyUI export names modules as the original checkpoint does (musubi-tuner's
+        # layout, ``lora_unet_blocks_0_self_attn_q``), which ComfyUI's Wan loader and diffusers read.
+        kohya_map=(
+            *((f"blocks_{{i}}_self_attn_{o}", (f"blocks.{{i}}.attn1.{d}",)) for o, d in _ATTENTION),
+            *((f"blocks_{{i}}_cross_attn_{o}", (f"blocks.{{i}}.attn2.{d}",)) for o, d in _ATTENTION),
+            ("blocks_{i}_cross_attn_k_img", ("blocks.{i}.attn2.add_k_proj",)),
+            ("blocks_{i}_cross_attn_v_img", ("blocks.{i}.attn2.add_v_proj",)),
+            ("blocks_{i}_ffn_0", ("blocks.{i}.ffn.net.0.proj",)),
+            ("blocks_{i}_ffn_2", ("blocks.{i}.ffn.net.2",)),
+        ),
     ),
-    training=TrainingSpec(dense_gb=2.84),
+    training=TrainingSpec(
+        dense_gb=2.84,
+        base_precision_applies=True,
+        requires_bf16=True,  # bf16-native: fp16 overflows (PrecisionRules below)
+        objective=TrainingObjective(prediction="flow_matching", timestep_sampling="uniform"),
+        # Wan LoRA recipes (musubi-tuner's Wan guide: shift sampling, discrete_flow_shift 3.0;
+        # the 480p scheduler's own shift) train on uniformly drawn, shifted sigmas.
+        defaults=TrainingDefaults(
+            learning_rate=1e-4, warmup_steps=0, flow_shift=3.0,
+            source="Wan 2.1 LoRA recipes: uniform sigmas shifted by 3.0 (the 480p scheduler's shift), LR 1e-4",
+        ),
+        # How engine.testing.memory_figures builds the denoiser: Wan 2.1 T2V-1.3B at its real
+        # width (12 heads of 128, FFN 8960), reduced depths, clips of 9 frames (3 latent frames).
+        probe=MemoryProbe(
+            model_class="WanTransformer3DModel",
+            blocks=("WanTransformerBlock",),
+            text_tokens=512,  # UMT5 padded to WanPipeline's max_sequence_length
+            text_dim="text_dim",
+            full={"num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30},
+            derive={"num_layers": 1},
+            deeper={"num_layers": 2},
+            check={"num_layers": 3},
+            narrow={"num_attention_heads": 2, "ffn_dim": 512, "num_layers": 1},
+            frames=9,
+            check_frames=(17, 33),
+        ),
+        memory=_TRAINING_MEMORY,
+    ),
     precision=PrecisionRules(
         fp16_unsafe=(("denoiser", "Wan's DiT is bf16-native: under fp16 its activations overflow"),),
         keep_fp32=(("vae", "the Wan VAE decodes in fp32 (bf16 gives banding and black frames)"),),

@@ -1,0 +1,211 @@
+"""Training clips: probe a video file before a run, and read its window as the trainer trains it.
+
+One module reads clips for both, so the preflight checks exactly what the
+trainer will read. Decoding goes through PyAV (its wheels carry ffmpeg).
+
+The probe runs before anything is evicted. A clip is refused, named, when it
+is empty (0 bytes or no frames), has no video stream, cannot be opened or
+decoded, or is absurd by its header alone: a frame over the pixel cap, or
+more frames or seconds than :data:`MAX_CLIP_FRAMES` / :data:`MAX_CLIP_SECONDS`
+(refused before a frame is decoded, so a crafted header costs nothing).
+Frames are decoded as far as the run's window reaches (the whole clip when
+the probe has no window): what lies past it is never trained on.
+
+The window: ``frames`` frames sampled at the family's ``fps`` from the start of
+the clip, by each frame's own timestamp (a 30 fps source trained at 16 fps
+takes the frame shown at each 1/16 s; a variable frame rate clip, named in the
+report, is sampled the same way, by its timestamps, not by frame index). A
+clip shorter than the window is refused (``short_clips="refuse"``) or padded
+by holding its last frame (``"pad"``); a longer one is cut, with a note. The
+display rotation (a phone's portrait clip) is applied to every frame, and the
+clip's size is its upright size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+#: The clip containers a dataset may hold.
+CLIP_EXTENSIONS: tuple[str, ...] = (".mp4", ".mov", ".mkv", ".webm", ".m4v")
+#: Header caps, checked before decoding: no training clip is an hour long or 100k frames.
+MAX_CLIP_FRAMES = 100_000
+MAX_CLIP_SECONDS = 3600.0
+#: A clip whose frame intervals differ by more than this ratio has a variable frame rate.
+VARIABLE_RATE_RATIO = 1.5
+
+
+@dataclass(frozen=True)
+class ClipWindow:
+    """What a run trains of each clip: ``frames`` frames at ``fps``, short clips refused or padded."""
+
+    frames: int
+    fps: float
+    short: str = "refuse"
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.fps
+
+
+@dataclass(frozen=True)
+class ClipInfo:
+    """What the probe found: the upright size, the frames decoded and their times."""
+
+    #: (width, height) upright (after the display rotation).
+    size: tuple[int, int]
+    #: Frames decoded (as far as the window reaches), and the clip's length in seconds.
+    frames: int
+    seconds: float
+    #: The stream's average rate (frames per second), from its header or its timestamps.
+    fps: float
+    #: Degrees counter-clockwise the frames are turned for display (0, 90, 180, 270).
+    rotation: int = 0
+    variable_rate: bool = False
+    #: Frames the window samples from the clip's own (before padding).
+    window_frames: int = 0
+
+
+class ClipProblem(Exception):
+    """Why a clip cannot be trained on, in words for the dataset report."""
+
+
+def probe_clip(path: Path, max_pixels: int, window: ClipWindow | None = None) -> ClipInfo:
+    """The clip's facts, decoded as far as ``window`` reaches; :class:`ClipProblem` says what is wrong."""
+    if path.stat().st_size == 0:
+        raise ClipProblem("empty file (0 bytes)")
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ClipProblem("no video stream (an audio-only or data file)")
+            stream = container.streams.video[0]
+            _check_header(stream, container, max_pixels)
+            limit = window.seconds + 1.0 / window.fps if window is not None else None
+            times, rotation, size = _decode(container, stream, limit)
+    except ClipProblem:
+        raise
+    except (av.error.FFmpegError, ValueError, IndexError, UnicodeDecodeError) as exc:
+        raise ClipProblem(f"cannot be decoded as a video ({str(exc).strip()[:200]})") from None
+    if not times:
+        raise ClipProblem("no frames (a zero-length clip)")
+    rate = _rate(stream, times)
+    seconds = _length(times, rate)
+    upright = size if rotation % 180 == 0 else (size[1], size[0])
+    return ClipInfo(
+        size=upright, frames=len(times), seconds=seconds, fps=rate, rotation=rotation,
+        variable_rate=_variable(times),
+        window_frames=min(window.frames, _samples(seconds, window.fps)) if window is not None else 0,
+    )
+
+
+def _check_header(stream: Any, container: Any, max_pixels: int) -> None:
+    width, height = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
+    if width * height > max_pixels:
+        raise ClipProblem(f"absurd size: {width}x{height} frames are over the {max_pixels:,}-pixel limit")
+    if int(stream.frames or 0) > MAX_CLIP_FRAMES:
+        raise ClipProblem(f"absurd length: its header says {stream.frames:,} frames (the limit is {MAX_CLIP_FRAMES:,})")
+    seconds = _header_seconds(stream, container)
+    if seconds is not None and seconds > MAX_CLIP_SECONDS:
+        raise ClipProblem(f"absurd length: its header says {seconds:,.0f} s (the limit is {MAX_CLIP_SECONDS:,.0f} s)")
+
+
+def _header_seconds(stream: Any, container: Any) -> float | None:
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return float(container.duration) / 1_000_000  # AV_TIME_BASE
+    return None
+
+
+def _decode(container: Any, stream: Any, limit: float | None) -> tuple[list[float], int, tuple[int, int]]:
+    """Each decoded frame's time, the display rotation and the coded size; stops past ``limit`` s."""
+    times: list[float] = []
+    rotation, size = 0, (0, 0)
+    start: float | None = None
+    for frame in container.decode(stream):
+        time = float(frame.time) if frame.time is not None else len(times) / float(stream.average_rate or 1)
+        start = time if start is None else start
+        if not times:
+            rotation, size = _rotation(frame), (frame.width, frame.height)
+        times.append(time - start)
+        if len(times) > MAX_CLIP_FRAMES:
+            raise ClipProblem(f"absurd length: over {MAX_CLIP_FRAMES:,} frames")
+        if limit is not None and times[-1] >= limit:
+            break
+    return times, rotation, size
+
+
+def _rotation(frame: Any) -> int:
+    """The display rotation in whole quarter turns, counter-clockwise degrees."""
+    angle = getattr(frame, "rotation", 0) or 0
+    return int(round(float(angle) / 90.0)) * 90 % 360
+
+
+def _rate(stream: Any, times: list[float]) -> float:
+    rate = float(stream.average_rate or 0)
+    if rate <= 0 and len(times) > 1 and times[-1] > 0:
+        rate = (len(times) - 1) / times[-1]
+    return rate or 1.0
+
+
+def _length(times: list[float], rate: float) -> float:
+    """The clip's length: its last frame's time plus one frame."""
+    return times[-1] + 1.0 / rate
+
+
+def _variable(times: list[float]) -> bool:
+    steps = [b - a for a, b in zip(times, times[1:]) if b > a]
+    return len(steps) > 1 and max(steps) / min(steps) > VARIABLE_RATE_RATIO
+
+
+def _samples(seconds: float, fps: float) -> int:
+    """Window frames a clip of ``seconds`` holds at ``fps`` (the times ``i / fps`` inside it)."""
+    return max(1, math.ceil(seconds * fps - 1e-6))
+
+
+def read_window(path: Path, window: ClipWindow) -> list[Image.Image]:
+    """The window's frames, upright RGB: ``window.frames`` of them, sampled by timestamp at
+    ``window.fps``; a short clip's last frame is held (``pad``; the preflight refused it otherwise)."""
+    import av
+
+    wanted = [index / window.fps for index in range(window.frames)]
+    picked: list[Image.Image] = []
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        start: float | None = None
+        previous: Any = None
+        time = 0.0
+        for frame in container.decode(stream):
+            time = float(frame.time) if frame.time is not None else 0.0
+            start = time if start is None else start
+            time -= start
+            # Every wanted time before this frame shows the previous frame (the one on screen then).
+            while previous is not None and len(picked) < len(wanted) and wanted[len(picked)] < time - 1e-6:
+                picked.append(_upright(previous))
+            previous = frame
+            if len(picked) == len(wanted):
+                break
+        if previous is not None and len(picked) < len(wanted):
+            length = time + 1.0 / float(stream.average_rate or window.fps)
+            while len(picked) < len(wanted) and wanted[len(picked)] < length - 1e-6:
+                picked.append(_upright(previous))
+    if not picked:
+        raise ClipProblem("no frames (a zero-length clip)")
+    while len(picked) < len(wanted):
+        picked.append(picked[-1])  # pad: hold the last frame
+    return picked
+
+
+def _upright(frame: Any) -> Image.Image:
+    image = frame.to_image().convert("RGB")
+    rotation = _rotation(frame)
+    return image.rotate(rotation, expand=True) if rotation else image
+
+
+__all__ = ["CLIP_EXTENSIONS", "ClipInfo", "ClipProblem", "ClipWindow", "probe_clip", "read_window"]
