@@ -210,3 +210,27 @@ def test_thumbnails_decode_once_and_take_the_input_header_cap(site: Site, monkey
     from engine.preflight.images import MAX_INPUT_PIXELS
 
     assert library.DatasetLibrary((site.root,), lambda _: None).max_pixels == MAX_INPUT_PIXELS
+
+
+def test_clips_are_uploaded_checked_listed_and_thumbnailed_by_their_first_frame(site: Site, tmp_path: Path) -> None:
+    from engine.testing.datasets import write_clip
+
+    clip = write_clip(tmp_path / "slide.mp4", frames=9, size=(64, 48)).read_bytes()
+    refused = call(site, "POST", "/moving/images", files=[("files", ("ok.mp4", clip, "video/mp4")),
+                                                          ("files", ("cut.mp4", clip[:200], "video/mp4"))])
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_image"
+    assert "cut.mp4" in refused.json()["error"]["message"] and not (site.root / "moving" / "ok.mp4").exists()
+    added = call(site, "POST", "/moving/images", files=[("files", ("slide.mp4", clip, "video/mp4")),
+                                                        ("files", ("still.png", png(), "image/png"))])
+    assert added.status_code == 201 and added.json()["count"] == 2
+    shown = {i["image"]: i for i in call(site, "GET", "/moving").json()["images"]}
+    assert (shown["slide.mp4"]["kind"], shown["slide.mp4"]["width"], shown["slide.mp4"]["height"]) == ("clip", 64, 48)
+    assert shown["slide.mp4"]["seconds"] == pytest.approx(9 / 16, abs=0.07) and shown["still.png"]["kind"] == "image"
+    thumbnail = call(site, "GET", "/moving/thumbnails/slide.mp4", params={"size": 32})
+    assert thumbnail.status_code == 200
+    first = Image.open(io.BytesIO(thumbnail.content)).convert("RGB")
+    assert first.size == (32, 24)
+    # The first frame's square sits at the left edge (it slides right in later frames).
+    assert first.getpixel((4, 12))[0] > 200 and first.getpixel((28, 12))[0] < 200
+    report = discover_dataset(site.root / "moving")
+    assert {item.relative: item.is_clip for item in report.items} == {"slide.mp4": True, "still.png": False}

@@ -202,10 +202,33 @@ def read_window(path: Path, window: ClipWindow) -> list[Image.Image]:
     return picked
 
 
+def first_frame(path: Path) -> Image.Image:
+    """The clip's first frame, upright (the dataset manager's thumbnail)."""
+    return read_window(path, ClipWindow(frames=1, fps=1.0))[0]
+
+
+def clip_header(path: Path) -> tuple[int, int, float | None]:
+    """Upright width, height and the header's seconds, without decoding (the dataset listing);
+    :class:`ClipProblem` where the container or its video stream cannot be read."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ClipProblem("no video stream (an audio-only or data file)")
+            stream = container.streams.video[0]
+            width, height = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
+            seconds = _header_seconds(stream, container)
+    except av.error.FFmpegError as exc:
+        raise ClipProblem(f"cannot be read as a video ({str(exc).strip()[:200]})") from None
+    return width, height, seconds
+
+
 def _upright(frame: Any) -> Image.Image:
     image = frame.to_image().convert("RGB")
     rotation = _rotation(frame)
     return image.rotate(rotation, expand=True) if rotation else image
 
 
-__all__ = ["CLIP_EXTENSIONS", "ClipInfo", "ClipProblem", "ClipWindow", "probe_clip", "read_window"]
+__all__ = ["CLIP_EXTENSIONS", "ClipInfo", "ClipProblem", "ClipWindow", "clip_header", "first_frame", "probe_clip",
+           "read_window"]

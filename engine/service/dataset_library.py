@@ -37,6 +37,7 @@ from PIL import Image
 from engine.errors import EngineError
 from engine.places import NAME_MAX, within
 from engine.preflight.images import MAX_INPUT_PIXELS
+from engine.preflight.clips import CLIP_EXTENSIONS, ClipProblem, clip_header, first_frame, probe_clip
 from engine.preflight.dataset import (
     CAPTION_EXTENSIONS,
     DEFAULT_MAX_PIXELS,
@@ -119,14 +120,18 @@ class DatasetLibrary:
             if key in _THUMBNAILS:
                 _THUMBNAILS.move_to_end(key)
                 return _THUMBNAILS[key]
-            problem, _ = decode_image(path, self.max_pixels)
+            problem = _problem(path, self.max_pixels)
             if problem:
                 raise EngineError(f"{name}/{image}: {problem}", code="invalid_image")
-            with Image.open(path) as opened:
-                upright = ImageOps.exif_transpose(opened)
-                upright.thumbnail((size, size))
-                out = io.BytesIO()
-                upright.convert("RGBA" if upright.mode in ("RGBA", "LA", "P") else "RGB").save(out, "PNG")
+            if _is_clip(path):  # a clip's thumbnail is its first frame, upright
+                upright = first_frame(path)
+            else:
+                with Image.open(path) as opened:
+                    upright = ImageOps.exif_transpose(opened)
+                    upright.load()
+            upright.thumbnail((size, size))
+            out = io.BytesIO()
+            upright.convert("RGBA" if upright.mode in ("RGBA", "LA", "P") else "RGB").save(out, "PNG")
             _THUMBNAILS[key] = out.getvalue()
             while len(_THUMBNAILS) > THUMBNAILS_KEPT:
                 _THUMBNAILS.popitem(last=False)
@@ -159,7 +164,7 @@ class DatasetLibrary:
                 temporary.write_bytes(data)
                 staged.append((temporary, folder / target))
                 with _DECODE:
-                    problem, _ = decode_image(temporary, self.max_pixels)
+                    problem = _problem(temporary, self.max_pixels, Path(target).suffix)
                 if problem:
                     raise EngineError(f"{target}: {problem}; nothing was added", code="invalid_image")
             for temporary, final in staged:
@@ -243,8 +248,9 @@ class DatasetLibrary:
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:
             raise EngineError(f"{image!r} is not an image path inside the dataset", code="path_outside_roots")
         path = folder / relative
-        if path.suffix.lower() not in IMAGE_EXTENSIONS:
-            raise EngineError(f"{image!r} is not an image ({', '.join(IMAGE_EXTENSIONS)})", code="invalid_image")
+        if path.suffix.lower() not in MEDIA_EXTENSIONS:
+            raise EngineError(f"{image!r} is not an image or a clip ({', '.join(MEDIA_EXTENSIONS)})",
+                              code="invalid_image")
         _confined(folder, path)
         if not path.is_file():
             raise EngineError(f"no image {image!r} in dataset {folder.name}", code="image_not_found")
@@ -258,8 +264,8 @@ class DatasetLibrary:
         if "/" in name or name in ("", ".", "..") or name.startswith(".") or "\x00" in name:
             raise EngineError(f"upload name {filename!r} must be a plain file name (no folders, not hidden)",
                               code="path_outside_roots")
-        if Path(name).suffix.lower() not in IMAGE_EXTENSIONS:
-            raise EngineError(f"{filename!r} is not an image file name ({', '.join(IMAGE_EXTENSIONS)})",
+        if Path(name).suffix.lower() not in MEDIA_EXTENSIONS:
+            raise EngineError(f"{filename!r} is not an image or clip file name ({', '.join(MEDIA_EXTENSIONS)})",
                               code="invalid_image")
         return name
 
@@ -275,7 +281,7 @@ class DatasetLibrary:
     def _images(self, folder: Path) -> list[dict[str, object]]:
         files, _, _ = confined_files(folder)
         captions = _metadata(folder)
-        return [self._entry(folder, path, captions) for path in files if path.suffix.lower() in IMAGE_EXTENSIONS]
+        return [self._entry(folder, path, captions) for path in files if path.suffix.lower() in MEDIA_EXTENSIONS]
 
     def _entry(self, folder: Path, path: Path, captions: dict[str, str] | None = None) -> dict[str, object]:
         relative = path.relative_to(folder).as_posix()
@@ -286,14 +292,43 @@ class DatasetLibrary:
             sidecar = next((path.with_suffix(e) for e in CAPTION_EXTENSIONS if path.with_suffix(e).is_file()), None)
             caption = sidecar.read_text(encoding="utf-8").strip() if sidecar else ""
             source = sidecar.name if sidecar else None
+        seconds: float | None = None
         try:
-            with Image.open(path) as opened:  # the header only
-                width, height, problem = opened.width, opened.height, None
+            if _is_clip(path):  # the container's header only
+                width, height, seconds = clip_header(path)
+                problem = None
+            else:
+                with Image.open(path) as opened:  # the header only
+                    width, height, problem = opened.width, opened.height, None
+        except ClipProblem as exc:
+            width = height = 0
+            problem = str(exc)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
             width = height = 0
             problem = f"not a readable image ({exc})"
         return {"image": relative, "caption": caption, "caption_source": source if caption else None,
-                "width": width, "height": height, "bytes": path.stat().st_size, "problem": problem}
+                "width": width, "height": height, "bytes": path.stat().st_size, "problem": problem,
+                "kind": "clip" if _is_clip(path) else "image", "seconds": seconds}
+
+
+#: What a dataset holds: images and clips (an image trains as a one-frame clip on a video family).
+MEDIA_EXTENSIONS: tuple[str, ...] = (*IMAGE_EXTENSIONS, *CLIP_EXTENSIONS)
+
+
+def _is_clip(path: Path, suffix: str | None = None) -> bool:
+    return (suffix or path.suffix).lower() in CLIP_EXTENSIONS
+
+
+def _problem(path: Path, max_pixels: int, suffix: str | None = None) -> str | None:
+    """Why ``path`` (an upload keeps its name's ``suffix``) cannot be trained on, decoded in full
+    under the pixel cap; None when it reads."""
+    if not _is_clip(path, suffix):
+        return decode_image(path, max_pixels)[0]
+    try:
+        probe_clip(path, max_pixels)
+    except ClipProblem as exc:
+        return str(exc)
+    return None
 
 
 def _confined(folder: Path, path: Path) -> Path:
