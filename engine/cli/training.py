@@ -137,15 +137,24 @@ def _resumed_run(engine, args: argparse.Namespace) -> dict[str, object]:  # type
 
 
 def _print_training_plan(plan) -> None:  # type: ignore[no-untyped-def]
+    clips = plan.dataset.clips
+    examples = f"{clips} clip(s) and {len(plan.dataset.items) - clips} image(s)" if clips else \
+        f"{len(plan.dataset.items)} images"
     print(f"{plan.family.label} LoRA on {plan.hardware.name} ({plan.hardware.device_name}); "
-          f"device {plan.device}; {plan.steps} steps over {len(plan.dataset.items)} images")
+          f"device {plan.device}; {plan.steps} steps over {examples}")
+    if plan.window is not None:
+        print(f"  window                 {plan.window.frames} frames at {plan.window.fps:g} fps "
+              f"({plan.window.seconds:.2f} s); short clips: {plan.window.short}")
     decided = [(name, getattr(plan, name)) for name in
                ("base_precision", "weight_dtype", "compile", "gradient_checkpointing")]
+    if plan.expert is not None:
+        decided.append(("expert", plan.expert))
     if plan.levers is not None:
         decided += [(name, getattr(plan.levers, name)) for name in plan.levers.__dataclass_fields__]
     for name, resolved in decided:
         label = "Auto" if resolved.source == "auto" else "Set"
-        print(f"  {name:<22} {str(resolved.value):<10} {label}: {resolved.reason}")
+        value = getattr(resolved.value, "name", resolved.value)  # an expert choice prints its name
+        print(f"  {name:<22} {str(value):<10} {label}: {resolved.reason}")
     print(f"  lora targets    {', '.join(plan.lora_targets)}")
     if plan.weights is not None and not plan.weights["here"]:
         print(f"  weights         {plan.weights['note']}")
