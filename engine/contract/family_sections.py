@@ -242,8 +242,9 @@ class MemoryProbe:
     pooled_dim: int = 0
     #: Blocks that see one stream only, each counted as half a block (a pair is one block's work).
     half_blocks: tuple[str, ...] = ()
-    #: A video family's clip length the tool derives with (1: images), and the lengths it checks.
+    #: A video family's clip length the tool derives with (1: images).
     frames: int = 1
+    #: The clip lengths its accuracy check runs (empty: ``frames`` only).
     check_frames: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
