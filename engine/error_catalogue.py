@@ -152,7 +152,11 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("not_trainable", 400, "The family's plugin provides no trainer."),
     # -- datasets and LoRAs ---------------------------------------------------------------
     ErrorCode("bad_dataset", 400, "A dataset image cannot be decoded, or a caption cannot be read."),
-    ErrorCode("empty_dataset", 400, "The dataset folder holds no images."),
+    ErrorCode("empty_dataset", 400, "The dataset folder holds no images or clips."),
+    ErrorCode("short_clips", 400, "Dataset clips are shorter than the training window (--frames at the family's "
+              "fps); the message names them. Use fewer frames, longer clips, or --short-clips pad."),
+    ErrorCode("no_second_expert", 400, "--expert names a high- or low-noise expert, but the base has one "
+              "denoiser; drop --expert."),
     ErrorCode("dataset_in_use", 409, "A training run (here, or in another process sharing the runs folder) is "
               "using this dataset; change it when the run has finished."),
     ErrorCode("image_exists", 409, "A dataset already has an image of this name (or the upload names one twice); "

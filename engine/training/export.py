@@ -119,11 +119,11 @@ def save_lora(
     if callable(experts):
         from engine.training.experts import EXPERT_FOLDERS
 
-        outputs: dict[str, str] = {}
+        both: dict[str, str] = {}
         for name, module in experts().items():
             saved = save_lora(plan, pipe, module, output_dir / EXPERT_FOLDERS[name], registry=registry)
-            outputs.update({key if name == "high" else f"{key}_low_noise": path for key, path in saved.items()})
-        return outputs
+            both.update({key if name == "high" else f"{key}_low_noise": path for key, path in saved.items()})
+        return both
 
     output_dir.mkdir(parents=True, exist_ok=True)
     state = registry.lora_state_dict(plan.family, denoiser)  # engine_lora_state_dict

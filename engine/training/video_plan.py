@@ -123,9 +123,14 @@ def _experts_present(family: FamilySpec, base: ModelSource) -> tuple[str, ...]:
     base by its checkpoint (one with a second expert's guidance has the second expert)."""
     index = _index(base)
     if index is not None:
-        return tuple(name for name in family.experts if isinstance(index.get(name), list) and index[name][0])
+        return tuple(name for name in family.experts if _named(index.get(name)))
     checkpoint = base.checkpoint
     return family.experts if checkpoint is not None and checkpoint.expert_guidance is not None else ()
+
+
+def _named(entry: object) -> bool:
+    """A ``model_index.json`` component entry that names a class (``[library, class]``, not ``[null, null]``)."""
+    return isinstance(entry, list) and bool(entry) and entry[0] is not None
 
 
 def _boundary(base: ModelSource) -> float:
