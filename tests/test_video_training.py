@@ -277,3 +277,14 @@ def test_a_clip_run_that_cannot_fit_is_refused_naming_what_would(clips: Path) ->
     fits = config.model_copy(update={"frames": 17, "resolution": 480, "gradient_checkpointing": True})
     plan = preflight_training(REGISTRY, fits, PRESETS["rtx4090"], fetch=False)
     assert plan.memory is not None and plan.memory.peak_gb < 24
+
+
+def test_an_int8_base_trains_a_clip_lora_on_the_cpu(tiny_pipeline: Callable[[str], Path], clips: Path,
+                                                    tmp_path: Path) -> None:
+    """torchao int8 on the host, block by block, before the adapter trains over it."""
+    plan = _plan(tiny_pipeline("wan"), clips, steps=2, base_precision="int8")
+    assert plan.base_precision.value == "int8"
+    end, events = _train(plan, tmp_path / "int8")
+    [started] = [e for e in events if e["type"] == "started"]
+    assert started["quantised_layers"] > 0  # type: ignore[operator]
+    assert any(v.abs().sum() > 0 for k, v in load_file(end["outputs"]["lora"]).items() if "lora_B" in k)  # type: ignore[index]
