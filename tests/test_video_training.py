@@ -167,15 +167,25 @@ def test_the_comfyui_export_names_the_original_checkpoints_modules(trained: tupl
     assert {"lora_unet_blocks_0_self_attn_q", "lora_unet_blocks_1_cross_attn_o"} <= modules
 
 
+@pytest.fixture(scope="module")
+def two_experts(clips: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, str]]:
+    """A tiny A14B-shaped base and a run that trained both its experts: (base, run folder, outputs)."""
+    from families.wan.tiny import build_tiny_two_experts
+
+    root = tmp_path_factory.mktemp("a14b")
+    base = build_tiny_two_experts(root / "a14b")
+    end, _ = _train(_plan(base, clips, steps=6, batch_size=2), root / "both")
+    return base, root / "both", end["outputs"]  # type: ignore[return-value]
+
+
 def test_a_two_expert_base_trains_either_expert_or_both_each_on_its_own_sigmas(
-    clips: Path, tmp_path: Path,
+    clips: Path, two_experts: tuple[Path, Path, dict[str, str]], tmp_path: Path,
 ) -> None:
     from diffusers import WanPipeline
 
-    from families.wan.tiny import build_tiny_two_experts
     from engine.training.trainer import _noise
 
-    base = build_tiny_two_experts(tmp_path / "a14b")
+    base, _, outputs = two_experts
     both = _plan(base, clips, steps=6, batch_size=2)
     assert both.expert is not None and both.expert.value.components == ("transformer", "transformer_2")
     assert both.expert.source == "auto" and both.to_dict()["expert"]["value"]["boundary"] == 0.875  # type: ignore[index]
@@ -185,17 +195,44 @@ def test_a_two_expert_base_trains_either_expert_or_both_each_on_its_own_sigmas(
         draws = [torch.Generator().manual_seed(n) for n in range(8)]
         _, sigmas, _ = _noise(plan, x0, None, draws, 3.0, plan.expert.value.sigma_range())  # type: ignore[union-attr]
         assert all(inside(float(s)) for s in sigmas), (name, sigmas)
-    end, _ = _train(both, tmp_path / "both")
-    outputs = end["outputs"]
-    high, low = load_file(outputs["lora"]), load_file(outputs["lora_low_noise"])  # type: ignore[index]
+    high, low = load_file(outputs["lora"]), load_file(outputs["lora_low_noise"])
     for state in (high, low):  # both experts saw steps of their own range and moved
         assert any(v.abs().sum() > 0 for k, v in state.items() if "lora_B" in k)
     pipe = WanPipeline.from_pretrained(str(base), dtype=torch.float32)
-    pipe.load_lora_weights(outputs["lora"], adapter_name="high")  # type: ignore[index]
-    pipe.load_lora_weights(outputs["lora_low_noise"], adapter_name="low", load_into_transformer_2=True)  # type: ignore[index]
+    pipe.load_lora_weights(outputs["lora"], adapter_name="high")
+    pipe.load_lora_weights(outputs["lora_low_noise"], adapter_name="low", load_into_transformer_2=True)
     assert "low" in pipe.transformer_2.peft_config and "high" in pipe.transformer.peft_config
     only_low, _ = _train(_plan(base, clips, steps=2, expert="low"), tmp_path / "low")
     assert set(only_low["outputs"]) == {"lora"}  # type: ignore[arg-type]
+
+
+def test_a_two_expert_run_folder_as_a_lora_puts_each_file_on_its_expert(
+    two_experts: tuple[Path, Path, dict[str, str]], tiny_pipeline: Callable[[str], Path],
+) -> None:
+    """``--lora RUN`` brings the run's low-noise LoRA into ``transformer_2`` (its metadata says so); on
+    a one-expert model that file is refused before anything is evicted."""
+    from tests.support import HostModel
+
+    base, run, outputs = two_experts
+    engine = Engine(registry=REGISTRY, hardware=HARDWARE)
+    engine.images.load(str(base))
+
+    def render(*loras: str) -> bytes:
+        clip = engine.videos.generate("a square", frames=FRAMES, steps=2, width=SIZE, height=SIZE, seed=0,
+                                      loras=list(loras) or None)
+        return b"".join(frame.tobytes() for frame in clip.frames)
+
+    plain, high_only, both = render(), render(f"{outputs['lora']}:1"), render(f"{run}:1")
+    assert len({plain, high_only, both}) == 3  # the second expert's LoRA changed its own steps
+    pipe = engine.images.session._pipe  # type: ignore[union-attr]
+    assert len(pipe.transformer.peft_config) == 1 and len(pipe.transformer_2.peft_config) == 1
+    assert render(f"{run}:0") == plain
+    engine.images.unload()
+    host = HostModel(engine)
+    with pytest.raises(EngineError) as refused:
+        engine.images.load(str(tiny_pipeline("wan")), loras=[str(Path(outputs["lora_low_noise"]).parent)])
+    assert refused.value.code == "lora_mismatch" and "second expert" in refused.value.message
+    assert host.evicted == 0 and engine.images.session is None
 
 
 def test_the_training_memory_of_a_clip_run_matches_a_real_width_step_under_fake_tensors() -> None:

@@ -85,6 +85,22 @@ def tensor_storage(files: list[Path]) -> list[tuple[str, str, int, int]]:
     return found
 
 
+def safetensors_metadata(file: Path) -> dict[str, str]:
+    """The file's ``__metadata__`` strings ({} where it has none or cannot be read: callers read
+    the tensors with :func:`read_safetensors_header`, which refuses a broken file)."""
+    try:
+        with file.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > 100_000_000:
+                return {}
+            metadata = json.loads(handle.read(length)).get("__metadata__")
+    except (OSError, struct.error, ValueError, AttributeError, RecursionError):
+        return {}
+    if not isinstance(metadata, dict):
+        return {}
+    return {str(k): v for k, v in metadata.items() if isinstance(v, str)}
+
+
 def read_safetensors_header(file: Path) -> tuple[dict[str, dict[str, object]], int]:
     """The tensor entries of a complete safetensors file and where its data starts.
 

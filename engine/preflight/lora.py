@@ -19,10 +19,10 @@ from pathlib import Path
 from engine.errors import EngineError, PreflightError
 from engine.contract.plugins import Registry
 from engine.requests.inference import LoraPlanInput
-from engine.preflight.headers import nonfinite_tensors, read_safetensors_header
+from engine.preflight.headers import nonfinite_tensors, read_safetensors_header, safetensors_metadata
 # How a request names a LoRA: the request vocabulary's (re-exported for older imports).
 from engine.requests.loras import MAX_SCALE, LoraChoice, LoraLike, lora_choices, parse_lora_arg  # noqa: F401
-from engine.requests.references import RUN_LORA_FILE
+from engine.requests.references import LORA_COMPONENT_KEY, RUN_LORA_FILE, SECOND_EXPERT_FOLDER
 from engine.contract.types import FamilySpec
 
 #: Key suffixes of the "down" (A) matrix in the spellings diffusers converts.
@@ -52,6 +52,9 @@ class LoraFile:
     rank: int
     #: Parameters in its LoRA matrices.
     params: int
+    #: The pipeline component it adapts where that is not the family's denoiser (a second
+    #: expert's LoRA names it in its metadata); None: the denoiser.
+    component: str | None = None
 
     @property
     def name(self) -> str:
@@ -95,18 +98,33 @@ def read_lora(choice: LoraChoice) -> LoraFile:
         keys=tuple(shapes),
         rank=max(ranks),
         params=sum(math.prod(s) for s in lora_shapes.values()),
+        component=_component(path),
     )
 
 
+def _component(path: Path) -> str | None:
+    value = safetensors_metadata(path).get(LORA_COMPONENT_KEY)
+    return value if value is not None and value.isidentifier() else None
+
+
 def read_loras(choices: Iterable[LoraChoice]) -> tuple[LoraFile, ...]:
-    """Every LoRA read; the same file twice is refused (its adapters would collide)."""
-    files = tuple(read_lora(c) for c in choices)
+    """Every LoRA read; the same file twice is refused (its adapters would collide). A two-expert
+    run's folder brings its second expert's LoRA too (``low_noise/``), at the same scale."""
+    files = tuple(file for c in choices for file in _with_second_expert(c))
     seen: set[Path] = set()
     for file in files:
         if file.path in seen:
             raise PreflightError(f"LoRA {file.path} is given twice; give it once with one scale", code="invalid_request")
         seen.add(file.path)
     return files
+
+
+def _with_second_expert(choice: LoraChoice) -> tuple[LoraFile, ...]:
+    first = read_lora(choice)
+    second = Path(choice.path).expanduser() / SECOND_EXPERT_FOLDER / RUN_LORA_FILE
+    if not Path(choice.path).expanduser().is_dir() or not second.is_file():
+        return (first,)
+    return first, read_lora(LoraChoice(str(second), choice.scale))
 
 
 def looks_like(registry: Registry, keys: Sequence[str]) -> FamilySpec | None:

@@ -21,6 +21,11 @@ ALLOW_DOWNLOAD_ENV = "DIFFUSION_ENGINE_ALLOW_DOWNLOAD"
 
 #: The file a training run (and diffusers' ``save_lora_weights``) writes.
 RUN_LORA_FILE = "pytorch_lora_weights.safetensors"
+#: A two-expert run's second LoRA: in this folder of the run, loaded into the component its
+#: safetensors metadata names under :data:`LORA_COMPONENT_KEY` (a run folder given as a LoRA
+#: brings both).
+SECOND_EXPERT_FOLDER = "low_noise"
+LORA_COMPONENT_KEY = "diffusion_engine.component"
 #: The EMA of a run's LoRA, saved beside it as a second adapter.
 EMA_FILE = "pytorch_lora_weights_ema.safetensors"
 #: The adapter files a training run's folder holds (its final LoRA, and its EMA when kept).
@@ -62,6 +67,7 @@ def download_allowed(flag: bool = False) -> bool:
 
 
 __all__ = [
-    "ALLOW_DOWNLOAD_ENV", "EMA_FILE", "IMAGE_EXTENSIONS", "RUN_ADAPTER_FILES", "RUN_LORA_FILE",
+    "ALLOW_DOWNLOAD_ENV", "EMA_FILE", "IMAGE_EXTENSIONS", "LORA_COMPONENT_KEY", "RUN_ADAPTER_FILES", "RUN_LORA_FILE",
+    "SECOND_EXPERT_FOLDER",
     "download_allowed", "download_allowed_by_env", "is_hub_id", "looks_like_path",
 ]

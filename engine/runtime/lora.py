@@ -94,7 +94,7 @@ class LoraSet:
                 if self.hooks is not None:
                     self.hooks.load(file, name)
                 else:
-                    self.pipe.load_lora_weights(self._loadable(file), adapter_name=name)
+                    self.pipe.load_lora_weights(self._loadable(file), adapter_name=name, **_into(self.pipe, file))
                 self._names[file.path] = name
         if not files:
             return
@@ -155,6 +155,17 @@ class LoraSet:
             "fused": self._fused,
             "applied": [f.to_dict() for f in self.applied],
         }
+
+
+def _into(pipe: Any, file: LoraFile) -> dict[str, bool]:
+    """``load_lora_weights``' switch for a LoRA of another component (a second expert's:
+    ``load_into_transformer_2``); refused where the pipeline has no such component."""
+    if file.component is None or file.component == getattr(pipe, "transformer_name", "transformer"):
+        return {}
+    if getattr(pipe, file.component, None) is None:
+        raise ValueError(f"{file.path} is a LoRA for {file.component}, which this model does not have "
+                         "(a second expert's LoRA loads on a two-expert model)")
+    return {f"load_into_{file.component}": True}
 
 
 class HookAdapters:

@@ -151,6 +151,7 @@ def check_loras(registry: Registry, source: ModelSource, files: Sequence[LoraFil
     for file in files:
         state = converted_state_dict(pipeline_cls, file, unet_config=skeleton.unet_config(),
                                      family=source.family, denoiser=skeleton.get(source.family.denoiser))
+        state = _onto_component(source.family, file, state, skeleton.get)
         components = {name: skeleton.get(name) for name in {k.partition(".")[0] for k in state}}
         present = {name: model for name, model in components.items() if model is not None}
         _refuse_unmatched(registry, source.family, file, state, present)
@@ -163,7 +164,23 @@ def check_on_pipeline(registry: Registry, family: FamilySpec, pipe: Any, files: 
     for file in files:
         state = converted_state_dict(type(pipe), file, unet_config=getattr(unet, "config", None),
                                      family=family, denoiser=components.get(family.denoiser))
+        state = _onto_component(family, file, state, components.get)
         _refuse_unmatched(registry, family, file, state, components)
+
+
+def _onto_component(
+    family: FamilySpec, file: LoraFile, state: dict[str, torch.Tensor], component_of: Any,
+) -> dict[str, torch.Tensor]:
+    """A second expert's LoRA (its metadata names the component) checked against that component:
+    refused where the model has none (a one-expert model), else its keys moved onto it."""
+    if file.component is None or file.component == family.denoiser:
+        return state
+    if component_of(file.component) is None:
+        raise LoraMismatch(f"LoRA {file.path} is for {file.component}, a second expert this {family.label} model "
+                           "does not have (it was trained on a two-expert model); nothing was applied. Give it "
+                           "with a two-expert model, or use the run's first LoRA")
+    prefix = family.denoiser + "."
+    return {(file.component + "." + k[len(prefix):]) if k.startswith(prefix) else k: v for k, v in state.items()}
 
 
 def _refuse_unmatched(

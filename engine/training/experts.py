@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
+from engine.requests.references import SECOND_EXPERT_FOLDER
+
 #: Where each expert's LoRA is written in the run folder: the high-noise one in the run's own
 #: place (``pytorch_lora_weights.safetensors``), the low-noise one in a folder beside it.
-EXPERT_FOLDERS: dict[str, str] = {"high": "", "low": "low_noise"}
+EXPERT_FOLDERS: dict[str, str] = {"high": "", "low": SECOND_EXPERT_FOLDER}
 
 
 class ExpertPair(torch.nn.Module):

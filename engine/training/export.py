@@ -105,6 +105,7 @@ def export_kohya(
 
 def save_lora(
     plan: TrainingPlan, pipe: Any, denoiser: torch.nn.Module, output_dir: Path, *, registry: Registry,
+    component: str | None = None,
 ) -> dict[str, str]:
     """The adapter in diffusers' key format (``transformer.<module>.lora_A.weight``,
     what diffusers' own training scripts write; loads with ``load_lora_weights``).
@@ -120,8 +121,9 @@ def save_lora(
         from engine.training.experts import EXPERT_FOLDERS
 
         both: dict[str, str] = {}
-        for name, module in experts().items():
-            saved = save_lora(plan, pipe, module, output_dir / EXPERT_FOLDERS[name], registry=registry)
+        for (name, module), component in zip(experts().items(), plan.trained_components, strict=True):
+            saved = save_lora(plan, pipe, module, output_dir / EXPERT_FOLDERS[name], registry=registry,
+                              component=component)
             both.update({key if name == "high" else f"{key}_low_noise": path for key, path in saved.items()})
         return both
 
@@ -136,10 +138,26 @@ def save_lora(
               weight_name=LORA_WEIGHTS)
     else:
         save_file({f"{prefix}.{k}": v for k, v in state.items()}, str(lora_path))
+    component = component or plan.trained_components[0]
+    if component != plan.family.denoiser:  # a second expert's LoRA says where it goes
+        _mark_component(lora_path, component)
     outputs: dict[str, str] = {"lora": str(lora_path)}
     if plan.config.export_kohya:
         outputs["lora_kohya"] = str(export_kohya(plan, denoiser, state, output_dir))
     return outputs
+
+
+def _mark_component(path: Path, component: str) -> None:
+    """Add :data:`~engine.requests.references.LORA_COMPONENT_KEY` to the file's metadata: the
+    engine's LoRA door then loads it into ``component`` (diffusers' ``load_into_<component>``)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from engine.requests.references import LORA_COMPONENT_KEY
+
+    with safe_open(str(path), framework="pt") as opened:
+        metadata = dict(opened.metadata() or {})
+    save_file(load_file(str(path)), str(path), metadata={**metadata, LORA_COMPONENT_KEY: component})
 
 
 def _adapter_metadata(saver: Callable[..., Any], prefix: str, denoiser: torch.nn.Module) -> dict[str, Any]:
