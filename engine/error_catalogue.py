@@ -150,6 +150,8 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("insufficient_memory", 400, "The job would not fit in the memory this device has, even after "
               "evicting the residents; the message lists what would fit."),
     ErrorCode("not_trainable", 400, "The family's plugin provides no trainer."),
+    ErrorCode("prequantised_model", 400, "The model's denoiser is stored pre-quantised in one scheme, and the "
+              "request asks for another (or for dense); drop --quant, or load the model it was made from."),
     # -- datasets and LoRAs ---------------------------------------------------------------
     ErrorCode("bad_dataset", 400, "A dataset image cannot be decoded, or a caption cannot be read."),
     ErrorCode("empty_dataset", 400, "The dataset folder holds no images or clips."),

@@ -335,6 +335,21 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Write a pipeline folder whose denoiser is stored quantised (``Engine.quantize``)."""
+    from engine import Engine
+
+    _quiet_loading(args)
+    written = Engine().quantize(args.model, args.scheme, args.output, device=args.device)
+    if args.json:
+        print(json.dumps(written, indent=2))
+    else:
+        print(f"wrote {written['output']}: {', '.join(written['quantised'])} stored {written['scheme']} for "  # type: ignore[arg-type]
+              f"{written['device']} ({written['layers']} layers, {written['seconds']} s)")
+        print(f"  try: diffusion-engine generate --model {written['output']} --prompt 'a fox' -o fox.png")
+    return 0
+
+
 def cmd_tiny_dataset(args: argparse.Namespace) -> int:
     """Write a few drawn, captioned PNGs to DIR: a dataset ``train`` accepts, offline."""
     from engine import Engine

@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(commands)
     _add_generate(commands)
     _add_tiny(commands)
+    _add_quantize(commands)
     training.add_parsers(commands, runs_dir_help=RUNS_DIR_HELP, add_machine_args=_add_machine_args,
                          common=_common)
     _add_serve(commands)
@@ -117,6 +118,20 @@ def _add_tiny(commands: Commands) -> None:
     dataset.add_argument("--size", type=int, default=64, help="image side in pixels (16-1024)")
     _common(dataset)
     dataset.set_defaults(run=images.cmd_tiny_dataset)
+
+
+def _add_quantize(commands: Commands) -> None:
+    quantize = commands.add_parser("quantize", help="store a pipeline's denoiser quantised (int8 / fp8), "
+                                   "so it loads with no dense transient and no quantising")
+    quantize.add_argument("--model", required=True, metavar="DIR", help="a diffusers pipeline folder")
+    quantize.add_argument("--scheme", required=True, choices=("int8", "fp8"), help="how to store the denoiser")
+    quantize.add_argument("-o", "--output", required=True, type=Path, metavar="DIR",
+                          help="the pipeline folder to write (new or empty)")
+    quantize.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                          help="the device it is made for (torchao's int8 is weight-only on a CPU, dynamic on a "
+                          "GPU; default: this machine's)")
+    _common(quantize)
+    quantize.set_defaults(run=images.cmd_quantize)
 
 
 def _add_serve(commands: Commands) -> None:

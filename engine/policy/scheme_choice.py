@@ -55,6 +55,15 @@ def choose_transformer_scheme(
         cannot fit raises :class:`PreflightError`).
     """
     if prequantised:
+        asked = quant.asked
+        if quant.source == "explicit" and asked != prequantised:
+            dense = asked in (None, "none")
+            raise PreflightError(
+                f"quant={'none' if dense else asked}: the {label} is stored pre-quantised as {prequantised} and "
+                f"cannot be {'made dense' if dense else f'requantised to {asked}'}; drop quant (it loads as "
+                f"{prequantised}) or load the model it was made from",
+                code="prequantised_model",
+            )
         return SchemeChoice(auto(prequantised, "the checkpoint is stored pre-quantised"), base)
     if quant.source == "explicit":
         chosen = memory_for(quant.value) if quant.value else base

@@ -9,6 +9,8 @@ naming the folder and what is missing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from engine.contract.plugins import Registry
 from engine.policy.encoders import precast_encoders
 from engine.policy.plan import ModelDefaults
 from engine.preflight.headers import measured_sizes, sizes_by_scheme, tensor_storage
+from engine.preflight.quantised_folder import read_marker
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline
 from engine.contract.types import FamilySpec
 
@@ -69,10 +72,13 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
             f"{folder / spec.denoiser} has no config.json; the pipeline folder is incomplete",
             code="model_file_missing",
         )
-    quantised = spec.is_prequantised(folder.name) or "quantization_config" in (
+    stored = read_marker(folder / spec.denoiser)  # written by `diffusion-engine quantize`
+    quantised = stored is not None or spec.is_prequantised(folder.name) or "quantization_config" in (
         read_json(denoiser_config) if denoiser_config.is_file() else {}
     )
     sizes, denoiser_shapes = measured_sizes(folder, spec, components)
+    if stored is not None and isinstance(stored.get("dense_gb"), (int, float)) and sizes is not None:
+        sizes = dataclasses.replace(sizes, transformer_gb=float(stored["dense_gb"]))  # sized as its scheme
     return ModelSource(
         "pipeline",
         str(folder),
@@ -80,7 +86,7 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
         spec.checkpoint(folder.name),
         measured_sizes=sizes,
         scheme_gb=sizes_by_scheme(denoiser_shapes) if denoiser_shapes and not quantised else None,
-        prequantised_scheme="nf4" if quantised else None,
+        prequantised_scheme=str(stored["scheme"]) if stored is not None else "nf4" if quantised else None,
         denoiser_shapes=tuple(denoiser_shapes),
         precast_encoders=precast_encoders({
             name: tensor_storage(sorted((folder / name).glob("*.safetensors")))

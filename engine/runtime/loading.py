@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,8 @@ from engine.runtime.quantize import (
     quantize_on_host_then_place,
 )
 from engine.runtime.whole_file import load_whole_file
+from engine.preflight.quantised_folder import STORED_SCHEMES, read_marker
+from engine.runtime.prequantised import load_quantised
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -167,9 +170,15 @@ class PipelineLoading:
             if source.kind == "single_file_pipeline":  # every weight in one file: no base
                 return load_whole_file(source, dtype)
             components: dict[str, Any] = {}
-            if from_file or scheme == "nf4":
+            stored = source.prequantised_scheme in STORED_SCHEMES and source.kind == "pipeline"
+            if from_file or scheme == "nf4" or stored:
                 config = diffusers.DiffusionPipeline.load_config(root)
                 denoiser_cls = getattr(diffusers, config[denoiser_name][1])
+            if stored:  # written by `quantize`: the stored torchao tensors, never a dense transient
+                folder = Path(source.location)
+                for name in (denoiser_name, *source.family.experts):
+                    if read_marker(folder / name) is not None:
+                        components[name] = load_quantised(getattr(diffusers, config[name][1]), folder / name, dtype)
             if from_file:
                 extra: dict[str, Any] = {}
                 if source.kind == "gguf":

@@ -46,6 +46,7 @@ from engine.service.catalog import Catalog
 from engine.service.datasets import Datasets
 from engine.service.images import Images
 from engine.service.machine import Machine
+from engine.service.quantize import Quantizer
 from engine.service.residency import Residency, Resident
 from engine.service.slot import PIPELINE, TRAINER, JobSlot
 from engine.service.training import Training
@@ -132,6 +133,7 @@ class Engine:
                                  allow_download=consent, drop_pipeline=self.images.drop)
         self.datasets = Datasets(self.dataset_roots, self.runs_dir, lambda: self.training.current)
         self.catalog = Catalog(self.registry, self.machine)
+        self._quantizer = Quantizer(self.registry, self.machine, self.slot)
 
     # -- the engine's own questions -------------------------------------------------
 
@@ -143,6 +145,12 @@ class Engine:
         from engine.training.forkserver import prewarm
 
         prewarm()
+
+    def quantize(self, model: str, scheme: str, output: str | Path, *, device: str = "auto") -> dict[str, object]:
+        """Write ``output``: ``model``'s pipeline with its denoiser stored ``scheme`` (int8 / fp8) as
+        torchao tensors in safetensors, which loads with no dense transient and no quantising
+        (:mod:`engine.service.quantize`). Every check runs first; holds the job slot while it writes."""
+        return self._quantizer.quantize(model, scheme, output, device=device)
 
     def hardware(self, *, verify: bool | None = None) -> HardwareProfile:
         """The machine decisions are made for: the one given, else a probe (see
