@@ -152,3 +152,29 @@ def test_the_cli_writes_one(tiny_pipeline: Callable[[str], Path], tmp_path: Path
     assert written["scheme"] == "int8" and Path(written["output"]) == tmp_path / "q"
     assert main(["quantize", "--model", str(tmp_path / "q"), "--scheme", "int8", "-o", str(tmp_path / "r")]) == 2
     assert "prequantised_model" in capsys.readouterr().err
+
+
+def test_the_server_quantises_inside_its_roots(tiny_pipeline: Callable[[str], Path], tmp_path: Path) -> None:
+    import shutil
+
+    import httpx
+
+    from engine.server.app import ServerSettings, create_app
+    from tests.support import LiveServer
+
+    models, outputs = tmp_path / "models", tmp_path / "outputs"
+    shutil.copytree(tiny_pipeline(FAMILY), models / "z")
+    outputs.mkdir()
+    engine = Engine(registry=REGISTRY, hardware=HARDWARE, runs_dir=outputs)
+    settings = ServerSettings(model_roots=(models,), output_roots=(outputs,), token="q-token")
+    auth = {"Authorization": "Bearer q-token"}
+    with LiveServer(create_app(engine, settings)) as url:
+        def post(body: dict[str, object]) -> httpx.Response:
+            return httpx.post(f"{url}/v1/models/quantize", json=body, headers=auth, timeout=120)
+
+        outside = post({"model": str(models / "z"), "scheme": "int8", "output": str(tmp_path / "elsewhere")})
+        assert outside.json()["error"]["code"] == "path_outside_roots" and not (tmp_path / "elsewhere").exists()
+        assert post({"model": str(models / "z"), "scheme": "nf4", "output": str(outputs / "q")}).status_code == 422
+        done = post({"model": str(models / "z"), "scheme": "int8", "output": str(outputs / "q")})
+        assert done.status_code == 200, done.text
+        assert done.json()["quantised"] == ["transformer"] and read_marker(outputs / "q" / "transformer") is not None

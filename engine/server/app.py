@@ -45,6 +45,7 @@ from engine.server.dataset_routes import UPLOAD_PATHS, datasets_router
 from engine.server.guard import Guard
 from engine.server.hosted import HostedImages
 from engine.server.image_routes import images_router, openai_images_router
+from engine.server.model_routes import models_router
 from engine.server.job_routes import EVENT_PATHS, jobs_router, queue_full
 from engine.server.jobs import JobQueue, QueueFull
 from engine.server.pages import PUBLIC_PATHS, PUBLIC_PREFIXES, add_pages
@@ -109,6 +110,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     app.include_router(images_router(engine, confined, queue))
     app.include_router(openai_images_router(engine, confined, queue, hosted))
     app.include_router(training_router(engine, confined))
+    app.include_router(models_router(engine, confined))
     app.include_router(videos_router(engine, queue))
     app.include_router(jobs_router(queue, engine, confined.generate))
     app.include_router(browse_router(engine, settings))
