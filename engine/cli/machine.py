@@ -129,6 +129,7 @@ def serve_settings(args: argparse.Namespace) -> Any:
         max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
         queue_size=args.queue_size,
         keep_url_images_s=args.keep_url_images,
+        keep_alive_s=args.keep_alive,
         bind_host=args.host,
         extra_hosts=tuple(args.allow_host),
     )

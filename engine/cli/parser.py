@@ -160,6 +160,9 @@ def _add_serve(commands: Commands) -> None:
                        help="refuse request bodies larger than this with 413")
     serve.add_argument("--max-upload-mb", type=float, default=64.0, metavar="MB",
                        help="the cap on one dataset upload (the page's dataset manager); larger is refused with 413")
+    serve.add_argument("--keep-alive", type=float, default=None, metavar="SECONDS",
+                       help="unload a model that sat idle this long, giving its memory back (default: keep it "
+                            "until unloaded); every load and generate restarts the clock")
     serve.add_argument("--queue-size", type=int, default=128, metavar="N",
                        help="generate jobs that may wait behind the running one; one more is refused "
                             "with 429 and Retry-After")

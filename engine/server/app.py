@@ -97,6 +97,8 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     app.add_exception_handler(QueueFull, queue_full)  # type: ignore[arg-type]
     app.add_middleware(Guard, **guard_options(settings, app))  # type: ignore[arg-type]
     queue = JobQueue(engine, size=settings.queue_size, owner=settings.replica)
+    if settings.keep_alive_s is not None:  # an idle model goes after this long
+        engine.images.keep_alive.seconds = settings.keep_alive_s
     hosted = HostedImages(settings.output_roots[0] / "images" if settings.output_roots else None,
                           keep_seconds=settings.keep_url_images_s)
     confined = Confined(engine, settings)

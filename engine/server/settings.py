@@ -68,6 +68,8 @@ class ServerSettings:
     keep_url_images_s: float = KEEP_URL_IMAGES_S
     #: The name of a serving replica (``serve --replicas``): the suffix of its job ids. Empty: one server.
     replica: str = ""
+    #: Seconds a loaded model may sit idle before it is unloaded (``serve --keep-alive``); None: until told.
+    keep_alive_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.token is not None and not self.token.strip():
@@ -78,6 +80,11 @@ class ServerSettings:
                 "often an unset shell variable); give a non-empty token, or leave --token "
                 "out to serve loopback without one",
                 code="empty_token",
+            )
+        if self.keep_alive_s is not None and not 0 <= self.keep_alive_s < float("inf"):
+            raise EngineError(
+                f"--keep-alive is the seconds an idle model stays loaded, 0 or more (got {self.keep_alive_s})",
+                code="invalid_config",
             )
         if self.queue_size < 1:
             raise EngineError(

@@ -32,6 +32,7 @@ from engine.requests.bodies import GenerateBody
 from engine.requests.inference import InferenceRequest
 from engine.requests.loras import LoraLike, lora_choices
 from engine.runtime.protocol import Session, cancellable
+from engine.service.keep_alive import KeepAlive
 from engine.service.machine import Machine, capabilities
 from engine.service.residency import Resident
 from engine.service.slot import PIPELINE, JobSlot
@@ -59,6 +60,8 @@ class Images:
         self._generate_lock = threading.Lock()
         #: The running generate's cancel event (see :meth:`cancel`).
         self._cancel: threading.Event | None = None
+        #: The idle clock: ``keep_alive.seconds`` unloads an unused pipeline (None: never).
+        self.keep_alive = KeepAlive(self.unload, lambda: self._slot.job is not None or self._generate_lock.locked())
 
     # -- questions --------------------------------------------------------------
 
@@ -165,6 +168,7 @@ class Images:
             self._session = session
             self._slot.residency.register(Resident(PIPELINE, self.drop))
             self._phase = "ready"
+            self.keep_alive.loaded()
             return session.status()
         except BaseException:
             self._phase = "failed"
@@ -257,19 +261,13 @@ class Images:
     def generate(self, prompt: str | GenerateBody, *, progress: Callable[[int, int], None] | None = None,
                  loras: Sequence[LoraLike] | None = None, cancel: threading.Event | None = None,
                  **options: object) -> list[Image.Image]:
-        """Images for a :class:`~engine.requests.GenerateBody` (the request every face
-        builds), or for a ``prompt`` string with keyword options (steps, guidance,
-        width, height, seed, count, negative_prompt, image, strength, mask_image,
-        prompts, seeds, batch...); ``progress(step, total)`` after each step.
-
-        ``loras`` (as for :meth:`load`) replaces the loaded pipeline's LoRAs
-        or their scales for this and later calls without reloading the base
-        (``[]`` removes them; None keeps them).
-
-        It holds the ``generating`` reservation for its whole duration;
-        concurrent generates queue on a lock rather than being refused.
-        ``cancel``, set from any thread, stops the call with :class:`Cancelled`
-        before it starts or after the running step; :meth:`cancel` sets it."""
+        """Images for a :class:`~engine.requests.GenerateBody` (the request every face builds), or
+        a ``prompt`` with keyword options (steps, guidance, width, height, seed, count, image...);
+        ``progress(step, total)`` after each step. ``loras`` (as for :meth:`load`) replaces the
+        loaded LoRAs or their scales without reloading the base (``[]`` removes them; None keeps them).
+        It holds the ``generating`` reservation throughout; concurrent generates queue on a lock.
+        ``cancel``, set from any thread, stops the call with :class:`Cancelled` before it starts or
+        after the running step; :meth:`cancel` sets it."""
         return self.run("images", prompt, progress=progress, loras=loras, cancel=cancel, **options)
 
     def run(self, output: str, prompt: str | GenerateBody, *, progress: Callable[[int, int], None] | None = None,
@@ -312,6 +310,7 @@ class Images:
             finally:
                 self._cancel = None
                 self._slot.release("generating")
+                self.keep_alive.touch()
 
     def cancel(self) -> bool:
         """Stop the running generate after its current denoising step (it raises
@@ -331,9 +330,9 @@ class Images:
         return session.plan if session is not None else None
 
     def status(self) -> dict[str, object] | None:
-        """The loaded pipeline's status (model, plan, LoRAs...), or None."""
+        """The loaded pipeline's status (model, plan, LoRAs, its keep-alive clock...), or None."""
         session = self._session
-        return session.status() if session is not None else None
+        return {**session.status(), "keep_alive": self.keep_alive.status()} if session is not None else None
 
     @property
     def phase(self) -> str:
@@ -371,6 +370,7 @@ class Images:
     def drop(self) -> bool:
         """Release the session now (an eviction, or a training start); True when one was loaded."""
         session, self._session = self._session, None
+        self.keep_alive.stop()
         self._slot.residency.unregister(PIPELINE)
         if session is None:
             return False
