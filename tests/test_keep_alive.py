@@ -71,3 +71,23 @@ def test_a_keep_alive_that_means_nothing_is_refused(seconds: float) -> None:
 
     with pytest.raises(EngineError, match="--keep-alive"):
         ServerSettings(keep_alive_s=seconds)
+
+
+def test_a_request_says_how_long_the_model_stays(tiny_pipeline: Callable[[str], Path], tmp_path: Path) -> None:
+    """``keep_alive`` on a generate (native and OpenAI), as Ollama's: the model goes that long after it,
+    on a server that otherwise keeps it; a negative or unbounded one is a 422."""
+    shutil.copytree(tiny_pipeline("sdxl"), tmp_path / "models" / "sdxl")
+    engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=tmp_path / "runs")
+    settings = ServerSettings(model_roots=(tmp_path / "models",), token="keep-token")
+    with LiveServer(create_app(engine, settings)) as url:
+        def post(path: str, body: dict[str, object]) -> httpx.Response:
+            return httpx.post(f"{url}/v1{path}", json=body, headers=AUTH, timeout=120)
+
+        assert post("/images/load", {"model": str(tmp_path / "models" / "sdxl")}).status_code == 200
+        base = {"prompt": "a fox", "steps": 1, "width": 64, "height": 64}
+        assert post("/images/generate", base).status_code == 200
+        time.sleep(0.5)
+        assert engine.images.session is not None  # no keep-alive anywhere: it stays
+        assert post("/images/generate", {**base, "keep_alive": -1}).status_code == 422
+        assert post("/images/generations", {"prompt": "a fox", "size": "64x64", "keep_alive": 0.3}).status_code == 200
+        assert _wait_for(lambda: engine.images.session is None, 8.0), "keep_alive=0.3 did not unload the model"

@@ -37,6 +37,7 @@ from engine.requests.bodies import (
     Body,
     Count,
     GenerateBody,
+    KeepAliveSeconds,
     Guidance,
     LoadBody,
     LoraBody,
@@ -82,6 +83,7 @@ from engine.requests.training import InvalidConfig, LossWeighting, Optimizer, Tr
 
 
 __all__ = [
+    "KeepAliveSeconds",
     "ALLOW_DOWNLOAD_ENV", "default_datasets_dir", "ALL_CONTROLS", "IMAGE_EXTENSIONS", "RUN_ADAPTER_FILES", "is_hub_id", "looks_like_path", "Body", "Control", "Count", "FIELD_FLAGS", "GENERATE_CONTROLS",
     "GenerateBody", "Guidance", "InferenceRequest", "InvalidConfig", "LoraChoice", "LoraLike", "LoraPlanInput", "LoadBody", "LoraBody", "Loras", "LossWeighting",
     "MAX_COUNT", "MAX_LORAS", "MAX_PLAN_STEPS", "MAX_SEED", "MAX_SIDE", "MAX_STEPS", "MIN_SIDE",

@@ -150,6 +150,10 @@ class LoadBody(PlanControls):
     controlnet: PathText | None = None
 
 
+#: A keep-alive in seconds: up to a week.
+KeepAliveSeconds = Annotated[float, Field(ge=0, le=7 * 24 * 3600, allow_inf_nan=False)]
+
+
 class GenerateBody(Body):
     """The generate request: what to draw, how big, how many, with which LoRAs."""
 
@@ -184,6 +188,9 @@ class GenerateBody(Body):
     #: anything loads) and the frame rate it is stamped with; omitted: the checkpoint's.
     frames: Annotated[int, Field(ge=1, le=MAX_FRAMES)] | None = None
     fps: Annotated[int, Field(ge=1, le=MAX_FPS)] | None = None
+    #: Seconds the model stays loaded after this call before an idle unload (as Ollama's
+    #: ``keep_alive``; 0: unload when done); omitted: the server's ``--keep-alive``.
+    keep_alive: KeepAliveSeconds | None = None
 
     @model_validator(mode="after")
     def _inputs_agree(self) -> GenerateBody:

@@ -33,6 +33,7 @@ from engine.requests import (
     SIDE_MULTIPLE,
     Body,
     Count,
+    KeepAliveSeconds,
     Loras,
     Prompt,
     Side,
@@ -58,6 +59,8 @@ class OpenAIImagesBody(BaseModel):
     model: Annotated[str, Field(max_length=4096)] | None = None
     #: An extension: LoRAs to generate with, as for ``/v1/images/generate``.
     loras: Loras | None = None
+    #: An extension, as Ollama's: seconds the model stays loaded after this call.
+    keep_alive: KeepAliveSeconds | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -88,6 +88,7 @@ def openai_images_router(engine: Engine, confined: Confined, queue: JobQueue, ho
         loras = await run_in_threadpool(confined.lora_bodies, body.loras)
         images = await run_job(queue, request, response, GenerateBody(
             prompt=body.prompt, count=body.n, width=width, height=height, seed=secrets.randbelow(2**31), loras=loras,
+            keep_alive=body.keep_alive,
         ))
         return {"created": int(time.time()), "data": await openai_data(images, body.response_format, request)}
 

@@ -60,7 +60,6 @@ class Images:
         self._generate_lock = threading.Lock()
         #: The running generate's cancel event (see :meth:`cancel`).
         self._cancel: threading.Event | None = None
-        #: The idle clock: ``keep_alive.seconds`` unloads an unused pipeline (None: never).
         self.keep_alive = KeepAlive(self.unload, lambda: self._slot.job is not None or self._generate_lock.locked())
 
     # -- questions --------------------------------------------------------------
@@ -285,6 +284,7 @@ class Images:
             if loras is None and prompt.loras is not None:
                 loras = [{"path": lo.path, "scale": lo.scale} for lo in prompt.loras]
             prompt = prompt.prompt
+        keep = options.pop("keep_alive", None)  # how long the model stays after this call
         cancel = cancel or threading.Event()
         step = cancellable(progress, cancel)
         for name in ("prompts", "seeds"):
@@ -310,7 +310,7 @@ class Images:
             finally:
                 self._cancel = None
                 self._slot.release("generating")
-                self.keep_alive.touch()
+                self.keep_alive.touch(keep)  # type: ignore[arg-type]
 
     def cancel(self) -> bool:
         """Stop the running generate after its current denoising step (it raises

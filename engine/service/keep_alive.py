@@ -37,13 +37,15 @@ class KeepAlive:
         self._since = time.time()
         self.touch()
 
-    def touch(self) -> None:
-        """The pipeline was used: its idle time starts again."""
+    def touch(self, seconds: float | None = None) -> None:
+        """The pipeline was used: its idle time starts again, ``seconds`` long where the call
+        said (a request's ``keep_alive``), else :attr:`seconds`."""
         with self._lock:
             self._cancel()
-            if self._since is None or self.seconds is None:
+            keep = self.seconds if seconds is None else seconds
+            if self._since is None or keep is None:
                 return
-            self._arm(self.seconds)
+            self._arm(keep)
 
     def stop(self) -> None:
         """The pipeline is gone (unloaded, evicted): no clock."""
