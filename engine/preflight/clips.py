@@ -51,6 +51,9 @@ class ClipWindow:
     def seconds(self) -> float:
         return self.frames / self.fps
 
+    def to_dict(self) -> dict[str, object]:
+        return {"frames": self.frames, "fps": self.fps, "short_clips": self.short}
+
 
 @dataclass(frozen=True)
 class ClipInfo:
@@ -179,22 +182,22 @@ def read_window(path: Path, window: ClipWindow) -> list[Image.Image]:
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         start: float | None = None
-        previous: Any = None
+        previous: Image.Image | None = None  # the frame on screen until this one, upright (converted once)
         time = 0.0
         for frame in container.decode(stream):
             time = float(frame.time) if frame.time is not None else 0.0
             start = time if start is None else start
             time -= start
-            # Every wanted time before this frame shows the previous frame (the one on screen then).
+            # Every wanted time before this frame shows the previous frame.
             while previous is not None and len(picked) < len(wanted) and wanted[len(picked)] < time - 1e-6:
-                picked.append(_upright(previous))
-            previous = frame
+                picked.append(previous)
             if len(picked) == len(wanted):
                 break
+            previous = _upright(frame)
         if previous is not None and len(picked) < len(wanted):
             length = time + 1.0 / float(stream.average_rate or window.fps)
             while len(picked) < len(wanted) and wanted[len(picked)] < length - 1e-6:
-                picked.append(_upright(previous))
+                picked.append(previous)
     if not picked:
         raise ClipProblem("no frames (a zero-length clip)")
     while len(picked) < len(wanted):

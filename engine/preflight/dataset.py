@@ -97,8 +97,7 @@ class DatasetReport:
             "root": str(self.root),
             "images": len(self.items) - self.clips,
             "clips": self.clips,
-            "window": {"frames": self.window.frames, "fps": self.window.fps, "short_clips": self.window.short}
-            if self.window else None,
+            "window": self.window.to_dict() if self.window else None,
             "cut": [{"file": f, "note": n} for f, n in self.cut],
             "padded": [{"file": f, "note": n} for f, n in self.padded],
             "variable_rate": list(self.variable_rate),
@@ -219,7 +218,7 @@ def discover_dataset(
         duplicates=tuple(tuple(group) for group in hashes.values() if len(group) > 1),
         missing_images=tuple(sorted(name for name in captions if name not in found)),
         resolution=resolution,
-        window=window if any(item.is_clip for item in items) else None,
+        window=window if any(item.is_clip for item in items) else None,  # judged only where clips are
         cut=cut, padded=padded,
         variable_rate=tuple(item.relative for item in items if item.clip is not None and item.clip.variable_rate),
     )

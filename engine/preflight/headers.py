@@ -85,24 +85,16 @@ def tensor_storage(files: list[Path]) -> list[tuple[str, str, int, int]]:
     return found
 
 
-def safetensors_metadata(file: Path) -> dict[str, str]:
-    """The file's ``__metadata__`` strings ({} where it has none or cannot be read: callers read
-    the tensors with :func:`read_safetensors_header`, which refuses a broken file)."""
-    try:
-        with file.open("rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            if length > 100_000_000:
-                return {}
-            metadata = json.loads(handle.read(length)).get("__metadata__")
-    except (OSError, struct.error, ValueError, AttributeError, RecursionError):
-        return {}
-    if not isinstance(metadata, dict):
-        return {}
-    return {str(k): v for k, v in metadata.items() if isinstance(v, str)}
-
-
 def read_safetensors_header(file: Path) -> tuple[dict[str, dict[str, object]], int]:
-    """The tensor entries of a complete safetensors file and where its data starts.
+    """The tensor entries of a complete safetensors file and where its data starts
+    (:func:`read_safetensors_file` gives its ``__metadata__`` too)."""
+    header, start, _ = read_safetensors_file(file)
+    return header, start
+
+
+def read_safetensors_file(file: Path) -> tuple[dict[str, dict[str, object]], int, dict[str, str]]:
+    """The tensor entries of a complete safetensors file, where its data starts, and its
+    ``__metadata__`` strings ({} where it has none).
 
     Complete means what a loader needs: a bounded JSON header, every entry
     with a dtype, a shape and a byte range its shape fills, and tensor data
@@ -128,14 +120,15 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, dict[str, object]], i
         raise ValueError("the header nests too deeply to be a tensor index") from None
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
+    metadata = {str(k): v for k, v in metadata.items() if isinstance(v, str)} if isinstance(metadata, dict) else {}
     end, data = _data_end(header), size - 8 - length
     if end != data:
         raise ValueError(
             f"truncated or padded: its header describes {end:,} bytes of tensor data, "
             f"the file holds {data:,}"
         )
-    return header, 8 + length
+    return header, 8 + length, metadata
 
 
 def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:

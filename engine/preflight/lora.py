@@ -19,7 +19,7 @@ from pathlib import Path
 from engine.errors import EngineError, PreflightError
 from engine.contract.plugins import Registry
 from engine.requests.inference import LoraPlanInput
-from engine.preflight.headers import nonfinite_tensors, read_safetensors_header, safetensors_metadata
+from engine.preflight.headers import nonfinite_tensors, read_safetensors_file
 # How a request names a LoRA: the request vocabulary's (re-exported for older imports).
 from engine.requests.loras import MAX_SCALE, LoraChoice, LoraLike, lora_choices, parse_lora_arg  # noqa: F401
 from engine.requests.references import LORA_COMPONENT_KEY, RUN_LORA_FILE, SECOND_EXPERT_FOLDER
@@ -83,7 +83,7 @@ def read_lora(choice: LoraChoice) -> LoraFile:
             f"LoRA {path} is not a .safetensors file; convert it (pickled .bin/.pt LoRAs are not loaded)",
             code="invalid_lora",
         )
-    shapes = _header_shapes(path)
+    shapes, metadata = _header_shapes(path)
     lora_shapes = {k: s for k, s in shapes.items() if "lora" in k.lower() or k.endswith(".alpha")}
     ranks = [s[0] for k, s in shapes.items() if k.endswith(_DOWN) and s]
     if not ranks:
@@ -98,12 +98,12 @@ def read_lora(choice: LoraChoice) -> LoraFile:
         keys=tuple(shapes),
         rank=max(ranks),
         params=sum(math.prod(s) for s in lora_shapes.values()),
-        component=_component(path),
+        component=_component(metadata),
     )
 
 
-def _component(path: Path) -> str | None:
-    value = safetensors_metadata(path).get(LORA_COMPONENT_KEY)
+def _component(metadata: dict[str, str]) -> str | None:
+    value = metadata.get(LORA_COMPONENT_KEY)
     return value if value is not None and value.isidentifier() else None
 
 
@@ -164,14 +164,15 @@ def plan_input(files: Sequence[LoraFile], *, switching: bool = False) -> LoraPla
     )
 
 
-def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape, once the file is known complete and every value finite.
+def _header_shapes(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Every tensor's shape and the file's metadata, once the file is known complete and every
+    value finite.
 
     The finite check reads the data (a LoRA is megabytes): a NaN or inf weight
     would turn every image black, so it is refused before anything is loaded
     or evicted, naming the tensors."""
     try:
-        header, start = read_safetensors_header(path)
+        header, start, metadata = read_safetensors_file(path)
     except ValueError as exc:
         raise PreflightError(
             f"LoRA {path} is not a complete safetensors file ({exc}); re-download or re-export it",
@@ -188,4 +189,4 @@ def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {
         str(name): tuple(int(d) for d in info.get("shape", []))  # type: ignore[union-attr]
         for name, info in header.items() if isinstance(info, dict)
-    }
+    }, metadata

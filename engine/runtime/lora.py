@@ -94,7 +94,8 @@ class LoraSet:
                 if self.hooks is not None:
                     self.hooks.load(file, name)
                 else:
-                    self.pipe.load_lora_weights(self._loadable(file), adapter_name=name, **_into(self.pipe, file))
+                    self.pipe.load_lora_weights(self._loadable(file), adapter_name=name, **_into(self.pipe, file,
+                                                                                                    self.family))
                 self._names[file.path] = name
         if not files:
             return
@@ -157,10 +158,11 @@ class LoraSet:
         }
 
 
-def _into(pipe: Any, file: LoraFile) -> dict[str, bool]:
-    """``load_lora_weights``' switch for a LoRA of another component (a second expert's:
-    ``load_into_transformer_2``); refused where the pipeline has no such component."""
-    if file.component is None or file.component == getattr(pipe, "transformer_name", "transformer"):
+def _into(pipe: Any, file: LoraFile, family: FamilySpec | None) -> dict[str, bool]:
+    """``load_lora_weights``' switch for a LoRA of a component other than the family's denoiser
+    (a second expert's: ``load_into_transformer_2``), as :mod:`engine.runtime.lora_check` checked
+    it; refused where the pipeline has no such component."""
+    if file.component is None or (family is not None and file.component == family.denoiser):
         return {}
     if getattr(pipe, file.component, None) is None:
         raise ValueError(f"{file.path} is a LoRA for {file.component}, which this model does not have "

@@ -30,6 +30,7 @@ from engine.preflight.quantised_folder import STORED_SCHEMES
 from engine.preflight.source import ModelSource
 from engine.service.machine import Machine
 from engine.service.slot import JobSlot
+from engine.training.output_dir import check_new_folder
 
 
 class Quantizer:
@@ -63,32 +64,22 @@ class Quantizer:
         if scheme == "fp8" and not (target == "cuda" and hardware.fp8):
             raise PreflightError("scheme=fp8 needs a GPU with fp8 (compute capability 8.9 or newer); "
                                  "use --scheme int8 here", code="fp8_unsupported")
-        return source, target, _new_folder(Path(output))
+        folder = Path(output).expanduser().absolute()
+        check_new_folder(folder, "output", "quantize")
+        return source, target, folder
 
     def quantize(self, model: str, scheme: str, output: str | Path, *, device: str = "auto") -> dict[str, object]:
         """Write ``output``: ``model``'s pipeline with its denoiser(s) stored ``scheme``; what was written."""
         source, target, folder = self.check(model, scheme, output, device=device)
         self._slot.reserve("quantizing")
         try:
+            folder.mkdir(parents=True, exist_ok=True)
             return _write(source, scheme, target, folder)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         finally:
             self._slot.release("quantizing")
-
-
-def _new_folder(folder: Path) -> Path:
-    folder = folder.expanduser().absolute()
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise PreflightError(f"output {folder} already holds files; give a new (or empty) folder",
-                             code="output_exists")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise PreflightError(f"output {folder} cannot be made ({exc.strerror}); give a folder you can write",
-                             code="output_not_writable") from None
-    return folder
 
 
 def _write(source: ModelSource, scheme: str, device: str, folder: Path) -> dict[str, object]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from engine.errors import PreflightError, together
+from engine.errors import EngineError, PreflightError, together
 from engine.hardware.profile import HardwareProfile
 from engine.contract.plugins import Registry
 from engine.policy.resolved import Resolved, auto, explicit
@@ -79,10 +79,6 @@ class TrainingPlan:
         """The pipeline components the LoRA goes on: the denoiser, or the expert(s) chosen."""
         return self.expert.value.components if self.expert is not None else (self.family.denoiser,)
 
-    def frames_of(self, index: int) -> int:
-        """Frames dataset item ``index`` trains at: the window for a clip, 1 for an image."""
-        return self.window.frames if self.window is not None and self.dataset.items[index].is_clip else 1
-
     def to_dict(self) -> dict[str, object]:
         return {
             "memory": {
@@ -108,8 +104,7 @@ class TrainingPlan:
             },
             "dataset": self.dataset.to_dict(),
             "buckets": self.buckets.to_dict() if self.buckets else None,
-            "window": {"frames": self.window.frames, "fps": self.window.fps, "short_clips": self.window.short}
-            if self.window else None,
+            "window": self.window.to_dict() if self.window else None,
             "expert": {**self.expert.to_dict(), "value": self.expert.value.to_dict()} if self.expert else None,
         }
 
@@ -137,13 +132,14 @@ def preflight_training(
     # reports a missing dataset together with what the machine refuses.
     problems: list[PreflightError] = []
     resume_changes = _kept(problems, lambda: check_resume(config))  # the checkpoint read safely
-    window = early_window(registry, config)  # a video family's clips are judged against it
+    resolved = _resolved(registry, config)  # once: the clips' window and the plan both read it
+    window = early_window(resolved, config)  # a video family's clips are judged against it
     dataset = _kept(problems, lambda: discover_dataset(config.dataset_dir, resolution=config.resolution,
                                                        strict=config.strict, window=window))
     _kept(problems, lambda: output_check(config))
     plan: TrainingPlan | None = None
     try:
-        plan = _planned(registry, config, hardware, available, resume_changes, dataset,
+        plan = _planned(registry, config, hardware, available, resume_changes, dataset, resolved,
                         allow_download=allow_download, fetch=fetch)
     except PreflightError as exc:
         problems.append(exc)
@@ -164,14 +160,14 @@ def _kept(problems: list[PreflightError], check: Callable[[], _T]) -> _T:
 def _planned(
     registry: Registry, config: TrainingConfig, hardware: HardwareProfile, available: AvailableMemory | None,
     resume_changes: tuple[tuple[str, object, object], ...], dataset: DatasetReport | None,
-    *, allow_download: bool, fetch: bool,
+    resolved: ModelSource | None, *, allow_download: bool, fetch: bool,
 ) -> TrainingPlan | None:
     """The plan once the request's paths are read: the base, the machine, the memory. None
     after every check when the dataset was refused (its refusal is already kept)."""
     available = available or available_memory(hardware)
     hardware = available.apply(hardware)
     devices = rank_devices(config, hardware)  # --gpus N: N devices, each checked below
-    family, base = _family_and_base(registry, config, hardware, allow_download=allow_download, fetch=fetch)
+    family, base = _family_and_base(registry, config, hardware, resolved, allow_download=allow_download, fetch=fetch)
     config = _anchored(config, base)
     objective = registry.training_objective(family)
     if objective is None:
@@ -232,15 +228,25 @@ def _side_multiple(family: FamilySpec, base: ModelSource) -> int:
     return max(family.side_multiple, spec.size_multiple if spec is not None else 1)
 
 
+def _resolved(registry: Registry, config: TrainingConfig) -> ModelSource | None:
+    """The base, resolved once for the whole preflight; None where it is refused (the plan resolves
+    it again in its turn, after the checks that come first, and gives that refusal)."""
+    try:
+        return resolve_model(registry, config.base_model, family=config.family)
+    except EngineError:
+        return None
+
+
 def _family_and_base(
-    registry: Registry, config: TrainingConfig, hardware: HardwareProfile, *, allow_download: bool, fetch: bool,
+    registry: Registry, config: TrainingConfig, hardware: HardwareProfile, resolved: ModelSource | None,
+    *, allow_download: bool, fetch: bool,
 ) -> tuple[FamilySpec, ModelSource]:
     """The family (checked against the precision rules as soon as it is known, before the
     base is resolved when the config names it) and the base, which must be a pipeline."""
     family = registry.family(config.family) if config.family else None
     if family is not None:
         _precision_check(registry, family, config, hardware)
-    base = resolve_model(registry, config.base_model, family=config.family)
+    base = resolved or resolve_model(registry, config.base_model, family=config.family)
     if family is None:
         family = base.family
         _precision_check(registry, family, config, hardware)

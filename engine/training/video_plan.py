@@ -19,9 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.contract.plugins import Registry
 from engine.contract.types import Checkpoint, FamilySpec, VideoSpec
-from engine.errors import PreflightError, EngineError
+from engine.errors import PreflightError
 from engine.policy.resolved import Resolved, auto, explicit
 from engine.preflight.clips import ClipWindow
 from engine.preflight.source import ModelSource
@@ -61,16 +60,15 @@ def video_spec_of(family: FamilySpec, checkpoint: Checkpoint | None) -> VideoSpe
     return family.video_of(checkpoint) if family.output == "frames" else None
 
 
-def early_window(registry: Registry, config: TrainingConfig) -> ClipWindow | None:
-    """The window the dataset's clips are judged against, where the family is known without
-    reading the base (named in the request) or from the base's own folder; None otherwise
-    (the clips are then decoded in full, and the run is refused for its base anyway)."""
-    from engine.preflight.model import resolve_model
-
+def early_window(source: ModelSource | None, config: TrainingConfig) -> ClipWindow | None:
+    """The window the dataset's clips are judged against, from the base the preflight resolved
+    first; None where it did not resolve or the window is refused (the clips are then decoded in
+    full, and the run is refused for that reason by the plan)."""
+    if source is None:
+        return None
     try:
-        source = resolve_model(registry, config.base_model, family=config.family)
         return clip_window(source.family, source.checkpoint, config)
-    except EngineError:
+    except PreflightError:
         return None
 
 
@@ -97,7 +95,8 @@ def clip_window(family: FamilySpec, checkpoint: Checkpoint | None, config: Train
 
 def expert_choice(family: FamilySpec, base: ModelSource, config: TrainingConfig) -> Resolved[ExpertChoice] | None:
     """The experts a run trains (None: one denoiser), or a refusal of an ``expert`` that makes no sense."""
-    present = _experts_present(family, base)
+    index = _index(base)
+    present = _experts_present(family, base, index)
     if not present:
         if config.expert is not None:
             label = (base.checkpoint or family.default_checkpoint).label if base.checkpoint else family.label
@@ -106,7 +105,7 @@ def expert_choice(family: FamilySpec, base: ModelSource, config: TrainingConfig)
                 "low-noise expert; drop --expert", code="no_second_expert",
             )
         return None
-    boundary = _boundary(base)
+    boundary = _boundary(index)
     second = present[0]
     components = {"high": (family.denoiser,), "low": (second,), "both": (family.denoiser, second)}
     name = config.expert or "both"
@@ -118,10 +117,9 @@ def expert_choice(family: FamilySpec, base: ModelSource, config: TrainingConfig)
     return explicit(choice, why) if config.expert else auto(choice, why)
 
 
-def _experts_present(family: FamilySpec, base: ModelSource) -> tuple[str, ...]:
+def _experts_present(family: FamilySpec, base: ModelSource, index: dict[str, object] | None) -> tuple[str, ...]:
     """The family's experts this base holds: a pipeline folder's ``model_index.json`` says; a hub
     base by its checkpoint (one with a second expert's guidance has the second expert)."""
-    index = _index(base)
     if index is not None:
         return tuple(name for name in family.experts if _named(index.get(name)))
     checkpoint = base.checkpoint
@@ -133,9 +131,8 @@ def _named(entry: object) -> bool:
     return isinstance(entry, list) and bool(entry) and entry[0] is not None
 
 
-def _boundary(base: ModelSource) -> float:
-    index = _index(base) or {}
-    value = index.get("boundary_ratio")
+def _boundary(index: dict[str, object] | None) -> float:
+    value = (index or {}).get("boundary_ratio")
     return float(value) if isinstance(value, (int, float)) and 0 < value < 1 else DEFAULT_BOUNDARY
 
 
