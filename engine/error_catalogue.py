@@ -210,7 +210,6 @@ _ROWS: tuple[ErrorCode, ...] = (
               "`--load` model.", _SERVER),
     ErrorCode("replica_lost", 500, "The replica that ran this job stopped serving (killed, crashed); the job "
               "failed with it and another replica takes the next.", _RUNTIME),
-    ErrorCode("model_changed", 409, "The loaded model changed while the job waited in the queue.", _RUNTIME),
     ErrorCode("cancelled", 499, "The generate was cancelled (its client went away, or a cancel was asked for).",
               _RUNTIME),
     # -- while running ----------------------------------------------------------------------

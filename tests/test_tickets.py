@@ -104,7 +104,7 @@ def test_free_memory_that_moved_is_planned_again_and_a_small_move_is_not(tiny_pi
     engine = Engine(hardware=MachineRequest(preset="rtx4090"))
     ticket = engine.images.check_load(str(tiny_pipeline("sdxl")))
     with counted(inference.plan_inference) as calls:
-        assert engine.images._recheck(ticket).plan is ticket.plan  # noqa: SLF001 - nothing moved
+        assert engine.images._checks.recheck(ticket).plan is ticket.plan  # noqa: SLF001 - nothing moved
     assert calls["plan_inference"] == 0
     small = preset("rtx4090").replace(free_memory_gb=(ticket.available_gb + REPLAN_MARGIN_GB / 2))
     moved = preset("rtx4090").replace(free_memory_gb=(ticket.available_gb - 4 * REPLAN_MARGIN_GB))
@@ -113,7 +113,7 @@ def test_free_memory_that_moved_is_planned_again_and_a_small_move_is_not(tiny_pi
         mine = other.images.check_load(str(tiny_pipeline("sdxl")))
         other.machine._given = preset("rtx4090")  # noqa: SLF001 - the GPU's free memory changed under the ticket
         with counted(inference.plan_inference) as calls:
-            other.images._recheck(mine)  # noqa: SLF001
+            other.images._checks.recheck(mine)  # noqa: SLF001
         assert calls["plan_inference"] == replans, (profile.free_memory_gb, calls)
 
 

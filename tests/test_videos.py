@@ -133,8 +133,8 @@ def test_video_refusals_over_http_are_422_and_queue_nothing(served: tuple[str, E
     assert "nearest valid counts are 5 and 9" in off.json()["error"]["message"]
     size = httpx.post(f"{url}/v1/videos", data={"prompt": "a fox", "size": "70x64"}, headers=AUTH)
     assert size.status_code == 422 and "1280x704, 704x1280" in size.json()["error"]["message"]
-    other = httpx.post(f"{url}/v1/videos", data={"prompt": "a fox", "model": "sora-2"}, headers=AUTH)
-    assert other.status_code == 409 and other.json()["error"]["code"] == "model_changed"
+    other = httpx.post(f"{url}/v1/videos", data={"prompt": "a fox", "model": "no-such-model"}, headers=AUTH)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     assert len(httpx.get(f"{url}/v1/videos", headers=AUTH).json()["data"]) == before
 
 

@@ -158,6 +158,10 @@ class GenerateBody(Body):
     """The generate request: what to draw, how big, how many, with which LoRAs."""
 
     prompt: Prompt
+    #: The model to run on, as the OpenAI API's ``model``: a model folder or file (on the server:
+    #: under its model roots, or by the name ``GET /v1/models`` lists), loaded first if another
+    #: is in; omitted, or a name the loaded model answers to: the loaded one.
+    model: PathText | None = None
     negative_prompt: Prompt | None = None
     steps: Steps | None = None
     guidance: Guidance | None = None
@@ -215,7 +219,7 @@ class GenerateBody(Body):
 
     def options(self) -> dict[str, object]:
         """The keyword options of :meth:`engine.Engine.images.generate` this request sets (prompt and LoRAs apart)."""
-        return self.model_dump(exclude={"prompt", "loras"}, exclude_none=True)
+        return self.model_dump(exclude={"prompt", "loras", "model"}, exclude_none=True)
 
 
 def lora_bodies(texts: list[str]) -> list[dict[str, object]]:

@@ -113,7 +113,7 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     app.include_router(openai_images_router(engine, confined, queue, hosted))
     app.include_router(training_router(engine, confined))
     app.include_router(models_router(engine, confined))
-    app.include_router(videos_router(engine, queue))
+    app.include_router(videos_router(engine, confined, queue))
     app.include_router(jobs_router(queue, engine, confined.generate))
     app.include_router(browse_router(engine, settings))
     app.include_router(datasets_router(engine, settings))

@@ -41,7 +41,7 @@ def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:
     def roots() -> dict[str, Any]:
         """Models (pipeline folders, single files), datasets (folders of images) and LoRAs under the roots."""
         return {
-            "models": [entry for root in settings.model_roots for entry in _models(engine, Path(root))],
+            "models": [entry for root in settings.model_roots for entry in listed_models(engine, Path(root))],
             "datasets": [entry for root in settings.dataset_roots for entry in _datasets(Path(root))],
             "loras": [entry for root in settings.lora_roots for entry in _loras(Path(root))],
         }
@@ -111,7 +111,8 @@ def _children(root: Path) -> list[Path]:
     return inside
 
 
-def _models(engine: Engine, root: Path) -> list[dict[str, Any]]:
+def listed_models(engine: Engine, root: Path) -> list[dict[str, Any]]:
+    """The pipeline folders and single files in ``root``: name, real path, kind, family, when made."""
     found = []
     for path in _children(root):
         if path.is_dir() and (path / "model_index.json").is_file():
@@ -120,7 +121,8 @@ def _models(engine: Engine, root: Path) -> list[dict[str, Any]]:
             kind = "single_file"
         else:
             continue
-        found.append({"name": path.name, "path": os.path.realpath(path), "kind": kind, **_family(engine, path)})
+        found.append({"name": path.name, "path": os.path.realpath(path), "kind": kind,
+                      "created": int(path.lstat().st_mtime), **_family(engine, path)})
     return found
 
 

@@ -37,6 +37,11 @@ class Confined:
         return confine_model(value, settings.model_roots, allow_hub=settings.allow_hub,
                              checkpoint_names=self.checkpoint_names)
 
+    def request_model(self, value: str | None) -> str | None:
+        """A request's ``model``: None where it means the loaded model (none given, a name the
+        loaded model answers to, OpenAI's own names), else the model confined to the roots."""
+        return None if self.engine.images.serves(value) else self.model(value)  # type: ignore[arg-type]
+
     def optional_model(self, value: str | None) -> str | None:
         return self.model(value) if value else None
 
@@ -56,9 +61,9 @@ class Confined:
 
     def generate(self, body: GenerateBody) -> GenerateBody:
         """The body with its input images confined to the input roots and sized from their
-        headers (a bomb is refused before it is queued or decoded) and its LoRAs confined
-        (blocking: run it off the loop)."""
-        update: dict[str, Any] = {"loras": self.lora_bodies(body.loras)}
+        headers (a bomb is refused before it is queued or decoded), its LoRAs confined, and
+        its model confined unless it names the loaded one (blocking: run it off the loop)."""
+        update: dict[str, Any] = {"loras": self.lora_bodies(body.loras), "model": self.request_model(body.model)}
         for name in INPUT_IMAGES:
             value = getattr(body, name)
             if value is not None:

@@ -85,11 +85,10 @@ def openai_images_router(engine: Engine, confined: Confined, queue: JobQueue, ho
         """OpenAI's image generation; queued like every generate, the client's timeout
         (a closed connection) cancelling its job."""
         width, height = body.dimensions()
-        loras = await run_in_threadpool(confined.lora_bodies, body.loras)
-        images = await run_job(queue, request, response, GenerateBody(
-            prompt=body.prompt, count=body.n, width=width, height=height, seed=secrets.randbelow(2**31), loras=loras,
-            keep_alive=body.keep_alive,
-        ))
+        images = await run_job(queue, request, response, await run_in_threadpool(confined.generate, GenerateBody(
+            prompt=body.prompt, model=body.model, count=body.n, width=width, height=height,
+            seed=secrets.randbelow(2**31), loras=body.loras, keep_alive=body.keep_alive,
+        )))
         return {"created": int(time.time()), "data": await openai_data(images, body.response_format, request)}
 
     async def openai_data(images: list[str], response_format: str, request: Request) -> list[dict[str, str]]:
@@ -108,9 +107,10 @@ def openai_images_router(engine: Engine, confined: Confined, queue: JobQueue, ho
         await run_in_threadpool(form.check, engine)
         width, height = form.body.dimensions() if form.sized else (None, None)
         inputs = {"image": form.image} if form.mask is None else {"image": form.image, "mask_image": form.mask}
-        images = await run_job(queue, request, response, GenerateBody(
-            prompt=form.body.prompt, count=form.body.n, width=width, height=height, seed=secrets.randbelow(2**31),
-        ), inputs)
+        images = await run_job(queue, request, response, await run_in_threadpool(confined.generate, GenerateBody(
+            prompt=form.body.prompt, model=form.body.model, count=form.body.n, width=width, height=height,
+            seed=secrets.randbelow(2**31),
+        )), inputs)
         return {"created": int(time.time()), "data": await openai_data(images, form.body.response_format, request)}
 
     @api.get("/files/{name}", name="hosted_image")

@@ -48,7 +48,8 @@ def jobs_router(queue: JobQueue, engine: Any, prepare: Callable[[GenerateBody], 
 
     @api.post("/images/jobs", status_code=202)
     async def submit(body: GenerateBody) -> dict[str, Any]:
-        return queue.submit(await run_in_threadpool(prepare, body)).to_dict()
+        job = await run_in_threadpool(lambda: queue.submit(prepare(body)))  # a named model is judged here
+        return job.to_dict()
 
     @api.get("/images/jobs")
     def listing() -> dict[str, Any]:
@@ -79,7 +80,7 @@ async def run_job(queue: JobQueue, request: Request, response: Response, body: G
                   inputs: Mapping[str, bytes] | None = None) -> list[str]:
     """Queue a generate and wait for it: its PNGs (base64), or its error raised.
     The client going away cancels the job, queued or running."""
-    job = queue.submit(body, inputs)
+    job = await run_in_threadpool(queue.submit, body, inputs)  # a named model is judged here, off the loop
     response.headers["X-Job-Id"] = job.id
     watcher = asyncio.create_task(_watch_disconnect(request, queue, job))
     try:

@@ -3,10 +3,17 @@
 Every generate route goes through it (``POST /v1/images/jobs`` returns at
 once; ``/v1/images/generate``, ``/v1/images/generations`` and
 ``/v1/images/edits`` wait on their job), so concurrent clients queue instead
-of refusing each other. The engine holds one pipeline at a time, so one queue
-is the loaded model's queue; a job remembers the load it was queued for and
-fails with ``model_changed`` (409) if that model was unloaded or replaced by
-another before its turn, rather than drawing with another model.
+of refusing each other. A job runs on its own model: the one its request
+named (``model``, judged against that model when it was queued, before
+anything is evicted: ``engine.images.target``), else the one loaded when it
+was queued. At its turn the worker loads that model if another is in
+(``engine.images.ensure``), so a job is never failed or drawn with another
+model because another job's model came in, or an idle unload took its own.
+
+Jobs are grouped where that saves a load: when the oldest job needs another
+model and a later one runs on the loaded model, the later one runs first;
+a job is overtaken so at most :data:`MAX_OVERTAKEN` times, so none waits
+for ever behind a stream of another model's jobs.
 
 The queue is bounded (``ServerSettings.queue_size``: jobs waiting, the
 running one not counted); a submit beyond it is :class:`QueueFull` (HTTP 429
@@ -21,6 +28,7 @@ A job, as ``GET /v1/images/jobs/{id}`` (and every SSE event) shows it::
      "step": 0, "steps": 30,   # denoising progress (steps: 0 until the job starts, if not given)
      "created": 1767000000.1, "started": null, "finished": null,   # unix seconds
      "seconds": null,          # run time once finished
+     "model": "my-model",      # the model it runs on (its folder's or checkpoint's name)
      "request": {"prompt": "...", "width": 1024, "height": 1024, "count": 1},
      "images": ["<base64 PNG>", ...],   # done only; [] once the result was dropped
      "error": null | {"code": "...", "message": "..."}}
@@ -35,7 +43,6 @@ breaks that replay guarantee.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import collections
 import io
@@ -46,16 +53,15 @@ import secrets
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from engine.errors import Cancelled, EngineError
 from engine.requests import GenerateBody
+from engine.server.job import TERMINAL, Job, State
+
+__all__ = ["Job", "JobNotFound", "JobQueue", "QueueFull", "TERMINAL"]
 
 log = logging.getLogger("engine.server")
-
-State = Literal["queued", "running", "done", "failed", "cancelled"]
-TERMINAL: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 
 #: Finished jobs kept for ``GET`` (the oldest are forgotten first).
 KEPT_JOBS = 256
@@ -65,47 +71,8 @@ KEPT_RESULT_BYTES = 512 * 1024 * 1024
 IDLE_WORKER_S = 30.0
 #: Run times the ``Retry-After`` estimate averages.
 TIMED_JOBS = 16
-
-
-class Signal:
-    """Wakes asyncio waiters, on whatever loop they wait, when something changed;
-    fired from any thread (the queue's worker). ``version`` counts the changes,
-    so a waiter that read the state at version v misses nothing."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self.version = 0
-
-    def fire(self) -> None:
-        with self._lock:
-            self.version += 1
-            waiters, self._waiters = self._waiters, []
-        for loop, future in waiters:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(_wake, future)
-
-    async def wait(self, seen: int, timeout: float) -> None:
-        """Return once ``version`` differs from ``seen``, or after ``timeout`` seconds."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        with self._lock:
-            if self.version != seen:
-                return
-            self._waiters.append((loop, future))
-        try:
-            await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            pass
-        finally:  # timed out, or the waiting task was cancelled (its client went away)
-            with self._lock:
-                if (loop, future) in self._waiters:
-                    self._waiters.remove((loop, future))
-
-
-def _wake(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+#: Times a waiting job may be overtaken by later jobs for the loaded model (grouping).
+MAX_OVERTAKEN = 4
 
 
 class QueueFull(EngineError):
@@ -122,68 +89,6 @@ class JobNotFound(EngineError):
     """No job by that id: never queued here, or forgotten (only the newest finished are kept)."""
 
     code = "job_not_found"
-
-
-class ModelChanged(EngineError):
-    """The model a job was queued for was unloaded or replaced before its turn (HTTP 409)."""
-
-    code = "model_changed"
-
-
-@dataclass(eq=False)
-class Job:
-    """One generate request and what became of it. Mutated only under the queue's lock."""
-
-    id: str
-    #: The request, as every face passes it to ``engine.images.generate`` (its paths confined).
-    body: GenerateBody
-    #: Images uploaded inline (OpenAI's edits), by the generate option they fill; dropped once the job ends.
-    inputs: dict[str, bytes]
-    #: The model this job is for (the loaded pipeline's source when it was queued).
-    model: Any
-    state: State = "queued"
-    step: int = 0
-    steps: int = 0
-    created: float = field(default_factory=time.time)
-    started: float | None = None
-    finished: float | None = None
-    images: list[str] = field(default_factory=list)
-    error: EngineError | None = None
-    #: Set to stop the job: before it starts, or at the engine's next step.
-    cancel: threading.Event = field(default_factory=threading.Event)
-    #: Fired on every change (state, position, step).
-    signal: Signal = field(default_factory=Signal)
-    position: int | None = None
-    #: ``images`` or ``video`` (a clip through ``engine.videos``; the OpenAI videos API's jobs).
-    kind: str = "images"
-    #: A finished clip: its MP4, thumbnail PNG and spritesheet PNG bytes, its shape and snap note.
-    video: dict[str, Any] | None = None
-
-    @property
-    def prompt(self) -> str:
-        return self.body.prompt
-
-    @property
-    def finished_state(self) -> bool:
-        return self.state in TERMINAL
-
-    def to_dict(self, *, images: bool = True) -> dict[str, Any]:
-        """The job's JSON (see the module docstring); ``images=False`` leaves the PNGs out."""
-        body = self.body
-        return {
-            "id": self.id,
-            "state": self.state,
-            "position": self.position,
-            "step": self.step,
-            "steps": self.steps,
-            "created": round(self.created, 3),
-            "started": None if self.started is None else round(self.started, 3),
-            "finished": None if self.finished is None else round(self.finished, 3),
-            "seconds": None if self.started is None or self.finished is None else round(self.finished - self.started, 3),
-            "request": {"prompt": body.prompt, "width": body.width, "height": body.height, "count": body.count},
-            "images": list(self.images) if images else len(self.images),
-            "error": None if self.error is None else {"code": self.error.code, "message": self.error.message},
-        }
 
 
 class JobQueue:
@@ -213,14 +118,15 @@ class JobQueue:
     # -- clients ----------------------------------------------------------------------
 
     def submit(self, body: GenerateBody, inputs: Mapping[str, bytes] | None = None, *,
-               kind: str = "images", video: Mapping[str, Any] | None = None) -> Job:
-        """Queue a generate; :class:`QueueFull` when ``size`` jobs already wait,
-        ``not_loaded`` when there is no pipeline to queue for. ``inputs``: images
-        uploaded inline, in place of the body's path fields of those names."""
-        model = self._loaded_model()
-        if model is None:
-            raise EngineError("no image pipeline is loaded; load one first (POST /v1/images/load)", code="not_loaded")
-        job = Job(f"j-{next(self._ids)}-{secrets.token_hex(6)}{self._suffix}", body, dict(inputs or {}), model,
+               kind: str = "images", video: Mapping[str, Any] | None = None, target: Any = None) -> Job:
+        """Queue a generate (blocking: judging a named model reads its headers; call it off
+        the event loop); :class:`QueueFull` when ``size`` jobs already wait, ``not_loaded`` when
+        it names no model and none is loaded, a named model's refusal before anything is evicted.
+        ``inputs``: images uploaded inline, in place of the body's path fields of those names;
+        ``target``: the model, when the caller judged it already (a video's shape gate)."""
+        if target is None:
+            target = self._engine.images.target(body.model, body, "frames" if kind == "video" else "images")
+        job = Job(f"j-{next(self._ids)}-{secrets.token_hex(6)}{self._suffix}", body, dict(inputs or {}), target,
                   steps=body.steps or 0, kind=kind, video=dict(video or {}) if kind == "video" else None)
         with self._lock:
             if len(self._waiting) >= self.size:
@@ -307,25 +213,41 @@ class JobQueue:
                 if not self._waiting:  # idle: end, so a dropped app's engine can be freed; the next submit starts one
                     self._worker = None
                     return
-                job = self._waiting.popleft()
+                job = self._next()
                 job.state, job.started, job.position = "running", time.time(), None
                 self._running = self._latest = job
                 self._renumber()
             job.signal.fire()
             self._run(job)
 
+    def _next(self) -> Job:
+        """The next job (under the lock): the oldest, unless it needs another model while a
+        later one runs on the loaded model and no job it would pass was passed
+        :data:`MAX_OVERTAKEN` times; then that later one."""
+        loaded = self._engine.images.loaded_target()
+        if loaded is not None and self._waiting[0].target.key != loaded.key:
+            for index, job in enumerate(self._waiting):
+                if job.target.key == loaded.key:
+                    ahead = list(itertools.islice(self._waiting, index))
+                    if all(passed.overtaken < MAX_OVERTAKEN for passed in ahead):
+                        for passed in ahead:
+                            passed.overtaken += 1
+                        del self._waiting[index]
+                        return job
+                    break
+        return self._waiting.popleft()
+
     def _run(self, job: Job) -> None:
         try:
-            if self._loaded_model() != job.model:
-                raise ModelChanged("the pipeline this job was queued for was unloaded or replaced before its turn; "
-                                   "load the model again and resubmit")
+            self._engine.images.ensure(job.target)  # its model, if another came in meanwhile
+            body = job.body.model_copy(update={"model": None})  # judged and loaded: the loaded one now
             if job.kind == "video":
-                clip = self._engine.videos.generate(job.body, progress=lambda d, t: self._step(job, d, t),
+                clip = self._engine.videos.generate(body, progress=lambda d, t: self._step(job, d, t),
                                                     cancel=job.cancel, **job.inputs)
                 job.video = {**(job.video or {}), **clip.files()}
                 encoded: list[str] = []
             else:
-                images = self._engine.images.generate(job.body, progress=lambda d, t: self._step(job, d, t),
+                images = self._engine.images.generate(body, progress=lambda d, t: self._step(job, d, t),
                                                       cancel=job.cancel, **job.inputs)
                 encoded = [_png_b64(image) for image in images]
         except Cancelled as error:
@@ -338,11 +260,6 @@ class JobQueue:
                                                  code="internal_error"))
         else:
             self._end(job, "done", None, encoded)
-
-    def _loaded_model(self) -> Any:
-        """The loaded pipeline's model (its source: path, family, checkpoint), or None."""
-        pipeline = self._engine.status().get("pipeline")
-        return pipeline.get("model") if isinstance(pipeline, dict) else None
 
     def _step(self, job: Job, done: int, total: int) -> None:
         with self._lock:

@@ -29,6 +29,7 @@ from engine import Engine
 from engine.errors import EngineError
 from engine.requests import GenerateBody
 from engine.requests.bodies import MAX_FPS, MAX_FRAMES, MAX_SEED, MAX_STEPS, Body, Guidance, Prompt
+from engine.server.confined import Confined
 from engine.server.events import event_stream, job_events
 from engine.server.jobs import Job, JobQueue
 
@@ -108,15 +109,15 @@ def video_object(job: Job) -> dict[str, Any]:
     }
 
 
-def videos_router(engine: Engine, queue: JobQueue) -> APIRouter:
+def videos_router(engine: Engine, confined: Confined, queue: JobQueue) -> APIRouter:
     api = APIRouter(prefix="/v1/videos")
 
     @api.post("")
     async def create(request: Request) -> dict[str, Any]:
         form, upload = await read_video_form(request)
-        body, note, planned, model = await run_in_threadpool(_video_request, engine, form, upload)
+        body, note, planned, target = await run_in_threadpool(_video_request, engine, confined, form, upload)
         job = queue.submit(body, {"image": upload} if upload is not None else None, kind="video",
-                           video={"note": note, "planned": planned, "model": model})
+                           video={"note": note, "planned": planned, "model": target.name}, target=target)
         return video_object(job)
 
     @api.get("")
@@ -164,25 +165,25 @@ def _video_job(queue: JobQueue, video_id: str) -> Job:
     return job
 
 
-def _video_request(engine: Engine, form: OpenAIVideoBody, upload: bytes | None
-                   ) -> tuple[GenerateBody, str, dict[str, object], str]:
-    """The engine's request for the form, checked (the shape gate, the upload's header) before
-    it is queued: the body, the snap note, the planned shape, and the model's name."""
-    name, names = engine.videos.loaded_model()
-    if form.model is not None and form.model not in names:
-        raise EngineError(f"model {form.model!r} is not loaded (loaded: {name}); drop model or load it first",
-                          code="model_changed")
+def _video_request(engine: Engine, confined: Confined, form: OpenAIVideoBody, upload: bytes | None
+                   ) -> tuple[GenerateBody, str, dict[str, object], Any]:
+    """The engine's request for the form, judged against the model it runs on (the one its
+    ``model`` names, else the loaded one) before it is queued or anything is evicted: the
+    body, the snap note, the planned shape, and the model (``engine.images.target``)."""
+    model = confined.request_model(form.model)
+    # The model first (sizes are not valid until the shape gate passed): the loaded one or the one named.
+    target = engine.images.target(model, GenerateBody(prompt=form.prompt, model=model), "frames")
     frames, note = form.frames, ""
     if frames is None and form.seconds is not None:
-        snapped = engine.videos.frames_for_seconds(form.seconds, form.fps)
+        snapped = engine.videos.frames_for_seconds(form.seconds, form.fps, on=target)
         frames, note = snapped.frames, snapped.note()
     width, height = form.dimensions()
-    # The shape gate first: a size off the model's multiple is named with its presets (422).
-    engine.videos.check_shape(frames=frames, width=width, height=height, fps=form.fps)
-    body = GenerateBody(prompt=form.prompt, negative_prompt=form.negative_prompt, steps=form.steps,
+    # The shape gate: a size off the model's multiple is named with its presets (422).
+    engine.videos.check_shape(frames=frames, width=width, height=height, fps=form.fps, on=target)
+    body = GenerateBody(prompt=form.prompt, model=model, negative_prompt=form.negative_prompt, steps=form.steps,
                         guidance=form.guidance, width=width, height=height, frames=frames, fps=form.fps,
                         seed=secrets.randbelow(2**31) if form.seed is None else form.seed)
-    shape = engine.videos.check_generate(body)
+    shape = engine.videos.check_door(target.ticket, body, video_file=True)
     if upload is not None:
         engine.images.check_image(upload, "input_reference")
-    return body, note, shape.to_dict(), name
+    return body, note, shape.to_dict() if shape else {}, target

@@ -14,7 +14,6 @@ unload is Busy; concurrent generates queue and run one after another.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,8 +23,7 @@ from engine.contract.plugins import Registry
 from engine.policy.available import Releasable
 from engine.policy.inference import ModelFacts, Plan, plan_inference
 from engine.policy.info import images_info
-from engine.preflight.hub import diffusers_refusal, weights_report
-from engine.preflight.lora import plan_input as lora_plan_input
+from engine.preflight.hub import weights_report
 from engine.preflight.lora import read_loras
 from engine.preflight.model import resolve_model
 from engine.requests.bodies import GenerateBody
@@ -33,16 +31,17 @@ from engine.requests.inference import InferenceRequest
 from engine.requests.loras import LoraLike, lora_choices
 from engine.runtime.protocol import Session, cancellable
 from engine.service.keep_alive import KeepAlive
-from engine.service.machine import Machine, capabilities
+from engine.service.machine import Machine
 from engine.service.residency import Resident
 from engine.service.slot import PIPELINE, JobSlot
-from engine.service.tickets import LoadTicket, stamp_files, ticket_files
+from engine.service.load_checks import LoadChecks
+from engine.service import targets
+from engine.service.targets import Target
+from engine.service.tickets import LoadTicket
 from engine.policy.video import check_output
 
 if TYPE_CHECKING:
     from PIL import Image
-
-    from engine.preflight.source import ModelSource
 
 
 class Images:
@@ -55,11 +54,14 @@ class Images:
         self._slot = slot
         self._allow_download = allow_download
         self._session: Session | None = None
+        #: The ticket the loaded pipeline was loaded with: a job queued for it reloads it from there.
+        self._ticket: LoadTicket | None = None
         self._phase = "idle"
         #: Serialises generates; never held while reserving other jobs.
         self._generate_lock = threading.Lock()
         #: The running generate's cancel event (see :meth:`cancel`).
         self._cancel: threading.Event | None = None
+        self._checks = LoadChecks(registry, machine, allow_download, id(self))
         self.keep_alive = KeepAlive(self.unload, lambda: self._slot.job is not None or self._generate_lock.locked())
 
     # -- questions --------------------------------------------------------------
@@ -135,7 +137,7 @@ class Images:
         load with (and what it resolved), or the refusal it would give (a single file without
         its base, an uncached hub model without consent, a LoRA that is missing or for another
         model...). Pass the ticket to :meth:`load`."""
-        return self._check((model, base, family, switching), request, loras, controlnet, verify=False)
+        return self._checks.check((model, base, family, switching), request, loras, controlnet, verify=False)
 
     def load(self, model: str | LoadTicket, *, base: str | None = None, family: str | None = None,
              request: InferenceRequest = InferenceRequest(), loras: Sequence[LoraLike] = (),
@@ -152,9 +154,9 @@ class Images:
         from engine.runtime.engines import start_session
 
         if isinstance(model, LoadTicket):
-            ticket = self._recheck(model)
+            ticket = self._checks.recheck(model)
         else:
-            ticket = self._check((model, base, family, switching), request, loras, controlnet, verify=True)
+            ticket = self._checks.check((model, base, family, switching), request, loras, controlnet, verify=True)
         self._slot.reserve("loading")
         try:
             self._phase = "evicting"
@@ -164,7 +166,7 @@ class Images:
             session = start_session(self._registry, ticket.source, ticket.plan, ticket.request,
                                     loras=ticket.loras, controlnet=ticket.controlnet,
                                     diffusers_refusal=ticket.refusal)
-            self._session = session
+            self._session, self._ticket = session, ticket
             self._slot.residency.register(Resident(PIPELINE, self.drop))
             self._phase = "ready"
             self.keep_alive.loaded()
@@ -176,72 +178,29 @@ class Images:
         finally:
             self._slot.release("loading")
 
-    def _check(self, asked: tuple[str, str | None, str | None, bool], request: InferenceRequest,
-               loras: Sequence[LoraLike], controlnet: str | None, *, verify: bool) -> LoadTicket:
-        """The load's checks, cheapest first: nothing is imported that a refusal does not need."""
-        from engine.preflight.controlnet import check_controlnet
+    # -- the model a request names ------------------------------------------------
 
-        model, base, family, switching = asked
-        source = resolve_model(self._registry, model, family=family, base=base)
-        refusal = diffusers_refusal(source, base_given=base is not None, allow_download=self._allow_download())
-        # LoRAs and a ControlNet run on diffusers only: with either, no sd.cpp path could take the model.
-        diffusers_only = bool(loras) or controlnet is not None
-        if refusal is not None and (diffusers_only or source.kind not in source.family.sdcpp.kinds):
-            raise refusal  # refused first, whatever else the request carries
-        lora_files = tuple(read_loras(lora_choices(loras)))
-        if controlnet is not None:
-            controlnet = check_controlnet(source.family, controlnet)
-        if lora_files:
-            from engine.runtime.lora_check import check_loras
+    def target(self, model: str | None, body: Any, output: str = "images") -> Target:
+        """The model ``body`` runs on (``model``: its reference, or None for the loaded one),
+        judged against that model before anything is evicted (:mod:`engine.service.targets`)."""
+        return targets.target(self, model, body, output)
 
-            check_loras(self._registry, source, lora_files)
-        request = dataclasses.replace(request, loras=lora_plan_input(lora_files, switching=switching))
-        hardware = self._machine.hardware(verify=verify or None)
-        available = self._machine.available_memory(verify=verify or None)
-        plan = self._plan(source, controlnet, request, hardware, available)
-        ticket = LoadTicket(
-            asked=asked, source=source, loras=lora_files, controlnet=controlnet, request=request, plan=plan,
-            refusal=refusal, capabilities=capabilities(hardware), available_gb=available.after_eviction_gb,
-            verified=verify, stamps=stamp_files(ticket_files(source, lora_files, controlnet)), owner=id(self),
-        )
-        return self._after_plan(ticket)
+    def ensure(self, chosen: Target) -> bool:
+        """Load ``chosen`` unless it is the loaded model; True when it loaded."""
+        return targets.ensure(self, chosen)
 
-    def _plan(self, source: ModelSource, controlnet: str | None, request: InferenceRequest,
-              hardware: Any, available: Any) -> Plan:
-        from engine.preflight.controlnet import with_controlnet
+    def serves(self, name: str | None) -> bool:
+        """Whether a request's ``model`` means the loaded model (none, one of its names, OpenAI's)."""
+        return targets.means_loaded(self, name)
 
-        return plan_inference(self._registry, with_controlnet(source.facts(self._registry), controlnet),
-                              hardware, request, available=available)
+    def loaded_target(self) -> Target | None:
+        """The loaded model as a target (its load's ticket), or None."""
+        ticket = self._ticket if self._session is not None else None
+        return Target(ticket) if ticket is not None else None
 
-    def _after_plan(self, ticket: LoadTicket) -> LoadTicket:
-        """The checks that read the plan: sd.cpp reads the files beside the model (no base,
-        no hub), diffusers needs both; a verified load also checks the weightless components."""
-        if ticket.plan.value("engine") != "sdcpp":
-            if ticket.refusal is not None:
-                raise ticket.refusal
-            if ticket.verified:
-                from engine.runtime.loading import check_weightless_components
-
-                check_weightless_components(ticket.source)  # a processor missing a library fails here
-        return ticket
-
-    def _recheck(self, ticket: LoadTicket) -> LoadTicket:
-        """A ticket made usable for a load now: checked again only where something changed."""
-        if ticket.owner != id(self):
-            raise EngineError("this load ticket was issued by another engine; check the load on this one",
-                              code="invalid_request")
-        if ticket.files_changed():  # a file was rewritten since: every check again, as asked
-            loras = [{"path": str(lora.path), "scale": lora.scale} for lora in ticket.loras]
-            return self._check(ticket.asked, _unplanned(ticket.request), loras, ticket.controlnet, verify=True)
-        if ticket.verified:
-            return ticket
-        hardware = self._machine.hardware(verify=True)
-        available = self._machine.available_memory(verify=True)
-        if capabilities(hardware) != ticket.capabilities or ticket.memory_moved(available.after_eviction_gb):
-            plan = self._plan(ticket.source, ticket.controlnet, ticket.request, hardware, available)
-            ticket = dataclasses.replace(ticket, plan=plan, capabilities=capabilities(hardware),
-                                         available_gb=available.after_eviction_gb)
-        return self._after_plan(dataclasses.replace(ticket, verified=True))
+    @property
+    def registry(self) -> Registry:
+        return self._registry
 
     def prepare_runtime(self) -> float:
         """Import the runtime stack (torch, diffusers, transformers, peft) now; seconds it took
@@ -279,7 +238,9 @@ class Images:
         from engine.runtime.sdcpp import SdcppFailed
         from engine.runtime.session import GenerateRequest
 
-        if isinstance(prompt, GenerateBody):  # the typed request: its options and LoRAs
+        if isinstance(prompt, GenerateBody):  # the typed request: its model, options and LoRAs
+            if prompt.model is not None:
+                self.ensure(self.target(prompt.model, prompt, output))
             options = {**prompt.options(), **options}
             if loras is None and prompt.loras is not None:
                 loras = [{"path": lo.path, "scale": lo.scale} for lo in prompt.loras]
@@ -382,11 +343,6 @@ class Images:
         """Whether a ticket's weights are here (if not: the download a load needs)."""
         return weights_report(ticket.source,
                               self._registry.component_sizes(ticket.source.family, ticket.source.checkpoint))
-
-
-def _unplanned(request: InferenceRequest) -> InferenceRequest:
-    """A ticket's request without the LoRA plan input the check added (the check adds it again)."""
-    return dataclasses.replace(request, loras=InferenceRequest().loras)
 
 
 def _held_gb(plan: Plan) -> float:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from engine.contract.types import Checkpoint, FamilySpec
     from engine.service.images import Images
+    from engine.service.targets import Target
 
 
 @dataclass(frozen=True)
@@ -94,25 +95,21 @@ class Videos:
         return self.check_generate(body, family, ticket.source.checkpoint)
 
     def check_shape(self, *, frames: int | None, width: int | None, height: int | None,
-                    fps: int | None) -> VideoShape:
-        """The loaded model's clip of this shape, or :class:`~engine.policy.video.InvalidVideoShape`."""
-        family, checkpoint = self._loaded()
+                    fps: int | None, on: Target | None = None) -> VideoShape:
+        """The clip of this shape on ``on`` (``engine.images.target``; the loaded model by
+        default), or :class:`~engine.policy.video.InvalidVideoShape`."""
+        family, checkpoint = self._loaded(on)
         return video_shape(family, checkpoint, frames=frames, width=width, height=height, fps=fps)
 
-    def frames_for_seconds(self, seconds: float, fps: int | None = None) -> SnappedFrames:
-        """``seconds`` of clip on the loaded model, as frames on its lattice (and whether they were snapped)."""
-        family, checkpoint = self._loaded()
+    def frames_for_seconds(self, seconds: float, fps: int | None = None, *, on: Target | None = None) -> SnappedFrames:
+        """``seconds`` of clip on ``on`` (the loaded model by default), as frames on its lattice
+        (and whether they were snapped)."""
+        family, checkpoint = self._loaded(on)
         return frames_for_seconds(family, checkpoint, seconds, fps)
 
-    def loaded_model(self) -> tuple[str, set[str]]:
-        """The loaded video model's checkpoint name, and every name a request may call it by."""
-        family, checkpoint = self._loaded()
-        session = self._images.session
-        chosen = checkpoint or family.default_checkpoint
-        location = session.source.location if session is not None else ""
-        return chosen.name, {family.name, chosen.name, chosen.repo, location, *family.aliases}
-
-    def _loaded(self) -> tuple[FamilySpec, Checkpoint | None]:
+    def _loaded(self, on: Target | None = None) -> tuple[FamilySpec, Checkpoint | None]:
+        if on is not None:
+            return on.family, on.checkpoint
         session = self._images.session
         if session is None:
             raise EngineError("no video model is loaded; load one first (POST /v1/images/load)", code="not_loaded")
@@ -146,6 +143,9 @@ class Videos:
         inline = {name: options.pop(name) for name in ("image",) if name in options and
                   not isinstance(options[name], str)}  # an uploaded image's bytes ride beside the body
         body = prompt if isinstance(prompt, GenerateBody) else _body(prompt, options)
+        if body.model is not None:  # the model it names, loaded first (judged before any eviction)
+            self._images.ensure(self._images.target(body.model, body, "frames"))
+            body = body.model_copy(update={"model": None})
         shape = self.check_generate(body)
         for name, value in inline.items():
             self._images.check_image(value, name)
