@@ -100,6 +100,9 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("run_not_found", 404, "No run of this id in the runs folder, and no run folder at that path."),
     ErrorCode("unknown_run", 404, "The server's runs folder holds no run of this id.", _SERVER),
     ErrorCode("unknown_run_file", 404, "The run holds no such file.", _SERVER),
+    ErrorCode("gallery_entry_not_found", 404, "No gallery entry of this id (deleted, removed by the gallery's "
+              "bounds, or never kept).", _SERVER),
+    ErrorCode("no_gallery", 409, "The server keeps no gallery: it was started without an outputs folder.", _SERVER),
     ErrorCode("job_not_found", 404, "No generate job of this id (it finished long ago, or never was).", _SERVER),
     ErrorCode("not_ready", 409, "A video's content was asked for before its job completed (or after its files "
               "were dropped).", _SERVER),

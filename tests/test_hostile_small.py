@@ -47,47 +47,51 @@ def test_a_running_record_that_names_no_process_reads_failed(tmp_path: Path) -> 
     assert record.status == "failed" and record.error is not None and record.error["code"] == "trainer_gone"
 
 
-def test_kept_url_images_expire_and_are_removed(tmp_path: Path) -> None:
-    """Images kept for response_format=url were never removed: now each lives --keep-url-images
-    seconds, then is a 404 and gone from the disk (a real server on loopback serves them)."""
-    import base64
+def test_kept_outputs_past_the_galleries_age_go_and_are_removed(tmp_path: Path) -> None:
+    """Images kept for response_format=url were never removed: now every output lives in the
+    gallery, and one older than --gallery-max-age is a 404 and gone from the disk once the
+    gallery sweeps (a real server on loopback serves the rest)."""
     import io
-    import os
-    import time
+    import json
 
     import httpx
     from PIL import Image
 
     from engine import Engine
     from engine.server.app import create_app
-    from engine.server.hosted import HostedImages
     from engine.server.settings import ServerSettings
     from tests.support import LiveServer
 
     png = io.BytesIO()
     Image.new("RGB", (8, 8), (1, 2, 3)).save(png, format="PNG")
-    folder = tmp_path / "outputs" / "images"
-    old, fresh = HostedImages(folder, keep_seconds=60).keep([base64.b64encode(png.getvalue()).decode()] * 2)
-    hour_ago = time.time() - 3600
-    os.utime(folder / old, (hour_ago, hour_ago))
-    settings = ServerSettings(output_roots=(tmp_path / "outputs",), keep_url_images_s=60)
-    with LiveServer(create_app(Engine(runs_dir=tmp_path / "outputs"), settings)) as url:
-        gone = httpx.get(f"{url}/v1/images/files/{old}")
-        assert gone.status_code == 404 and gone.json()["error"]["code"] == "image_not_found"
-        assert "kept 60 s" in gone.json()["error"]["message"]
-        served = httpx.get(f"{url}/v1/images/files/{fresh}")
+    engine = Engine(runs_dir=tmp_path / "outputs")
+    gallery = engine.open_gallery(tmp_path / "outputs" / "gallery")
+    old, fresh = (gallery.add("image", png.getvalue(), recipe={}, width=8, height=8) for _ in range(2))
+    record = gallery.folder / f"{old.id}.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "created": old.created - 3600}))
+    settings = ServerSettings(output_roots=(tmp_path / "outputs",), gallery_max_age_s=60)
+    with LiveServer(create_app(engine, settings)) as url:
+        gone = httpx.get(f"{url}/v1/images/files/{old.id}.png")  # an earlier URL answer's name
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "gallery_entry_not_found"
+        listed = httpx.get(f"{url}/v1/gallery").json()
+        assert [entry["id"] for entry in listed["data"]] == [fresh.id] and listed["max_age_s"] == 60
+        served = httpx.get(f"{url}/v1/gallery/{fresh.id}/file")
         assert served.status_code == 200 and served.content == png.getvalue()
-    assert sorted(p.name for p in folder.iterdir()) == [fresh]
+    assert sorted(p.name for p in gallery.folder.iterdir()) == [f"{fresh.id}.json", f"{fresh.id}.png"]
 
 
 @pytest.mark.parametrize("seconds", ["0", "-1", "inf"])
-def test_a_keep_url_images_that_is_not_a_positive_time_is_refused(
+def test_a_gallery_bound_that_is_not_positive_is_refused_under_either_name(
     seconds: str, capsys: pytest.CaptureFixture[str], tmp_path: Path,
 ) -> None:
     from engine.cli import main
 
     assert main(["serve", "--keep-url-images", seconds, "--port", "0", "--outputs", str(tmp_path / "o")]) == 2
-    assert "error[invalid_config]" in (err := capsys.readouterr().err) and "--keep-url-images" in err, err
+    err = capsys.readouterr().err
+    assert "warning[deprecated]: --keep-url-images is now --gallery-max-age" in err, err
+    assert "error[invalid_config]: --gallery-max-age must be a positive number" in err, err
+    assert main(["serve", "--gallery-max-gb", seconds, "--port", "0", "--outputs", str(tmp_path / "o")]) == 2
+    assert "error[invalid_config]: --gallery-max-gb" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("flags", "code", "says"), [

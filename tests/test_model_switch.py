@@ -194,3 +194,17 @@ def test_a_doomed_request_naming_a_model_evicts_nothing(
     assert (response.status_code, response.json()["error"]["code"]) == (status, code), response.text
     assert host.evicted == evicted and engine.loads == loads and _loaded(url) == loaded
     assert len(httpx.get(f"{url}/v1/images/jobs", headers=AUTH).json()["jobs"]) == jobs
+
+
+def test_a_replica_never_switches_models(tiny_pipeline: Callable[[str], Path]) -> None:
+    """A replicated service's replicas serve their --load model: naming another is refused
+    (``not_with_replicas``) before anything is queued; the loaded model's own name still runs."""
+    engine = Engine(registry=load_registry(), hardware=probe(verify=False))
+    engine.images.load(str(tiny_pipeline("sdxl")))
+    settings = ServerSettings(model_roots=(tiny_pipeline("zimage").parent, tiny_pipeline("sdxl").parent), replica="r1")
+    with LiveServer(create_app(engine, settings)) as url:
+        other = httpx.post(f"{url}/v1/images/jobs", json={"prompt": "x", "model": "zimage", **SMALL})
+        assert other.status_code == 409 and other.json()["error"]["code"] == "not_with_replicas"
+        own = httpx.post(f"{url}/v1/images/generate", json={"prompt": "x", "model": "sdxl", **SMALL}, timeout=120)
+        assert own.status_code == 200 and engine.images.loaded_target().family.name == "sdxl"  # type: ignore[union-attr]
+    engine.images.unload()

@@ -134,7 +134,7 @@ def test_openai_client_generates_an_image_through_the_server(served: tuple[str, 
     # size "auto", the loaded model's own default size.
     hosted = client.images.generate(model="tiny-sdxl", prompt="a red fox", size="auto", response_format="url")
     [item] = hosted.data
-    assert item.url and item.url.startswith(f"{url}/v1/images/files/") and item.b64_json is None
+    assert item.url and item.url.startswith(f"{url}/v1/gallery/") and item.b64_json is None
     assert httpx.get(item.url).status_code == 401
     fetched = httpx.get(item.url, headers=AUTH)
     assert fetched.status_code == 200 and fetched.headers["content-type"] == "image/png"

@@ -90,7 +90,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, wan: Path) -> Iterator[tupl
     models = tmp_path_factory.mktemp("video-models")
     shutil.copytree(wan, models / "tiny-wan")
     engine = Engine(registry=load_registry(), hardware=probe(verify=False))
-    settings = ServerSettings(model_roots=(models,), token=TOKEN)
+    settings = ServerSettings(model_roots=(models,), output_roots=(tmp_path_factory.mktemp("video-outputs"),),
+                              token=TOKEN)
     with LiveServer(create_app(engine, settings)) as url:
         loaded = httpx.post(f"{url}/v1/images/load", json={"model": "tiny-wan"}, headers=AUTH, timeout=120)
         assert loaded.status_code == 200, loaded.text
@@ -119,6 +120,14 @@ def test_openai_client_creates_polls_and_downloads_a_clip(served: tuple[str, Eng
     assert (len(frames), frames[0].size, round(fps)) == (5, (64, 64), 24)
     thumb = Image.open(io.BytesIO(client.videos.download_content(video.id, variant="thumbnail").content))
     assert thumb.size == (64, 64)
+    # The clip is kept in the gallery with its recipe, its MP4 and its thumbnail.
+    [kept] = [e for e in httpx.get(f"{url}/v1/gallery", params={"kind": "video"}, headers=AUTH).json()["data"]
+              if e["job"] == video.id]
+    assert kept["recipe"]["frames"] == 5 and kept["recipe"]["kind"] == "video" and kept["media_type"] == "video/mp4"
+    mp4 = httpx.get(f"{url}/v1/gallery/{kept['id']}/file", headers=AUTH).content
+    assert mp4 == client.videos.download_content(video.id).content
+    shown = httpx.get(f"{url}/v1/gallery/{kept['id']}/file", params={"variant": "thumbnail"}, headers=AUTH)
+    assert shown.headers["content-type"] == "image/png" and Image.open(io.BytesIO(shown.content)).size == (64, 64)
     assert video.id in [v.id for v in client.videos.list().data]
     assert client.videos.delete(video.id).deleted
     missing = httpx.get(f"{url}/v1/videos/{video.id}", headers=AUTH)

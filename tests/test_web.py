@@ -132,7 +132,7 @@ def only_refusals(errors: list[str], *statuses: int) -> bool:
 def test_the_page_is_public_and_every_api_call_needs_the_token(site: Site) -> None:
     page = httpx.get(f"{site.url}/")
     assert page.status_code == 200 and 'content="yes"' in page.text  # the page knows to ask for the token
-    for asset in ("core.js", "generate.js", "datasets.js", "train.js", "app.js", "app.css"):
+    for asset in ("core.js", "generate.js", "datasets.js", "train.js", "video.js", "kept.js", "app.js", "app.css"):
         assert httpx.get(f"{site.url}/static/{asset}").status_code == 200
     for path in ("/v1/families", "/v1/roots", "/v1/training/runs", "/static/../v1/families", "/static%2F..%2Fv1/families",
                  "/staticx", "/index.html"):
@@ -253,6 +253,38 @@ def test_render_a_clip_and_play_it_in_the_page(site: Site, open_page: Callable[.
         (int(box["x"]) + 2, int(box["y"]) + 2, int(box["x"] + box["width"]) - 2, int(box["y"] + box["height"] * 0.6)))
     low, high = shown.getextrema()
     assert high - low > 8, "the player shows a flat area, not the clip's frame"
+    assert watched.errors == []
+    site.engine.images.unload()
+
+
+def test_the_gallery_page_shows_what_was_kept_and_pins_and_deletes(site: Site, open_page: Callable[..., Watched]) -> None:
+    """Outputs made through the API are in the Gallery tab with their recipe; Pin and Delete
+    there change the gallery itself (the API answers so afterwards)."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    made = httpx.post(f"{site.url}/v1/images/generate", json={
+        "prompt": "a kept lighthouse", "model": "tiny-sdxl", "seeds": [11, 12], "steps": 1, "width": 64, "height": 64,
+    }, headers=auth, timeout=120).json()["gallery"]
+    watched = open_page()
+    page = signed_in(site, watched)
+    tab(page, "kept")
+    for entry in made:
+        page.wait_for_selector(f"#kept-grid figure[data-id='{entry}'] img")  # type: ignore[attr-defined]
+    card = f"#kept-grid figure[data-id='{made[0]}']"
+    caption = page.inner_text(f"{card} figcaption")  # type: ignore[attr-defined]
+    assert "a kept lighthouse" in caption and "seed 11" in caption and "64x64" in caption
+    width = page.eval_on_selector(f"{card} img", "img => img.naturalWidth")  # type: ignore[attr-defined]
+    assert width == 64  # the kept PNG, fetched with the token and decoded
+    page.click(f"{card} summary")  # type: ignore[attr-defined]
+    assert '"engaged"' in page.inner_text(f"{card} details pre")  # type: ignore[attr-defined]
+    page.click(f"{card} button.pin")  # type: ignore[attr-defined]
+    page.wait_for_selector(f"#kept-grid figure.pinned[data-id='{made[0]}']")  # type: ignore[attr-defined]
+    assert httpx.get(f"{site.url}/v1/gallery/{made[0]}", headers=auth).json()["pinned"] is True
+    page.click(f"#kept-grid figure[data-id='{made[1]}'] button.delete")  # type: ignore[attr-defined]
+    page.wait_for_selector(f"#kept-grid figure[data-id='{made[1]}']", state="detached")  # type: ignore[attr-defined]
+    assert httpx.get(f"{site.url}/v1/gallery/{made[1]}", headers=auth).status_code == 404
+    total = httpx.get(f"{site.url}/v1/gallery", headers=auth).json()["total"]
+    page.wait_for_function(f"() => document.querySelector('#kept-summary').textContent.startsWith('{total} kept')")  # type: ignore[attr-defined]
+    page.screenshot(path=str(site.shots / "gallery.png"))  # type: ignore[attr-defined]
     assert watched.errors == []
     site.engine.images.unload()
 
@@ -435,7 +467,7 @@ def test_every_page_at_desktop_and_phone_width(site: Site, open_page: Callable[.
     for name, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
         watched = open_page(viewport)
         page = signed_in(site, watched)
-        for page_name in ("machine", "generate", "datasets", "train", "run"):
+        for page_name in ("machine", "generate", "kept", "datasets", "train", "run"):
             tab(page, page_name)
             page.wait_for_load_state("networkidle")  # type: ignore[attr-defined]
             assert page.is_visible(f"#{page_name}")  # type: ignore[attr-defined]
@@ -444,4 +476,4 @@ def test_every_page_at_desktop_and_phone_width(site: Site, open_page: Callable[.
             assert overflow <= 0, (name, page_name, overflow)
             page.screenshot(path=str(site.shots / f"{name}-{page_name}.png"), full_page=True)  # type: ignore[attr-defined]
         assert watched.errors == [], name
-    assert len(list(site.shots.glob("phone-*.png"))) == 5
+    assert len(list(site.shots.glob("phone-*.png"))) == 6

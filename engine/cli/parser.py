@@ -15,7 +15,7 @@ from engine import __version__
 from engine.cli import images, machine, training
 from engine.cli.common import DOWNLOAD_HELP, Parser, add_controls, add_json, add_verbose, port_number
 from engine.requests import GENERATE_CONTROLS, MODEL_CONTROLS, PLAN_CONTROLS
-from engine.server.settings import KEEP_URL_IMAGES_S
+from engine.server.settings import DEFAULT_GALLERY_GB
 
 RUNS_DIR_HELP = ("where runs live (default: $DIFFUSION_ENGINE_HOME/runs, else the per-user data folder, "
                  "e.g. ~/.local/share/diffusion-engine/runs)")
@@ -166,9 +166,14 @@ def _add_serve(commands: Commands) -> None:
     serve.add_argument("--queue-size", type=int, default=128, metavar="N",
                        help="generate jobs that may wait behind the running one; one more is refused "
                             "with 429 and Retry-After")
-    serve.add_argument("--keep-url-images", type=float, default=KEEP_URL_IMAGES_S, metavar="SECONDS",
-                       help="how long an image kept for a response_format=url answer is served before it is "
-                            "removed (default 3600, as OpenAI's URLs)")
+    serve.add_argument("--gallery-max-gb", type=float, default=DEFAULT_GALLERY_GB, metavar="GB",
+                       help="the gallery's size bound (every output is kept there with its recipe, under the "
+                            "outputs folder): past it the oldest unpinned outputs go (default %(default)s)")
+    serve.add_argument("--gallery-max-age", type=float, default=None, metavar="SECONDS",
+                       help="remove unpinned outputs older than this from the gallery (default: kept until the "
+                            "size bound removes them)")
+    serve.add_argument("--keep-url-images", dest="gallery_max_age", type=float, metavar="SECONDS",
+                       help=argparse.SUPPRESS, action=_Renamed, new="--gallery-max-age")
     serve.add_argument("--replicas", type=int, default=1, metavar="N",
                        help="serve through N replicas on Ray Serve, one engine each (one GPU each on a GPU "
                             "machine); needs the ray extra")

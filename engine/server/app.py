@@ -43,7 +43,7 @@ from engine.server.browse import browse_router
 from engine.server.confined import Confined
 from engine.server.dataset_routes import UPLOAD_PATHS, datasets_router
 from engine.server.guard import Guard
-from engine.server.hosted import HostedImages
+from engine.server.gallery_routes import gallery_router
 from engine.server.image_routes import images_router, openai_images_router
 from engine.server.model_routes import models_router
 from engine.server.job_routes import EVENT_PATHS, jobs_router, queue_full
@@ -96,11 +96,12 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
     app.add_exception_handler(HTTPException, responses.http_error)  # type: ignore[arg-type]
     app.add_exception_handler(QueueFull, queue_full)  # type: ignore[arg-type]
     app.add_middleware(Guard, **guard_options(settings, app))  # type: ignore[arg-type]
-    queue = JobQueue(engine, size=settings.queue_size, owner=settings.replica)
+    # Every output is kept with its recipe under the outputs root, within the operator's bounds.
+    gallery = (engine.open_gallery(settings.output_roots[0] / "gallery", **settings.gallery_limits)  # type: ignore[arg-type]
+               if settings.output_roots else None)
+    queue = JobQueue(engine, size=settings.queue_size, owner=settings.replica, gallery=gallery)
     if settings.keep_alive_s is not None:  # an idle model goes after this long
         engine.images.keep_alive.seconds = settings.keep_alive_s
-    hosted = HostedImages(settings.output_roots[0] / "images" if settings.output_roots else None,
-                          keep_seconds=settings.keep_url_images_s)
     confined = Confined(engine, settings)
     api = APIRouter(prefix="/v1")
 
@@ -110,7 +111,8 @@ def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> F
 
     app.include_router(api)
     app.include_router(images_router(engine, confined, queue))
-    app.include_router(openai_images_router(engine, confined, queue, hosted))
+    app.include_router(openai_images_router(engine, confined, queue))
+    app.include_router(gallery_router(gallery))
     app.include_router(training_router(engine, confined))
     app.include_router(models_router(engine, confined))
     app.include_router(videos_router(engine, confined, queue))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import Engine
+from engine.errors import EngineError
 from engine.requests import GenerateBody, LoraBody
 from engine.server.bodies import TrainingStartBody
 from engine.server.paths import confine, confine_model
@@ -40,7 +41,13 @@ class Confined:
     def request_model(self, value: str | None) -> str | None:
         """A request's ``model``: None where it means the loaded model (none given, a name the
         loaded model answers to, OpenAI's own names), else the model confined to the roots."""
-        return None if self.engine.images.serves(value) else self.model(value)  # type: ignore[arg-type]
+        if self.engine.images.serves(value):
+            return None
+        if self.settings.replica:  # a replicated service serves its --load model on every replica
+            raise EngineError(f"model {value[:120]!r} is not the model this replicated service serves: its replicas "  # type: ignore[index]
+                              "serve their --load model and never switch; drop model, or serve that model",
+                              code="not_with_replicas")
+        return self.model(value)  # type: ignore[arg-type]
 
     def optional_model(self, value: str | None) -> str | None:
         return self.model(value) if value else None

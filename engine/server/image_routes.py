@@ -21,9 +21,9 @@ from engine.requests import GenerateBody, LoadBody, PlanBody
 from engine.server.bodies import OpenAIImagesBody
 from engine.server.confined import Confined
 from engine.server.edits import read_edit_form
-from engine.server.hosted import HostedImages
+from engine.errors import EngineError
 from engine.server.job_routes import run_job
-from engine.server.jobs import JobQueue
+from engine.server.jobs import Job, JobQueue
 
 
 def images_router(engine: Engine, confined: Confined, queue: JobQueue) -> APIRouter:
@@ -54,8 +54,8 @@ def images_router(engine: Engine, confined: Confined, queue: JobQueue) -> APIRou
     async def generate(body: GenerateBody, request: Request, response: Response) -> dict[str, Any]:
         """Queue the generate and wait for it; the wait in the queue counts in ``seconds``."""
         started = time.perf_counter()
-        images = await run_job(queue, request, response, await run_in_threadpool(confined.generate, body))
-        return {"images": images, "seconds": round(time.perf_counter() - started, 3)}
+        job = await run_job(queue, request, response, await run_in_threadpool(confined.generate, body))
+        return {"images": job.images, "gallery": job.gallery, "seconds": round(time.perf_counter() - started, 3)}
 
     @api.delete("/generate")
     def cancel_generate() -> dict[str, Any]:
@@ -75,9 +75,9 @@ def images_router(engine: Engine, confined: Confined, queue: JobQueue) -> APIRou
     return api
 
 
-def openai_images_router(engine: Engine, confined: Confined, queue: JobQueue, hosted: HostedImages) -> APIRouter:
-    """OpenAI's ``/v1/images/generations`` and ``/v1/images/edits`` on the loaded pipeline, so
-    existing clients work unchanged, and the files a ``response_format=url`` answer points at."""
+def openai_images_router(engine: Engine, confined: Confined, queue: JobQueue) -> APIRouter:
+    """OpenAI's ``/v1/images/generations`` and ``/v1/images/edits``, so existing clients work
+    unchanged; a ``response_format=url`` answer points at the gallery's files."""
     api = APIRouter(prefix="/v1/images")
 
     @api.post("/generations")
@@ -85,19 +85,23 @@ def openai_images_router(engine: Engine, confined: Confined, queue: JobQueue, ho
         """OpenAI's image generation; queued like every generate, the client's timeout
         (a closed connection) cancelling its job."""
         width, height = body.dimensions()
-        images = await run_job(queue, request, response, await run_in_threadpool(confined.generate, GenerateBody(
+        if body.response_format == "url":
+            _check_gallery(queue)
+        job = await run_job(queue, request, response, await run_in_threadpool(confined.generate, GenerateBody(
             prompt=body.prompt, model=body.model, count=body.n, width=width, height=height,
             seed=secrets.randbelow(2**31), loras=body.loras, keep_alive=body.keep_alive,
         )))
-        return {"created": int(time.time()), "data": await openai_data(images, body.response_format, request)}
+        return {"created": int(time.time()), "data": openai_data(job, body.response_format, request)}
 
-    async def openai_data(images: list[str], response_format: str, request: Request) -> list[dict[str, str]]:
-        """OpenAI's ``data``: each image inline (``b64_json``), or kept under the outputs root and
-        given as a URL this server serves (``url``; fetched with the token, as every route)."""
+    def openai_data(job: Job, response_format: str, request: Request) -> list[dict[str, str]]:
+        """OpenAI's ``data``: each image inline (``b64_json``), or the URL of its gallery entry's
+        file (``url``; fetched with the token, as every route; kept within the gallery's bounds)."""
         if response_format == "b64_json":
-            return [{"b64_json": image} for image in images]
-        names = await run_in_threadpool(hosted.keep, images)
-        return [{"url": str(request.url_for("hosted_image", name=name))} for name in names]
+            return [{"b64_json": image} for image in job.images]
+        if len(job.gallery) != len(job.images):
+            raise EngineError("the images could not be kept in the gallery (see the server's log); "
+                              "use response_format=b64_json", code="internal_error")
+        return [{"url": str(request.url_for("gallery_file", entry_id=entry))} for entry in job.gallery]
 
     @api.post("/edits")
     async def openai_edits(request: Request, response: Response) -> dict[str, Any]:
@@ -107,15 +111,19 @@ def openai_images_router(engine: Engine, confined: Confined, queue: JobQueue, ho
         await run_in_threadpool(form.check, engine)
         width, height = form.body.dimensions() if form.sized else (None, None)
         inputs = {"image": form.image} if form.mask is None else {"image": form.image, "mask_image": form.mask}
-        images = await run_job(queue, request, response, await run_in_threadpool(confined.generate, GenerateBody(
+        if form.body.response_format == "url":
+            _check_gallery(queue)
+        job = await run_job(queue, request, response, await run_in_threadpool(confined.generate, GenerateBody(
             prompt=form.body.prompt, model=form.body.model, count=form.body.n, width=width, height=height,
             seed=secrets.randbelow(2**31),
         )), inputs)
-        return {"created": int(time.time()), "data": await openai_data(images, form.body.response_format, request)}
-
-    @api.get("/files/{name}", name="hosted_image")
-    def hosted_image(name: str) -> Response:
-        """An image a ``response_format=url`` call kept (PNG), by the name its URL gave."""
-        return Response(hosted.read(name), media_type="image/png")
+        return {"created": int(time.time()), "data": openai_data(job, form.body.response_format, request)}
 
     return api
+
+
+def _check_gallery(queue: JobQueue) -> None:
+    """``response_format=url`` answers from the gallery: refused before anything runs without one."""
+    if queue.gallery is None:
+        raise EngineError("response_format=url answers from the gallery, which this server keeps under its "
+                          "outputs folder (serve --outputs DIR); use response_format=b64_json", code="no_gallery")

@@ -75,6 +75,8 @@ class Job:
     started: float | None = None
     finished: float | None = None
     images: list[str] = field(default_factory=list)
+    #: The gallery entries its outputs were kept as (ids), when the server keeps a gallery.
+    gallery: list[str] = field(default_factory=list)
     error: EngineError | None = None
     #: Set to stop the job: before it starts, or at the engine's next step.
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -112,5 +114,6 @@ class Job:
             "model": self.target.name,
             "request": {"prompt": body.prompt, "width": body.width, "height": body.height, "count": body.count},
             "images": list(self.images) if images else len(self.images),
+            "gallery": list(self.gallery),
             "error": None if self.error is None else {"code": self.error.code, "message": self.error.message},
         }

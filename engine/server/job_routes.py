@@ -19,6 +19,7 @@ the job's id in the ``X-Job-Id`` header.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -77,9 +78,10 @@ def jobs_router(queue: JobQueue, engine: Any, prepare: Callable[[GenerateBody], 
 
 
 async def run_job(queue: JobQueue, request: Request, response: Response, body: GenerateBody,
-                  inputs: Mapping[str, bytes] | None = None) -> list[str]:
-    """Queue a generate and wait for it: its PNGs (base64), or its error raised.
-    The client going away cancels the job, queued or running."""
+                  inputs: Mapping[str, bytes] | None = None) -> Job:
+    """Queue a generate and wait for it: the finished job (its PNGs in ``images``, base64, and
+    its gallery entries), or its error raised. The client going away cancels the job, queued
+    or running. The kept record drops the PNGs once they are handed over."""
     job = await run_in_threadpool(queue.submit, body, inputs)  # a named model is judged here, off the loop
     response.headers["X-Job-Id"] = job.id
     watcher = asyncio.create_task(_watch_disconnect(request, queue, job))
@@ -94,9 +96,9 @@ async def run_job(queue: JobQueue, request: Request, response: Response, body: G
             queue.cancel(job.id)
         watcher.cancel()
     if job.state == "done":
-        images = job.images
+        done = dataclasses.replace(job)  # the caller's copy, with the PNGs
         queue.drop_result(job)  # delivered: the kept record need not hold the PNGs
-        return images
+        return done
     raise job.error or EngineError(f"the job ended {job.state}", code="internal_error")
 
 

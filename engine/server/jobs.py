@@ -52,7 +52,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.errors import Cancelled, EngineError
@@ -95,11 +95,13 @@ class JobQueue:
     """FIFO generate jobs for one engine, run by one worker thread (started on first use)."""
 
     def __init__(self, engine: Any, *, size: int, kept: int = KEPT_JOBS, kept_bytes: int = KEPT_RESULT_BYTES,
-                 owner: str = "") -> None:
+                 owner: str = "", gallery: Any = None) -> None:
         """``size``: the bound, at least 1 (:class:`~engine.server.settings.ServerSettings` checks it);
         ``owner``: a serving replica's name, ending every job id (``j-1-ab12.OWNER``) so a
-        follow-up reaches the replica that runs the job (:mod:`engine.server.replicas`)."""
+        follow-up reaches the replica that runs the job (:mod:`engine.server.replicas`);
+        ``gallery``: where every finished output is kept with its recipe (``engine.open_gallery``)."""
         self._engine = engine
+        self.gallery = gallery
         self._suffix = f".{owner}" if owner else ""
         self.size = size
         self._kept, self._kept_bytes = kept, kept_bytes
@@ -246,10 +248,13 @@ class JobQueue:
                                                     cancel=job.cancel, **job.inputs)
                 job.video = {**(job.video or {}), **clip.files()}
                 encoded: list[str] = []
+                job.gallery = self._keep(job, clip=clip)
             else:
                 images = self._engine.images.generate(body, progress=lambda d, t: self._step(job, d, t),
                                                       cancel=job.cancel, **job.inputs)
-                encoded = [_png_b64(image) for image in images]
+                pngs = [_png(image) for image in images]
+                encoded = [base64.b64encode(png).decode("ascii") for png in pngs]
+                job.gallery = self._keep(job, images=list(zip(images, pngs)), body=body)
         except Cancelled as error:
             self._end(job, "cancelled", error)
         except EngineError as error:
@@ -260,6 +265,25 @@ class JobQueue:
                                                  code="internal_error"))
         else:
             self._end(job, "done", None, encoded)
+
+    def _keep(self, job: Job, *, images: Sequence[tuple[Any, bytes]] = (), body: GenerateBody | None = None,
+              clip: Any = None) -> list[str]:
+        """Keep the job's outputs in the gallery with their recipes; their entry ids. A gallery
+        that cannot write (a full disk) is logged and the job still answers its outputs inline."""
+        if self.gallery is None:
+            return []
+        try:
+            if clip is not None:
+                files = job.video or {}
+                entry = self.gallery.add("video", files["mp4"], thumbnail=files["thumbnail"], recipe=clip.recipe,
+                                         width=clip.shape.width, height=clip.shape.height, job=job.id)
+                return [entry.id]
+            recipes = self._engine.images.recipes(body, [image for image, _ in images])
+            return [self.gallery.add("image", png, recipe=recipe, width=image.width, height=image.height,
+                                     job=job.id).id for (image, png), recipe in zip(images, recipes)]
+        except OSError as error:
+            log.warning("job %s: its outputs could not be kept in the gallery (%s)", job.id, error)
+            return []
 
     def _step(self, job: Job, done: int, total: int) -> None:
         with self._lock:
@@ -310,8 +334,8 @@ def _size(job: Job) -> int:
 
 
 
-def _png_b64(image: Any) -> str:
+def _png(image: Any) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return buffer.getvalue()
 

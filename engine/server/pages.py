@@ -1,6 +1,6 @@
 """The web page: ``/`` and its static files, served by ``serve`` beside the API.
 
-The page (``engine/server/web/``: one HTML file, four plain scripts loaded
+The page (``engine/server/web/``: one HTML file, seven plain scripts loaded
 in order, one style sheet; no framework, no CDN, no build step) holds no data: everything it
 shows comes from the ``/v1`` routes, which it calls with the token the
 person signed in with (kept in the browser's ``sessionStorage``, sent as

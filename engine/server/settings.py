@@ -23,8 +23,8 @@ DEFAULT_MAX_UPLOAD_BYTES = 64 * 1024 * 1024
 #: Default bound on waiting generate jobs: 128 lets a burst of 32 clients with
 #: 4 requests each queue whole, and bounds what clients can make the server hold.
 DEFAULT_QUEUE_SIZE = 128
-#: Seconds a URL image is served (OpenAI's own image URLs last an hour).
-KEEP_URL_IMAGES_S = 3600.0
+#: The gallery's default size bound, GB: the oldest unpinned outputs go past it.
+DEFAULT_GALLERY_GB = 2.0
 
 
 class InsecureServer(EngineError):
@@ -63,9 +63,13 @@ class ServerSettings:
     #: public name); ``*`` turns the check off.
     extra_hosts: tuple[str, ...] = ()
     extra: dict[str, str] = field(default_factory=dict)
-    #: Seconds an image kept for a ``response_format=url`` answer is served, then removed
-    #: (``serve --keep-url-images``).
-    keep_url_images_s: float = KEEP_URL_IMAGES_S
+    #: Deprecated: the gallery's age bound under its old name (``serve --keep-url-images``,
+    #: when URL images were kept apart); it sets ``gallery_max_age_s``.
+    keep_url_images_s: float | None = None
+    #: The gallery's bounds (``serve --gallery-max-gb``, ``--gallery-max-age``): past either,
+    #: the oldest unpinned outputs are removed; None: no bound of that kind.
+    gallery_max_gb: float | None = DEFAULT_GALLERY_GB
+    gallery_max_age_s: float | None = None
     #: The name of a serving replica (``serve --replicas``): the suffix of its job ids. Empty: one server.
     replica: str = ""
     #: Seconds a loaded model may sit idle before it is unloaded (``serve --keep-alive``); None: until told.
@@ -92,18 +96,24 @@ class ServerSettings:
                 "set --queue-size to a positive number",
                 code="invalid_config",
             )
-        if not 0 < self.keep_url_images_s < float("inf"):
-            raise EngineError(
-                f"URL images must be kept a positive number of seconds (got {self.keep_url_images_s}); "
-                "set --keep-url-images SECONDS",
-                code="invalid_config",
-            )
+        for flag, value in (("--keep-url-images", self.keep_url_images_s), ("--gallery-max-gb", self.gallery_max_gb),
+                            ("--gallery-max-age", self.gallery_max_age_s)):
+            if value is not None and not 0 < value < float("inf"):
+                raise EngineError(f"{flag} must be a positive number (got {value}); leave it out for the default",
+                                  code="invalid_config")
         if self.max_body_bytes < 1:
             raise EngineError(
                 f"max body size must be at least 1 byte (got {self.max_body_bytes}); "
                 "set --max-body-mb to a positive number",
                 code="invalid_config",
             )
+
+    @property
+    def gallery_limits(self) -> dict[str, float | int | None]:
+        """The gallery's bounds as ``engine.open_gallery`` takes them."""
+        age = self.gallery_max_age_s if self.gallery_max_age_s is not None else self.keep_url_images_s
+        size = None if self.gallery_max_gb is None else int(self.gallery_max_gb * 1024**3)
+        return {"max_bytes": size, "max_age_s": age}
 
     def check_bind(self, host: str) -> None:
         """Refuse to serve ``host`` beyond loopback without a token, unless opted out."""

@@ -44,6 +44,7 @@ from engine.policy.available import AvailableMemory
 from engine.requests.machine import MachineRequest
 from engine.service.catalog import Catalog
 from engine.service.datasets import Datasets
+from engine.service.gallery import Gallery
 from engine.service.images import Images
 from engine.service.machine import Machine
 from engine.service.quantize import Quantizer
@@ -151,6 +152,12 @@ class Engine:
         torchao tensors in safetensors, which loads with no dense transient and no quantising
         (:mod:`engine.service.quantize`). Every check runs first; holds the job slot while it writes."""
         return self._quantizer.quantize(model, scheme, output, device=device)
+
+    def open_gallery(self, folder: str | Path, *, max_bytes: int | None = None,
+                     max_age_s: float | None = None) -> Gallery:
+        """The gallery kept in ``folder`` (its entries read back), bounded by ``max_bytes`` and
+        ``max_age_s``: the oldest unpinned outputs go first (:mod:`engine.service.gallery`)."""
+        return Gallery(folder, max_bytes=max_bytes, max_age_s=max_age_s)
 
     def hardware(self, *, verify: bool | None = None) -> HardwareProfile:
         """The machine decisions are made for: the one given, else a probe (see

@@ -273,6 +273,14 @@ class Images:
                 self._slot.release("generating")
                 self.keep_alive.touch(keep)  # type: ignore[arg-type]
 
+    def recipes(self, body: GenerateBody, images: Sequence[Any]) -> list[dict[str, object]]:
+        """What replays each of ``images`` (just made for ``body`` on the loaded pipeline): the
+        request as it ran and what engaged (:mod:`engine.service.recipes`); [] when none is loaded."""
+        from engine.service.recipes import image_recipes
+
+        session = self._session
+        return image_recipes(body, session, list(images)) if session is not None else []
+
     def cancel(self) -> bool:
         """Stop the running generate after its current denoising step (it raises
         :class:`Cancelled` to its caller); False when none runs. Queued ones still run."""

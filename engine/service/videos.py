@@ -180,16 +180,6 @@ def _as_rendered(shape: VideoShape, frames: Sequence[Any]) -> VideoShape:
 
 def _recipe(body: GenerateBody, shape: VideoShape, session: Any) -> dict[str, object]:
     """What replays the clip: the request as run (with every default filled) and what engaged."""
-    plan = session.plan
-    checkpoint = session.source.checkpoint or session.source.family.default_checkpoint
-    status = session.status()
-    return {
-        "kind": "video", "model": session.source.location, "family": session.source.family.name,
-        "checkpoint": checkpoint.name, "prompt": body.prompt, "negative_prompt": body.negative_prompt,
-        "seed": body.seed, "steps": body.steps or plan.default_steps,
-        "guidance": checkpoint.default_guidance if body.guidance is None else body.guidance,
-        "image": body.image, **shape.to_dict(),
-        "loras": [{"path": lo.path, "scale": lo.scale} for lo in body.loras or ()],
-        "engaged": {name: control.value for name, control in plan.controls.items()},
-        "loaded_loras": (status.get("loras") or {}).get("applied", []),
-    }
+    from engine.service.recipes import loaded_recipe, request_recipe
+
+    return {"kind": "video", **request_recipe(body, session), **shape.to_dict(), **loaded_recipe(session)}

@@ -1,4 +1,4 @@
-// diffusion-engine web page, part 6 of 6: wiring the controls once the page is parsed.
+// diffusion-engine web page, part 7 of 7: wiring the controls once the page is parsed.
 // Every call carries the token the person signed in with (sessionStorage: this tab only).
 "use strict";
 

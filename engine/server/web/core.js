@@ -1,4 +1,4 @@
-// diffusion-engine web page, part 1 of 6: the API, the DOM helpers and errors shown with their code.
+// diffusion-engine web page, part 1 of 7: the API, the DOM helpers and errors shown with their code.
 // Plain scripts (no framework, no build step), loaded in order by index.html; they share these globals.
 "use strict";
 
@@ -152,6 +152,6 @@ function showTab(name) {
   document.querySelectorAll("[data-page]").forEach((page) => { page.hidden = page.id !== name; });
   document.querySelectorAll("#tabs button").forEach((b) => b.classList.toggle("active", b.dataset.tab === name));
   history.replaceState(null, "", `#${name}`);
-  ({ machine: loadMachine, generate: loadGenerate, video: loadVideo, datasets: loadDatasets, train: loadTrain,
-    run: loadRun })[name]();
+  ({ machine: loadMachine, generate: loadGenerate, video: loadVideo, kept: () => loadKept(0), datasets: loadDatasets,
+    train: loadTrain, run: loadRun })[name]();
 }

@@ -1,4 +1,4 @@
-// diffusion-engine web page, part 4 of 6: the Datasets page (list, upload, caption, delete).
+// diffusion-engine web page, part 4 of 7: the Datasets page (list, upload, caption, delete).
 // Captions are what a run trains with, written where the trainer reads them; a dataset a run is
 // using refuses every change (409 dataset_in_use), shown with its code like any other error.
 "use strict";

@@ -1,4 +1,4 @@
-// diffusion-engine web page, part 2 of 6: the Machine and Generate pages.
+// diffusion-engine web page, part 2 of 7: the Machine and Generate pages.
 "use strict";
 
 // -- Machine ---------------------------------------------------------------------------------------

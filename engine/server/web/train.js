@@ -1,4 +1,4 @@
-// diffusion-engine web page, part 3 of 6: the Train and Run pages.
+// diffusion-engine web page, part 3 of 7: the Train and Run pages.
 "use strict";
 
 // -- Train -----------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-// diffusion-engine web page, part 5 of 6: the Video page (a video model's clip, played in the page).
+// diffusion-engine web page, part 5 of 7: the Video page (a video model's clip, played in the page).
 // It speaks the OpenAI-compatible videos API: POST /v1/videos, follow the job, GET its content.
 "use strict";
 
