@@ -91,3 +91,18 @@ def test_kit_catches_lora_markers_that_claim_another_familys_lora(tmp_path: Path
     with pytest.raises(AssertionError, match="looks like a Z-Image LoRA"):
         FamilyContract().check_lora_markers_tell_it_apart(collided, flux, lora)
     FamilyContract().check_lora_markers_tell_it_apart(registry, flux, lora)  # no collision: passes
+
+
+def test_a_kit_check_whose_subprocess_fails_shows_that_subprocess_error_output() -> None:
+    """The torch-free check runs in a fresh interpreter: when it fails there (here a plugin module
+    that does not import), the failure shows the subprocess's traceback, not just its status."""
+
+    class Unimportable(FamilyContract):
+        family_name = "sd3"
+        plugin_module = "no_such_family_plugin"
+
+    with pytest.raises(AssertionError) as failed:
+        Unimportable().test_info_resolves_without_torch()
+    message = str(failed.value)
+    assert "exited with status 1" in message
+    assert "ModuleNotFoundError: No module named 'no_such_family_plugin'" in message

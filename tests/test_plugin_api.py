@@ -137,6 +137,32 @@ def test_the_built_in_families_and_the_example_speak_the_current_api() -> None:
             assert info.api == PLUGIN_API_VERSION and info.deprecations == (), info.name
 
 
+def test_the_guides_worked_example_as_printed_loads_with_no_deprecation_warning() -> None:
+    """docs/plugins.md's worked example, taken from the guide's text and run as a plugin module:
+    it loads, declares the current API, and warns about nothing (each old spelling it once
+    used would warn here)."""
+    import re
+    import types as pytypes
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text(encoding="utf-8")
+    example = docs[docs.index("## A worked example"):docs.index("## Testing your family")]
+    [code] = [block for block in re.findall(r"```python\n(.*?)```", example, re.S) if "FamilySpec(" in block]
+    module = pytypes.ModuleType("guide_sd3")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(code, "docs/plugins.md", "exec"), module.__dict__)  # noqa: S102 - the guide's own text
+        registry = load_registry(plugins=[("guide_sd3", module)], entry_points=False)
+        spec = registry.family("sd3")
+        denied = registry.quant_deny(spec, "inference")
+    assert [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)] == []
+    assert not registry.errors
+    info = next(p for p in registry.plugins if p.name == "guide_sd3")
+    assert info.api == PLUGIN_API_VERSION and info.deprecations == ()
+    assert spec.lora.targets == ("to_q", "to_k", "to_v", "to_out.0") and spec.training.dense_gb == 4.9
+    assert spec.training.requires_bf16 and spec.precision.fp16_safe() and "nvfp4" in denied
+
+
 def test_sections_hash_and_compare() -> None:
     """Frozen, hashable sections: a spec is a value (no hand-written __hash__)."""
     assert hash(FLUX) == hash(dataclasses.replace(FLUX))

@@ -306,8 +306,17 @@ class FamilyContract:
             print(json.dumps({{"heavy": heavy, "presets": len(modes)}}))
             """
         )
-        out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True
-        ).stdout
+        out = run_python(code)
         result = json.loads(out.strip().splitlines()[-1])
         assert result == {"heavy": [], "presets": len(PRESETS)}
+
+
+def run_python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter; its stdout. A failure is an AssertionError that shows
+    what the subprocess wrote to stderr (its traceback: a plugin that fails to import, say), not
+    only its exit status."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise AssertionError(f"the kit's subprocess exited with status {done.returncode}; its stderr:\n"
+                             f"{done.stderr.strip()[-4000:] or '(empty)'}")
+    return done.stdout
