@@ -9,8 +9,9 @@ int8). Measured bytes are the real tensors after loading in bf16 and after
 the engine's own int8 quantisation. Target: error <= 5%.
 
 ``--factors`` prints each family's steady factor per scheme at full size
-(config on the meta device, no weights): the ``quant_factors`` in the
-family tables come from it. It works for every installed family, a
+(config on the meta device, no weights), through the engine's factor tool
+(:mod:`engine.testing.quant_factors`, which also reads a checkpoint's headers
+and checks a table: ``python -m engine.testing.quant_factors --family F --check``). It works for every installed family, a
 third-party plugin's too: the built-ins' full-size configs are below; any
 other family's denoiser config is read from ``--config FAMILY=DIR`` (a
 pipeline folder with ``model_index.json`` and ``<denoiser>/config.json``, or
@@ -32,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from engine.policy.quant_filter import LAYOUTS, quantised_gb
-from engine.policy.quant_filter import dense_gb
+from engine.contract.plugins import load_registry
+from engine.policy.quant_filter import LAYOUTS, dense_gb
+from engine.testing.quant_factors import factors_of
 from engine.preflight.headers import sizes_by_scheme, tensor_shapes
 from engine.runtime.quantize import quantize_transformer, storage_bytes
 
@@ -58,8 +60,6 @@ def model_class(family: str):  # type: ignore[no-untyped-def]
 def full_size_model(family: str, configs: dict[str, Path]) -> torch.nn.Module:
     """The family's full-size denoiser on the meta device (no weights)."""
     import diffusers
-
-    from engine.contract.plugins import load_registry
 
     if family in MODELS and family not in configs:
         _, full, _ = MODELS[family]
@@ -92,9 +92,9 @@ def full_size_factors(families: list[str], configs: dict[str, Path]) -> None:
                   f"--config {family}=DIR (model_index.json and the denoiser's config.json)")
             continue
         tensors = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-        bf16 = sum(p.numel() for p in model.parameters()) * 2 / 1e9
-        factors = "  ".join(f"{quantised_gb(tensors, s) / bf16:>6.3f}" for s in LAYOUTS)
-        print(f"{family:<11} {bf16 / 2:>7.2f}B  {factors}")
+        derived = factors_of(tensors, load_registry().family(family).quantisation.int8_dense_modules)
+        factors = "  ".join(f"{derived.factors[s]:>6.3f}" for s in LAYOUTS)
+        print(f"{family:<11} {derived.dense_gb / 2:>7.2f}B  {factors}   {derived.literal()}")
 
 
 def accuracy(families: list[str]) -> None:
@@ -133,8 +133,6 @@ def main() -> None:
     args = parser.parse_args()
     configs = {k: Path(v).expanduser() for k, _, v in (c.partition("=") for c in args.config)}
     if args.factors:
-        from engine.contract.plugins import load_registry
-
         full_size_factors(args.families or sorted(load_registry().families), configs)
     else:
         accuracy(args.families or list(MODELS))

@@ -85,7 +85,8 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
         spec,
         spec.checkpoint(folder.name),
         measured_sizes=sizes,
-        scheme_gb=sizes_by_scheme(denoiser_shapes) if denoiser_shapes and not quantised else None,
+        scheme_gb=(sizes_by_scheme(denoiser_shapes, spec.quantisation.int8_dense_modules)
+                   if denoiser_shapes and not quantised else None),
         prequantised_scheme=str(stored["scheme"]) if stored is not None else "nf4" if quantised else None,
         denoiser_shapes=tuple(denoiser_shapes),
         precast_encoders=precast_encoders({

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 from engine.errors import PreflightError
@@ -55,9 +56,10 @@ def measured_sizes(
     return sizes, denoiser
 
 
-def sizes_by_scheme(shapes: Shapes) -> dict[str, float]:
-    """A denoiser's GB under each scheme, from tensor names and shapes alone."""
-    return {scheme: quantised_gb(shapes, scheme) for scheme in LAYOUTS}
+def sizes_by_scheme(shapes: Shapes, dense_modules: Sequence[str] = ()) -> dict[str, float]:
+    """A denoiser's GB under each scheme, from tensor names and shapes alone, as the inference
+    build holds it (``dense_modules``: the family's ``int8_dense_modules``, which it keeps bf16)."""
+    return {scheme: quantised_gb(shapes, scheme, tuple(dense_modules)) for scheme in LAYOUTS}
 
 
 def tensor_shapes(files: list[Path]) -> Shapes:

@@ -78,7 +78,7 @@ def single_file_source(
     return ModelSource(
         "single_file", str(file), spec, checkpoint, base=base_id,
         measured_sizes=ComponentSizes(dense_gb(shapes), others.text_encoders_gb, others.vae_gb),
-        scheme_gb=sizes_by_scheme(shapes),
+        scheme_gb=sizes_by_scheme(shapes, spec.quantisation.int8_dense_modules),
         denoiser_shapes=tuple(shapes),
     )
 
@@ -101,7 +101,7 @@ def whole_file_source(
     denoiser = [(name[len(prefix):], shape) for name, shape in shapes if name.startswith(prefix)]
     return ModelSource(
         "single_file_pipeline", str(file), spec, checkpoint, base=config,
-        measured_sizes=sizes, scheme_gb=sizes_by_scheme(denoiser),
+        measured_sizes=sizes, scheme_gb=sizes_by_scheme(denoiser, spec.quantisation.int8_dense_modules),
     )
 
 

@@ -113,6 +113,11 @@ def _config(d: Denoiser, overrides: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **d.full, **overrides}
 
 
+def full_config(d: Denoiser) -> dict[str, Any]:
+    """The denoiser's full-size config: the class defaults with the probe's ``full`` overrides."""
+    return _config(d, {})
+
+
 def _pipe_shim(d: Denoiser, model: torch.nn.Module) -> Any:
     """What the runtime's ``predict`` reads from a pipeline: the family's ``probe_pipeline``
     where it has one, else the denoiser and the VAE scale (the family's geometry)."""
@@ -166,6 +171,6 @@ def full_lora_targets(d: Denoiser) -> tuple[LoraTargetShape, ...]:
     import diffusers
 
     with torch.device("meta"):
-        model = getattr(diffusers, d.model_class).from_config(_config(d, {}))
+        model = getattr(diffusers, d.model_class).from_config(full_config(d))
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     return lora_target_shapes(shapes, d.spec.lora.targets)
