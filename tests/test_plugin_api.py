@@ -221,8 +221,9 @@ def test_a_runtime_module_that_breaks_the_contract_is_named_before_a_run() -> No
 
 
 def test_fp16_safety_is_stated_per_component() -> None:
-    """A family whose text encoder alone is fp16-unsafe: fp16 compute (one dtype for the whole
-    pipeline) is refused naming the component; on a card without bf16 the plan takes fp32."""
+    """A family whose text encoder alone is fp16-unsafe: its denoiser still computes in fp16
+    (asked, or on a card without bf16), the encoder beside it in its own dtype, named with
+    the reason (tests/test_component_precision.py plans and runs it)."""
     from engine.errors import PreflightError
     from engine.hardware.presets import preset
     from engine.policy.dtype import resolve_dtype
@@ -231,11 +232,14 @@ def test_fp16_safety_is_stated_per_component() -> None:
     encoder_only = dataclasses.replace(FLUX, precision=PrecisionRules(
         fp16_unsafe=(("text_encoders", "its T5 overflows to inf in fp16"),)))
     assert encoder_only.precision.fp16_safe("denoiser") and not encoder_only.precision.fp16_safe("text_encoders")
-    with pytest.raises(PreflightError, match="its text encoders: its T5 overflows") as refused:
-        resolve_dtype(encoder_only, preset("t4"), "fp16", fp32_fits=True)
-    assert refused.value.code == "fp16_unsafe"
+    asked = resolve_dtype(encoder_only, preset("t4"), "fp16", fp32_fits=True)
+    assert asked.value == "fp16" and "its text encoders in fp32 (its T5 overflows to inf in fp16)" in asked.reason
     chosen = resolve_dtype(encoder_only, preset("t4"), "auto", fp32_fits=True)
-    assert chosen.value == "fp32" and "text encoders" in chosen.reason
+    assert chosen.value == "fp16" and "its text encoders in fp32" in chosen.reason
+    denoiser = dataclasses.replace(FLUX, precision=PrecisionRules(fp16_unsafe=(("denoiser", "it renders black"),)))
+    with pytest.raises(PreflightError, match="it renders black") as refused:
+        resolve_dtype(denoiser, preset("t4"), "fp16", fp32_fits=True)
+    assert refused.value.code == "fp16_unsafe"
     assert resolve_dtype(FLUX, preset("t4"), "auto", fp32_fits=True).value == "fp16"
     with pytest.raises(ValueError, match="components are"):
         PrecisionRules(fp16_unsafe=(("unet", "x"),))

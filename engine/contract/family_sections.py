@@ -283,9 +283,11 @@ COMPONENTS: tuple[str, ...] = ("denoiser", "text_encoders", "vae")
 class PrecisionRules:
     """Where fp16 compute is unsafe, component by component.
 
-    The engine computes a pipeline in one dtype, so any unsafe component keeps
-    the whole pipeline off fp16 (bf16 where native, else fp32), and the
-    refusal names the component (``its text encoders: ...``).
+    An fp16-unsafe denoiser keeps the family off fp16 (bf16 where native, else
+    fp32; an fp16 request is refused with the reason). An fp16-unsafe text
+    encoder or VAE alone does not: the denoiser computes in fp16 and that
+    component beside it in bf16 where native, else fp32, each with the reason
+    (the plan's ``text_encoder_dtype`` and ``vae_dtype``).
     """
 
     #: ``(component, reason)`` for each component whose fp16 compute renders
@@ -311,7 +313,8 @@ class PrecisionRules:
         return next((reason for c, reason in self.fp16_unsafe if c == component), "")
 
     def pipeline_fp16_safe(self) -> bool:
-        """Whether the whole pipeline may compute in fp16 (the engine runs one compute dtype)."""
+        """Whether every component may compute in fp16 (the denoiser's alone decides the compute
+        dtype: see :mod:`engine.policy.component_dtypes`)."""
         return not self.fp16_unsafe
 
     def pipeline_fp16_reason(self) -> str:

@@ -105,7 +105,7 @@ def images_info(registry: Registry, family: FamilySpec) -> ImagesInfo:
         sizes_gb=sizes,
         resident_gb=resident,
         denied=dict(registry.quant_deny(family, "inference")),
-        fp16_compute_safe=family.precision.pipeline_fp16_safe(),
+        fp16_compute_safe=family.precision.fp16_safe("denoiser"),
         capabilities={
             name: {True: "yes", False: "no", None: "undeclared (checked at load)"}[value]
             for name, value in family.capabilities.declared().items()

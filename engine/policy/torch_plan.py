@@ -18,13 +18,10 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from engine.contract.plugins import Registry
-from engine.contract.types import Checkpoint, FamilySpec
 from engine.errors import PreflightError
 from engine.hardware.profile import HardwareProfile
 from engine.policy.activations import (
     CONTEXT_GB,
-    DEFAULT_SIDE_PX,
-    ImageShape,
     guarded_overhead_gb,
     resolve_vae_slicing,
     resolve_vae_tiling,
@@ -32,6 +29,7 @@ from engine.policy.activations import (
 from engine.policy.attention import resolve_attention
 from engine.policy.available import AvailableMemory
 from engine.policy.compatibility import plan_refusals
+from engine.policy.component_dtypes import component_dtype, weight_factor
 from engine.policy.cpu_kernel import resolve_cpu_kernel
 from engine.policy.dtype import DTYPE_FACTOR, resolve_dtype
 from engine.policy.encoders import (
@@ -42,7 +40,7 @@ from engine.policy.encoders import (
 )
 from engine.policy.lora import resolve_lora
 from engine.policy.memory import Components, MemoryThresholds, plan_memory
-from engine.policy.plan import ModelDefaults, ModelFacts, Plan, requested_by_control
+from engine.policy.plan import ModelFacts, Plan, requested_by_control
 from engine.policy.quant import lift_denials, lifted_denials, resolve_quant_request
 from engine.policy.resolved import Resolved, auto, explicit, with_requests
 from engine.policy.scheme_choice import MemoryPlan, choose_transformer_scheme
@@ -60,6 +58,7 @@ from engine.policy.speed import (
     step_cache_unsupported,
 )
 from engine.requests.inference import InferenceRequest
+from engine.policy.request_shape import own_size, request_shape
 
 #: Steps assumed when neither the request nor a known checkpoint says.
 FALLBACK_STEPS = 28
@@ -159,13 +158,18 @@ class TorchPlanner:
         """GB of each part in ``dtype`` with the transformer in ``scheme``."""
         factor, sizes = DTYPE_FACTOR[dtype], self.model.sizes
         steady, transient = self.transformer_gb(dtype, scheme)
+
+        def width(component: str) -> float:
+            return weight_factor(self.family, self.hardware, dtype, component)
+
         return Components(
             transformer_gb=steady,
             transformer_transient_gb=transient,
             text_encoders_gb=encoder_gb_as_planned(
-                sizes.text_encoders_gb, str(self.encoder_quant.value), factor, self.model.precast_encoders
+                sizes.text_encoders_gb, str(self.encoder_quant.value), width("text_encoders"),
+                self.model.precast_encoders,
             ),
-            vae_gb=sizes.vae_gb * factor,
+            vae_gb=sizes.vae_gb * width("vae"),
             quantised=scheme is not None and scheme != "nf4",
             controlnet_gb=self.model.controlnet_gb * factor,
             denoiser_label=self.family.denoiser_label,
@@ -312,7 +316,8 @@ class TorchPlanner:
             "engine": self.engine,
             "dtype": dtype,
             "transformer_quant": scheme,
-            "text_encoder_dtype": Resolved(dtype.value, dtype.source, "the encoders run in the compute dtype"),
+            "text_encoder_dtype": component_dtype(family, hardware, dtype, "text_encoders"),
+            "vae_dtype": component_dtype(family, hardware, dtype, "vae"),
             "memory_mode": memory[0],
             "attention_backend": speed.attention,
             "step_cache": speed.step_cache,
@@ -379,22 +384,3 @@ class TorchPlanner:
                 code="incompatible_plan",
             )
         return planned
-
-
-def own_size(defaults: ModelDefaults) -> tuple[int, int] | None:
-    """The model's own (width, height), where its folder gives both."""
-    return (defaults.width, defaults.height) if defaults.width and defaults.height else None
-
-
-def request_shape(family: FamilySpec, checkpoint: Checkpoint | None, request: InferenceRequest,
-                  own: tuple[int, int] | None = None) -> ImageShape:
-    """What the guard sizes for: the request's size and batch (the model's own size, else
-    1024 px, by default), and for a video family its clip (the checkpoint's default preset
-    and frames where the request is silent)."""
-    video = family.video_of(checkpoint) if family.output == "frames" else None
-    if video is None:
-        width, height = own or (DEFAULT_SIDE_PX, DEFAULT_SIDE_PX)
-        return ImageShape(request.width or width, request.height or height, request.count)
-    width, height = own or video.default_size
-    return ImageShape(request.width or width, request.height or height, request.count,
-                      frames=request.frames or video.default_frames)

@@ -115,13 +115,17 @@ class PipelineLoading:
                 getattr(pipe, self.source.family.denoiser), lambda module, _: isinstance(module, torch.nn.Linear),
                 scheme=str(plan.value("dtype")), dtype=dtype,
             ).to_dict()
+        encoder_dtype = TORCH_DTYPES[str(plan.value("text_encoder_dtype", plan.value("dtype")))]
         self.encoder_stream, self.encoder_placements, failure = text_encoders.prepare_encoders(
-            pipe, getattr(pipe, self.source.family.denoiser), plan, self._root(), dtype, resident=resident(plan),
+            pipe, getattr(pipe, self.source.family.denoiser), plan, self._root(), encoder_dtype, resident=resident(plan),
             precast=self.source.precast_encoders,
             int8_schedule=self.source.family.quantisation.text_encoder_int8_keep,
         )
         if failure is not None:
             self.plan = plan = plan.with_control("text_encoder_quant", explicit("none", failure))
+        from engine.runtime.mixed_precision import align_components
+
+        align_components(pipe, denoisers_of(pipe, self.source.family), plan)  # where dtypes differ
         self._apply_memory_mode(pipe, plan)
         if plan.value("cpu_kernel") == "onednn" and dtype == torch.float32:
             self.onednn_layers = route_linears_to_onednn(pipe)
@@ -193,11 +197,12 @@ class PipelineLoading:
                 )
             if self.plan.value("text_encoder_quant") == "nf4":
                 components.update(text_encoders.nf4_encoder_components(
-                    str(root), diffusers.DiffusionPipeline.load_config(root), dtype
+                    str(root), diffusers.DiffusionPipeline.load_config(root),
+                    TORCH_DTYPES[str(self.plan.value("text_encoder_dtype", self.plan.value("dtype")))],
                 ))
             components.update(pipeline_processors(str(root)))  # built here: see runtime.processors
             return diffusers.DiffusionPipeline.from_pretrained(
-                root, dtype=component_dtypes(source.family, dtype, lambda: diffusers.DiffusionPipeline.load_config(root)),
+                root, dtype=component_dtypes(source.family, self.plan, lambda: diffusers.DiffusionPipeline.load_config(root)),
                 **components,
             )
         except torch.OutOfMemoryError as exc:  # nf4 loads onto the GPU as it quantises
@@ -241,17 +246,22 @@ def denoisers_of(pipe: Any, family: Any) -> list[Any]:
     return [module for name in family.denoisers if (module := getattr(pipe, name, None)) is not None]
 
 
-def component_dtypes(family: Any, dtype: torch.dtype, read_config: Callable[[], dict[str, Any]]) -> Any:
-    """``dtype``, or per component where the family keeps some in fp32 whatever the compute dtype
-    (its ``precision.keep_fp32``: a video VAE, say), as diffusers' ``from_pretrained`` takes a mapping.
-    The pipeline's config (its component names) is read only then."""
-    kept = {component for component, _ in family.precision.keep_fp32}
-    if not kept or dtype == torch.float32:
+def component_dtypes(family: Any, plan: Plan, read_config: Callable[[], dict[str, Any]]) -> Any:
+    """The plan's compute dtype, or per component where the plan gives the text encoders or the
+    VAE their own (``text_encoder_dtype``, ``vae_dtype``: an fp16-unsafe one beside an fp16
+    denoiser) or the family keeps one in fp32 (``precision.keep_fp32``: a video VAE), as
+    diffusers' ``from_pretrained`` takes a mapping. The pipeline's config is read only then."""
+    dtype = TORCH_DTYPES[str(plan.value("dtype"))]
+    own = {component: TORCH_DTYPES[str(plan.value(control, plan.value("dtype")))]
+           for component, control in (("text_encoders", "text_encoder_dtype"), ("vae", "vae_dtype"))}
+    own.update({component: torch.float32 for component, _ in family.precision.keep_fp32})
+    differs = {component: d for component, d in own.items() if d != dtype}
+    if not differs:
         return dtype
     config = read_config()
     names = {"denoiser": set(family.denoisers), "vae": {"vae"},
              "text_encoders": {name for name in config if name.startswith("text_encoder")}}
-    pinned = {name: torch.float32 for component in kept for name in names[component] if name in config}
+    pinned = {name: d for component, d in differs.items() for name in names[component] if name in config}
     return {"default": dtype, **pinned} if pinned else dtype
 
 

@@ -1,0 +1,27 @@
+"""What a plan sizes its activations for: the request's image or clip, else the model's own size. Pure."""
+
+from __future__ import annotations
+
+from engine.contract.types import Checkpoint, FamilySpec
+from engine.policy.activations import DEFAULT_SIDE_PX, ImageShape
+from engine.policy.plan import ModelDefaults
+from engine.requests.inference import InferenceRequest
+
+
+def own_size(defaults: ModelDefaults) -> tuple[int, int] | None:
+    """The model's own (width, height), where its folder gives both."""
+    return (defaults.width, defaults.height) if defaults.width and defaults.height else None
+
+
+def request_shape(family: FamilySpec, checkpoint: Checkpoint | None, request: InferenceRequest,
+                  own: tuple[int, int] | None = None) -> ImageShape:
+    """What the guard sizes for: the request's size and batch (the model's own size, else
+    1024 px, by default), and for a video family its clip (the checkpoint's default preset
+    and frames where the request is silent)."""
+    video = family.video_of(checkpoint) if family.output == "frames" else None
+    if video is None:
+        width, height = own or (DEFAULT_SIDE_PX, DEFAULT_SIDE_PX)
+        return ImageShape(request.width or width, request.height or height, request.count)
+    width, height = own or video.default_size
+    return ImageShape(request.width or width, request.height or height, request.count,
+                      frames=request.frames or video.default_frames)
