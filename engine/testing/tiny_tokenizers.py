@@ -20,3 +20,70 @@ def t5_unigram_tokenizer(model_max_length: int = 512) -> Any:
     pieces += [("▁" + char, -3.0) for char in chars]
     pieces += [(char, -4.0) for char in chars]
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+_SPECIAL_TOKENS: list[str] = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+]
+
+_TOKENIZER_CORPUS: list[str] = [
+    "system\nuser\nassistant\n\n",
+    "a photo of a cat and a dog, red blue green yellow, an astronaut riding a horse on the moon",
+]
+
+# Qwen3-style: with enable_thinking unset/true the generation prompt is "<|im_start|>assistant\n".
+_CHAT_TEMPLATE: str = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+
+
+def qwen_chat_tokenizer() -> Any:
+    """A ``Qwen2Tokenizer``: a tiny byte-level BPE trained with Qwen2's pre-tokenizer (any text
+    tokenises through the byte alphabet), with Qwen3's chat template (``enable_thinking``
+    honoured), for the families whose text encoder is a Qwen3."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=4096,  # upper bound: training stops once every corpus word is one token
+        min_frequency=1,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_TOKENIZER_CORPUS, trainer=trainer)
+    model_json: dict[str, Any] = json.loads(bpe.to_str())["model"]
+    vocab: dict[str, int] = model_json["vocab"]
+    merges: list[tuple[str, str]] = [(a, b) for a, b in model_json["merges"]]
+
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=32768,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:]})
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    return tokenizer

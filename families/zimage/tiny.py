@@ -29,7 +29,6 @@ Shape choices and why:
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Any
 
@@ -40,9 +39,9 @@ from diffusers import (
     ZImagePipeline,
     ZImageTransformer2DModel,
 )
-from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+from transformers import Qwen3Config, Qwen3Model
+
+from engine.testing.tiny_tokenizers import qwen_chat_tokenizer
 
 __all__ = ["TINY_GENERATE_KWARGS", "TINY_RESOLUTION", "build_tiny_pipeline"]
 
@@ -54,65 +53,7 @@ TINY_RESOLUTION: int = 64
 #: ``max_sequence_length`` is the padded tokenizer length (default 512).
 TINY_GENERATE_KWARGS: dict[str, Any] = {"guidance_scale": 0.0, "max_sequence_length": 64}
 
-_SPECIAL_TOKENS: list[str] = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<think>",
-    "</think>",
-]
-
-_TOKENIZER_CORPUS: list[str] = [
-    "system\nuser\nassistant\n\n",
-    "a photo of a cat and a dog, red blue green yellow, an astronaut riding a horse on the moon",
-]
-
-# Qwen3-style: with enable_thinking unset/true the generation prompt is "<|im_start|>assistant\n".
-_CHAT_TEMPLATE: str = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
-    "{% endif %}"
-)
-
 _TEXT_HIDDEN: int = 32
-
-
-def _build_tokenizer() -> Qwen2Tokenizer:
-    """Train a tiny byte-level BPE with Qwen2's pre-tokenizer and wrap it as ``Qwen2Tokenizer``."""
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=4096,  # upper bound: training stops once every corpus word is one token
-        min_frequency=1,
-        special_tokens=_SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(_TOKENIZER_CORPUS, trainer=trainer)
-    model_json: dict[str, Any] = json.loads(bpe.to_str())["model"]
-    vocab: dict[str, int] = model_json["vocab"]
-    merges: list[tuple[str, str]] = [(a, b) for a, b in model_json["merges"]]
-
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        model_max_length=32768,
-    )
-    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:]})
-    tokenizer.chat_template = _CHAT_TEMPLATE
-    return tokenizer
 
 
 def build_tiny_pipeline(path: pathlib.Path) -> pathlib.Path:
@@ -123,7 +64,7 @@ def build_tiny_pipeline(path: pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = _build_tokenizer()
+    tokenizer = qwen_chat_tokenizer()
 
     torch.manual_seed(0)
     text_encoder = Qwen3Model(

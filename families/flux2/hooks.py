@@ -1,0 +1,19 @@
+"""Entry point of the flux2 family plugin: registers its table.
+
+Every per-concern hook is answered from the table by the engine's built-in
+table plugin; this module adds code only where a table cannot say it.
+"""
+
+from collections.abc import Callable
+
+from engine.contract.hookspecs import hookimpl
+from engine.contract.types import FamilySpec
+from families.flux2.table import FLUX2
+
+#: The plugin API this plugin is written for (engine.contract.plugin_api).
+ENGINE_PLUGIN_API = 1
+
+
+@hookimpl
+def engine_register_families(register: Callable[[FamilySpec], None]) -> None:
+    register(FLUX2)

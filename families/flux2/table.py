@@ -1,0 +1,92 @@
+"""FLUX.2: the family's data sheet. Pure data; no torch.
+
+Figures (bf16, decimal GB): klein 4B's 4B transformer (7.8), its Qwen3-4B text encoder
+(8.0) and the 32-channel VAE (0.2); dev's 32B transformer (64.5), its Mistral-Small-24B
+text encoder (48.0) and VAE (0.4). The transformer sizes agree with the diffusers class
+at the published configs built on the meta device (64.45 and 7.75 GB).
+"""
+
+from engine.contract.types import (
+    Capabilities,
+    Checkpoint,
+    ComponentSizes,
+    FamilySpec,
+    LatentGeometry,
+    LoraLayout,
+    QuantRules,
+    TrainingSpec,
+)
+
+KLEIN_SIZES = ComponentSizes(transformer_gb=7.8, text_encoders_gb=8.0, vae_gb=0.2)
+DEV_SIZES = ComponentSizes(transformer_gb=64.5, text_encoders_gb=48.0, vae_gb=0.4)
+
+FLUX2 = FamilySpec(
+    name="flux2",
+    label="FLUX.2",
+    aliases=("flux.2", "flux_2"),
+    architecture="dit",
+    pipeline_class="Flux2KleinPipeline",
+    pipeline_class_names=("Flux2KleinPipeline", "Flux2Pipeline"),
+    checkpoints=(
+        Checkpoint(
+            name="flux.2-klein-4b",
+            label="FLUX.2 [klein] 4B",
+            repo="black-forest-labs/FLUX.2-klein-4B",
+            # Step-distilled: four steps, no classifier-free guidance.
+            default_steps=4,
+            default_guidance=1.0,
+            matches=("*flux.2-klein-4b*", "*flux2-klein-4b*", "*flux.2-klein*", "*flux2-klein*"),
+            sizes=KLEIN_SIZES,
+        ),
+        Checkpoint(
+            name="flux.2-klein-base-4b",
+            label="FLUX.2 [klein] Base 4B",
+            repo="black-forest-labs/FLUX.2-klein-base-4B",
+            # The undistilled base (the one LoRAs train on): full schedule and real CFG.
+            default_steps=50,
+            default_guidance=4.0,
+            matches=("*flux.2-klein-base*", "*flux2-klein-base*"),
+            sizes=KLEIN_SIZES,
+        ),
+        Checkpoint(
+            name="flux.2-dev",
+            label="FLUX.2 [dev]",
+            repo="black-forest-labs/FLUX.2-dev",
+            default_steps=28,
+            default_guidance=4.0,
+            matches=("*flux.2-dev*", "*flux2-dev*"),
+            sizes=DEV_SIZES,
+            pipeline_class="Flux2Pipeline",
+        ),
+    ),
+    sizes=KLEIN_SIZES,
+    # 8x VAE with 32 latent channels; the pipeline patchifies latents 2x2 (128 channels in).
+    geometry=LatentGeometry(spatial_compression=8, patch_size=2, latent_channels=32),
+    compile_regions=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
+    # Both pipelines open a cache context around their transformer calls.
+    cache_context_pipelines=("Flux2KleinPipeline", "Flux2Pipeline"),
+    tiny_pipeline="families.flux2.tiny:build_tiny_pipeline",
+    vae_decode_per_pixel=768.0,
+    quantisation=QuantRules(
+        prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
+        default_dense_base="black-forest-labs/FLUX.2-klein-4B",
+        # Derived with the engine's factor tool (engine.testing.quant_factors) on the published
+        # configs (meta device, the engine's filter); dev and klein 4B agree within 2% (int8:
+        # 0.512 and 0.523). The modulation and the timestep embedder stay bf16 under int8.
+        # fp8's own 0.501 (not the generic 0.55) is what lets dev's fp8 transformer sit
+        # resident on a 48 GB card.
+        factors={"int8": 0.52, "fp8": 0.501, "mxfp8": 0.516, "nvfp4": 0.282, "nf4": 0.281},
+        int8_dense_modules=("time_guidance_embed",),
+    ),
+    # Flux2Transformer2DModel: a CacheMixin, attention through the dispatcher, peft's mixin, and its
+    # repeated blocks compile regionally (checked on the tiny pipeline by the contract kit).
+    capabilities=Capabilities(step_cache=True, attention_dispatcher=True, peft_adapters=True, regional_compile=True),
+    # The dense denoiser a trainer would hold (klein 4B); LoRA training is not wired yet.
+    training=TrainingSpec(dense_gb=7.8),
+    lora=LoraLayout(
+        # The double blocks' attention projections and the single blocks' fused projection.
+        targets=("to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj"),
+        # Keys only FLUX.2 LoRAs hold: its fused single-block projection and its feed-forward names.
+        key_markers=("to_qkv_mlp_proj", "ff.linear_in", "ff_context.linear_in"),
+    ),
+)

@@ -1,0 +1,74 @@
+"""FLUX.2: the built-in family passes the contract kit (its tiny klein pipeline runs through the
+engine: the image equals plain diffusers' in tests/test_stock_diffusers.py), and FLUX.2 dev's
+plan on the cards people run it on says what fits and why."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.contract.plugins import load_registry
+from engine.hardware.presets import preset
+from engine.policy.inference import ModelFacts, plan_inference
+from engine.requests.inference import InferenceRequest
+from engine.testing import FamilyContract
+
+REGISTRY = load_registry()
+FLUX2 = REGISTRY.family("flux2")
+
+
+class TestFlux2Kit(FamilyContract):
+    family_name = "flux2"
+
+
+def plan(checkpoint: str, hardware: str, **request: object):  # type: ignore[no-untyped-def]
+    chosen = FLUX2.checkpoint(checkpoint)
+    facts = ModelFacts(FLUX2, chosen, REGISTRY.component_sizes(FLUX2, chosen))
+    return plan_inference(REGISTRY, facts, preset(hardware), InferenceRequest(**request))  # type: ignore[arg-type]
+
+
+def test_flux2_dev_on_a_24_gb_card_streams_its_blocks_because_nothing_else_fits() -> None:
+    """64.5 GB of transformer and a 24B text encoder (26 GB even in fp8): no scheme makes
+    either resident on an RTX 4090, so the plan streams blocks (group offload) and says so."""
+    chosen = plan("flux.2-dev", "rtx4090")
+    assert chosen.value("memory_mode") == "group_offload" and chosen.value("transformer_quant") is None
+    assert "does not fit" in chosen["memory_mode"].reason
+    assert "quantising would not improve the plan" in chosen["transformer_quant"].reason
+
+
+def test_flux2_dev_on_an_l40s_holds_an_fp8_transformer_and_streams_its_encoder() -> None:
+    """fp8 at the family's own factor (0.501 of 64.5 GB) fits the 48 GB card resident; the
+    fp8 text encoder then goes to the GPU per prompt."""
+    chosen = plan("flux.2-dev", "l40s")
+    assert chosen.value("transformer_quant") == "fp8" and chosen.value("memory_mode") == "resident"
+    assert chosen.value("text_encoder_memory") == "streamed"
+    assert 30 < chosen.estimate.peak_gb < 0.85 * preset("l40s").total_memory_gb
+    assert "fp8 > int8 on sm89" in chosen["transformer_quant"].reason
+
+
+def test_flux2_dev_on_an_h100_is_fp8_and_wholly_resident() -> None:
+    chosen = plan("flux.2-dev", "h100")
+    assert (chosen.value("transformer_quant"), chosen.value("memory_mode"), chosen.value("text_encoder_memory")) == (
+        "fp8", "resident", "resident")
+    assert "the whole pipeline fits resident" in chosen["text_encoder_memory"].reason
+
+
+def test_flux2_dev_on_a_b200_runs_dense_bf16() -> None:
+    chosen = plan("flux.2-dev", "b200")
+    assert (chosen.value("dtype"), chosen.value("transformer_quant"), chosen.value("memory_mode")) == (
+        "bf16", None, "resident")
+    assert "quantising would not improve the plan" in chosen["transformer_quant"].reason
+
+
+@pytest.mark.parametrize("hardware", ["rtx4090", "l40s", "h100", "b200"])
+def test_flux2_klein_is_resident_dense_on_every_card(hardware: str) -> None:
+    """klein 4B (7.8 + 8.0 GB) is the FLUX.2 for one consumer card: dense and resident."""
+    chosen = plan("flux.2-klein-4b", hardware)
+    assert (chosen.value("transformer_quant"), chosen.value("memory_mode")) == (None, "resident")
+    assert chosen.default_steps == 4
+
+
+def test_checkpoints_are_told_apart_by_name() -> None:
+    assert FLUX2.checkpoint("black-forest-labs/FLUX.2-klein-base-4B").name == "flux.2-klein-base-4b"
+    assert FLUX2.checkpoint("black-forest-labs/FLUX.2-klein-4B").name == "flux.2-klein-4b"
+    assert FLUX2.checkpoint("black-forest-labs/FLUX.2-dev").pipeline_class == "Flux2Pipeline"
+    assert REGISTRY.component_sizes(FLUX2, FLUX2.checkpoint("flux.2-dev")).transformer_gb == 64.5
