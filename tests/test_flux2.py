@@ -72,3 +72,28 @@ def test_checkpoints_are_told_apart_by_name() -> None:
     assert FLUX2.checkpoint("black-forest-labs/FLUX.2-klein-4B").name == "flux.2-klein-4b"
     assert FLUX2.checkpoint("black-forest-labs/FLUX.2-dev").pipeline_class == "Flux2Pipeline"
     assert REGISTRY.component_sizes(FLUX2, FLUX2.checkpoint("flux.2-dev")).transformer_gb == 64.5
+
+
+def test_a_lora_trained_on_klein_base_deploys_on_the_distilled_model(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """LoRAs train on klein's undistilled base; the one trained here loads onto the 4-step
+    distilled model through the engine's LoRA door and changes its image."""
+    import numpy as np
+
+    from engine.hardware.probe import probe
+    from engine.service.facade import Engine
+    from engine.testing.run import run_model
+    from families.flux2.tiny import build_tiny_pipeline
+
+    base = build_tiny_pipeline(tmp_path_factory.mktemp("klein") / "flux.2-klein-base-tiny", distilled=False)
+    distilled = build_tiny_pipeline(tmp_path_factory.mktemp("klein") / "flux.2-klein-tiny")
+    report = run_model(REGISTRY, FLUX2, tmp_path_factory.mktemp("run"), folder=base)
+    assert report.failure is None and report.lora is not None, report.failure
+    engine = Engine(registry=REGISTRY, hardware=probe(verify=False))
+    images = {}
+    for name, loras in (("plain", []), ("lora", [f"{report.lora}:1.0"])):
+        engine.images.load(str(distilled), loras=loras)
+        [image] = engine.images.generate("a red fox", steps=2, width=64, height=64, seed=3)
+        images[name] = np.asarray(image, dtype=np.int16)
+        assert engine.images.loaded_plan().checkpoint == "flux.2-klein-4b"  # type: ignore[union-attr]
+        engine.images.unload()
+    assert np.abs(images["lora"] - images["plain"]).max() > 0, "the LoRA changed nothing on the distilled model"

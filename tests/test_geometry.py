@@ -32,7 +32,9 @@ def test_the_default_geometry_is_the_dits_and_every_built_in_family_keeps_it() -
     assert geometry.image_tokens(1024) == 4096 and geometry.image_tokens(1024, 512) == 2048
     assert geometry.latent_side(1024) == 128
     images = [f for f in REGISTRY.families.values() if f.output == "images"]
-    assert images and {f.geometry for f in images} == {geometry}
+    assert images and {(f.geometry.spatial_compression, f.geometry.patch_size) for f in images} == {(8, 2)}
+    assert {f.geometry for f in images if f.name != "flux2"} == {geometry}
+    assert REGISTRY.family("flux2").geometry.latent_channels == 32  # FLUX.2's VAE says its own channels
     # The video families say their VAE's own: 4x in time, Wan 2.1's 8x and HunyuanVideo's 16x / patch 1.
     assert REGISTRY.family("wan").geometry.temporal_compression == 4
     assert REGISTRY.family("hunyuan_video").geometry.token_pixels == 16

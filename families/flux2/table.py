@@ -14,6 +14,8 @@ from engine.contract.types import (
     LatentGeometry,
     LoraLayout,
     QuantRules,
+    TrainingDefaults,
+    TrainingObjective,
     TrainingSpec,
 )
 
@@ -63,8 +65,9 @@ FLUX2 = FamilySpec(
     # 8x VAE with 32 latent channels; the pipeline patchifies latents 2x2 (128 channels in).
     geometry=LatentGeometry(spatial_compression=8, patch_size=2, latent_channels=32),
     compile_regions=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
-    # Both pipelines open a cache context around their transformer calls.
-    cache_context_pipelines=("Flux2KleinPipeline", "Flux2Pipeline"),
+    # Flux2KleinPipeline opens a cache context around its transformer calls; Flux2Pipeline
+    # (dev) does not, so First-Block-Cache is not engaged there.
+    cache_context_pipelines=("Flux2KleinPipeline",),
     tiny_pipeline="families.flux2.tiny:build_tiny_pipeline",
     vae_decode_per_pixel=768.0,
     quantisation=QuantRules(
@@ -81,12 +84,27 @@ FLUX2 = FamilySpec(
     # Flux2Transformer2DModel: a CacheMixin, attention through the dispatcher, peft's mixin, and its
     # repeated blocks compile regionally (checked on the tiny pipeline by the contract kit).
     capabilities=Capabilities(step_cache=True, attention_dispatcher=True, peft_adapters=True, regional_compile=True),
-    # The dense denoiser a trainer would hold (klein 4B); LoRA training is not wired yet.
-    training=TrainingSpec(dense_gb=7.8),
+    runtime_module="families.flux2.runtime",
+    training=TrainingSpec(
+        # The dense denoiser a trainer holds (klein 4B; LoRAs train on its undistilled base).
+        dense_gb=7.8,
+        base_precision_applies=True,
+        requires_bf16=True,
+        # FLUX.2's scheduler shifts dynamically at inference; its LoRA recipes, as FLUX.1's,
+        # sample logit-normal timesteps unshifted with a short warmup.
+        defaults=TrainingDefaults(
+            learning_rate=1e-4, warmup_steps=10, flow_shift=1.0,
+            source="FLUX.1/FLUX.2 LoRA recipes: logit-normal timesteps, no shift, short warmup",
+        ),
+        objective=TrainingObjective(prediction="flow_matching", timestep_sampling="logit_normal"),
+    ),
     lora=LoraLayout(
-        # The double blocks' attention projections and the single blocks' fused projection.
-        targets=("to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj"),
-        # Keys only FLUX.2 LoRAs hold: its fused single-block projection and its feed-forward names.
-        key_markers=("to_qkv_mlp_proj", "ff.linear_in", "ff_context.linear_in"),
+        # The double blocks' attention and feed-forward (both streams: ``ff`` and ``ff_context``)
+        # and the single blocks' fused projection, as FLUX.2 LoRA recipes adapt them.
+        targets=("to_q", "to_k", "to_v", "to_out.0", "linear_in", "linear_out", "to_qkv_mlp_proj"),
+        # Keys only FLUX.2 LoRAs hold: its fused single-block projection and its feed-forward
+        # names (FLUX.1's are ``ff.net.*``). Its attention keys are FLUX.1's spelling too, so an
+        # attention-only FLUX.2 LoRA from elsewhere ties with FLUX.1 in a refusal's guess.
+        key_markers=("to_qkv_mlp_proj", "linear_in", "linear_out"),
     ),
 )
