@@ -207,6 +207,7 @@ _ROWS: tuple[ErrorCode, ...] = (
     # -- jobs and the engine's state (409) ---------------------------------------------------
     ErrorCode("busy", 409, "Another job holds the engine (a load, a generate, a training run); try again when "
               "it is done.", _RUNTIME),
+    ErrorCode("too_many_images", 400, "More input images than the checkpoint's edit takes at once."),
     ErrorCode("not_loaded", 409, "No image pipeline is loaded; load one first.", _RUNTIME),
     ErrorCode("not_with_replicas", 409, "A route that would change one replica of a replicated service (`serve "
               "--replicas`): loading or unloading a model, training, dataset edits; the replicas serve their "

@@ -67,6 +67,9 @@ def generate_body(args: argparse.Namespace, seed: int) -> GenerateBody:
     """The generate request the flags describe (``--tiny`` fills sizes and steps left out)."""
     data: dict[str, object] = {c.field: getattr(args, c.field, None) for c in GENERATE_CONTROLS}
     data["steps"] = args.steps
+    images = data.get("image")
+    if isinstance(images, list):  # --image is repeatable: one is a path, several a multi-image edit
+        data["image"] = images[0] if len(images) == 1 else images
     prompts = list(args.prompt_list)
     data["prompt"] = prompts[0]
     if len(prompts) > 1:

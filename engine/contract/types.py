@@ -140,6 +140,8 @@ class Checkpoint:
     #: A two-expert checkpoint's guidance for its low-noise expert (the pipeline's
     #: ``guidance_scale_2``); None: one guidance for every step.
     expert_guidance: float | None = None
+    #: How many input images its edit takes at once (a multi-image edit pipeline); 1: one.
+    reference_images: int = 1
 
     def match_score(self, model_id: str) -> int:
         """Length of the longest pattern matching ``model_id`` (0: no match).

@@ -150,6 +150,9 @@ class LoadBody(PlanControls):
     controlnet: PathText | None = None
 
 
+#: The most input images one edit takes (a multi-image edit checkpoint's own limit applies first).
+MAX_INPUT_IMAGES = 4
+
 #: A keep-alive in seconds: up to a week.
 KeepAliveSeconds = Annotated[float, Field(ge=0, le=7 * 24 * 3600, allow_inf_nan=False)]
 
@@ -172,8 +175,9 @@ class GenerateBody(Body):
     #: Replace the loaded pipeline's LoRAs (``[]`` removes them; omitted keeps them).
     loras: Loras | None = None
     #: An input image path: img2img (with ``strength``), or an instruction
-    #: edit on an edit checkpoint; fitted within width x height.
-    image: PathText | None = None
+    #: edit on an edit checkpoint; fitted within width x height. A list: the images a
+    #: multi-image edit checkpoint edits together (its table says how many it takes).
+    image: PathText | Annotated[list[PathText], Field(min_length=1, max_length=MAX_INPUT_IMAGES)] | None = None
     #: A mask image path, white where ``image`` is redrawn (inpaint).
     mask_image: PathText | None = None
     strength: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
@@ -210,6 +214,10 @@ class GenerateBody(Body):
         if (self.seeds or self.prompts) and self.count != 1:
             raise ValueError("count and seeds / prompts both set the number of images; give one")
         return self
+
+    def input_images(self) -> list[str]:
+        """The input image paths, as a list (one, several for a multi-image edit, or none)."""
+        return [] if self.image is None else [self.image] if isinstance(self.image, str) else list(self.image)
 
     def images(self) -> list[Any]:
         """The images this request makes, each with its own prompt and seed

@@ -147,7 +147,9 @@ GENERATE_CONTROLS: tuple[Control, ...] = (
     Control("batch", "--batch", "images per forward (default: as memory allows)", GENERATE, type=int,
             metavar="N"),
     Control("image", "--image", "an input image: img2img (with --strength), or the image an edit "
-            "checkpoint edits; fitted within --width x --height", GENERATE, metavar="PATH", group="images in"),
+            "checkpoint edits; fitted within --width x --height; repeat it for a multi-image edit "
+            "checkpoint (its table says how many it takes)", GENERATE, metavar="PATH",
+            group="images in", action="append"),
     Control("mask_image", "--mask", "with --image: inpaint, redrawing where the mask is white", GENERATE,
             metavar="PATH", group="images in"),
     Control("strength", "--strength", "with --image: how much is redrawn, (0, 1] (default: the pipeline's)",

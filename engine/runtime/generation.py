@@ -107,7 +107,7 @@ class GenerateRequest:
     loras: tuple[LoraFile, ...] | None = None
     #: An input image (path, encoded bytes or PIL image): img2img, or an
     #: instruction edit on an edit checkpoint (see :mod:`engine.runtime.workflows`).
-    image: ImageLike | None = None
+    image: ImageLike | Sequence[ImageLike] | None = None
     #: White where ``image`` is redrawn (inpaint); needs ``image``.
     mask_image: ImageLike | None = None
     #: How much of ``image`` is redrawn (0-1); None: the pipeline's default.
@@ -326,6 +326,8 @@ class Generation:
             kwargs["max_area"] = width * height  # edit pipelines scale their output to this area
         if fitted.image is not None and family.output == "frames":
             kwargs["image"] = fitted.original  # a video pipeline's processor takes the fitted picture
+        elif fitted.references:  # a multi-image edit: the pipeline's processor takes the pictures
+            kwargs["image"] = [fitted.original, *fitted.references]
         elif fitted.image is not None:
             # A ControlNet pipeline takes its map as ``control_image`` where it
             # has that parameter (and its img2img input as ``image``), else as ``image``.

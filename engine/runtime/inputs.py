@@ -15,6 +15,9 @@ processor binarises it) at the same size.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,8 @@ class FittedInputs:
     original: Image.Image | None = None
     #: ``image`` is a ControlNet's control map, not an image to redraw.
     control: bool = False
+    #: A multi-image edit's further input images, each fitted within the same box as RGB.
+    references: tuple[Image.Image, ...] = ()
 
 
 def read_image(value: ImageLike, field: str) -> Image.Image:
@@ -101,7 +106,7 @@ def fitted_size(size: tuple[int, int], box: tuple[int | None, int | None], multi
 
 
 def fit_inputs(
-    image: ImageLike | None,
+    image: ImageLike | Sequence[ImageLike] | None,
     mask: ImageLike | None,
     *,
     width: int | None,
@@ -114,6 +119,16 @@ def fit_inputs(
         if mask is not None:
             raise InvalidImage("mask_image was given without image; inpainting needs both")
         return FittedInputs(width=width or 0, height=height or 0)
+    if isinstance(image, (list, tuple)):  # a multi-image edit: the first leads, the rest ride along
+        if mask is not None:
+            raise InvalidImage("mask_image takes one image; give one image to inpaint")
+        first = fit_inputs(image[0], None, width=width, height=height, multiple=multiple, dtype=dtype)
+        references = []
+        for index, value in enumerate(image[1:], start=1):
+            picture = read_image(value, f"image[{index}]").convert("RGB")
+            references.append(_resized(picture, *fitted_size(picture.size, (width, height), multiple,
+                                                             f"image[{index}]")))
+        return dataclasses.replace(first, references=tuple(references))
     picture = read_image(image, "image").convert("RGB")
     fit_w, fit_h = fitted_size(picture.size, (width, height), multiple, "image")
     picture = _resized(picture, fit_w, fit_h)

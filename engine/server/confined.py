@@ -73,7 +73,9 @@ class Confined:
         update: dict[str, Any] = {"loras": self.lora_bodies(body.loras), "model": self.request_model(body.model)}
         for name in INPUT_IMAGES:
             value = getattr(body, name)
-            if value is not None:
+            if isinstance(value, list):  # a multi-image edit's inputs
+                update[name] = [str(confine(each, self.settings.input_roots, "input image")) for each in value]
+            elif value is not None:
                 update[name] = str(confine(value, self.settings.input_roots, "input image"))
         confined = body.model_copy(update=update)
         self.engine.images.check_generate(confined)  # the engine's one image check, each field by name

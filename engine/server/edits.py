@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from engine.errors import EngineError
+from engine.requests.bodies import MAX_INPUT_IMAGES
 from engine.server.bodies import OpenAIImagesBody
 from engine import Engine
 
@@ -30,14 +31,19 @@ from engine import Engine
 @dataclass(frozen=True)
 class EditForm:
     body: OpenAIImagesBody
-    image: bytes
+    #: The uploaded image, or several (OpenAI's repeated ``image[]``: a multi-image edit).
+    image: bytes | list[bytes]
     mask: bytes | None
     #: Whether the client sent ``size``; without it the output keeps the input's size.
     sized: bool
 
     def check(self, engine: Engine) -> None:
-        """Both uploads sized from their headers by the engine (a bomb is refused, nothing decoded)."""
-        engine.images.check_image(self.image, "image")
+        """Every upload sized from its header by the engine (a bomb is refused, nothing decoded)."""
+        if isinstance(self.image, list):
+            for index, image in enumerate(self.image):
+                engine.images.check_image(image, f"image[{index}]")
+        else:
+            engine.images.check_image(self.image, "image")
         if self.mask is not None:
             engine.images.check_image(self.mask, "mask")
 
@@ -45,12 +51,15 @@ class EditForm:
 async def read_edit_form(request: Request) -> EditForm:
     """The edit request in ``request``'s multipart body, or a 422 / 400 naming the field."""
     try:
-        form = await request.form(max_files=2, max_fields=20)
+        form = await request.form(max_files=1 + MAX_INPUT_IMAGES, max_fields=20)
     except (AssertionError, ValueError) as exc:  # starlette: no multipart parser, or a malformed body
         raise EngineError(f"the edit request must be multipart/form-data ({exc})", code="invalid_request") from exc
-    image = form.get("image") or form.get("image[]")
-    if image is None or isinstance(image, str):
+    uploads = [v for key in ("image", "image[]") for v in form.getlist(key) if not isinstance(v, str)]
+    if not uploads:
         raise RequestValidationError([{"type": "missing", "loc": ("body", "image"), "msg": "Field required", "input": None}])
+    if len(uploads) > MAX_INPUT_IMAGES:
+        raise EngineError(f"{len(uploads)} images were uploaded; an edit takes at most {MAX_INPUT_IMAGES}",
+                          code="too_many_images")
     fields: dict[str, Any] = {k: v for k, v in form.items() if isinstance(v, str) and k in ("prompt", "size", "response_format", "model")}
     if "n" in form:
         try:
@@ -63,4 +72,5 @@ async def read_edit_form(request: Request) -> EditForm:
         raise RequestValidationError(exc.errors()) from None
     mask_file = form.get("mask")
     mask = await mask_file.read() if mask_file is not None and not isinstance(mask_file, str) else None
-    return EditForm(body, await image.read(), mask, "size" in fields)
+    images = [await upload.read() for upload in uploads]
+    return EditForm(body, images[0] if len(images) == 1 else images, mask, "size" in fields)

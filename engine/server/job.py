@@ -64,7 +64,7 @@ class Job:
     #: The request, as every face passes it to ``engine.images.generate`` (its paths confined).
     body: GenerateBody
     #: Images uploaded inline (OpenAI's edits), by the generate option they fill; dropped once the job ends.
-    inputs: dict[str, bytes]
+    inputs: dict[str, bytes | list[bytes]]
     #: The model the job runs on (``engine.images.target``: the one its request named, else the
     #: one loaded when it was queued); loaded at its turn if another is in by then.
     target: Any

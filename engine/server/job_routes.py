@@ -78,7 +78,7 @@ def jobs_router(queue: JobQueue, engine: Any, prepare: Callable[[GenerateBody], 
 
 
 async def run_job(queue: JobQueue, request: Request, response: Response, body: GenerateBody,
-                  inputs: Mapping[str, bytes] | None = None) -> Job:
+                  inputs: Mapping[str, bytes | list[bytes]] | None = None) -> Job:
     """Queue a generate and wait for it: the finished job (its PNGs in ``images``, base64, and
     its gallery entries), or its error raised. The client going away cancels the job, queued
     or running. The kept record drops the PNGs once they are handed over."""

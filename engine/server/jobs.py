@@ -119,7 +119,7 @@ class JobQueue:
 
     # -- clients ----------------------------------------------------------------------
 
-    def submit(self, body: GenerateBody, inputs: Mapping[str, bytes] | None = None, *,
+    def submit(self, body: GenerateBody, inputs: Mapping[str, bytes | list[bytes]] | None = None, *,
                kind: str = "images", video: Mapping[str, Any] | None = None, target: Any = None) -> Job:
         """Queue a generate (blocking: judging a named model reads its headers; call it off
         the event loop); :class:`QueueFull` when ``size`` jobs already wait, ``not_loaded`` when
@@ -127,7 +127,9 @@ class JobQueue:
         ``inputs``: images uploaded inline, in place of the body's path fields of those names;
         ``target``: the model, when the caller judged it already (a video's shape gate)."""
         if target is None:
-            target = self._engine.images.target(body.model, body, "frames" if kind == "video" else "images")
+            uploaded = (inputs or {}).get("image")
+            target = self._engine.images.target(body.model, body, "frames" if kind == "video" else "images",
+                                                image_count=len(uploaded) if isinstance(uploaded, list) else None)
         job = Job(f"j-{next(self._ids)}-{secrets.token_hex(6)}{self._suffix}", body, dict(inputs or {}), target,
                   steps=body.steps or 0, kind=kind, video=dict(video or {}) if kind == "video" else None)
         with self._lock:

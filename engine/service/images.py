@@ -118,7 +118,10 @@ class Images:
         unreadable or beyond the caps (each named by its request field)."""
         for name in ("image", "mask_image", "control_image"):
             value = getattr(request, name)
-            if value is not None:
+            if isinstance(value, (list, tuple)):  # a multi-image edit's inputs, each named by its place
+                for index, each in enumerate(value):
+                    self.check_image(each, f"{name}[{index}]")
+            elif value is not None:
                 self.check_image(value, name)
 
     def check_image(self, value: Any, field: str) -> tuple[int, int]:
@@ -180,10 +183,12 @@ class Images:
 
     # -- the model a request names ------------------------------------------------
 
-    def target(self, model: str | None, body: Any, output: str = "images") -> Target:
+    def target(self, model: str | None, body: Any, output: str = "images", *,
+               image_count: int | None = None) -> Target:
         """The model ``body`` runs on (``model``: its reference, or None for the loaded one),
-        judged against that model before anything is evicted (:mod:`engine.service.targets`)."""
-        return targets.target(self, model, body, output)
+        judged against that model before anything is evicted (:mod:`engine.service.targets`;
+        ``image_count``: input images uploaded beside the body)."""
+        return targets.target(self, model, body, output, image_count=image_count)
 
     def ensure(self, chosen: Target) -> bool:
         """Load ``chosen`` unless it is the loaded model; True when it loaded."""

@@ -28,8 +28,9 @@ from engine.policy.video import check_output
 from engine.requests.inference import InferenceRequest
 from engine.service.tickets import LoadTicket
 
+from engine.contract.types import Checkpoint, FamilySpec
+
 if TYPE_CHECKING:
-    from engine.contract.types import Checkpoint, FamilySpec
     from engine.preflight.source import ModelSource
     from engine.service.images import Images
 
@@ -91,7 +92,8 @@ def means_loaded(images: Images, name: str | None) -> bool:
         os.path.exists(name) and os.path.realpath(name) == os.path.realpath(loaded.key))
 
 
-def target(images: Images, model: str | None, body: Any, output: str = "images") -> Target:
+def target(images: Images, model: str | None, body: Any, output: str = "images", *,
+           image_count: int | None = None) -> Target:
     """The model ``body`` runs on (``model``: a reference the caller has confined, or None
     for the loaded one), judged against it before anything is evicted: the load's checks,
     the door (``output``: images or frames), and the request's LoRAs."""
@@ -109,9 +111,27 @@ def target(images: Images, model: str | None, body: Any, output: str = "images")
     check_output(chosen.family, output)
     if output == "images" and (getattr(body, "frames", None) or getattr(body, "fps", None)):
         check_output(chosen.family, "frames")  # frames asked of the images door: an image model refuses them
+    check_references(chosen.family, chosen.checkpoint, body, image_count)
     if getattr(body, "loras", None) and chosen is not loaded:
         _check_loras(images, chosen, body.loras)
     return chosen
+
+
+def check_references(family: FamilySpec, checkpoint: Checkpoint | None, body: Any,
+                     image_count: int | None = None) -> None:
+    """Several input images go only to a checkpoint whose edit takes them (its table's
+    ``reference_images``), refused before anything loads, naming the ones that do.
+    ``image_count``: images uploaded beside the body (OpenAI's repeated ``image[]``)."""
+    value = getattr(body, "image", None)
+    count = image_count or (len(value) if isinstance(value, (list, tuple)) else 0)
+    chosen = checkpoint or family.default_checkpoint
+    if count <= 1 or chosen is None or count <= chosen.reference_images:
+        return
+    takers = [f"{c.name} (up to {c.reference_images})" for c in family.checkpoints if c.reference_images > 1]
+    where = f"; {family.label}'s that do: {', '.join(takers)}" if takers else ""
+    raise EngineError(f"{count} input images were given, but {chosen.label} edits "
+                      f"{'one image' if chosen.reference_images == 1 else f'at most {chosen.reference_images}'} at a "
+                      f"time{where}; give one image, or load a checkpoint that takes several", code="too_many_images")
 
 
 def ensure(images: Images, chosen: Target) -> bool:

@@ -87,7 +87,10 @@ class Videos:
         """Before a load: the request goes through the door the ticket's model serves (a video
         model writes a clip, ``video_file``; an image model takes no frames or fps), and a clip's
         shape passes the gate. The clip's shape, or None for an image model."""
+        from engine.service.targets import check_references
+
         family = ticket.source.family
+        check_references(family, ticket.source.checkpoint, body)  # several images: an edit that takes them
         asked_video = video_file or body.frames is not None or body.fps is not None
         check_output(family, "frames" if asked_video else "images")
         if family.output != "frames":

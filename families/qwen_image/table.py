@@ -78,6 +78,18 @@ QWEN_IMAGE = FamilySpec(
                 ("inpaint", "QwenImageEditInpaintPipeline"),
             ),
         ),
+        # The "Plus" edits: up to three input images (a person, a product, a scene) in one instruction.
+        *(Checkpoint(
+            name=f"qwen-image-edit-{version}",
+            label=f"Qwen-Image-Edit-{version}",
+            repo=f"Qwen/Qwen-Image-Edit-{version}",
+            default_steps=20,
+            default_guidance=4.0,
+            matches=(f"*qwen-image-edit-{version}*", f"*qwen_image_edit_{version}*"),
+            pipeline_class="QwenImageEditPlusPipeline",
+            workflows=(("txt2img", "QwenImagePipeline"), ("edit", "QwenImageEditPlusPipeline")),
+            reference_images=3,
+        ) for version in ("2509", "2511")),
     ),
     workflows=(("img2img", "QwenImageImg2ImgPipeline"), ("inpaint", "QwenImageInpaintPipeline")),
     sizes=ComponentSizes(transformer_gb=40.9, text_encoders_gb=16.6, vae_gb=0.3),

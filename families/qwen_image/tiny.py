@@ -166,15 +166,16 @@ def build_tiny_pipeline(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def build_tiny_edit_pipeline(path: pathlib.Path) -> pathlib.Path:
-    """Write a tiny ``QwenImageEditPipeline`` to ``path``: the same weights as
+def build_tiny_edit_pipeline(path: pathlib.Path, *, plus: bool = False) -> pathlib.Path:
+    """Write a tiny ``QwenImageEditPipeline`` (``plus``: the multi-image
+    ``QwenImageEditPlusPipeline`` of Edit-2509/2511) to ``path``: the same weights as
     :func:`build_tiny_pipeline` (same seeds) and a real ``Qwen2VLProcessor``
     folder (the tiny tokenizer, a Qwen2-VL image processor capped at 112x112
     pixels, so the vision tower sees at most 16 merged patches; the real one
     allows 12.8 MP) with the video processor's config the real checkpoint ships.
     The processor is built without its video part, which needs torchvision: an
     edit never calls it, and the saved folder is the real layout either way."""
-    from diffusers import QwenImageEditPipeline
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
 
     from engine.runtime.processors import without_video
@@ -186,7 +187,8 @@ def build_tiny_edit_pipeline(path: pathlib.Path) -> pathlib.Path:
     processor = without_video(Qwen2VLProcessor)(
         image_processor=Qwen2VLImageProcessor(**limits), tokenizer=parts["tokenizer"]
     )
-    QwenImageEditPipeline(**parts, processor=processor).save_pretrained(path, safe_serialization=True)
+    pipeline_class = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    pipeline_class(**parts, processor=processor).save_pretrained(path, safe_serialization=True)
     (path / "processor" / "video_preprocessor_config.json").write_text(json.dumps({
         **limits, "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2VLProcessor",
         "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "do_resize": True, "do_rescale": True,
