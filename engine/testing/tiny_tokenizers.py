@@ -46,16 +46,19 @@ _CHAT_TEMPLATE: str = (
 )
 
 
-def qwen_chat_tokenizer() -> Any:
+def qwen_chat_tokenizer(special_tokens: list[str] | None = None, corpus: list[str] | None = None,
+                        chat_template: str | None = None) -> Any:
     """A ``Qwen2Tokenizer``: a tiny byte-level BPE trained with Qwen2's pre-tokenizer (any text
     tokenises through the byte alphabet), with Qwen3's chat template (``enable_thinking``
-    honoured), for the families whose text encoder is a Qwen3."""
+    honoured) by default. A family passes its own special tokens (the first is the pad),
+    training corpus and template where its encoder wants others (a Qwen2.5-VL's vision tokens)."""
     import json
 
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+    special_tokens = special_tokens or _SPECIAL_TOKENS
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
@@ -67,11 +70,11 @@ def qwen_chat_tokenizer() -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=4096,  # upper bound: training stops once every corpus word is one token
         min_frequency=1,
-        special_tokens=_SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_TOKENIZER_CORPUS, trainer=trainer)
+    bpe.train_from_iterator(corpus or _TOKENIZER_CORPUS, trainer=trainer)
     model_json: dict[str, Any] = json.loads(bpe.to_str())["model"]
     vocab: dict[str, int] = model_json["vocab"]
     merges: list[tuple[str, str]] = [(a, b) for a, b in model_json["merges"]]
@@ -84,6 +87,6 @@ def qwen_chat_tokenizer() -> Any:
         pad_token="<|endoftext|>",
         model_max_length=32768,
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:]})
-    tokenizer.chat_template = _CHAT_TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": special_tokens[1:]})
+    tokenizer.chat_template = chat_template or _CHAT_TEMPLATE
     return tokenizer

@@ -38,9 +38,9 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+from engine.testing.tiny_tokenizers import qwen_chat_tokenizer
 
 __all__ = ["TINY_GENERATE_KWARGS", "TINY_RESOLUTION", "build_tiny_edit_pipeline", "build_tiny_pipeline"]
 
@@ -83,38 +83,9 @@ _MROPE_SECTION: list[int] = [2, 3, 3]  # sums to (_TEXT_HIDDEN // _TEXT_HEADS) /
 
 
 def _build_tokenizer() -> Qwen2Tokenizer:
-    """Train a tiny byte-level BPE with Qwen2's pre-tokenizer and wrap it as ``Qwen2Tokenizer``."""
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=4096,  # upper bound: training stops once every corpus word is one token
-        min_frequency=1,
-        special_tokens=_SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(_TOKENIZER_CORPUS, trainer=trainer)
-    model_json: dict[str, Any] = json.loads(bpe.to_str())["model"]
-    vocab: dict[str, int] = model_json["vocab"]
-    merges: list[tuple[str, str]] = [(a, b) for a, b in model_json["merges"]]
-
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        model_max_length=32768,
-    )
-    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:]})
-    tokenizer.chat_template = _CHAT_TEMPLATE
-    return tokenizer
+    """The shared tiny byte-level BPE (:func:`engine.testing.tiny_tokenizers.qwen_chat_tokenizer`)
+    with Qwen2.5-VL's vision tokens, the pipeline's prompt template as corpus, and a plain chat template."""
+    return qwen_chat_tokenizer(_SPECIAL_TOKENS, _TOKENIZER_CORPUS, _CHAT_TEMPLATE)
 
 
 def _build_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
