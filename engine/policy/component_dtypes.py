@@ -44,9 +44,9 @@ def component_dtype(family: FamilySpec, hardware: HardwareProfile, compute: Reso
 def weight_factor(family: FamilySpec, hardware: HardwareProfile, dtype: str, component: str) -> float:
     """Bytes per parameter of ``component``'s weights, relative to bf16, beside a ``dtype``
     denoiser (a ``keep_fp32`` component's table size is already its fp32 size)."""
-    if dtype == "fp16" and not family.precision.fp16_safe(component) and not family.precision.keeps_fp32(component):
-        return DTYPE_FACTOR[safe_instead(hardware)]
-    return DTYPE_FACTOR[dtype]
+    if family.precision.keeps_fp32(component):
+        return DTYPE_FACTOR[dtype]  # the table already sizes it as it is held
+    return DTYPE_FACTOR[component_dtype(family, hardware, auto(dtype, ""), component).value]
 
 
 def others_unsafe(family: FamilySpec, hardware: HardwareProfile) -> str:

@@ -146,7 +146,7 @@ class Gallery:
             _write(self.folder / name, content)
         entry = GalleryEntry(entry_id, kind, time.time(), sum(len(c) for c in files.values()), width, height,
                              False, job, recipe)
-        entry = self._record(entry)
+        self._record(entry)
         with self._lock:
             self._entries[entry_id] = entry
         self.sweep()
@@ -154,7 +154,8 @@ class Gallery:
 
     def pin(self, entry_id: str, pinned: bool = True) -> GalleryEntry:
         """Pin an entry (the limits never remove it) or unpin it."""
-        entry = self._record(replace(self.get(entry_id), pinned=pinned))
+        entry = replace(self.get(entry_id), pinned=pinned)
+        self._record(entry)
         with self._lock:
             self._entries[entry.id] = entry
         return entry
@@ -190,10 +191,9 @@ class Gallery:
 
     # -- on disk ------------------------------------------------------------------------
 
-    def _record(self, entry: GalleryEntry) -> GalleryEntry:
-        """Write ``entry``'s record; the entry."""
+    def _record(self, entry: GalleryEntry) -> None:
+        """Write ``entry``'s record (after its files: see the module doc)."""
         _write(self.folder / f"{entry.id}.json", json.dumps(asdict(entry), default=str, indent=1).encode())
-        return entry
 
     def _remove(self, entry: GalleryEntry) -> None:
         """(Under the lock.) The record first, so a crash between leaves only files the next open clears."""

@@ -194,6 +194,14 @@ class Images:
         """Load ``chosen`` unless it is the loaded model; True when it loaded."""
         return targets.ensure(self, chosen)
 
+    def switch_for(self, body: GenerateBody, output: str = "images") -> GenerateBody:
+        """Load the model ``body`` names (judged first, as :meth:`target` judges it) unless it is
+        in; the body for the loaded model (``model`` dropped). Both doors call it before they run."""
+        if body.model is None:
+            return body
+        self.ensure(self.target(body.model, body, output))
+        return body.model_copy(update={"model": None})
+
     def serves(self, name: str | None) -> bool:
         """Whether a request's ``model`` means the loaded model (none, one of its names, OpenAI's)."""
         return targets.means_loaded(self, name)
@@ -244,8 +252,7 @@ class Images:
         from engine.runtime.session import GenerateRequest
 
         if isinstance(prompt, GenerateBody):  # the typed request: its model, options and LoRAs
-            if prompt.model is not None:
-                self.ensure(self.target(prompt.model, prompt, output))
+            prompt = self.switch_for(prompt, output)
             options = {**prompt.options(), **options}
             if loras is None and prompt.loras is not None:
                 loras = [{"path": lo.path, "scale": lo.scale} for lo in prompt.loras]

@@ -146,9 +146,7 @@ class Videos:
         inline = {name: options.pop(name) for name in ("image",) if name in options and
                   not isinstance(options[name], str)}  # an uploaded image's bytes ride beside the body
         body = prompt if isinstance(prompt, GenerateBody) else _body(prompt, options)
-        if body.model is not None:  # the model it names, loaded first (judged before any eviction)
-            self._images.ensure(self._images.target(body.model, body, "frames"))
-            body = body.model_copy(update={"model": None})
+        body = self._images.switch_for(body, "frames")  # the model it names, loaded first
         shape = self.check_generate(body)
         for name, value in inline.items():
             self._images.check_image(value, name)

@@ -166,11 +166,15 @@ def _blocks(d: Denoiser, model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for _, m in _named_blocks(d, model)]
 
 
-def full_lora_targets(d: Denoiser) -> tuple[LoraTargetShape, ...]:
-    """LoRA target shapes and counts of the full-size model, read on the meta device."""
+def full_size_model(d: Denoiser) -> torch.nn.Module:
+    """The denoiser at its full-size config on the meta device (shapes only, no weights)."""
     import diffusers
 
     with torch.device("meta"):
-        model = getattr(diffusers, d.model_class).from_config(full_config(d))
-    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        return getattr(diffusers, d.model_class).from_config(full_config(d))  # type: ignore[no-any-return]
+
+
+def full_lora_targets(d: Denoiser) -> tuple[LoraTargetShape, ...]:
+    """LoRA target shapes and counts of the full-size model, read on the meta device."""
+    shapes = [(n, tuple(p.shape)) for n, p in full_size_model(d).named_parameters()]
     return lora_target_shapes(shapes, d.spec.lora.targets)

@@ -95,14 +95,9 @@ def checkpoint_shapes(path: Path, spec: FamilySpec | None = None) -> Shapes:
 
 def full_size_shapes(spec: FamilySpec) -> Shapes:
     """The full-size denoiser's tensors, built on the meta device from the table's ``MemoryProbe``."""
-    import diffusers
-    import torch
+    from engine.testing.memory_models import Denoiser, full_size_model
 
-    from engine.testing.memory_models import Denoiser, full_config
-
-    denoiser = Denoiser.of(spec)
-    with torch.device("meta"):
-        model = getattr(diffusers, denoiser.model_class).from_config(full_config(denoiser))
+    model = full_size_model(Denoiser.of(spec))
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
