@@ -343,8 +343,20 @@ def test_the_train_page_offers_the_precisions_of_the_device_chosen(site: Site, o
     page.wait_for_selector("#train-precision label.mode")  # type: ignore[attr-defined]
     assert page.locator("#train-precision input:not([disabled])").count() == 0  # type: ignore[attr-defined]
     assert "device=cpu" in page.inner_text("#train-precision")  # type: ignore[attr-defined]
+    # A question asked on Device auto whose answer comes after the CPU's must not bring back
+    # the auto offer: hold that answer until the CPU choice is shown, then let it through.
+    held: list[object] = []
+    stale = lambda url: "v1/training/info" in url and "device=auto" in url and "resolution=96" in url  # noqa: E731
+    page.route(stale, lambda route: held.append(route))  # type: ignore[attr-defined]
+    page.fill("#train-resolution", "96")  # type: ignore[attr-defined]
+    page.press("#train-resolution", "Tab")  # type: ignore[attr-defined]
     page.select_option("#train-device", "cpu")  # type: ignore[attr-defined]
     page.wait_for_selector("#train-precision input:not([disabled])")  # type: ignore[attr-defined]
+    assert len(held) == 1
+    with page.expect_response(lambda r: stale(r.url)):  # type: ignore[attr-defined]
+        held[0].continue_()  # type: ignore[attr-defined]
+    page.evaluate("() => new Promise((done) => setTimeout(done, 200))")  # type: ignore[attr-defined]
+    assert page.locator("#train-precision input:not([disabled])").count() > 0  # type: ignore[attr-defined]
     assert "Pass device=cpu" not in page.inner_text("#train-precision")  # type: ignore[attr-defined]
     # auto is preselected (the run decides and records it), and the choices are sized from
     # the chosen base's own headers at the Resolution given, not from the real FLUX.1-dev.

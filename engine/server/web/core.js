@@ -5,8 +5,8 @@
 const TOKEN_KEY = "diffusion-engine-token";
 const POLL_MS = 500;
 const $ = (selector, root = document) => root.querySelector(selector);
-const state = { roots: null, trainInfo: null, run: null, viewing: null, runStream: null, filesFor: null, job: null,
-  dataset: null };
+const state = { roots: null, trainInfo: null, trainAsked: 0, run: null, viewing: null, runStream: null, filesFor: null,
+  job: null, dataset: null };
 
 // -- the API ---------------------------------------------------------------------------------------
 

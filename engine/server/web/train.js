@@ -9,8 +9,8 @@ async function loadTrain() {
     const found = await roots(true);
     fillSelect($("#train-base"), found.models.filter((m) => m.kind === "pipeline"), (m) => `${m.name} (${m.family || "unknown family"})`);
     fillSelect($("#train-dataset"), found.datasets, (d) => `${d.name} (${d.images} images)`);
-    state.trainInfo = await trainingInfo();
-    precisionChoices();
+    const info = await latestTrainingInfo();
+    if (info) { state.trainInfo = info; precisionChoices(); }
   });
 }
 
@@ -25,10 +25,20 @@ function trainingInfo() {
   return api("GET", `/v1/training/info?${query}`);
 }
 
+/** trainingInfo, or null when a later question was asked before this answer came: answers
+ * can arrive out of order, and the page must offer what the choices last made would get. */
+async function latestTrainingInfo() {
+  const asked = ++state.trainAsked;
+  const info = await trainingInfo();
+  return asked === state.trainAsked ? info : null;
+}
+
 /** The Device, base or Resolution changed: ask again what the run would be offered. */
 async function trainingChoicesChanged() {
   await guarded($("#train"), async () => {
-    state.trainInfo = { ...(state.trainInfo || {}), ...await trainingInfo() };
+    const info = await latestTrainingInfo();
+    if (!info) return;
+    state.trainInfo = { ...(state.trainInfo || {}), ...info };
     precisionChoices();
   });
 }
