@@ -98,10 +98,11 @@ def engine_training_objective(family: FamilySpec) -> TrainingObjective | None:
 
 
 @hookimpl(trylast=True)
-def engine_build_tiny_pipeline(family: FamilySpec, path: Path) -> Path | None:
-    if not family.tiny_pipeline:
+def engine_build_tiny_pipeline(family: FamilySpec, path: Path, checkpoint: Checkpoint | None) -> Path | None:
+    builder = (checkpoint.tiny_pipeline if checkpoint is not None else "") or family.tiny_pipeline
+    if not builder:
         return None
-    return Path(load_object(family.tiny_pipeline)(path))
+    return Path(load_object(builder)(path))
 
 
 def load_object(dotted: str) -> object:

@@ -1,8 +1,11 @@
-"""FLUX.2: the built-in family passes the contract kit (its tiny klein pipeline runs through the
-engine: the image equals plain diffusers' in tests/test_stock_diffusers.py), and FLUX.2 dev's
-plan on the cards people run it on says what fits and why."""
+"""FLUX.2: the built-in family passes the contract kit on klein and on dev (each tiny pipeline
+runs through the engine: the images equal plain diffusers' in tests/test_stock_diffusers.py),
+and FLUX.2 dev's plan on the cards people run it on says what fits and why."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,14 @@ FLUX2 = REGISTRY.family("flux2")
 
 class TestFlux2Kit(FamilyContract):
     family_name = "flux2"
+
+
+class TestFlux2DevKit(FamilyContract):
+    """dev's own pipeline class (Flux2Pipeline, a Mistral-3 encoder, the guidance embedding)
+    runs the same checks: its tiny pipeline loads, generates, trains and reloads its LoRA."""
+
+    family_name = "flux2"
+    checkpoint_name = "flux.2-dev"
 
 
 def plan(checkpoint: str, hardware: str, **request: object):  # type: ignore[no-untyped-def]
@@ -97,3 +108,68 @@ def test_a_lora_trained_on_klein_base_deploys_on_the_distilled_model(tmp_path_fa
         assert engine.images.loaded_plan().checkpoint == "flux.2-klein-4b"  # type: ignore[union-attr]
         engine.images.unload()
     assert np.abs(images["lora"] - images["plain"]).max() > 0, "the LoRA changed nothing on the distilled model"
+
+
+def test_a_folder_is_the_checkpoint_its_pipeline_class_says_whatever_its_name() -> None:
+    """A folder named by its owner (``mine``) is read by its model_index.json class: dev's
+    Flux2Pipeline is dev (its 28 steps, its sizes), klein's class stays the default, and a
+    name that matches is kept where the class agrees."""
+    assert FLUX2.checkpoint_of_folder("mine", "Flux2Pipeline").name == "flux.2-dev"  # type: ignore[union-attr]
+    assert FLUX2.checkpoint_of_folder("mine", "Flux2KleinPipeline") is None
+    assert FLUX2.checkpoint_of_folder("flux.2-klein-base-4b", "Flux2KleinPipeline").name == "flux.2-klein-base-4b"  # type: ignore[union-attr]
+    assert FLUX2.checkpoint_of_folder("flux.2-dev-copy", "Flux2KleinPipeline").name == "flux.2-klein-4b"  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_dev_loads_by_its_class_and_its_processor_without_torchvision_is_refused_before_eviction(
+    tiny_pipeline: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The tiny dev pipeline copied to a folder called ``mine`` loads as FLUX.2 dev. The real
+    dev's tokenizer is a ``PixtralProcessor``, which transformers builds only with torchvision:
+    where torchvision is missing (as here) the load names it before the host model is evicted."""
+    import importlib.util
+    import json
+    import shutil
+
+    from engine.errors import EngineError
+    from engine.hardware.presets import PRESETS
+    from engine.hardware.probe import probe
+    from engine.service.facade import Engine
+    from tests.support import HostModel
+
+    mine = tmp_path / "mine"
+    shutil.copytree(tiny_pipeline("flux2", "flux.2-dev"), mine)
+    engine = Engine(registry=REGISTRY, hardware=probe(verify=False))
+    engine.images.load(str(mine))
+    try:
+        assert engine.images.loaded_plan().checkpoint == "flux.2-dev"  # type: ignore[union-attr]
+    finally:
+        engine.images.unload()
+
+    assert importlib.util.find_spec("torchvision") is None, "this environment is the one without torchvision"
+    index = json.loads((mine / "model_index.json").read_text())
+    (mine / "model_index.json").write_text(json.dumps({**index, "tokenizer": ["transformers", "PixtralProcessor"]}))
+    (mine / "tokenizer" / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "PixtralProcessor", "patch_size": 16, "spatial_merge_size": 2}))
+    engine = Engine(registry=REGISTRY, hardware=PRESETS["h100"])
+    host = HostModel(engine)
+    with pytest.raises(EngineError) as refused:
+        engine.images.load(str(mine))
+    assert refused.value.code == "load_failed"
+    assert "the tokenizer (PixtralProcessor)" in refused.value.message and "Torchvision" in refused.value.message
+    assert host.evicted == 0 and engine.residency.owner is None
+
+
+def test_training_dev_from_its_hub_id_is_sized_as_dev_not_klein() -> None:
+    """A dev run from its hub id holds dev's 64.5 GB transformer: on an H100 auto leaves bf16
+    (64.5 GB does not leave its headroom in 80), where klein's 7.8 GB trains dense."""
+    from engine.policy.training import resolve_training_precision
+    from engine.policy.training_fit import MemoryRequest
+
+    h100 = preset("h100")
+    chosen = {}
+    for name in ("flux.2-dev", "flux.2-klein-base-4b"):
+        memory = MemoryRequest.from_table(FLUX2, sizes=REGISTRY.component_sizes(FLUX2, FLUX2.checkpoint(name)))
+        chosen[name] = resolve_training_precision(REGISTRY, FLUX2, h100, "auto", memory=memory)
+    assert chosen["flux.2-klein-base-4b"].value == "bf16"
+    assert chosen["flux.2-dev"].value in ("int8", "nf4") and "64.5 GB dense" in chosen["flux.2-dev"].reason

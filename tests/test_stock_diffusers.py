@@ -25,6 +25,10 @@ from engine.service.facade import Engine
 
 REGISTRY = load_registry()
 FAMILIES = sorted(REGISTRY.families)
+#: Each family's default tiny pipeline, and each checkpoint with a pipeline class of its own.
+CASES = [pytest.param(family, None, id=family) for family in FAMILIES] + [
+    pytest.param(family, checkpoint.name, id=f"{family}-{checkpoint.name}")
+    for family in FAMILIES for checkpoint in REGISTRY.family(family).checkpoints if checkpoint.tiny_pipeline]
 PROMPT, STEPS, SEED = "a lighthouse at dusk", 2, 11
 
 
@@ -49,14 +53,15 @@ def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("family", "checkpoint"), CASES)
 def test_an_off_tier_image_equals_plain_diffusers_pixel_for_pixel(
-    family: str, tiny_pipeline: Callable[[str], Path], tmp_path: Path
+    family: str, checkpoint: str | None, tiny_pipeline: Callable[..., Path], tmp_path: Path
 ) -> None:
-    folder = tiny_pipeline(family)
+    folder = tiny_pipeline(family, checkpoint)
     spec = REGISTRY.family(family)
     size = {"width": 64, "height": 64}
-    guidance = (spec.default_checkpoint.default_guidance or 0.0) + 1.0  # not the default: the value is passed
+    chosen = spec.checkpoint(checkpoint) if checkpoint else spec.default_checkpoint
+    guidance = (chosen.default_guidance if chosen else 0.0) + 1.0  # not the default: the value is passed
     engine = Engine(registry=REGISTRY, hardware=probe(verify=False), runs_dir=tmp_path)
     engine.images.load(str(folder))
     try:

@@ -147,9 +147,12 @@ def engine_compile_regions(family: FamilySpec) -> tuple[str, ...] | None:
 
 
 @hookspec(firstresult=True)
-def engine_build_tiny_pipeline(family: FamilySpec, path: Path) -> Path | None:
+def engine_build_tiny_pipeline(family: FamilySpec, path: Path, checkpoint: Checkpoint | None) -> Path | None:
     """Write a tiny random-weight diffusers pipeline of ``family``'s real
-    architecture to ``path`` (for tests, demos and benchmarks; no hub needed).
+    architecture to ``path`` (for tests, demos and benchmarks; no hub needed);
+    of ``checkpoint``'s own pipeline class where one is given (None: the
+    family's default). An implementation may leave ``checkpoint`` out of its
+    signature (pluggy passes only the arguments it names).
 
     :return: the folder written, or None when this plugin cannot build it.
 

@@ -159,11 +159,14 @@ class Registry:
                               code="unreadable_output")
         return list(answer)
 
-    def build_tiny_pipeline(self, family: FamilySpec, path: Path) -> Path:
-        built = self._pm.hook.engine_build_tiny_pipeline(family=family, path=Path(path))
+    def build_tiny_pipeline(self, family: FamilySpec, path: Path, checkpoint: Checkpoint | None = None) -> Path:
+        """A tiny pipeline of ``family`` written to ``path``: of ``checkpoint``'s own
+        pipeline class where one is given (a checkpoint loading as another class)."""
+        built = self._pm.hook.engine_build_tiny_pipeline(family=family, path=Path(path), checkpoint=checkpoint)
         if built is None:
+            which = f" {checkpoint.name}" if checkpoint is not None else ""
             raise PluginError(
-                f"no plugin can build a tiny {family.name} pipeline",
+                f"no plugin can build a tiny {family.name}{which} pipeline",
                 code="no_tiny_pipeline",
             )
         return Path(built)

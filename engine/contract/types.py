@@ -142,6 +142,14 @@ class Checkpoint:
     expert_guidance: float | None = None
     #: How many input images its edit takes at once (a multi-image edit pipeline); 1: one.
     reference_images: int = 1
+    #: ``"module:function"`` writing a tiny random-weight pipeline of this checkpoint's own
+    #: ``pipeline_class``, where it differs from the family's (the contract kit runs it with
+    #: ``checkpoint_name``); empty: the family's ``tiny_pipeline`` serves it.
+    tiny_pipeline: str = ""
+
+    def pipeline_class_in(self, family_class: str) -> str:
+        """The diffusers class this checkpoint loads as, given its family's ``pipeline_class``."""
+        return self.pipeline_class or family_class
 
     def match_score(self, model_id: str) -> int:
         """Length of the longest pattern matching ``model_id`` (0: no match).
@@ -364,6 +372,15 @@ class FamilySpec:
         best = max(self.checkpoints, key=lambda c: c.match_score(name))
         return best if best.match_score(name) else None
 
+    def checkpoint_of_folder(self, name: str, class_name: str) -> Checkpoint | None:
+        """A pipeline folder's checkpoint: by its name, unless its ``model_index.json`` class
+        says otherwise (a copy of a checkpoint with its own class, in a folder named ``mine``)."""
+        named = self.checkpoint(name)
+        if (named or self.default_checkpoint).pipeline_class_in(self.pipeline_class) == class_name:
+            return named
+        own = [c for c in self.checkpoints if c.pipeline_class_in(self.pipeline_class) == class_name]
+        return max(own, key=lambda c: c.match_score(name)) if own else named
+
     def is_prequantised(self, model_id: str) -> bool:
         """Whether the model's own name (:func:`model_name`) says it is stored
         pre-quantised. The one test inference and training both use."""
@@ -374,27 +391,4 @@ class FamilySpec:
         return any(c.match_score(model_id) for c in self.checkpoints)
 
 
-@dataclass(frozen=True)
-class PluginLoadError:
-    """A plugin that could not be loaded, reported instead of raised."""
-
-    plugin: str
-    package: str
-    error: str
-
-
-@dataclass(frozen=True)
-class PluginInfo:
-    """What ``diffusion-engine families`` shows about one loaded plugin."""
-
-    name: str
-    package: str
-    version: str
-    hooks: tuple[str, ...]
-    families: tuple[str, ...]
-    builtin: bool = False
-    #: The plugin API the plugin says it targets (``ENGINE_PLUGIN_API``); None: it does not say.
-    api: int | None = None
-    #: The earlier-API spellings it uses (each still read, with a ``DeprecationWarning``).
-    deprecations: tuple[str, ...] = ()
-
+from engine.contract.plugin_records import PluginInfo as PluginInfo, PluginLoadError as PluginLoadError  # noqa: E402,I001

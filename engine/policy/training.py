@@ -87,7 +87,7 @@ def resolve_training_precision(
         return auto("nf4", f"no CUDA device ({hardware.vendor}): nf4, the 4-bit load a non-CUDA accelerator "
                     "runs, is the only choice left")
     free = hardware.free_memory_gb
-    dense = family.training.dense_gb
+    dense = memory.base.dense_gb if memory is not None else family.training.dense_gb  # the base's own size
     if free is None or dense <= 0:
         return auto("nf4", "free memory or the dense size is unknown: nf4 is the safe choice")
     denied = registry.quant_deny(family, "training")

@@ -44,9 +44,12 @@ class MemoryRequest:
         sizes: ComponentSizes | None = None,
     ) -> MemoryRequest:
         """Sized from the family's table alone (hub ids, ``info``); ``sizes``:
-        a checkpoint's own component sizes, where the registry has them."""
+        a checkpoint's own component sizes, where the registry has them. A
+        checkpoint sized apart from its family (a 32B variant beside a 4B
+        default) holds its own transformer as the dense base."""
         sizes = sizes or family.sizes
-        return cls(BaseFacts(family.training.dense_gb, sizes.text_encoders_gb, sizes.vae_gb), shape)
+        dense = family.training.dense_gb if sizes == family.sizes else sizes.transformer_gb
+        return cls(BaseFacts(dense, sizes.text_encoders_gb, sizes.vae_gb), shape)
 
     def settled(self, checkpointing: bool) -> MemoryRequest:
         """This request with gradient checkpointing decided."""

@@ -83,7 +83,7 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
         "pipeline",
         str(folder),
         spec,
-        spec.checkpoint(folder.name),
+        spec.checkpoint_of_folder(folder.name, class_name),
         measured_sizes=sizes,
         scheme_gb=(sizes_by_scheme(denoiser_shapes, spec.quantisation.int8_dense_modules)
                    if denoiser_shapes and not quantised else None),

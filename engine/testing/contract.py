@@ -29,19 +29,20 @@ import pytest
 from engine.hardware.presets import PRESETS
 from engine.errors import PluginError
 from engine.contract.plugins import Registry, load_registry
-from engine.contract.types import PURPOSES, QUANT_SCHEMES, TRAINING_PRECISIONS, FamilySpec
+from engine.contract.types import PURPOSES, QUANT_SCHEMES, TRAINING_PRECISIONS, Checkpoint, FamilySpec
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def build_tiny_or_fail(registry: Registry, family: FamilySpec, path: Path) -> Path:
-    """The family's tiny pipeline, or a test failure saying how to provide one
-    (never a skip: a family the kit cannot run is not shown to work)."""
+def build_tiny_or_fail(registry: Registry, family: FamilySpec, path: Path, checkpoint: Checkpoint | None = None) -> Path:
+    """The family's (or ``checkpoint``'s) tiny pipeline, or a test failure saying how to
+    provide one (never a skip: a family the kit cannot run is not shown to work)."""
     try:
-        return registry.build_tiny_pipeline(family, path)
+        return registry.build_tiny_pipeline(family, path, checkpoint)
     except PluginError as exc:
+        where = "Checkpoint.tiny_pipeline" if checkpoint is not None else "FamilySpec.tiny_pipeline"
         pytest.fail(
-            f"{family.name}: {exc.message}; set FamilySpec.tiny_pipeline to a "
+            f"{family.name}: {exc.message}; set {where} to a "
             "'module:function' writing a tiny random-weight pipeline (or implement "
             "engine_build_tiny_pipeline) so the kit can run the model"
         )
@@ -63,6 +64,10 @@ class FamilyContract:
     family_name: ClassVar[str]
     #: Dotted module of a plugin to register directly (not via entry point).
     plugin_module: ClassVar[str | None] = None
+    #: A checkpoint with its own pipeline class (and ``Checkpoint.tiny_pipeline``): the model
+    #: checks run on its tiny pipeline (a second subclass per such checkpoint); None: the family's.
+    checkpoint_name: ClassVar[str | None] = None
+
     @pytest.fixture
     def registry(self) -> Registry:
         return fresh_registry(self.plugin_module)
@@ -77,7 +82,9 @@ class FamilyContract:
         """The family's tiny pipeline, built once for the class's checks."""
         registry = fresh_registry(cls.plugin_module)
         family = registry.family(cls.family_name)
-        return build_tiny_or_fail(registry, family, tmp_path_factory.mktemp(f"kit-{family.name}") / "tiny")
+        checkpoint = family.checkpoint(cls.checkpoint_name) if cls.checkpoint_name else None
+        assert checkpoint is not None or not cls.checkpoint_name, f"{family.name} has no checkpoint {cls.checkpoint_name!r}"
+        return build_tiny_or_fail(registry, family, tmp_path_factory.mktemp(f"kit-{family.name}") / "tiny", checkpoint)
 
     # -- the table ------------------------------------------------------------
 
@@ -187,6 +194,9 @@ class FamilyContract:
         folder = tiny_folder
         index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
         assert index["_class_name"] in family.pipeline_class_names
+        if self.checkpoint_name:
+            wanted = family.checkpoint(self.checkpoint_name).pipeline_class_in(family.pipeline_class)  # type: ignore[union-attr]
+            assert index["_class_name"] == wanted, f"{self.checkpoint_name}'s tiny pipeline is not a {wanted}"
         assert registry.family_for_pipeline_class(index["_class_name"]) == family
         weights = list(folder.glob("*/*.safetensors"))
         assert weights, "weights are saved as safetensors"

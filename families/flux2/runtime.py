@@ -1,4 +1,4 @@
-"""FLUX.2's torch code for the generic LoRA trainer loop (klein: its Qwen3 encoder).
+"""FLUX.2's torch code for the generic LoRA trainer loop (klein's Qwen3 encoder, dev's Mistral-3).
 
 The loop owns noise, timestep sampling, the flow-matching target and the optimiser; this
 module owns what only FLUX.2 knows, mirroring ``diffusers.Flux2KleinPipeline`` so a LoRA
@@ -10,8 +10,12 @@ trained here sees what the pipeline feeds the transformer at inference:
   VAE's batch-norm statistics (what the pipeline undoes before decoding): model-space latents
   ``[B, 128, H/16, W/16]``;
 - the transformer: those latents packed into tokens with the pipeline's 4-D image ids, the
-  sigma as the timestep (the pipeline passes ``t / 1000``), no guidance embedding (klein is
-  guided by CFG or distilled to none), and the tokens unpacked back.
+  sigma as the timestep (the pipeline passes ``t / 1000``), and the tokens unpacked back. klein
+  has no guidance embedding (it is guided by CFG or distilled to none); dev's transformer is
+  guidance-distilled and gets :data:`DEFAULT_TRAINING_GUIDANCE` per sample, as FLUX.1-dev does.
+
+``encode_prompt`` is each pipeline's own (klein: Qwen3 layers 9/18/27; dev: Mistral-3's chat
+template and layers 10/20/30), so one module serves both.
 
 klein trains on its undistilled base (``flux.2-klein-base-4b``); the LoRA loads on the
 4-step distilled model too, whose modules are the same.
@@ -25,6 +29,9 @@ import torch
 
 #: Where the prompt is padded to: the pipelines' default ``max_sequence_length``.
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
+#: The distilled guidance a guidance-embedding transformer (dev) trains under: 1.0, the common
+#: FLUX LoRA-training choice (FLUX.1's runtime uses the same, with its sources).
+DEFAULT_TRAINING_GUIDANCE = 1.0
 
 
 def encode_prompts(pipe: Any, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -60,10 +67,12 @@ def predict(pipe: Any, denoiser: torch.nn.Module, noisy_latents: torch.Tensor, t
     tokens = pipe._pack_latents(noisy_latents.to(dtype))
     image_ids = pipe._prepare_latent_ids(noisy_latents).to(device)
     text_ids = conditioning["text_ids"].to(device)
+    guidance = (torch.full((batch,), DEFAULT_TRAINING_GUIDANCE, device=device, dtype=torch.float32)
+                if pipe.transformer.config.guidance_embeds else None)
     predicted = denoiser(
         hidden_states=tokens,
         timestep=timesteps.to(device=device, dtype=dtype).reshape(batch),
-        guidance=None,
+        guidance=guidance,
         encoder_hidden_states=prompt_embeds,
         txt_ids=text_ids,
         img_ids=image_ids,

@@ -59,6 +59,8 @@ FLUX2 = FamilySpec(
             matches=("*flux.2-dev*", "*flux2-dev*"),
             sizes=DEV_SIZES,
             pipeline_class="Flux2Pipeline",
+            # Its Mistral-3 encoder and guidance embedding: a tiny pipeline of its own class.
+            tiny_pipeline="families.flux2.tiny:build_tiny_dev_pipeline",
         ),
     ),
     sizes=KLEIN_SIZES,
