@@ -173,3 +173,103 @@ def test_training_dev_from_its_hub_id_is_sized_as_dev_not_klein() -> None:
         chosen[name] = resolve_training_precision(REGISTRY, FLUX2, h100, "auto", memory=memory)
     assert chosen["flux.2-klein-base-4b"].value == "bf16"
     assert chosen["flux.2-dev"].value in ("int8", "nf4") and "64.5 GB dense" in chosen["flux.2-dev"].reason
+
+
+def _pictures(tmp_path: Path) -> dict[str, Path]:
+    """Two noise pictures (FLUX.2's processor takes references of 64 px a side or more) and a
+    mask whitening the middle square."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    made = {"a": Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)),
+            "b": Image.fromarray(rng.integers(0, 255, (80, 96, 3), dtype=np.uint8))}
+    mask = Image.new("L", (64, 64), 0)
+    mask.paste(255, (16, 16, 48, 48))
+    made["mask"] = mask
+    for name, picture in made.items():
+        picture.save(tmp_path / f"{name}.png")
+    return {name: tmp_path / f"{name}.png" for name in made}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", [None, "flux.2-dev"])
+def test_references_edit_as_plain_diffusers_does(
+    checkpoint: str | None, tiny_pipeline: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Given images, klein and dev edit from them as references (their text-to-image pipeline
+    takes them as a list): one reference or two through the engine equal plain diffusers'
+    call with the same pictures, pixel for pixel; five are more than klein takes, refused
+    before anything loads."""
+    import numpy as np
+    import torch
+    from diffusers import DiffusionPipeline
+    from PIL import Image
+
+    from engine.errors import EngineError
+    from engine.hardware.probe import probe
+    from engine.service.facade import Engine
+
+    folder = tiny_pipeline("flux2", checkpoint)
+    pictures = _pictures(tmp_path)
+    engine = Engine(registry=REGISTRY, hardware=probe(verify=False))
+    engine.images.load(str(folder))
+    ours = {}
+    try:
+        for given in (["a"], ["a", "b"]):
+            [ours[len(given)]] = engine.images.generate("a red fox", steps=2, seed=3, width=64, height=64,
+                                                        image=[str(pictures[n]) for n in given], guidance=2.0)
+        with pytest.raises(EngineError) as refused:
+            engine.images.generate("a red fox", steps=2, image=[str(pictures["a"])] * 7)
+        assert refused.value.code in ("too_many_images", "invalid_request")
+    finally:
+        engine.images.unload()
+    stock = DiffusionPipeline.from_pretrained(folder)
+    for count, names in ((1, ["a"]), (2, ["a", "b"])):
+        theirs = stock(image=[Image.open(pictures[n]).convert("RGB") for n in names], prompt=["a red fox"],
+                       num_inference_steps=2, guidance_scale=2.0, width=64, height=64,
+                       generator=[torch.Generator().manual_seed(3)]).images[0]
+        assert np.array_equal(np.asarray(ours[count]), np.asarray(theirs)), f"{count} reference(s) differ"
+
+
+@pytest.mark.slow
+def test_klein_inpaints_the_masked_square_and_keeps_the_rest(tiny_pipeline: Callable[..., Path], tmp_path: Path) -> None:
+    """An image with a mask on klein runs Flux2KleinInpaintPipeline over the loaded weights: the
+    pixels outside the mask are the input's, the square inside is redrawn as plain diffusers'
+    inpaint pipeline redraws it; dev serves no inpaint and says so."""
+    import numpy as np
+    import torch
+    from diffusers import Flux2KleinInpaintPipeline
+    from PIL import Image
+
+    from engine.errors import EngineError
+    from engine.hardware.probe import probe
+    from engine.service.facade import Engine
+
+    pictures = _pictures(tmp_path)
+    folder = tiny_pipeline("flux2")
+    engine = Engine(registry=REGISTRY, hardware=probe(verify=False))
+    engine.images.load(str(folder))
+    try:
+        [ours] = engine.images.generate("a red fox", steps=4, seed=3, image=str(pictures["a"]),
+                                        mask_image=str(pictures["mask"]), guidance=1.0)
+    finally:
+        engine.images.unload()
+    given = np.asarray(Image.open(pictures["a"]).convert("RGB"))
+    mine = np.asarray(ours)
+    inside = np.asarray(Image.open(pictures["mask"])) > 127
+    assert np.array_equal(mine[~inside], given[~inside])
+    assert np.abs(mine[inside].astype(int) - given[inside]).mean() > 10
+    stock = Flux2KleinInpaintPipeline.from_pretrained(folder)
+    theirs = np.asarray(stock(prompt="a red fox", image=Image.open(pictures["a"]).convert("RGB"),
+                              mask_image=Image.open(pictures["mask"]), num_inference_steps=4, guidance_scale=1.0,
+                              width=64, height=64, generator=torch.Generator().manual_seed(3)).images[0])
+    assert np.abs(mine[inside].astype(int) - theirs[inside]).max() <= 1
+
+    engine.images.load(str(tiny_pipeline("flux2", "flux.2-dev")))
+    try:
+        with pytest.raises(EngineError) as refused:
+            engine.images.generate("a red fox", steps=2, image=str(pictures["a"]), mask_image=str(pictures["mask"]))
+    finally:
+        engine.images.unload()
+    assert refused.value.code == "unsupported_workflow" and "no inpaint pipeline" in refused.value.message

@@ -151,7 +151,7 @@ class LoadBody(PlanControls):
 
 
 #: The most input images one edit takes (a multi-image edit checkpoint's own limit applies first).
-MAX_INPUT_IMAGES = 4
+MAX_INPUT_IMAGES = 6
 
 #: A keep-alive in seconds: up to a week.
 KeepAliveSeconds = Annotated[float, Field(ge=0, le=7 * 24 * 3600, allow_inf_nan=False)]

@@ -326,7 +326,9 @@ class Generation:
             kwargs["max_area"] = width * height  # edit pipelines scale their output to this area
         if fitted.image is not None and family.output == "frames":
             kwargs["image"] = fitted.original  # a video pipeline's processor takes the fitted picture
-        elif fitted.references:  # a multi-image edit: the pipeline's processor takes the pictures
+        elif fitted.references or (checkpoint.reference_images > 1 and fitted.original is not None
+                                   and fitted.mask is None and not fitted.control):
+            # A multi-reference edit pipeline takes its pictures as a list, one image or several.
             kwargs["image"] = [fitted.original, *fitted.references]
         elif fitted.image is not None:
             # A ControlNet pipeline takes its map as ``control_image`` where it

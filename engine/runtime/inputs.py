@@ -49,7 +49,9 @@ class FittedInputs:
     original: Image.Image | None = None
     #: ``image`` is a ControlNet's control map, not an image to redraw.
     control: bool = False
-    #: A multi-image edit's further input images, each fitted within the same box as RGB.
+    #: A multi-image edit's further input images as RGB at their own size: the pipeline sizes
+    #: its references itself (to about a megapixel), so fitting them to the output box first
+    #: would only lose detail, or leave a side under what its processor takes.
     references: tuple[Image.Image, ...] = ()
 
 
@@ -123,11 +125,7 @@ def fit_inputs(
         if mask is not None:
             raise InvalidImage("mask_image takes one image; give one image to inpaint")
         first = fit_inputs(image[0], None, width=width, height=height, multiple=multiple, dtype=dtype)
-        references = []
-        for index, value in enumerate(image[1:], start=1):
-            picture = read_image(value, f"image[{index}]").convert("RGB")
-            references.append(_resized(picture, *fitted_size(picture.size, (width, height), multiple,
-                                                             f"image[{index}]")))
+        references = [read_image(value, f"image[{index}]").convert("RGB") for index, value in enumerate(image[1:], 1)]
         return dataclasses.replace(first, references=tuple(references))
     picture = read_image(image, "image").convert("RGB")
     fit_w, fit_h = fitted_size(picture.size, (width, height), multiple, "image")

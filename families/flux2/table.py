@@ -20,6 +20,8 @@ from engine.contract.types import (
 )
 
 KLEIN_SIZES = ComponentSizes(transformer_gb=7.8, text_encoders_gb=8.0, vae_gb=0.2)
+#: Reference images an edit takes (BFL's editing guide: klein up to 4, dev "recommended max 6").
+KLEIN_REFERENCES = 4
 DEV_SIZES = ComponentSizes(transformer_gb=64.5, text_encoders_gb=48.0, vae_gb=0.4)
 
 FLUX2 = FamilySpec(
@@ -39,6 +41,7 @@ FLUX2 = FamilySpec(
             default_guidance=1.0,
             matches=("*flux.2-klein-4b*", "*flux2-klein-4b*", "*flux.2-klein*", "*flux2-klein*"),
             sizes=KLEIN_SIZES,
+            reference_images=KLEIN_REFERENCES,
         ),
         Checkpoint(
             name="flux.2-klein-base-4b",
@@ -49,6 +52,7 @@ FLUX2 = FamilySpec(
             default_guidance=4.0,
             matches=("*flux.2-klein-base*", "*flux2-klein-base*"),
             sizes=KLEIN_SIZES,
+            reference_images=KLEIN_REFERENCES,
         ),
         Checkpoint(
             name="flux.2-dev",
@@ -59,11 +63,18 @@ FLUX2 = FamilySpec(
             matches=("*flux.2-dev*", "*flux2-dev*"),
             sizes=DEV_SIZES,
             pipeline_class="Flux2Pipeline",
+            # Its own pipeline edits from reference images too; it has no inpaint pipeline.
+            workflows=(("edit", "Flux2Pipeline"),),
+            reference_images=6,
             # Its Mistral-3 encoder and guidance embedding: a tiny pipeline of its own class.
             tiny_pipeline="families.flux2.tiny:build_tiny_dev_pipeline",
         ),
     ),
     sizes=KLEIN_SIZES,
+    # The text-to-image pipelines edit too: given images, they are references the prompt
+    # speaks of (no strength; the output is the size asked, else the first image's).
+    # klein also inpaints with its own pipeline (a mask, a strength, optional references).
+    workflows=(("edit", "Flux2KleinPipeline"), ("inpaint", "Flux2KleinInpaintPipeline")),
     # 8x VAE with 32 latent channels; the pipeline patchifies latents 2x2 (128 channels in).
     geometry=LatentGeometry(spatial_compression=8, patch_size=2, latent_channels=32),
     compile_regions=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
