@@ -23,7 +23,7 @@ from engine.training.export import KOHYA_FILE, denoiser_out_features, kohya_meta
 
 REGISTRY = load_registry()
 HARDWARE = probe(verify=False)
-FAMILIES = ["flux", "qwen_image", "zimage", "sdxl"]
+FAMILIES = ["flux", "flux2", "qwen_image", "zimage", "sdxl"]
 RANK, ALPHA = 4, 8.0
 
 #: FLUX.1 modules as ComfyUI's LoRA key map names them (BFL checkpoint layout):
@@ -147,6 +147,22 @@ def test_flux_kohya_keys_are_comfyui_flux_names(tiny_pipeline: Callable[[str], P
     qkv = torch.cat([part(f"transformer_blocks.0.attn.{p}") for p in ("to_q", "to_k", "to_v")])
     assert torch.allclose(delta("lora_unet_double_blocks_0_img_attn_qkv"), qkv, atol=1e-5)
     assert torch.allclose(delta("lora_unet_double_blocks_0_img_attn_proj"), part("transformer_blocks.0.attn.to_out.0"), atol=1e-5)
+
+
+def test_flux2_kohya_keys_are_bfl_checkpoint_names(tiny_pipeline: Callable[[str], Path]) -> None:
+    """A FLUX.2 LoRA of the family's default targets is written under BFL's module names (what
+    ComfyUI and diffusers' FLUX.2 kohya converter read): q, k, v fused into ``img_attn_qkv``,
+    the feed-forward as ``img_mlp_0`` / ``img_mlp_2``, a single block's fused projection as
+    ``linear1`` and nothing left in diffusers' spelling."""
+    pipe, state = adapted(tiny_pipeline("flux2"), "flux2")
+    kohya = kohya_state_dict(REGISTRY.family("flux2"), state, ALPHA, denoiser_out_features(pipe.transformer))  # type: ignore[attr-defined]
+    modules = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in kohya}
+    assert modules == {
+        "lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_double_blocks_0_img_attn_proj",
+        "lora_unet_double_blocks_0_img_mlp_0", "lora_unet_double_blocks_0_img_mlp_2",
+        "lora_unet_double_blocks_0_txt_mlp_0", "lora_unet_double_blocks_0_txt_mlp_2",
+        "lora_unet_single_blocks_0_linear1",
+    }
 
 
 #: FLUX.1-dev's transformer widths (inner 3072, MLP 12288, T5 4096, pooled

@@ -119,5 +119,29 @@ FLUX2 = FamilySpec(
         # names (FLUX.1's are ``ff.net.*``). Its attention keys are FLUX.1's spelling too, so an
         # attention-only FLUX.2 LoRA from elsewhere ties with FLUX.1 in a refusal's guess.
         key_markers=("to_qkv_mlp_proj", "linear_in", "linear_out"),
+        # The kohya / ComfyUI export names modules as BFL's checkpoint does (``double_blocks``,
+        # ``img_attn.qkv``, ``single_blocks.linear1``: the names diffusers' FLUX.2 kohya converter
+        # reads back). q, k and v fuse into ``qkv``; a single block's projection is already fused.
+        kohya_map=(
+            ("double_blocks_{i}_img_attn_qkv", (
+                "transformer_blocks.{i}.attn.to_q", "transformer_blocks.{i}.attn.to_k",
+                "transformer_blocks.{i}.attn.to_v",
+            )),
+            ("double_blocks_{i}_img_attn_proj", ("transformer_blocks.{i}.attn.to_out.0",)),
+            ("double_blocks_{i}_txt_attn_qkv", (
+                "transformer_blocks.{i}.attn.add_q_proj", "transformer_blocks.{i}.attn.add_k_proj",
+                "transformer_blocks.{i}.attn.add_v_proj",
+            )),
+            ("double_blocks_{i}_txt_attn_proj", ("transformer_blocks.{i}.attn.to_add_out",)),
+            ("double_blocks_{i}_img_mlp_0", ("transformer_blocks.{i}.ff.linear_in",)),
+            ("double_blocks_{i}_img_mlp_2", ("transformer_blocks.{i}.ff.linear_out",)),
+            ("double_blocks_{i}_txt_mlp_0", ("transformer_blocks.{i}.ff_context.linear_in",)),
+            ("double_blocks_{i}_txt_mlp_2", ("transformer_blocks.{i}.ff_context.linear_out",)),
+            ("single_blocks_{i}_linear1", ("single_transformer_blocks.{i}.attn.to_qkv_mlp_proj",)),
+            ("single_blocks_{i}_linear2", ("single_transformer_blocks.{i}.attn.to_out",)),
+            ("img_in", ("x_embedder",)),
+            ("txt_in", ("context_embedder",)),
+            ("final_layer_linear", ("proj_out",)),
+        ),
     ),
 )
