@@ -236,8 +236,10 @@ class FamilyContract:
         import diffusers
 
         from engine.runtime.capabilities import verify
+        from engine.runtime.processors import pipeline_processors
 
-        pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_folder)
+        # Its processors as the engine builds them (an edit model's without torchvision's video part).
+        pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_folder, **pipeline_processors(str(tiny_folder)))
         wrong = [
             f"{c.name}: declared {c.declared}, the class says {c.verified} ({c.detail})"
             for c in verify(family, pipe, registry.compile_regions(family)).values()

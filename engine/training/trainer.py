@@ -288,9 +288,13 @@ def _grad_scaler(plan: TrainingPlan) -> torch.amp.GradScaler:
 
 
 def _load_pipeline(plan: TrainingPlan, dtype: torch.dtype) -> Any:
+    """The base pipeline, its processors built as the inference load builds them (an edit
+    model's without the video part torchvision would build: :mod:`engine.runtime.processors`)."""
     import diffusers
 
-    components: dict[str, Any] = {}
+    from engine.runtime.processors import pipeline_processors
+
+    components: dict[str, Any] = dict(pipeline_processors(plan.base.location))
     if plan.base_precision.value == "nf4":
         from engine.runtime.quantize import nf4_config
 

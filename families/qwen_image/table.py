@@ -77,6 +77,7 @@ QWEN_IMAGE = FamilySpec(
                 ("edit", "QwenImageEditPipeline"),
                 ("inpaint", "QwenImageEditInpaintPipeline"),
             ),
+            tiny_pipeline="families.qwen_image.tiny:build_tiny_edit_pipeline",
         ),
         # The "Plus" edits: up to three input images (a person, a product, a scene) in one instruction.
         *(Checkpoint(
@@ -89,6 +90,7 @@ QWEN_IMAGE = FamilySpec(
             pipeline_class="QwenImageEditPlusPipeline",
             workflows=(("txt2img", "QwenImagePipeline"), ("edit", "QwenImageEditPlusPipeline")),
             reference_images=3,
+            tiny_pipeline="families.qwen_image.tiny:build_tiny_edit_plus_pipeline",
         ) for version in ("2509", "2511")),
     ),
     workflows=(("img2img", "QwenImageImg2ImgPipeline"), ("inpaint", "QwenImageInpaintPipeline")),

@@ -42,7 +42,8 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Q
 
 from engine.testing.tiny_tokenizers import qwen_chat_tokenizer
 
-__all__ = ["TINY_GENERATE_KWARGS", "TINY_RESOLUTION", "build_tiny_edit_pipeline", "build_tiny_pipeline"]
+__all__ = ["TINY_GENERATE_KWARGS", "TINY_RESOLUTION", "build_tiny_edit_pipeline", "build_tiny_edit_plus_pipeline",
+           "build_tiny_pipeline"]
 
 #: Works for the tiny pipeline; any multiple of 16 (VAE 8x * 2x2 packing) does.
 TINY_RESOLUTION: int = 64
@@ -167,6 +168,11 @@ def build_tiny_edit_pipeline(path: pathlib.Path, *, plus: bool = False) -> pathl
         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
     }, indent=2))
     return path
+
+
+def build_tiny_edit_plus_pipeline(path: pathlib.Path) -> pathlib.Path:
+    """:func:`build_tiny_edit_pipeline` with ``plus``: the Edit-2509/2511 checkpoints' own tiny pipeline."""
+    return build_tiny_edit_pipeline(path, plus=True)
 
 
 def _components() -> dict[str, Any]:

@@ -11,6 +11,15 @@ class TestQwenImageContract(FamilyContract):
     family_name = "qwen_image"
 
 
+class TestQwenImageEdit2511Contract(FamilyContract):
+    """The multi-image Edit-2511 (QwenImageEditPlusPipeline, its processor) runs the kit on its own
+    tiny pipeline: text-to-image through the base pipeline over its weights, a LoRA trained and
+    reloaded (its two-image edit equals plain diffusers' in tests/test_multi_image_edit.py)."""
+
+    family_name = "qwen_image"
+    checkpoint_name = "qwen-image-edit-2511"
+
+
 def test_qwen_image_denies_fp8_family_for_inference_with_measured_reasons(
     engine_registry: Registry,
 ) -> None:
