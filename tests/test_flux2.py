@@ -273,3 +273,56 @@ def test_klein_inpaints_the_masked_square_and_keeps_the_rest(tiny_pipeline: Call
     finally:
         engine.images.unload()
     assert refused.value.code == "unsupported_workflow" and "no inpaint pipeline" in refused.value.message
+
+
+def test_a_flux2_file_is_told_from_a_flux1_file_by_its_own_keys(tmp_path: Path) -> None:
+    """FLUX.2 kept FLUX.1's block names (``double_blocks``, ``single_blocks.N.linear1``) and
+    moved modulation out of the blocks: its global modulation keys claim a BFL-layout file
+    for FLUX.2, while a FLUX.1 file (per-block ``img_mod``) stays FLUX.1's. Real headers."""
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.preflight.headers import tensor_shapes
+    from engine.preflight.single_file import family_from_keys
+
+    layouts = {
+        "flux2": ["double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_mlp.0.weight",
+                  "double_stream_modulation_img.lin.weight", "double_stream_modulation_txt.lin.weight",
+                  "single_stream_modulation.lin.weight", "single_blocks.0.linear1.weight"],
+        "flux": ["double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_mod.lin.weight",
+                 "single_blocks.0.linear1.weight", "single_blocks.0.modulation.lin.weight"],
+    }
+    for family, keys in layouts.items():
+        file = tmp_path / f"{family}.safetensors"
+        save_file({key: torch.zeros(2, 2) for key in keys}, str(file))
+        names = tuple(name for name, _ in tensor_shapes([file]))
+        assert family_from_keys(REGISTRY, names).name == family  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_a_klein_transformer_file_loads_on_its_base_and_draws_the_folders_image(
+    tiny_pipeline: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The transformer saved as one file (as people download klein) is found to be FLUX.2 by its
+    keys whatever its name, loads with the folder as its base, and draws the folder's image."""
+    import numpy as np
+
+    from engine.hardware.probe import probe
+    from engine.preflight.model import resolve_model
+    from engine.service.facade import Engine
+    from engine.testing.checkpoints import write_single_file
+
+    base = tiny_pipeline("flux2")
+    file = write_single_file(base, "transformer", tmp_path / "mystery.safetensors")
+    source = resolve_model(REGISTRY, file, base=base)
+    assert (source.kind, source.family.name) == ("single_file", "flux2")
+    engine = Engine(registry=REGISTRY, hardware=probe(verify=False))
+    drawn = []
+    for model, given in ((str(base), None), (str(file), str(base))):
+        engine.images.load(model, base=given)
+        try:
+            [image] = engine.images.generate("a red fox", steps=2, seed=5, width=64, height=64)
+            drawn.append(np.asarray(image))
+        finally:
+            engine.images.unload()
+    assert np.array_equal(drawn[0], drawn[1])

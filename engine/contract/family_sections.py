@@ -91,7 +91,8 @@ class SingleFileLayout:
     """What a single ``.safetensors`` (or ``.gguf``) file of this family holds."""
 
     #: Substrings of state-dict keys that identify this family's denoiser in a
-    #: single-file checkpoint (diffusers or original key names).
+    #: single-file checkpoint (diffusers or original key names); a file is the
+    #: family most of whose markers it holds.
     markers: tuple[str, ...] = ()
     #: Whether one file holds the whole pipeline (denoiser, text encoders, VAE),
     #: loaded with ``from_single_file`` and no base; False: a file is the denoiser.

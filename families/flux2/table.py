@@ -14,6 +14,7 @@ from engine.contract.types import (
     LatentGeometry,
     LoraLayout,
     QuantRules,
+    SingleFileLayout,
     TrainingDefaults,
     TrainingObjective,
     TrainingSpec,
@@ -82,6 +83,9 @@ FLUX2 = FamilySpec(
     # (dev) does not, so First-Block-Cache is not engaged there.
     cache_context_pipelines=("Flux2KleinPipeline",),
     tiny_pipeline="families.flux2.tiny:build_tiny_pipeline",
+    # A transformer file (BFL's original layout, ComfyUI's, or diffusers'): its global modulation
+    # layers are FLUX.2's own (FLUX.1 modulates per block); its block names are FLUX.1's.
+    single_file=SingleFileLayout(markers=("double_stream_modulation_img.", "single_stream_modulation.")),
     vae_decode_per_pixel=768.0,
     quantisation=QuantRules(
         prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
