@@ -326,3 +326,42 @@ def test_a_klein_transformer_file_loads_on_its_base_and_draws_the_folders_image(
         finally:
             engine.images.unload()
     assert np.array_equal(drawn[0], drawn[1])
+
+
+@pytest.mark.slow
+def test_a_reference_under_64_pixels_is_refused_before_anything_loads(
+    tiny_pipeline: Callable[..., Path], tmp_path: Path
+) -> None:
+    """FLUX.2's processor takes no input image under 64 px a side: a 32 px reference is refused
+    from its header, naming it, before the host model is evicted (the door) and before the
+    loaded pipeline is called (Python); a 64 px one passes."""
+    from PIL import Image
+
+    from engine.errors import EngineError
+    from engine.hardware.presets import PRESETS
+    from engine.hardware.probe import probe
+    from engine.requests import GenerateBody
+    from engine.service.facade import Engine
+    from tests.support import HostModel
+
+    big, small = tmp_path / "big.png", tmp_path / "small.png"
+    Image.new("RGB", (64, 64), (20, 120, 30)).save(big)
+    Image.new("RGB", (96, 32), (200, 10, 10)).save(small)
+    folder = tiny_pipeline("flux2")
+    engine = Engine(registry=REGISTRY, hardware=PRESETS["h100"])
+    host = HostModel(engine)
+    ticket = engine.images.check_load(str(folder))
+    engine.videos.check_door(ticket, GenerateBody(prompt="a fox", image=[str(big), str(big)]), video_file=False)
+    with pytest.raises(EngineError) as refused:
+        engine.videos.check_door(ticket, GenerateBody(prompt="a fox", image=[str(big), str(small)]), video_file=False)
+    assert refused.value.code == "invalid_image" and "image[1] is 96x32" in refused.value.message
+    assert "at least 64 pixels" in refused.value.message and host.evicted == 0
+
+    engine = Engine(registry=REGISTRY, hardware=probe(verify=False))
+    engine.images.load(str(folder))
+    try:
+        with pytest.raises(EngineError) as again:
+            engine.images.generate("a fox", steps=1, image=str(small))
+    finally:
+        engine.images.unload()
+    assert again.value.code == "invalid_image" and "image is 96x32" in again.value.message

@@ -142,6 +142,8 @@ class Checkpoint:
     expert_guidance: float | None = None
     #: How many input images its edit takes at once (a multi-image edit pipeline); 1: one.
     reference_images: int = 1
+    #: The shortest side, in pixels, its pipeline's processor takes for an input image; 0: any.
+    min_image_side: int = 0
     #: ``"module:function"`` writing a tiny random-weight pipeline of this checkpoint's own
     #: ``pipeline_class``, where it differs from the family's (the contract kit runs it with
     #: ``checkpoint_name``); empty: the family's ``tiny_pipeline`` serves it.

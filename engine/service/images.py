@@ -271,9 +271,8 @@ class Images:
                 if session is None:
                     raise EngineError("no image pipeline is loaded; load one first", code="not_loaded")
                 check_output(session.source.family, output)
-                given = options.get("image")
                 targets.check_references(session.source.family, session.source.checkpoint, None,
-                                         image_count=len(given) if isinstance(given, (list, tuple)) else None)
+                                         images=options.get("image"))
                 files = None if loras is None else read_loras(lora_choices(loras))
                 if cancel.is_set():
                     raise Cancelled("the generate was cancelled before it started")

@@ -118,13 +118,16 @@ def target(images: Images, model: str | None, body: Any, output: str = "images",
 
 
 def check_references(family: FamilySpec, checkpoint: Checkpoint | None, body: Any,
-                     image_count: int | None = None) -> None:
+                     image_count: int | None = None, *, images: Any = None) -> None:
     """Several input images go only to a checkpoint whose edit takes them (its table's
-    ``reference_images``), refused before anything loads, naming the ones that do.
-    ``image_count``: images uploaded beside the body (OpenAI's repeated ``image[]``)."""
-    value = getattr(body, "image", None)
+    ``reference_images``), and each is as large as its processor takes (``min_image_side``,
+    from the image's header), refused before anything loads, naming the ones that do.
+    ``image_count``: images uploaded beside the body (OpenAI's repeated ``image[]``);
+    ``images``: the request's images where there is no body (a Python call's ``image``)."""
+    value = getattr(body, "image", None) if body is not None else images
     count = image_count or (len(value) if isinstance(value, (list, tuple)) else 0)
     chosen = checkpoint or family.default_checkpoint
+    _check_sides(chosen, value)
     if count <= 1 or chosen is None or count <= chosen.reference_images:
         return
     takers = [f"{c.name} (up to {c.reference_images})" for c in family.checkpoints if c.reference_images > 1]
@@ -132,6 +135,21 @@ def check_references(family: FamilySpec, checkpoint: Checkpoint | None, body: An
     raise EngineError(f"{count} input images were given, but {chosen.label} edits "
                       f"{'one image' if chosen.reference_images == 1 else f'at most {chosen.reference_images}'} at a "
                       f"time{where}; give one image, or load a checkpoint that takes several", code="too_many_images")
+
+
+def _check_sides(checkpoint: Checkpoint, value: Any) -> None:
+    """Each input image (a path, bytes or a picture) at least the checkpoint's ``min_image_side``."""
+    from engine.preflight.images import InvalidImage, image_size
+
+    if not checkpoint.min_image_side or value is None:
+        return
+    given = list(value) if isinstance(value, (list, tuple)) else [value]
+    for index, item in enumerate(given):
+        field = f"image[{index}]" if len(given) > 1 else "image"
+        size = item.size if hasattr(item, "getbands") else image_size(item, field)
+        if min(size) < checkpoint.min_image_side:
+            raise InvalidImage(f"{field} is {size[0]}x{size[1]}; {checkpoint.label} takes input images of at least "
+                               f"{checkpoint.min_image_side} pixels a side: give a larger image")
 
 
 def ensure(images: Images, chosen: Target) -> bool:

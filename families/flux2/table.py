@@ -23,6 +23,8 @@ from engine.contract.types import (
 KLEIN_SIZES = ComponentSizes(transformer_gb=7.8, text_encoders_gb=8.0, vae_gb=0.2)
 #: Reference images an edit takes (BFL's editing guide: klein up to 4, dev "recommended max 6").
 KLEIN_REFERENCES = 4
+#: Flux2ImageProcessor refuses an input image with a side under 64 pixels.
+MIN_IMAGE_SIDE = 64
 DEV_SIZES = ComponentSizes(transformer_gb=64.5, text_encoders_gb=48.0, vae_gb=0.4)
 
 FLUX2 = FamilySpec(
@@ -43,6 +45,7 @@ FLUX2 = FamilySpec(
             matches=("*flux.2-klein-4b*", "*flux2-klein-4b*", "*flux.2-klein*", "*flux2-klein*"),
             sizes=KLEIN_SIZES,
             reference_images=KLEIN_REFERENCES,
+            min_image_side=MIN_IMAGE_SIDE,
         ),
         Checkpoint(
             name="flux.2-klein-base-4b",
@@ -54,6 +57,7 @@ FLUX2 = FamilySpec(
             matches=("*flux.2-klein-base*", "*flux2-klein-base*"),
             sizes=KLEIN_SIZES,
             reference_images=KLEIN_REFERENCES,
+            min_image_side=MIN_IMAGE_SIDE,
         ),
         Checkpoint(
             name="flux.2-dev",
@@ -67,6 +71,7 @@ FLUX2 = FamilySpec(
             # Its own pipeline edits from reference images too; it has no inpaint pipeline.
             workflows=(("edit", "Flux2Pipeline"),),
             reference_images=6,
+            min_image_side=MIN_IMAGE_SIDE,
             # Its Mistral-3 encoder and guidance embedding: a tiny pipeline of its own class.
             tiny_pipeline="families.flux2.tiny:build_tiny_dev_pipeline",
         ),
