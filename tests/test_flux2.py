@@ -81,6 +81,8 @@ def test_flux2_klein_is_resident_dense_on_every_card(hardware: str) -> None:
 def test_checkpoints_are_told_apart_by_name() -> None:
     assert FLUX2.checkpoint("black-forest-labs/FLUX.2-klein-base-4B").name == "flux.2-klein-base-4b"
     assert FLUX2.checkpoint("black-forest-labs/FLUX.2-klein-4B").name == "flux.2-klein-4b"
+    assert FLUX2.checkpoint("black-forest-labs/FLUX.2-klein-9B").name == "flux.2-klein-9b"
+    assert FLUX2.checkpoint("~/models/FLUX.2-klein-base-9B").name == "flux.2-klein-base-9b"
     assert FLUX2.checkpoint("black-forest-labs/FLUX.2-dev").pipeline_class == "Flux2Pipeline"
     assert REGISTRY.component_sizes(FLUX2, FLUX2.checkpoint("flux.2-dev")).transformer_gb == 64.5
 
@@ -108,6 +110,19 @@ def test_a_lora_trained_on_klein_base_deploys_on_the_distilled_model(tmp_path_fa
         assert engine.images.loaded_plan().checkpoint == "flux.2-klein-4b"  # type: ignore[union-attr]
         engine.images.unload()
     assert np.abs(images["lora"] - images["plain"]).max() > 0, "the LoRA changed nothing on the distilled model"
+
+
+def test_klein_9b_on_a_24_gb_card_is_int8_resident_with_its_encoder_streamed() -> None:
+    """18 GB of transformer and the 16.4 GB Qwen3-8B embedder do not sit together on an RTX 4090
+    (dense, its blocks would stream): int8 keeps the transformer resident and the fp8 encoder is
+    streamed per prompt. On an L40S the dense transformer and the encoder are both resident."""
+    small = plan("flux.2-klein-9b", "rtx4090")
+    assert (small.value("transformer_quant"), small.value("memory_mode"), small.value("text_encoder_memory")) == (
+        "int8", "resident", "streamed")
+    assert "the dense transformer plans group_offload" in small["transformer_quant"].reason
+    large = plan("flux.2-klein-9b", "l40s")
+    assert (large.value("transformer_quant"), large.value("memory_mode"), large.value("text_encoder_memory")) == (
+        None, "resident", "resident")
 
 
 def test_a_folder_is_the_checkpoint_its_pipeline_class_says_whatever_its_name() -> None:
