@@ -380,3 +380,37 @@ def test_a_reference_under_64_pixels_is_refused_before_anything_loads(
     finally:
         engine.images.unload()
     assert again.value.code == "invalid_image" and "image is 96x32" in again.value.message
+
+
+@pytest.mark.slow
+def test_over_http_a_small_reference_is_refused_before_a_job_is_queued(
+    tiny_pipeline: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The JSON list (paths under the input roots) and OpenAI's uploaded ``image[]`` are both
+    judged by their headers against FLUX.2's 64 px: 400 ``invalid_image`` naming the place,
+    and no job queued."""
+    import httpx
+    from PIL import Image
+
+    from engine.hardware.probe import probe
+    from engine.server.app import ServerSettings, create_app
+    from engine.service.facade import Engine
+    from tests.support import LiveServer
+
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    Image.new("RGB", (64, 64), (20, 120, 30)).save(inputs / "big.png")
+    Image.new("RGB", (48, 48), (200, 10, 10)).save(inputs / "small.png")
+    engine = Engine(registry=REGISTRY, hardware=probe(verify=False))
+    engine.images.load(str(tiny_pipeline("flux2")))
+    try:
+        with LiveServer(create_app(engine, ServerSettings(input_roots=(inputs,)))) as url:
+            listed = httpx.post(f"{url}/v1/images/jobs", json={"prompt": "a fox", "image": ["big.png", "small.png"]})
+            assert listed.status_code == 400 and listed.json()["error"]["code"] == "invalid_image", listed.text
+            assert "image[1] is 48x48" in listed.json()["error"]["message"]
+            uploads = [("image[]", (name, (inputs / name).read_bytes(), "image/png")) for name in ("big.png", "small.png")]
+            edited = httpx.post(f"{url}/v1/images/edits", data={"prompt": "a fox"}, files=uploads, timeout=60)
+            assert edited.status_code == 400 and edited.json()["error"]["code"] == "invalid_image", edited.text
+            assert httpx.get(f"{url}/v1/images/jobs").json()["jobs"] == []
+    finally:
+        engine.images.unload()

@@ -127,9 +127,8 @@ class JobQueue:
         ``inputs``: images uploaded inline, in place of the body's path fields of those names;
         ``target``: the model, when the caller judged it already (a video's shape gate)."""
         if target is None:
-            uploaded = (inputs or {}).get("image")
             target = self._engine.images.target(body.model, body, "frames" if kind == "video" else "images",
-                                                image_count=len(uploaded) if isinstance(uploaded, list) else None)
+                                                uploads=(inputs or {}).get("image"))
         job = Job(f"j-{next(self._ids)}-{secrets.token_hex(6)}{self._suffix}", body, dict(inputs or {}), target,
                   steps=body.steps or 0, kind=kind, video=dict(video or {}) if kind == "video" else None)
         with self._lock:

@@ -184,11 +184,11 @@ class Images:
     # -- the model a request names ------------------------------------------------
 
     def target(self, model: str | None, body: Any, output: str = "images", *,
-               image_count: int | None = None) -> Target:
+               uploads: bytes | list[bytes] | None = None) -> Target:
         """The model ``body`` runs on (``model``: its reference, or None for the loaded one),
         judged against that model before anything is evicted (:mod:`engine.service.targets`;
-        ``image_count``: input images uploaded beside the body)."""
-        return targets.target(self, model, body, output, image_count=image_count)
+        ``uploads``: input images uploaded beside the body, judged in place of its ``image``)."""
+        return targets.target(self, model, body, output, uploads=uploads)
 
     def ensure(self, chosen: Target) -> bool:
         """Load ``chosen`` unless it is the loaded model; True when it loaded."""
@@ -271,8 +271,7 @@ class Images:
                 if session is None:
                     raise EngineError("no image pipeline is loaded; load one first", code="not_loaded")
                 check_output(session.source.family, output)
-                targets.check_references(session.source.family, session.source.checkpoint, None,
-                                         images=options.get("image"))
+                targets.check_references(session.source.family, session.source.checkpoint, options.get("image"))
                 files = None if loras is None else read_loras(lora_choices(loras))
                 if cancel.is_set():
                     raise Cancelled("the generate was cancelled before it started")

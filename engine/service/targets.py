@@ -93,7 +93,7 @@ def means_loaded(images: Images, name: str | None) -> bool:
 
 
 def target(images: Images, model: str | None, body: Any, output: str = "images", *,
-           image_count: int | None = None) -> Target:
+           uploads: bytes | list[bytes] | None = None) -> Target:
     """The model ``body`` runs on (``model``: a reference the caller has confined, or None
     for the loaded one), judged against it before anything is evicted: the load's checks,
     the door (``output``: images or frames), and the request's LoRAs."""
@@ -111,21 +111,18 @@ def target(images: Images, model: str | None, body: Any, output: str = "images",
     check_output(chosen.family, output)
     if output == "images" and (getattr(body, "frames", None) or getattr(body, "fps", None)):
         check_output(chosen.family, "frames")  # frames asked of the images door: an image model refuses them
-    check_references(chosen.family, chosen.checkpoint, body, image_count)
+    check_references(chosen.family, chosen.checkpoint, uploads if uploads is not None else getattr(body, "image", None))
     if getattr(body, "loras", None) and chosen is not loaded:
         _check_loras(images, chosen, body.loras)
     return chosen
 
 
-def check_references(family: FamilySpec, checkpoint: Checkpoint | None, body: Any,
-                     image_count: int | None = None, *, images: Any = None) -> None:
-    """Several input images go only to a checkpoint whose edit takes them (its table's
+def check_references(family: FamilySpec, checkpoint: Checkpoint | None, value: Any) -> None:
+    """Several input images (``value``: the request's image or images, as paths, bytes uploaded
+    beside it, or pictures) go only to a checkpoint whose edit takes them (its table's
     ``reference_images``), and each is as large as its processor takes (``min_image_side``,
-    from the image's header), refused before anything loads, naming the ones that do.
-    ``image_count``: images uploaded beside the body (OpenAI's repeated ``image[]``);
-    ``images``: the request's images where there is no body (a Python call's ``image``)."""
-    value = getattr(body, "image", None) if body is not None else images
-    count = image_count or (len(value) if isinstance(value, (list, tuple)) else 0)
+    from the image's header), refused before anything loads, naming the ones that do."""
+    count = len(value) if isinstance(value, (list, tuple)) else 0
     chosen = checkpoint or family.default_checkpoint
     _check_sides(chosen, value)
     if count <= 1 or chosen is None or count <= chosen.reference_images:

@@ -90,7 +90,7 @@ class Videos:
         from engine.service.targets import check_references
 
         family = ticket.source.family
-        check_references(family, ticket.source.checkpoint, body)  # several images: an edit that takes them
+        check_references(family, ticket.source.checkpoint, body.image)  # several images: an edit that takes them
         asked_video = video_file or body.frames is not None or body.fps is not None
         check_output(family, "frames" if asked_video else "images")
         if family.output != "frames":
