@@ -31,6 +31,25 @@ KLEIN_REFERENCES = 4
 MIN_IMAGE_SIDE = 64
 DEV_SIZES = ComponentSizes(transformer_gb=64.5, text_encoders_gb=48.0, vae_gb=0.4)
 
+
+def _klein(params: str, sizes: ComponentSizes, *, base: bool, also: tuple[str, ...] = ()) -> Checkpoint:
+    """A klein row: the step-distilled model (four steps, no classifier-free guidance), or its
+    undistilled base (the one LoRAs train on: the full schedule and real CFG). ``also``: the
+    wider name patterns the 4B rows answer to."""
+    slug = f"klein-{'base-' if base else ''}{params}"
+    return Checkpoint(
+        name=f"flux.2-{slug}",
+        label=f"FLUX.2 [klein] {'Base ' if base else ''}{params.upper()}",
+        repo=f"black-forest-labs/FLUX.2-{slug[:-len(params)]}{params.upper()}",
+        default_steps=50 if base else 4,
+        default_guidance=4.0 if base else 1.0,
+        matches=(f"*flux.2-{slug}*", f"*flux2-{slug}*", *also),
+        sizes=sizes,
+        reference_images=KLEIN_REFERENCES,
+        min_image_side=MIN_IMAGE_SIDE,
+    )
+
+
 FLUX2 = FamilySpec(
     name="flux2",
     label="FLUX.2",
@@ -39,52 +58,10 @@ FLUX2 = FamilySpec(
     pipeline_class="Flux2KleinPipeline",
     pipeline_class_names=("Flux2KleinPipeline", "Flux2Pipeline"),
     checkpoints=(
-        Checkpoint(
-            name="flux.2-klein-4b",
-            label="FLUX.2 [klein] 4B",
-            repo="black-forest-labs/FLUX.2-klein-4B",
-            # Step-distilled: four steps, no classifier-free guidance.
-            default_steps=4,
-            default_guidance=1.0,
-            matches=("*flux.2-klein-4b*", "*flux2-klein-4b*", "*flux.2-klein*", "*flux2-klein*"),
-            sizes=KLEIN_SIZES,
-            reference_images=KLEIN_REFERENCES,
-            min_image_side=MIN_IMAGE_SIDE,
-        ),
-        Checkpoint(
-            name="flux.2-klein-base-4b",
-            label="FLUX.2 [klein] Base 4B",
-            repo="black-forest-labs/FLUX.2-klein-base-4B",
-            # The undistilled base (the one LoRAs train on): full schedule and real CFG.
-            default_steps=50,
-            default_guidance=4.0,
-            matches=("*flux.2-klein-base*", "*flux2-klein-base*"),
-            sizes=KLEIN_SIZES,
-            reference_images=KLEIN_REFERENCES,
-            min_image_side=MIN_IMAGE_SIDE,
-        ),
-        Checkpoint(
-            name="flux.2-klein-9b",
-            label="FLUX.2 [klein] 9B",
-            repo="black-forest-labs/FLUX.2-klein-9B",
-            default_steps=4,
-            default_guidance=1.0,
-            matches=("*flux.2-klein-9b*", "*flux2-klein-9b*"),
-            sizes=KLEIN_9B_SIZES,
-            reference_images=KLEIN_REFERENCES,
-            min_image_side=MIN_IMAGE_SIDE,
-        ),
-        Checkpoint(
-            name="flux.2-klein-base-9b",
-            label="FLUX.2 [klein] Base 9B",
-            repo="black-forest-labs/FLUX.2-klein-base-9B",
-            default_steps=50,
-            default_guidance=4.0,
-            matches=("*flux.2-klein-base-9b*", "*flux2-klein-base-9b*"),
-            sizes=KLEIN_9B_SIZES,
-            reference_images=KLEIN_REFERENCES,
-            min_image_side=MIN_IMAGE_SIDE,
-        ),
+        _klein("4b", KLEIN_SIZES, base=False, also=("*flux.2-klein*", "*flux2-klein*")),
+        _klein("4b", KLEIN_SIZES, base=True, also=("*flux.2-klein-base*", "*flux2-klein-base*")),
+        _klein("9b", KLEIN_9B_SIZES, base=False),
+        _klein("9b", KLEIN_9B_SIZES, base=True),
         Checkpoint(
             name="flux.2-dev",
             label="FLUX.2 [dev]",
