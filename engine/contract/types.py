@@ -149,10 +149,6 @@ class Checkpoint:
     #: ``checkpoint_name``); empty: the family's ``tiny_pipeline`` serves it.
     tiny_pipeline: str = ""
 
-    def pipeline_class_in(self, family_class: str) -> str:
-        """The diffusers class this checkpoint loads as, given its family's ``pipeline_class``."""
-        return self.pipeline_class or family_class
-
     def match_score(self, model_id: str) -> int:
         """Length of the longest pattern matching ``model_id`` (0: no match).
 
@@ -346,6 +342,10 @@ class FamilySpec:
         chosen = checkpoint or self.default_checkpoint
         return dict(self.workflows if chosen.workflows is None else chosen.workflows)
 
+    def pipeline_class_of(self, checkpoint: Checkpoint | None) -> str:
+        """The diffusers class ``checkpoint`` loads as (its own, else the family's)."""
+        return (checkpoint or self.default_checkpoint).pipeline_class or self.pipeline_class
+
     def video_of(self, checkpoint: Checkpoint | None) -> VideoSpec | None:
         """The clips ``checkpoint`` renders (its own spec, else the family's; None: an image family)."""
         chosen = checkpoint or self.default_checkpoint
@@ -378,9 +378,9 @@ class FamilySpec:
         """A pipeline folder's checkpoint: by its name, unless its ``model_index.json`` class
         says otherwise (a copy of a checkpoint with its own class, in a folder named ``mine``)."""
         named = self.checkpoint(name)
-        if (named or self.default_checkpoint).pipeline_class_in(self.pipeline_class) == class_name:
+        if self.pipeline_class_of(named) == class_name:
             return named
-        own = [c for c in self.checkpoints if c.pipeline_class_in(self.pipeline_class) == class_name]
+        own = [c for c in self.checkpoints if self.pipeline_class_of(c) == class_name]
         return max(own, key=lambda c: c.match_score(name)) if own else named
 
     def is_prequantised(self, model_id: str) -> bool:

@@ -116,7 +116,7 @@ class TorchPlanner:
         checkpoint = model.checkpoint
         self.cache_unsupported = step_cache_unsupported(
             family.cache_context_pipelines,
-            (checkpoint.pipeline_class or family.pipeline_class) if checkpoint else None,
+            family.pipeline_class_of(checkpoint) if checkpoint else None,
         )
         self.requested = requested_by_control(request)
         #: On a CPU the weights stay in RAM whatever the memory mode says.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import warnings
 from pathlib import Path
+from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
@@ -44,6 +45,14 @@ def image_size(
     image = _opened(value, field, max_pixels, max_bytes)
     image.close()
     return image.size
+
+
+def named_images(value: Any, field: str) -> list[tuple[str, Any]]:
+    """Each image of a request field with the name a refusal gives it: ``field`` alone, or
+    ``field[i]`` for each of a multi-image edit's list."""
+    if isinstance(value, (list, tuple)):
+        return [(f"{field}[{index}]", each) for index, each in enumerate(value)]
+    return [] if value is None else [(field, value)]
 
 
 def decode_image(value: str | Path | bytes, field: str) -> Image.Image:

@@ -109,7 +109,9 @@ def family_from_keys(registry: Registry, keys: tuple[str, ...]) -> FamilySpec | 
     """The family most of whose single-file markers appear in ``keys`` (the first on a tie;
     None: no marker appears). A successor that keeps its predecessor's block names is told
     apart by the markers only it holds."""
-    found = [(sum(1 for marker in spec.single_file.markers if any(marker in key for key in keys)), -rank, spec)
-             for rank, spec in enumerate(registry.families.values())]
-    hits, _, best = max(found, key=lambda item: item[:2], default=(0, 0, None))
-    return best if hits else None
+    best, most = None, 0
+    for spec in registry.families.values():
+        hits = sum(1 for marker in spec.single_file.markers if any(marker in key for key in keys))
+        if hits > most:
+            best, most = spec, hits
+    return best

@@ -23,8 +23,7 @@ from engine.preflight.source import ModelSource
 def load_whole_file(source: ModelSource, dtype: torch.dtype) -> Any:
     import diffusers
 
-    checkpoint = source.checkpoint or source.family.default_checkpoint
-    pipeline_cls = getattr(diffusers, checkpoint.pipeline_class or source.family.pipeline_class)
+    pipeline_cls = getattr(diffusers, source.family.pipeline_class_of(source.checkpoint))
     config = str(source.base)
     local = Path(config).expanduser().is_dir() or hub_offline()
     return pipeline_cls.from_single_file(source.location, config=config, dtype=dtype, local_files_only=local)

@@ -116,13 +116,11 @@ class Images:
     def check_generate(self, request: Any) -> None:
         """Refuse, before anything loads, a generate whose input images are missing,
         unreadable or beyond the caps (each named by its request field)."""
+        from engine.preflight.images import named_images
+
         for name in ("image", "mask_image", "control_image"):
-            value = getattr(request, name)
-            if isinstance(value, (list, tuple)):  # a multi-image edit's inputs, each named by its place
-                for index, each in enumerate(value):
-                    self.check_image(each, f"{name}[{index}]")
-            elif value is not None:
-                self.check_image(value, name)
+            for field, value in named_images(getattr(request, name), name):  # a list: each by its place
+                self.check_image(value, field)
 
     def check_image(self, value: Any, field: str) -> tuple[int, int]:
         """An input image's (width, height) from its header, within the engine's caps;

@@ -125,7 +125,7 @@ def check_references(family: FamilySpec, checkpoint: Checkpoint | None, value: A
     count = len(value) if isinstance(value, (list, tuple)) else 0
     chosen = checkpoint or family.default_checkpoint
     _check_sides(chosen, value)
-    if count <= 1 or chosen is None or count <= chosen.reference_images:
+    if count <= 1 or count <= chosen.reference_images:
         return
     takers = [f"{c.name} (up to {c.reference_images})" for c in family.checkpoints if c.reference_images > 1]
     where = f"; {family.label}'s that do: {', '.join(takers)}" if takers else ""
@@ -136,13 +136,11 @@ def check_references(family: FamilySpec, checkpoint: Checkpoint | None, value: A
 
 def _check_sides(checkpoint: Checkpoint, value: Any) -> None:
     """Each input image (a path, bytes or a picture) at least the checkpoint's ``min_image_side``."""
-    from engine.preflight.images import InvalidImage, image_size
+    from engine.preflight.images import InvalidImage, image_size, named_images
 
-    if not checkpoint.min_image_side or value is None:
+    if not checkpoint.min_image_side:
         return
-    given = list(value) if isinstance(value, (list, tuple)) else [value]
-    for index, item in enumerate(given):
-        field = f"image[{index}]" if len(given) > 1 else "image"
+    for field, item in named_images(value, "image"):
         size = item.size if hasattr(item, "getbands") else image_size(item, field)
         if min(size) < checkpoint.min_image_side:
             raise InvalidImage(f"{field} is {size[0]}x{size[1]}; {checkpoint.label} takes input images of at least "

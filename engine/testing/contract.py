@@ -195,7 +195,7 @@ class FamilyContract:
         index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
         assert index["_class_name"] in family.pipeline_class_names
         if self.checkpoint_name:
-            wanted = family.checkpoint(self.checkpoint_name).pipeline_class_in(family.pipeline_class)  # type: ignore[union-attr]
+            wanted = family.pipeline_class_of(family.checkpoint(self.checkpoint_name))
             assert index["_class_name"] == wanted, f"{self.checkpoint_name}'s tiny pipeline is not a {wanted}"
         assert registry.family_for_pipeline_class(index["_class_name"]) == family
         weights = list(folder.glob("*/*.safetensors"))
