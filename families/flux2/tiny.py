@@ -90,14 +90,10 @@ def build_tiny_pipeline(path: pathlib.Path, *, distilled: bool = True) -> pathli
     )).eval()
     pipeline = Flux2KleinPipeline(scheduler=_scheduler(), vae=_vae(), text_encoder=text_encoder, tokenizer=tokenizer,
                                   transformer=_transformer(guidance=False), is_distilled=distilled)
-    pipeline.save_pretrained(path, safe_serialization=True)
-    # The engine's own defaults beside model_index.json: the tiny size and a short run.
-    (path / "diffusion_engine.json").write_text(json.dumps(
-        {"width": TINY_RESOLUTION, "height": TINY_RESOLUTION, "steps": 4 if distilled else 8}))
-    return path
+    return _save(pipeline, path, steps=4 if distilled else 8)
 
 
-def mistral_chat_tokenizer() -> object:
+def mistral_chat_tokenizer() -> Any:
     """The tokenizer part of FLUX.2 dev's processor: a byte-level BPE trained on a few words
     (any text tokenises through the byte alphabet) with Mistral's control tokens and template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -121,7 +117,7 @@ def build_tiny_dev_pipeline(path: pathlib.Path) -> pathlib.Path:
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer: Any = mistral_chat_tokenizer()
+    tokenizer = mistral_chat_tokenizer()
     torch.manual_seed(0)
     text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
         text_config=MistralConfig(
@@ -135,9 +131,15 @@ def build_tiny_dev_pipeline(path: pathlib.Path) -> pathlib.Path:
     )).eval()
     pipeline = Flux2Pipeline(scheduler=_scheduler(), vae=_vae(), text_encoder=text_encoder, tokenizer=tokenizer,
                              transformer=_transformer(guidance=True))
+    return _save(pipeline, path, steps=4)
+
+
+def _save(pipeline: Any, path: pathlib.Path, *, steps: int) -> pathlib.Path:
+    """The pipeline saved at ``path``, with the engine's own defaults beside its
+    model_index.json: the tiny size and a short run."""
     pipeline.save_pretrained(path, safe_serialization=True)
     (path / "diffusion_engine.json").write_text(json.dumps(
-        {"width": TINY_RESOLUTION, "height": TINY_RESOLUTION, "steps": 4}))
+        {"width": TINY_RESOLUTION, "height": TINY_RESOLUTION, "steps": steps}))
     return path
 
 
