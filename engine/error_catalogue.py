@@ -102,6 +102,13 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("unknown_run_file", 404, "The run holds no such file.", _SERVER),
     ErrorCode("gallery_entry_not_found", 404, "No gallery entry of this id (deleted, removed by the gallery's "
               "bounds, or never kept).", _SERVER),
+    ErrorCode("unsafe_root", 400, "A folder the engine keeps records in (the gallery under the outputs folder, "
+              "the compile cache) is a symlink leading out of its parent, or not a folder; the engine would write "
+              "and delete elsewhere. Refused at start."),
+    ErrorCode("unreadable_record", 500, "A record the engine reads back (a gallery entry, a run record, a "
+              "marker, a manifest) is outside its folder, too large, not JSON or holds a field of the wrong type "
+              "or range; the message names the file and the field. A listing skips it and logs this line.",
+              "when a record is read back"),
     ErrorCode("no_gallery", 409, "The server keeps no gallery: it was started without an outputs folder.", _SERVER),
     ErrorCode("job_not_found", 404, "No generate job of this id (it finished long ago, or never was).", _SERVER),
     ErrorCode("not_ready", 409, "A video's content was asked for before its job completed (or after its files "

@@ -89,9 +89,10 @@ def test_the_age_bound_and_a_cut_short_write(tmp_path: Path) -> None:
     gallery = Gallery(tmp_path / "g")
     old, fresh, pinned = keep(gallery, 3)
     gallery.pin(pinned)
-    for entry_id in (old, pinned):
-        record = tmp_path / "g" / f"{entry_id}.json"
-        record.write_text(json.dumps({**json.loads(record.read_text()), "created": time.time() - 7200}))
+    for entry_id in (old, pinned):  # an entry's age is its file's, whatever its record says
+        os.utime(tmp_path / "g" / f"{entry_id}.png", (time.time() - 7200,) * 2)
+    record = tmp_path / "g" / f"{fresh}.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "created": time.time() - 7200}))
     orphan = tmp_path / "g" / ("a" * 32 + ".png")  # a write cut short an hour ago: no record
     orphan.write_bytes(png(9))
     os.utime(orphan, (time.time() - ORPHAN_S - 5,) * 2)

@@ -4,6 +4,7 @@ loopback, a config file nested past any table, a run record naming no process.""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,6 @@ def test_kept_outputs_past_the_galleries_age_go_and_are_removed(tmp_path: Path) 
     gallery, and one older than --gallery-max-age is a 404 and gone from the disk once the
     gallery sweeps (a real server on loopback serves the rest)."""
     import io
-    import json
 
     import httpx
     from PIL import Image
@@ -67,8 +67,7 @@ def test_kept_outputs_past_the_galleries_age_go_and_are_removed(tmp_path: Path) 
     engine = Engine(runs_dir=tmp_path / "outputs")
     gallery = engine.open_gallery(tmp_path / "outputs" / "gallery")
     old, fresh = (gallery.add("image", png.getvalue(), recipe={}, width=8, height=8) for _ in range(2))
-    record = gallery.folder / f"{old.id}.json"
-    record.write_text(json.dumps({**json.loads(record.read_text()), "created": old.created - 3600}))
+    os.utime(gallery.folder / f"{old.id}.png", (old.created - 3600,) * 2)  # its age is its file's
     settings = ServerSettings(output_roots=(tmp_path / "outputs",), gallery_max_age_s=60)
     with LiveServer(create_app(engine, settings)) as url:
         gone = httpx.get(f"{url}/v1/images/files/{old.id}.png")  # an earlier URL answer's name

@@ -25,7 +25,8 @@ PACKAGES = {"cli", "server", "service", "requests", "policy", "preflight", "runt
 MODULES = {
     # below everything: errors and their catalogue, log quieting, where things are, the release
     # number and the deprecated spellings it retires
-    "base": {"errors", "error_catalogue", "generated_docs", "logs", "places", "network", "version", "deprecation"},
+    "base": {"errors", "error_catalogue", "generated_docs", "logs", "places", "network", "version", "deprecation",
+             "stored"},
     # plugin API 1's spellings of the contract's modules (engine.types is engine.contract.types)
     "alias": {"types", "hookspecs", "plugins", "plugin_api", "schemes", "family_sections", "family_helpers",
               "family_runtime"},

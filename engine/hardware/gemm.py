@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine import stored
 from engine.hardware.cpu import NATIVE_BF16_ISAS, cpu_model, physical_cores, usable_cpus
 from engine.hardware.profile import CpuGemm
 from engine.places import data_home
@@ -131,7 +132,7 @@ def _gflops(call: Any) -> float:
 
 def _read() -> dict[str, Any]:
     try:
-        data = json.loads(cache_file().read_text(encoding="utf-8"))
+        data = stored.read_json(cache_file())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

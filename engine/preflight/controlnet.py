@@ -8,10 +8,10 @@ so :meth:`engine.Engine.images.plan` can size it into the plan and
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
+from engine import stored
 from engine.errors import UnsupportedWorkflow
 from engine.policy.quant_filter import dense_gb
 from engine.preflight.headers import tensor_shapes
@@ -29,7 +29,7 @@ def check_controlnet(family: FamilySpec, path: str) -> str:
         raise UnsupportedWorkflow(f"controlnet {path} is not a diffusers model folder (no config.json); "
                                   "give the folder saved with save_pretrained")
     try:
-        class_name = json.loads(config.read_text(encoding="utf-8")).get("_class_name")
+        class_name = stored.read_json(config).get("_class_name")
     except (OSError, ValueError) as exc:
         raise UnsupportedWorkflow(f"controlnet {config} cannot be read ({exc})") from exc
     if class_name not in family.controlnet_classes:

@@ -32,7 +32,6 @@ same way), and what is not a regular file (a FIFO, a device) is skipped.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import warnings
@@ -41,6 +40,7 @@ from pathlib import Path, PurePosixPath
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from engine import stored
 from engine.errors import PreflightError
 from engine.preflight.clips import CLIP_EXTENSIONS, ClipInfo, ClipProblem, ClipWindow, probe_clip
 from engine.requests.references import IMAGE_EXTENSIONS
@@ -352,7 +352,7 @@ def metadata_captions(root: Path) -> dict[str, str]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = stored.parse_json(line, path)
             name = str(record["file_name"])
             text = record.get("text", record.get("caption"))
         except (ValueError, KeyError, TypeError) as exc:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import json
 from pathlib import Path
 
+from engine import stored
 from engine.errors import PreflightError
 from engine.contract.plugins import Registry
 from engine.policy.encoders import precast_encoders
@@ -121,7 +121,7 @@ def own_defaults(folder: Path) -> ModelDefaults:
 def read_json(path: Path) -> dict[str, object]:
     """A JSON object from a pipeline's config file; refuses anything else."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = stored.read_json(path)
     except (OSError, ValueError) as exc:
         raise NotAPipeline(f"{path} is not valid JSON ({exc})", code="corrupt_checkpoint") from None
     if not isinstance(data, dict):

@@ -11,13 +11,13 @@ tensor names the same way (through the ``gguf`` reader, numpy only).
 from __future__ import annotations
 
 import collections
-import json
 import math
 import os
 import struct
 from collections.abc import Sequence
 from pathlib import Path
 
+from engine import stored
 from engine.errors import PreflightError
 from engine.policy.quant_filter import LAYOUTS, dense_gb, quantised_gb
 from engine.preflight.model_errors import NotAPipeline
@@ -113,7 +113,7 @@ def read_safetensors_file(file: Path) -> tuple[dict[str, dict[str, object]], int
                 raise ValueError("header too large")
             if 8 + length > size:
                 raise ValueError(f"its {length}-byte header runs past the end of the {size}-byte file")
-            header = json.loads(handle.read(length))
+            header = stored.parse_json(handle.read(length), file)
     except (OSError, struct.error) as exc:
         raise ValueError(getattr(exc, "strerror", None) or str(exc) or type(exc).__name__) from None
     except UnicodeDecodeError as exc:

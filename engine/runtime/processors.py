@@ -12,10 +12,11 @@ A processor that cannot be built even so raises the library's first error.
 
 from __future__ import annotations
 
-import json
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from engine import stored
 
 #: The sub-processor a still-image pipeline never calls.
 VIDEO_PART = "video_processor"
@@ -25,7 +26,7 @@ def processor_entries(folder: Path) -> dict[str, str]:
     """The folder's transformers processor components, name -> class name (none
     where ``model_index.json`` is missing or unreadable: the loader reports that)."""
     try:
-        entries = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
+        entries = stored.read_json(folder / "model_index.json")
     except (OSError, ValueError):
         return {}
     if not isinstance(entries, dict):

@@ -34,6 +34,7 @@ from pathlib import Path, PurePosixPath
 
 from PIL import Image
 
+from engine import stored
 from engine.errors import EngineError
 from engine.places import NAME_MAX, within
 from engine.preflight.images import MAX_INPUT_PIXELS
@@ -351,7 +352,7 @@ def _rewrite_metadata(folder: Path, relative: str, text: str | None) -> None:
     lines = []
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():
-            record = json.loads(line)
+            record = stored.parse_json(line, path)
             name = PurePosixPath(str(record["file_name"]).replace("\\", "/")).as_posix().removeprefix("./")
             if name == relative:
                 if not text:

@@ -16,22 +16,37 @@ A record is written last, after its files (each through a temporary name), so a 
 no record without its file; files without a record for an hour are removed when the gallery
 opens. Several processes may share one folder (a server's replicas): each re-reads the
 records whenever the folder changed, so each lists what the others kept.
+
+Nothing a record says moves a path or a limit (:mod:`engine.stored`): an entry's id is its
+record's file name, its bytes and age are its files' sizes and modification time on disk, a
+file is served only when it stays in the folder once symlinks are followed, every other field
+is validated, and a record that fails any of it (or whose file is gone) is logged and left out
+of the index, never a crash of the listing. A gallery folder that is a symlink leading out of
+its parent is refused when the gallery opens.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import secrets
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from pydantic import Field
+
+from engine import stored
 from engine.errors import EngineError
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["image", "video"]
 ID = re.compile(r"[0-9a-f]{32}")
@@ -54,16 +69,19 @@ class GalleryEntryNotFound(EngineError):
 class GalleryEntry:
     """One kept output: its record (the JSON beside its file)."""
 
+    #: Read back: the record's file name, never its contents.
     id: str
     kind: Kind
+    #: Read back: its file's modification time (what the age bound acts on).
     created: float
     #: Bytes of its files: the image or clip, and a clip's thumbnail (the record is not counted).
+    #: Read back: the sizes on disk (what the size bound acts on).
     bytes: int
-    width: int
-    height: int
+    width: Annotated[int, Field(ge=1, le=65536)]
+    height: Annotated[int, Field(ge=1, le=65536)]
     pinned: bool
     #: The generate job that made it (a server's job id), or None.
-    job: str | None
+    job: Annotated[str, Field(max_length=200)] | None
     #: The request as it ran and what engaged (see :mod:`engine.service.recipes`).
     recipe: dict[str, Any]
 
@@ -84,13 +102,12 @@ class Gallery:
             if value is not None and not 0 < value < float("inf"):
                 raise EngineError(f"the gallery's {name} must be a positive number (got {value}); "
                                   "leave it unset for no limit", code="invalid_config")
-        self.folder = Path(folder)
+        self.folder = stored.confined_root(Path(folder), Path(folder).parent, what="gallery folder")
         self.max_bytes, self.max_age_s = max_bytes, max_age_s
         self._lock = threading.Lock()
         self._entries: dict[str, GalleryEntry] = {}
         #: The folder's modification time when its records were last read.
         self._seen = -1
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.sweep()
         self._clear_orphans()
 
@@ -129,11 +146,15 @@ class Gallery:
     def file(self, entry_id: str, variant: str = "file") -> tuple[Path, str]:
         """The path and media type of an entry's file (``thumbnail``: a clip's first-frame PNG)."""
         entry = self.get(entry_id)
-        if variant == "thumbnail" and entry.kind == "video":
-            return self.folder / f"{entry.id}{THUMBNAIL}", "image/png"
         if variant not in ("file", "thumbnail"):
             raise EngineError(f"variant {variant[:40]!r} is not file or thumbnail", code="invalid_request")
-        return self.folder / f"{entry.id}{MEDIA[entry.kind][0]}", entry.media_type
+        name, media_type = f"{entry.id}{MEDIA[entry.kind][0]}", entry.media_type
+        if variant == "thumbnail" and entry.kind == "video":
+            name, media_type = f"{entry.id}{THUMBNAIL}", "image/png"
+        path = stored.confined_file(self.folder, name)
+        if path is None:  # removed, or replaced by a link leading out, since the index was read
+            raise GalleryEntryNotFound(f"gallery entry {entry.id}'s file is gone; list them at GET /v1/gallery")
+        return path, media_type
 
     # -- changing -----------------------------------------------------------------------
 
@@ -211,15 +232,27 @@ class Gallery:
         if seen == self._seen:
             return
         self._seen = seen
-        on_disk = {path.stem for path in self.folder.glob("*.json") if ID.fullmatch(path.stem)}
-        for gone in set(self._entries) - on_disk:
-            del self._entries[gone]
-        for entry_id in on_disk - set(self._entries):
+        self._entries = dict(self._read_back())
+
+    def _read_back(self) -> Iterator[tuple[str, GalleryEntry]]:
+        """Every record that reads back whole: its id from its file name, its bytes and age from
+        its files on disk. One that does not (a bad field, its file gone or leading out) is
+        logged and left out, and its files with it: the bounds never act on what it says."""
+        from_disk = {"created": 0.0, "bytes": 0}  # placeholders, replaced from the files below
+        for entry_id, entry in stored.records_in(self.folder, GalleryEntry, suffix=".json", stem=ID,
+                                                 identity=lambda stem: {"id": stem, **from_disk}):
+            names = [f"{entry_id}{MEDIA[entry.kind][0]}"] + ([f"{entry_id}{THUMBNAIL}"] if entry.kind == "video" else [])
+            files = [stored.confined_file(self.folder, name) for name in names]
+            if files[0] is None:
+                log.warning("the gallery record %s.json names no file kept beside it (%s); it is skipped",
+                            entry_id, names[0])
+                continue
             try:
-                record = json.loads((self.folder / f"{entry_id}.json").read_text(encoding="utf-8"))
-                self._entries[entry_id] = GalleryEntry(**record)
-            except (OSError, ValueError, TypeError):
-                continue  # unreadable (or removed meanwhile): left alone, and its files with it
+                sizes = [os.stat(path).st_size for path in files if path is not None]
+                created = os.stat(files[0]).st_mtime
+            except OSError:
+                continue
+            yield entry_id, replace(entry, created=created, bytes=sum(sizes))
 
     def _clear_orphans(self) -> None:
         """Remove the files an interrupted write left without a record an hour ago or more."""
@@ -234,7 +267,14 @@ class Gallery:
 
 
 def _write(path: Path, content: bytes) -> None:
-    """Write through a temporary name and rename: a reader never sees half a file."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_bytes(content)
-    os.replace(temporary, path)
+    """Write through a new temporary file and rename: a reader never sees half a file, and a
+    name planted in the folder (a link) is replaced, never written through."""
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(content)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise

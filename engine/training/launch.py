@@ -52,6 +52,8 @@ from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
 from typing import Any
 
+from engine import stored
+
 #: Seconds the other ranks get to fail on their own once one rank failed.
 GRACE_S = 20.0
 
@@ -225,7 +227,7 @@ def _write_error(errors: Path, rank: int, exc: BaseException) -> None:
 
 def _read_error(errors: Path, rank: int) -> dict[str, Any] | None:
     try:
-        return dict(json.loads((errors / f"rank-{rank}.json").read_text(encoding="utf-8")))
+        return dict(stored.read_json(errors / f"rank-{rank}.json", root=errors))
     except (OSError, ValueError):
         return None
 

@@ -16,13 +16,16 @@ so a :class:`ProcessId` also carries the process's start time (from
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated
 
+from pydantic import Field
+
+from engine import stored
 from engine.training import json_files
 
 LOCK_NAME = ".train.lock"
@@ -32,8 +35,9 @@ LOCK_NAME = ".train.lock"
 class ProcessId:
     """A process as it was when recorded: PID plus start time (clock ticks since boot)."""
 
-    pid: int
-    started: int | None = None
+    #: Validated when read back: a pid of 0 or below would signal a process group (os.kill).
+    pid: Annotated[int, Field(ge=1, le=2**31 - 1)]
+    started: Annotated[int, Field(ge=0)] | None = None
 
     @classmethod
     def of(cls, pid: int) -> ProcessId:
@@ -85,9 +89,9 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
 class LockHolder:
     """What the lock file says: who took it, for which run, and its trainer once started."""
 
-    token: str
-    run_id: str
-    folder: str
+    token: Annotated[str, Field(max_length=64)]
+    run_id: Annotated[str, Field(max_length=200)]
+    folder: Annotated[str, Field(max_length=4096)]
     owner: ProcessId
     trainer: ProcessId | None = None
 
@@ -102,17 +106,6 @@ class LockHolder:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, object]) -> LockHolder:
-        trainer = data.get("trainer")
-        return cls(
-            token=str(data["token"]),
-            run_id=str(data["run_id"]),
-            folder=str(data["folder"]),
-            owner=ProcessId(**data["owner"]),  # type: ignore[arg-type]
-            trainer=ProcessId(**trainer) if isinstance(trainer, dict) else None,
-        )
 
 
 class RunLock:
@@ -161,10 +154,8 @@ class RunLock:
 
     def _read(self) -> LockHolder | None:
         try:
-            return LockHolder.from_dict(json.loads(self.path.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError):
+            return stored.read_record(self.path, LockHolder, root=self.path.parent)
+        except stored.UnreadableRecord:
             return None  # unreadable or foreign: nobody we can name holds it
 
     def _write(self, holder: LockHolder) -> None:

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+from pydantic import Field
+
+from engine import stored
 from engine.places import within
 from engine.training import json_files
 from engine.training.lock import ProcessId
@@ -62,11 +64,16 @@ def error_event(exc: BaseException) -> dict[str, object]:
     }
 
 
+#: A run id: a plain name (it names the run's folder).
+RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")]
+Count = Annotated[int, Field(ge=0, le=10**9)]
+
+
 @dataclass
 class MetricHistory:
     """(step, value) points; when full, every other point is dropped."""
 
-    limit: int
+    limit: Annotated[int, Field(ge=1, le=100_000)]
     points: list[tuple[int, float]] = field(default_factory=list)
 
     def add(self, step: int, value: float) -> None:
@@ -77,15 +84,15 @@ class MetricHistory:
 
 @dataclass
 class RunRecord:
-    run_id: str
+    run_id: RunId
     folder: Path
     family: str
     base_model: str
     config: dict[str, object]
     plan: dict[str, object]
     status: Status = "pending"
-    step: int = 0
-    steps: int = 0
+    step: Count = 0
+    steps: Count = 0
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     finished_at: float | None = None
@@ -95,7 +102,7 @@ class RunRecord:
     #: Sample images written during the run: ``{"step", "prompt", "path"}`` each.
     samples: list[dict[str, object]] = field(default_factory=list)
     error: dict[str, str] | None = None
-    history_limit: int = 500
+    history_limit: Annotated[int, Field(ge=1, le=100_000)] = 500
     #: The engine process that started the run and the trainer child (PID,
     #: start time in clock ticks): what liveness is checked against.
     owner_pid: int | None = None
@@ -197,19 +204,17 @@ class RunRecord:
         The failure is written back when the disk allows (reading never
         fails for a read-only or full disk).
         """
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = stored.read_json(path, root=path.parent)
         if not isinstance(data, dict):
-            raise ValueError(f"{path} is not a run record")
-        limit = int(data.get("history_limit", 500))
+            raise stored.UnreadableRecord(path, "it is not a JSON object")
+        limit = data.get("history_limit", 500)
+        metrics = data.get("metrics", {})
+        if isinstance(metrics, dict) and isinstance(limit, int):
+            data["metrics"] = {name: {"limit": limit, "points": points} for name, points in metrics.items()}
         # A run is where its record was found: a ``folder`` written inside the record (a
         # copied or planted run) never sends a delete, a listing or a resume anywhere else.
-        data.pop("folder", None)
-        data["folder"] = Path(os.path.abspath(path.parent))
-        data["metrics"] = {
-            name: MetricHistory(limit, [(int(s), float(v)) for s, v in points])
-            for name, points in data.get("metrics", {}).items()
-        }
-        record = cls(**data)
+        record: RunRecord = stored.validated(path, RunRecord, data,
+                                             identity={"folder": os.path.abspath(path.parent)})
         if record.orphaned():
             record.fail("trainer_gone", record._gone_message())
             with contextlib.suppress(OSError):

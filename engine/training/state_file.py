@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine import stored
 from engine.errors import EngineError
 from engine.preflight.headers import read_safetensors_header
 
@@ -135,7 +136,7 @@ def _structure_and_tensors(folder: Path) -> tuple[dict[str, Any], dict[str, dict
     try:
         if structure_file.stat().st_size > MAX_STRUCTURE_BYTES:
             raise ValueError(f"it is larger than {MAX_STRUCTURE_BYTES} bytes")
-        structure = json.loads(structure_file.read_text(encoding="utf-8"))
+        structure = stored.read_json(structure_file, max_bytes=MAX_STRUCTURE_BYTES)
         if not isinstance(structure, dict) or not isinstance(structure.get("state"), dict):
             raise ValueError("it is not a JSON object with a 'state' object")
         if structure.get("format") != FORMAT:

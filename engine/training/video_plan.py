@@ -15,10 +15,10 @@ A base with one denoiser refuses ``--expert`` (TI2V-5B has one expert).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import stored
 from engine.contract.types import Checkpoint, FamilySpec, VideoSpec
 from engine.errors import PreflightError
 from engine.policy.resolved import Resolved, auto, explicit
@@ -140,7 +140,7 @@ def _index(base: ModelSource) -> dict[str, object] | None:
     if base.kind != "pipeline":
         return None
     try:
-        data = json.loads((Path(base.location) / "model_index.json").read_text(encoding="utf-8"))
+        data = stored.read_json(Path(base.location) / "model_index.json")
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
