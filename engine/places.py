@@ -51,6 +51,24 @@ def data_home() -> Path:
     return base / "diffusion-engine"
 
 
+def keys_home() -> Path:
+    """Where the engine keeps this user's secrets (the compile cache's signing key), apart
+    from :func:`data_home` so that a data folder copied from elsewhere never brings the key
+    that would vouch for it: ``$DIFFUSION_ENGINE_KEYS`` when set; else ``diffusion-engine``
+    in the platform's config folder: ``%APPDATA%`` on Windows, ``~/Library/Preferences`` on
+    macOS, ``$XDG_CONFIG_HOME`` (``~/.config``) elsewhere."""
+    keys = os.environ.get("DIFFUSION_ENGINE_KEYS")
+    if keys:
+        return Path(keys).expanduser()
+    if sys.platform == "win32":
+        base = Path(os.environ.get("APPDATA") or Path.home() / "AppData" / "Roaming")
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Preferences"
+    else:
+        base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return base / "diffusion-engine" / "keys"
+
+
 def default_runs_dir() -> Path:
     """The one runs folder every face uses by default: ``runs`` in :func:`data_home`
     (``train``, ``runs`` and ``serve`` all read and write here)."""

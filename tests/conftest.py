@@ -23,6 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Runs, caches and settings of the suite never land in the user's own folders.
 os.environ["DIFFUSION_ENGINE_HOME"] = tempfile.mkdtemp(prefix="diffusion-engine-test-home-")
+# The user's keys (the compile cache's signing key) live apart from the data folder, as a user's do.
+os.environ["DIFFUSION_ENGINE_KEYS"] = tempfile.mkdtemp(prefix="diffusion-engine-test-keys-")
 
 
 def pytest_configure(config: pytest.Config) -> None:

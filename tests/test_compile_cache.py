@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.runtime.compile_cache import KILL_SWITCH, CompileCache
+from engine.runtime.compile_cache import KILL_SWITCH, CompileCache, Untrusted, user_key
 
 PROBE = '''
 import json, sys
@@ -141,7 +142,8 @@ def test_unreadable_artifacts_are_dropped_and_never_fail(tmp_path: Path) -> None
     assert cache is not None
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / f"{cache.key}.bin").write_bytes(b"torn")
-    (tmp_path / "cache" / f"{cache.key}.json").write_text('{"shapes": ["64x64x1"]}', encoding="utf-8")
+    (tmp_path / "cache" / f"{cache.key}.json").write_text('{"shapes": ["64x64x1"], "hmac": "%s"}' % ("0" * 64),
+                                                          encoding="utf-8")
     reread = CompileCache.for_model(str(tmp_path), {}, folder=tmp_path / "cache")
     assert reread is not None and reread.shapes == {"64x64x1"}
     restored = reread.restore()
@@ -222,14 +224,12 @@ def test_a_planted_artifacts_file_never_runs_on_a_real_compiled_generate(tmp_pat
 
 def signed_cache(tmp_path: Path, data: bytes) -> CompileCache:
     """A cache whose file is ``data``, signed with this user's key (as if this user's torch wrote it)."""
-    from engine.runtime.compile_cache import signature, user_key
-
     cache = CompileCache.for_model(str(tmp_path), {}, folder=tmp_path / "cache")
     assert cache is not None
-    key = user_key(cache.folder)
+    signed = cache.sign(data)
     (cache.folder / f"{cache.key}.bin").write_bytes(data)
-    (cache.folder / f"{cache.key}.json").write_text(
-        json.dumps({"shapes": ["64x64x1"], "hmac": signature(key, cache.key, data)}), encoding="utf-8")
+    (cache.folder / f"{cache.key}.json").write_text(json.dumps({"shapes": ["64x64x1"], "hmac": signed}),
+                                                    encoding="utf-8")
     return cache
 
 
@@ -277,3 +277,35 @@ def test_a_signed_file_of_plain_names_is_restored(tmp_path: Path, monkeypatch: p
     cache = signed_cache(tmp_path, artifacts_file("autotune", "ab/abcdef.best_config", {"XBLOCK": 8}))
     restored = cache.restore()
     assert restored["restored"] is True and restored["artifacts"] == {"autotune": 1}
+
+
+def test_a_cache_folder_copied_from_elsewhere_key_and_all_is_rebuilt_not_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A user copies a whole data folder from another machine or account, as users do: the
+    compile cache with its signed files, and the signing key too. Nothing in the copy is
+    handed to torch (the signature covers the folder it was written in, and the key lives
+    outside it): the copy is dropped and rebuilt, while the original, in place, restores."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    from engine.runtime.compile_cache import key_path
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    original = signed_cache(tmp_path / "there", artifacts_file("autotune", "ab/abcdef.best_config", {"XBLOCK": 8}))
+    assert not (original.folder / ".key").exists() and original.folder not in key_path().parents
+    copy = tmp_path / "here" / "cache"
+    shutil.copytree(original.folder, copy)
+    shutil.copy2(key_path(), copy / ".key")  # the key carried along, where an older engine kept it
+    shutil.copy2(key_path(), copy / key_path().name)
+    populated: list[object] = []
+    real_populate = CacheArtifactManager.populate_caches
+    monkeypatch.setattr(CacheArtifactManager, "populate_caches",
+                        lambda artifacts: populated.append(artifacts) or real_populate(artifacts))
+    restored = CompileCache(copy, original.key).restore()
+    assert restored["restored"] is False and "not signed" in str(restored["reason"]), restored
+    assert populated == [] and not (copy / f"{original.key}.bin").exists()
+    assert original.restore()["restored"] is True and len(populated) == 1  # the same bytes, where they were made
+    # A key inside the folder it signs (DIFFUSION_ENGINE_KEYS pointed there) is refused outright.
+    monkeypatch.setenv("DIFFUSION_ENGINE_KEYS", str(copy))
+    with pytest.raises(Untrusted, match="inside the cache folder"):
+        user_key(copy)

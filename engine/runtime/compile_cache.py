@@ -21,10 +21,14 @@ torch unpickles these artifacts while it fills its caches, so a file planted
 in the cache folder (a shared or copied data folder) would run code. Nothing
 from disk reaches torch unchecked:
 
-* every ``.bin`` is authenticated: its HMAC-SHA256, under a random per-user key
-  kept beside the cache (``.key``, mode 0600), is in the key's manifest, and
-  the file is handed to torch only when it matches (a planted or edited file
-  is dropped and the model compiles afresh);
+* every ``.bin`` is authenticated: its HMAC-SHA256, under a random per-user key,
+  is in the key's manifest, and the file is handed to torch only when it matches
+  (a planted or edited file is dropped and the model compiles afresh);
+* the key lives apart from the folder it signs (``compile-cache.key`` in
+  :func:`engine.places.keys_home`, mode 0600; never inside the cache folder), and
+  the signature covers the cache folder's own identity (its device and inode, and
+  the user): a folder copied from another machine or user, or restored from a
+  backup, its old key beside it or not, is rebuilt, never restored;
 * the folder and the key must be this user's and writable by no one else
   (else the cache is off for the process, with the reason in the status);
 * every artifact name is checked before torch joins it into a path (a
@@ -45,13 +49,16 @@ import secrets
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import Field
+
+from engine import stored
 
 KILL_SWITCH = "DIFFUSION_ENGINE_COMPILE_CACHE"
 #: The per-user key that signs every artifact file this user's processes write.
-KEY_NAME = ".key"
+KEY_NAME = "compile-cache.key"
 #: One component of an artifact's name: torch joins these under its cache folders.
 _NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 #: The most artifacts (and bytes) one file may hold before it is refused unread.
@@ -77,9 +84,24 @@ def private_folder(folder: Path) -> Path:
     return folder
 
 
-def user_key(folder: Path) -> bytes:
-    """The per-user signing key in ``folder`` (made once, 0600); refused if anyone else could read or write it."""
-    path = private_folder(folder) / KEY_NAME
+def key_path() -> Path:
+    """The signing key's file: ``compile-cache.key`` in :func:`engine.places.keys_home`."""
+    from engine.places import keys_home
+
+    return keys_home() / KEY_NAME
+
+
+def user_key(signs: Path) -> bytes:
+    """The per-user signing key (made once, 0600) for the cache folder ``signs``; refused if
+    anyone else could read or write it, or if it lies inside the folder it signs (a copied
+    folder would bring its own key)."""
+    from engine.places import within
+
+    path = key_path()
+    if within(signs, path):
+        raise Untrusted(f"the signing key {path} lies inside the cache folder it signs; "
+                        "set DIFFUSION_ENGINE_KEYS to a folder outside it")
+    path = private_folder(path.parent) / KEY_NAME
     try:
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except FileExistsError:
@@ -100,9 +122,17 @@ def user_key(folder: Path) -> bytes:
     return key
 
 
-def signature(key: bytes, name: str, data: bytes) -> str:
-    """HMAC-SHA256 of an artifact file under the user's key, bound to its cache key's name."""
-    return hmac.new(key, name.encode() + b"\0" + data, hashlib.sha256).hexdigest()
+def signature(key: bytes, name: str, data: bytes, place: str) -> str:
+    """HMAC-SHA256 of an artifact file under the user's key, bound to its cache key's name and
+    the folder it was written in (:func:`folder_identity`)."""
+    return hmac.new(key, f"{place}\0{name}\0".encode() + data, hashlib.sha256).hexdigest()
+
+
+def folder_identity(folder: Path) -> str:
+    """The cache folder as this file system knows it (device, inode) and whose it is: a copy of
+    the folder, anywhere, is another folder, so nothing signed in the original verifies there."""
+    info = os.lstat(folder)
+    return f"{info.st_dev}:{info.st_ino}:{getattr(os, 'getuid', lambda: 0)()}"
 
 
 def safe_artifact_name(name: object) -> bool:
@@ -164,6 +194,14 @@ def model_identity(location: str) -> dict[str, object]:
     return {"path": os.path.realpath(path), "configs": digest.hexdigest()}
 
 
+@dataclass(frozen=True)
+class Manifest:
+    """A cache key's manifest as read back: the shapes its artifacts cover and their signature."""
+
+    shapes: Annotated[list[Annotated[str, Field(max_length=200)]], Field(max_length=10_000)]
+    hmac: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
 @dataclass
 class CompileCache:
     """One key's artifacts (``<key>.bin``) and the shapes they cover (``<key>.json``)."""
@@ -182,9 +220,17 @@ class CompileCache:
         parts = {"environment": environment(), "model": model_identity(location), "compiled": compiled}
         key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
         cache = cls(folder or cache_folder(), key)
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            cache.shapes = set(json.loads(cache._manifest.read_text(encoding="utf-8"))["shapes"])
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            cache.shapes = set(cache._read_manifest().shapes)
         return cache
+
+    def sign(self, data: bytes) -> str:
+        """The signature ``data`` must carry in this cache's manifest (raises :class:`Untrusted`
+        or ``OSError`` where the folder or the key cannot be trusted)."""
+        return signature(user_key(self.folder), self.key, data, folder_identity(private_folder(self.folder)))
+
+    def _read_manifest(self) -> Manifest:
+        return stored.read_record(self._manifest, Manifest, root=self.folder)
 
     @property
     def _artifacts(self) -> Path:
@@ -201,14 +247,13 @@ class CompileCache:
             self.last = {"restored": False, "reason": "no saved artifacts for this model and machine yet"}
             return self.last
         try:
-            key = user_key(self.folder)
-            manifest = json.loads(self._manifest.read_text(encoding="utf-8"))
-            if self._artifacts.stat().st_size > MAX_BYTES:
-                raise Untrusted("the artifacts file is larger than any this engine writes")
+            manifest = self._read_manifest()
+            if self._artifacts.is_symlink() or self._artifacts.stat().st_size > MAX_BYTES:
+                raise Untrusted("the artifacts file is a link, or larger than any this engine writes")
             data = self._artifacts.read_bytes()
-            signed = manifest.get("hmac") if isinstance(manifest, dict) else None
-            if not isinstance(signed, str) or not hmac.compare_digest(signed, signature(key, self.key, data)):
-                raise Untrusted("the artifacts file is not signed with this user's key (planted, copied or edited)")
+            if not hmac.compare_digest(manifest.hmac, self.sign(data)):
+                raise Untrusted("the artifacts file is not signed with this user's key in this folder "
+                                "(planted, copied from elsewhere or edited)")
             artifacts = checked_artifacts(data)
         except (Untrusted, OSError, ValueError, TypeError, RecursionError, ImportError) as exc:
             self._drop()
@@ -242,9 +287,9 @@ class CompileCache:
         data, info = saved
         shapes = sorted(self.shapes | {shape})
         try:
-            key = user_key(self.folder)
+            signed = self.sign(data)
             _atomic_write(self._artifacts, data)
-            _atomic_write(self._manifest, json.dumps({"shapes": shapes, "hmac": signature(key, self.key, data)}).encode())
+            _atomic_write(self._manifest, json.dumps({"shapes": shapes, "hmac": signed}).encode())
         except (OSError, Untrusted) as exc:
             self.last = {**self.last, "stored": False, "reason": str(exc)}
             return False
