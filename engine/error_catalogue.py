@@ -120,6 +120,10 @@ _ROWS: tuple[ErrorCode, ...] = (
               "checkpoint, or a training base that is not a pipeline."),
     ErrorCode("corrupt_checkpoint", 400, "A weights file is truncated or its header is broken "
               "(an interrupted download)."),
+    ErrorCode("corrupt_quantised_model", 400, "A folder stored pre-quantised by `diffusion-engine quantize` does "
+              "not hold what its marker says: the marker, a tensor's torchao class, dtype or shape, the model class "
+              "in model_index.json, config.json or the marker, or remote code asked for; the message names the file "
+              "and the field. Refused before anything is evicted."),
     ErrorCode("base_mismatch", 400, "A single-file or GGUF denoiser whose width is not its base's: the base is "
               "another model's; give the pipeline the file was made from."),
     ErrorCode("sdcpp_files_refused", 400, "stable-diffusion.cpp could not read the model's files (it refused "

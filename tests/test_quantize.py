@@ -10,6 +10,7 @@ quantising at load renders, and loads without the dense weights ever existing
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -178,3 +179,20 @@ def test_the_server_quantises_inside_its_roots(tiny_pipeline: Callable[[str], Pa
         done = post({"model": str(models / "z"), "scheme": "int8", "output": str(outputs / "q")})
         assert done.status_code == 200, done.text
         assert done.json()["quantised"] == ["transformer"] and read_marker(outputs / "q" / "transformer") is not None
+
+
+def test_it_copies_only_what_resolves_inside_the_model_folder(tiny_pipeline: Callable[[str], Path],
+                                                              tmp_path: Path) -> None:
+    """A model folder holding a symlink that leads out of it (a secret, say) does not carry
+    that file into the quantised output; a link that stays inside is copied as the file."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not part of any model")
+    base = tmp_path / "model"
+    shutil.copytree(tiny_pipeline(FAMILY), base)
+    (base / "tokenizer" / "leads-out.txt").symlink_to(secret)
+    (base / "tokenizer" / "stays-in.json").symlink_to(base / "model_index.json")
+    output = tmp_path / "out"
+    Engine(registry=REGISTRY, hardware=HARDWARE).quantize(str(base), "int8", output)
+    assert not (output / "tokenizer" / "leads-out.txt").exists()
+    assert (output / "tokenizer" / "stays-in.json").read_bytes() == (base / "model_index.json").read_bytes()
+    assert not any("not part of any model" in p.read_text(errors="ignore") for p in output.rglob("*.txt"))

@@ -19,7 +19,7 @@ from engine.contract.plugins import Registry
 from engine.policy.encoders import precast_encoders
 from engine.policy.plan import ModelDefaults
 from engine.preflight.headers import measured_sizes, sizes_by_scheme, tensor_storage
-from engine.preflight.quantised_folder import read_marker
+from engine.preflight.quantised_folder import StoredMarker, judge_stored
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline
 from engine.contract.types import FamilySpec
 
@@ -72,13 +72,13 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
             f"{folder / spec.denoiser} has no config.json; the pipeline folder is incomplete",
             code="model_file_missing",
         )
-    stored = read_marker(folder / spec.denoiser)  # written by `diffusion-engine quantize`
-    quantised = stored is not None or spec.is_prequantised(folder.name) or "quantization_config" in (
+    marker = stored_marker(folder, spec, index)  # written by `diffusion-engine quantize`, judged here
+    quantised = marker is not None or spec.is_prequantised(folder.name) or "quantization_config" in (
         read_json(denoiser_config) if denoiser_config.is_file() else {}
     )
     sizes, denoiser_shapes = measured_sizes(folder, spec, components)
-    if stored is not None and isinstance(stored.get("dense_gb"), (int, float)) and sizes is not None:
-        sizes = dataclasses.replace(sizes, transformer_gb=float(stored["dense_gb"]))  # sized as its scheme
+    if marker is not None and marker.dense_gb is not None and sizes is not None:
+        sizes = dataclasses.replace(sizes, transformer_gb=marker.dense_gb)  # sized as its scheme
     return ModelSource(
         "pipeline",
         str(folder),
@@ -87,7 +87,7 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
         measured_sizes=sizes,
         scheme_gb=(sizes_by_scheme(denoiser_shapes, spec.quantisation.int8_dense_modules)
                    if denoiser_shapes and not quantised else None),
-        prequantised_scheme=str(stored["scheme"]) if stored is not None else "nf4" if quantised else None,
+        prequantised_scheme=marker.scheme if marker is not None else "nf4" if quantised else None,
         denoiser_shapes=tuple(denoiser_shapes),
         precast_encoders=precast_encoders({
             name: tensor_storage(sorted((folder / name).glob("*.safetensors")))
@@ -95,6 +95,16 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
         }),
         defaults=own_defaults(folder),
     )
+
+
+def stored_marker(folder: Path, spec: FamilySpec, index: dict[str, object]) -> StoredMarker | None:
+    """The denoiser's marker where ``quantize`` stored it (each expert's too, judged the same:
+    :func:`engine.preflight.quantised_folder.judge_stored`); None for a dense folder."""
+    probe = spec.training.probe if spec.training is not None else None
+    family_class = probe.model_class if probe is not None else None
+    markers = [judge_stored(folder / name, index.get(name), family_class)
+               for name in (spec.denoiser, *spec.experts) if (folder / name).is_dir()]
+    return next((marker for marker in markers if marker is not None), None)
 
 
 #: A pipeline folder's own defaults, beside its ``model_index.json`` (diffusers ignores it).

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from engine.contract.plugins import Registry
 from engine.errors import PreflightError
+from engine.places import within
 from engine.preflight.model import resolve_model
 from engine.preflight.quantised_folder import STORED_SCHEMES
 from engine.preflight.source import ModelSource
@@ -107,7 +108,7 @@ def _write(source: ModelSource, scheme: str, device: str, folder: Path) -> dict[
         save_quantised(model.to("cpu"), folder / name, {
             "scheme": scheme, "device": device, "dtype": str(dtype).removeprefix("torch."),
             "made_from": str(root), "torchao": torchao.__version__, "layers": placed.layers,
-            "dense_gb": dense_gb,
+            "dense_gb": dense_gb, "model_class": config[name][1],
         })
         del model
     return {"output": str(folder), "scheme": scheme, "device": device, "quantised": stored, "layers": layers,
@@ -115,7 +116,8 @@ def _write(source: ModelSource, scheme: str, device: str, folder: Path) -> dict[
 
 
 def _link_tree(source: Path, target: Path, skip: set[str]) -> None:
-    """Every file of ``source`` but the ``skip`` components, hard-linked where the filesystem allows."""
+    """Every file of ``source`` but the ``skip`` components, hard-linked where the filesystem allows;
+    only what resolves inside ``source`` (a symlink leading out of it is left behind)."""
     for folder, dirs, files in os.walk(source):
         relative = Path(folder).relative_to(source)
         if relative.parts and relative.parts[0] in skip:
@@ -123,6 +125,8 @@ def _link_tree(source: Path, target: Path, skip: set[str]) -> None:
             continue
         (target / relative).mkdir(parents=True, exist_ok=True)
         for name in files:
+            if not within(source, Path(folder) / name, strictly=True):
+                continue  # a link leading out of the model folder: never copied into the output
             try:
                 os.link(Path(folder) / name, target / relative / name)
             except OSError:
