@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 #: The longest file name (one path component, in bytes) most file systems take: a longer
@@ -67,6 +68,18 @@ def keys_home() -> Path:
     else:
         base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     return base / "diffusion-engine" / "keys"
+
+
+#: Variables that hold a secret of this process's (the server's bearer token): never handed to a
+#: child process (trainers, the fork server, the stable-diffusion.cpp worker).
+SECRET_ENV: tuple[str, ...] = ("DIFFUSION_ENGINE_TOKEN",)
+
+
+def child_environment(environ: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """``environ`` (this process's by default) less :data:`SECRET_ENV`, with ``extra`` set: what
+    a child process the engine starts is given."""
+    source = os.environ if environ is None else environ
+    return {**{k: v for k, v in source.items() if k not in SECRET_ENV}, **extra}
 
 
 def default_runs_dir() -> Path:

@@ -153,8 +153,10 @@ class LoadBody(PlanControls):
 #: The most input images one edit takes (a multi-image edit checkpoint's own limit applies first).
 MAX_INPUT_IMAGES = 6
 
+#: The longest keep-alive, in seconds (a week): ``serve --keep-alive`` and a request's ``keep_alive``.
+MAX_KEEP_ALIVE_S = 7 * 24 * 3600
 #: A keep-alive in seconds: up to a week.
-KeepAliveSeconds = Annotated[float, Field(ge=0, le=7 * 24 * 3600, allow_inf_nan=False)]
+KeepAliveSeconds = Annotated[float, Field(ge=0, le=MAX_KEEP_ALIVE_S, allow_inf_nan=False)]
 
 
 class GenerateBody(Body):

@@ -42,6 +42,7 @@ from typing import Any
 from PIL import Image
 
 from engine.errors import Cancelled, EngineError
+from engine.places import child_environment
 from engine.contract.plugins import Registry
 from engine.policy.activations import DEFAULT_SIDE_PX
 from engine.requests.batch import batch_items
@@ -124,7 +125,7 @@ class SdcppSession:
         if self._log is not None:  # a restart: the last worker's log is not needed any more
             self._log.close()
         self._log = tempfile.TemporaryFile(mode="w+")
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        env = child_environment(OMP_NUM_THREADS=str(self.threads))
         self._worker = subprocess.Popen(
             [sys.executable, "-m", "engine.runtime.sdcpp_worker", str(write_fd)],
             stdin=subprocess.PIPE, stdout=self._log, stderr=self._log, text=True,

@@ -139,6 +139,9 @@ class Guard:
     def _foreign(self, scope: Scope, headers: dict[bytes, bytes]) -> Refusal | None:
         """A request that names another host, or a browser's state change from another site."""
         host = headers.get(b"host")
+        if host is not None and any(byte < 0x21 or byte == 0x7F for byte in host):
+            return (400, "bad_request", "the Host header holds a space or a control character (a tab, say); "
+                    "send the bare host name and port", [])
         if host is not None and self.allowed_hosts is not None and _hostname(host) not in self.allowed_hosts:
             return (403, "host_not_allowed", f"this server answers requests for {', '.join(sorted(self.allowed_hosts))}, "
                     f"not Host {host.decode('latin-1')[:100]!r}; behind a reverse proxy, start it with "

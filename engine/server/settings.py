@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.errors import EngineError
 from engine.network import is_loopback
+from engine.requests.bodies import MAX_KEEP_ALIVE_S
 
 #: Default cap on a request body. The largest legitimate body (a generate
 #: request with two 4000-character prompts, every character escaped) is
@@ -85,9 +86,10 @@ class ServerSettings:
                 "out to serve loopback without one",
                 code="empty_token",
             )
-        if self.keep_alive_s is not None and not 0 <= self.keep_alive_s < float("inf"):
+        if self.keep_alive_s is not None and not 0 <= self.keep_alive_s <= MAX_KEEP_ALIVE_S:
             raise EngineError(
-                f"--keep-alive is the seconds an idle model stays loaded, 0 or more (got {self.keep_alive_s})",
+                f"--keep-alive is the seconds an idle model stays loaded, 0 to {MAX_KEEP_ALIVE_S} (a week; "
+                f"got {self.keep_alive_s:g}); leave it out to keep the model until told",
                 code="invalid_config",
             )
         if self.queue_size < 1:

@@ -23,6 +23,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, ValidationError
+from pydantic_core import from_json
 from starlette.concurrency import run_in_threadpool
 
 from engine import Engine
@@ -36,7 +37,8 @@ from engine.server.jobs import Job, JobQueue
 #: OpenAI's statuses for the queue's states.
 STATUS = {"queued": "queued", "running": "in_progress", "done": "completed", "failed": "failed",
           "cancelled": "failed"}
-_SIZE = re.compile(r"^(\d{2,5})x(\d{2,5})$")
+#: ``WxH``, each side a whole number of pixels from 10 (no leading zero: ``00x00`` names no size).
+_SIZE = re.compile(r"^([1-9]\d{1,4})x([1-9]\d{1,4})$")
 
 
 class OpenAIVideoBody(Body):
@@ -65,7 +67,11 @@ async def read_video_form(request: Request) -> tuple[OpenAIVideoBody, bytes | No
     """The create request (multipart as OpenAI's client sends it, or JSON), or a 422 naming the field."""
     upload: bytes | None = None
     if request.headers.get("content-type", "").startswith("application/json"):
-        data = await request.json()
+        try:  # pydantic-core's reader: malformed or 100,000-deep JSON is a ValueError, never a RecursionError
+            data = from_json(await request.body())
+        except ValueError as exc:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "input": None,
+                                           "msg": f"the body is not JSON an object can be read from ({exc})"}]) from None
     else:
         try:
             form = await request.form(max_files=1, max_fields=20)

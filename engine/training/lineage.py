@@ -22,6 +22,8 @@ from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
 from typing import Any, TypeVar
 
+from engine.places import child_environment
+
 T = TypeVar("T")
 
 #: The folder that holds the ``engine`` package: the child imports it from there.
@@ -34,10 +36,10 @@ ORPHAN_EXIT = 75
 
 
 def child_env() -> dict[str, str]:
-    """The environment a trainer (or the fork server) gets: this process's, with the
-    folder that holds the ``engine`` package first on ``PYTHONPATH``."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ENGINE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    """The environment a trainer (or the fork server) gets: this process's less its secrets
+    (the server's token), with the folder that holds the ``engine`` package first on ``PYTHONPATH``."""
+    return child_environment(PYTHONPATH=os.pathsep.join(
+        [str(ENGINE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
 
 
 def start_kept(module: str, name: str, make: Callable[[subprocess.Popen[bytes], Connection], T],
