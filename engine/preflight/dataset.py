@@ -47,6 +47,9 @@ from engine.requests.references import IMAGE_EXTENSIONS
 
 CAPTION_EXTENSIONS = (".txt", ".caption")
 METADATA = "metadata.jsonl"
+#: The largest ``metadata.jsonl`` read (a line per image: a million images' captions) and caption file.
+MAX_METADATA_BYTES = 256 * 2**20
+MAX_CAPTION_BYTES = 2**20
 #: PIL's own decompression-bomb limit (about 89 megapixels).
 DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
 
@@ -343,12 +346,21 @@ def decode_image(path: Path, max_pixels: int) -> tuple[str | None, tuple[int, in
 
 
 def metadata_captions(root: Path) -> dict[str, str]:
+    """The captions ``metadata.jsonl`` gives, by image name. The file is read only where it lies
+    inside the dataset once symlinks are followed and is no larger than :data:`MAX_METADATA_BYTES`;
+    a name in it only ever matches an image found inside the dataset, never opens a file."""
     path = root / METADATA
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return {}
+    if stored.confined_file(root, METADATA) is None:
+        raise DatasetError(f"{path} is not a file inside the dataset (a link leading out of it?):",
+                           [(METADATA, "replace the link with the file itself")])
+    if path.stat().st_size > MAX_METADATA_BYTES:
+        raise DatasetError(f"{path} is larger than {MAX_METADATA_BYTES} bytes:",
+                           [(METADATA, "one line per image: split the dataset")])
     captions: dict[str, str] = {}
     problems: list[tuple[str, str]] = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -368,8 +380,10 @@ def metadata_captions(root: Path) -> dict[str, str]:
 
 
 def sidecar_caption(image: Path) -> str | None:
+    """The caption file beside ``image`` (``.txt``, ...), read only where it stays beside it
+    once symlinks are followed (a link leading out is no caption) and is of caption size."""
     for extension in CAPTION_EXTENSIONS:
-        sidecar = image.with_suffix(extension)
-        if sidecar.is_file():
-            return sidecar.read_text(encoding="utf-8").strip()
+        sidecar = stored.confined_file(image.parent, image.with_suffix(extension).name)
+        if sidecar is not None and sidecar.stat().st_size <= MAX_CAPTION_BYTES:
+            return sidecar.read_text(encoding="utf-8", errors="replace").strip()
     return None

@@ -33,11 +33,13 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import stored
 from engine.contract.family_helpers import call_value, prompt_list, true_cfg_prompt_inputs  # noqa: F401  (their home)
 
 import torch
@@ -73,8 +75,8 @@ def encoder_identity(pipeline_dir: Path | str) -> str:
         if not part.is_dir() or not part.name.startswith(("text_encoder", "tokenizer")):
             continue
         for file in sorted(p for p in part.rglob("*") if p.is_file()):
-            stat = file.stat()
-            digest.update(f"{file.relative_to(folder)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+            info = file.stat()
+            digest.update(f"{file.relative_to(folder)}:{info.st_size}:{info.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 
 
@@ -116,7 +118,10 @@ class PromptCache:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        if not path.is_file():
+        if not path.exists() and not path.is_symlink():
+            return None
+        if stored.confined_file(self.folder, path.name) is None or path.is_symlink():
+            log.warning("prompt cache entry %s is not a file of the cache (a link?); encoding again", path.name)
             return None
         try:
             # Copied out of the file's memory map: a writer truncating it meanwhile would be a SIGBUS.
@@ -150,13 +155,17 @@ class PromptCache:
 
     def trim(self) -> int:
         """Delete the least recently used entries past ``max_bytes``; returns how many."""
-        try:
-            entries = sorted(
-                (stat.st_mtime_ns, stat.st_size, p)
-                for p, stat in ((p, p.stat()) for p in self.folder.glob("*.safetensors"))
-            )
-        except OSError:
-            return 0
+        entries = []
+        for p in self.folder.glob("*.safetensors"):
+            try:
+                info = os.lstat(p)  # a link's own size: nothing outside the cache is counted or followed
+                if not stat.S_ISREG(info.st_mode):
+                    p.unlink()  # not an entry this cache wrote: the link goes, never what it points at
+                    continue
+            except OSError:
+                continue
+            entries.append((info.st_mtime_ns, info.st_size, p))
+        entries.sort()
         total = sum(size for _, size, _ in entries)
         removed = 0
         for _, size, path in entries:
@@ -308,8 +317,8 @@ def for_pipeline(
     for lora in loras:
         path = Path(str(getattr(lora, "path", "")))
         try:
-            stat = path.stat()
-            applied.append(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{getattr(lora, 'scale', 1.0)}")
+            info = path.stat()
+            applied.append(f"{path.resolve()}:{info.st_size}:{info.st_mtime_ns}:{getattr(lora, 'scale', 1.0)}")
         except OSError:
             applied.append(f"{path}:{getattr(lora, 'scale', 1.0)}")
     return CallPrompts(

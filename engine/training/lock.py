@@ -85,12 +85,16 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
         return None
 
 
+#: A run id as read back from a record or the lock: a plain name (it names the run's folder).
+RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")]
+
+
 @dataclass(frozen=True)
 class LockHolder:
     """What the lock file says: who took it, for which run, and its trainer once started."""
 
     token: Annotated[str, Field(max_length=64)]
-    run_id: Annotated[str, Field(max_length=200)]
+    run_id: RunId
     folder: Annotated[str, Field(max_length=4096)]
     owner: ProcessId
     trainer: ProcessId | None = None

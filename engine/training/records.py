@@ -29,7 +29,7 @@ from pydantic import Field
 from engine import stored
 from engine.places import within
 from engine.training import json_files
-from engine.training.lock import ProcessId
+from engine.training.lock import ProcessId, RunId
 
 Status = Literal["pending", "running", "completed", "stopped", "cancelled", "failed"]
 TERMINAL: tuple[str, ...] = ("completed", "stopped", "cancelled", "failed")
@@ -64,8 +64,6 @@ def error_event(exc: BaseException) -> dict[str, object]:
     }
 
 
-#: A run id: a plain name (it names the run's folder).
-RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")]
 Count = Annotated[int, Field(ge=0, le=10**9)]
 
 
