@@ -31,7 +31,6 @@ import os
 import re
 import stat
 from collections.abc import Callable, Iterator, Mapping
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -145,7 +144,7 @@ def parse_json(data: bytes | str, path: Path | str = "<record>") -> Any:
         raise UnreadableRecord(Path(path), problem) from None
 
 
-def validated(path: Path | str, schema: type[T] | Any, value: Any, *,
+def validated(path: Path | str, schema: type[T], value: Any, *,
               identity: Mapping[str, object] | None = None) -> T:
     """``value`` (read from ``path``) as ``schema``, strictly; ``identity`` (what the record's
     place says it is) replaces the same fields in it. Raises :class:`UnreadableRecord`."""
@@ -162,13 +161,13 @@ def validated(path: Path | str, schema: type[T] | Any, value: Any, *,
         raise UnreadableRecord(path, first["msg"], field=field) from None
 
 
-def read_record(path: Path | str, schema: type[T] | Any, *, root: Path | str | None = None,
+def read_record(path: Path | str, schema: type[T], *, root: Path | str | None = None,
                 identity: Mapping[str, object] | None = None, max_bytes: int = MAX_RECORD_BYTES) -> T:
     """The record in ``path`` as ``schema`` (:func:`read_json`, then :func:`validated`)."""
     return validated(path, schema, read_json(path, root=root, max_bytes=max_bytes), identity=identity)
 
 
-def records_in(root: Path | str, schema: type[T] | Any, *, suffix: str, stem: re.Pattern[str],
+def records_in(root: Path | str, schema: type[T], *, suffix: str, stem: re.Pattern[str],
                identity: Callable[[str], Mapping[str, object]], max_bytes: int = MAX_RECORD_BYTES,
                ) -> Iterator[tuple[str, T]]:
     """``(stem, record)`` for each readable record ``<stem><suffix>`` in ``root`` whose stem
@@ -188,9 +187,14 @@ def records_in(root: Path | str, schema: type[T] | Any, *, suffix: str, stem: re
             log.warning("%s", exc.message)
 
 
-@lru_cache(maxsize=64)
+#: One pydantic adapter per record type (building one costs more than a small record's read).
+_ADAPTERS: dict[object, TypeAdapter[Any]] = {}
+
+
 def _adapter(schema: Any) -> TypeAdapter[Any]:
-    return TypeAdapter(schema)
+    if schema not in _ADAPTERS:
+        _ADAPTERS[schema] = TypeAdapter(schema)
+    return _ADAPTERS[schema]
 
 
 __all__ = ["MAX_RECORD_BYTES", "UnreadableRecord", "UnsafeRoot", "confined_file", "confined_root", "file_size",

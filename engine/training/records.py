@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,6 +31,8 @@ from engine import stored
 from engine.places import within
 from engine.training import json_files
 from engine.training.lock import ProcessId, RunId
+
+log = logging.getLogger(__name__)
 
 Status = Literal["pending", "running", "completed", "stopped", "cancelled", "failed"]
 TERMINAL: tuple[str, ...] = ("completed", "stopped", "cancelled", "failed")
@@ -276,7 +279,8 @@ def list_runs(root: Path, limit: int = MAX_RUNS) -> list[RunRecord]:
             continue
         try:
             records.append(RunRecord.load(path))
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            log.warning("run record %s is skipped: %s", path, getattr(exc, "message", exc))
             continue  # a record being written for the first time, or foreign
     return sorted(records, key=lambda r: r.created_at, reverse=True)
 
