@@ -1,7 +1,8 @@
 """The rooms of the engine and the arrows allowed between them: imports go down, never up.
 
 Every ``import engine...`` in ``engine/`` (top-level and lazy, at any depth) is read
-with ``ast`` and mapped to its room; an arrow the table does not allow fails here,
+with ``ast`` and mapped to its room by the map in :mod:`engine.rooms` (which renders
+docs/architecture.md's room table); an arrow the map does not allow fails here,
 naming the file and line. The faces' own rule (they reach only the facade, the
 vocabulary and the errors) is ``tests/test_one_door.py``; this is the same rule below
 them: the runtime never imports the trainer, the policy never the runtime, the
@@ -18,59 +19,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from engine.rooms import ALLOWED, DEBT, MODULES, PACKAGES, page_with_rooms, room_of as room
+
 ROOT = Path(__file__).resolve().parents[1] / "engine"
-PACKAGES = {"cli", "server", "service", "requests", "policy", "preflight", "runtime", "training", "hardware", "contract",
-            "testing"}
-#: Top-level modules, by room.
-MODULES = {
-    # below everything: errors and their catalogue, log quieting, where things are, the release
-    # number and the deprecated spellings it retires
-    "base": {"errors", "error_catalogue", "generated_docs", "logs", "places", "network", "version", "deprecation",
-             "stored"},
-    # plugin API 1's spellings of the contract's modules (engine.types is engine.contract.types)
-    "alias": {"types", "hookspecs", "plugins", "plugin_api", "schemes", "family_sections", "family_helpers",
-              "family_runtime"},
-    # a family whose table is its whole plugin: the contract's adapter over the runtime
-    "table_plugin": {"table_plugin"},
-    "facade": {"__init__"},
-    "main": {"__main__"},
-}
-BELOW_SERVICE = {"requests", "runtime", "training", "policy", "preflight", "hardware", "contract", "base"}
-#: room -> the rooms it may import.
-ALLOWED = {
-    "base": set(),
-    # nothing in the engine imports an alias: they are for plugins written against API 1
-    "alias": {"contract"},
-    "hardware": {"base"},
-    "contract": {"hardware", "base"},
-    # the request vocabulary: a leaf over the contract, read by everything that decides or does
-    "requests": {"hardware", "contract", "base"},
-    "policy": {"requests", "contract", "hardware", "base"},
-    "preflight": {"policy", "requests", "contract", "hardware", "base"},
-    "runtime": {"policy", "preflight", "requests", "contract", "hardware", "base"},
-    "training": {"runtime", "policy", "preflight", "requests", "contract", "hardware", "base"},
-    "table_plugin": {"runtime", "requests", "contract", "hardware", "base"},
-    "service": BELOW_SERVICE | {"testing"},
-    "testing": BELOW_SERVICE | {"service"},
-    "server": {"facade", "requests", "base"},
-    "cli": {"facade", "requests", "server", "base"},
-    "facade": {"service", "base"},
-    "main": {"cli"},
-}
-#: Upward arrows that exist today, to be removed (and then removed from here).
-DEBT = {
-    ("contract", "table_plugin"),
-}
-
-
-def room(module: str) -> str:
-    parts = module.split(".")
-    if len(parts) == 1:
-        return "facade"
-    if parts[1] in PACKAGES:
-        return parts[1]
-    # ``from engine import Engine, __version__``: a name the package itself exports
-    return next((name for name, members in MODULES.items() if parts[1] in members), "facade")
 
 
 def arrows() -> dict[tuple[str, str], list[str]]:
@@ -182,3 +133,10 @@ def test_no_file_level_import_cycle() -> None:
         if node not in state:
             visit(node)
     assert not cycles, "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_the_architecture_page_draws_the_rooms_this_test_checks() -> None:
+    """docs/architecture.md's room table is rendered from the same map (python -m engine.rooms)."""
+    page = (ROOT.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert page == page_with_rooms(page), "docs/architecture.md's rooms drifted: run python -m engine.rooms"
+    assert set(ALLOWED) == set(MODULES) | PACKAGES  # every room drawn, and only those

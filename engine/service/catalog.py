@@ -145,7 +145,7 @@ class Catalog:
             raise EngineError(f"count must be from 1 to 64 (got {count})", code="invalid_request")
         if not 16 <= size <= 1024:
             raise EngineError(f"size must be from 16 to 1024 (got {size})", code="invalid_request")
-        from engine.testing.datasets import write_dataset
+        from engine.service.tiny_dataset import write_dataset
 
         return Path(write_dataset(_new_folder(Path(folder)), count=count, size=size))
 

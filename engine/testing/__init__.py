@@ -13,9 +13,8 @@ engine, generate, train two LoRA steps, reload the LoRA). The pytest plugin
 (``engine.testing.plugin``, installed as a ``pytest11`` entry point) adds the
 ``engine_registry`` fixture.
 
-The kit's names are imported on first use, not with the package: the engine's
-own helpers here (``engine.testing.datasets``, behind ``tiny dataset``) must
-work in an install without pytest.
+The kit's names are imported on first use, not with the package: its helpers
+(``engine.testing.datasets``) must work in an install without pytest.
 """
 
 from __future__ import annotations

@@ -1,47 +1,15 @@
-"""Small real image datasets on disk, for tests, demos and benchmarks."""
+"""Small real image and clip datasets on disk, for tests, demos and benchmarks (the images'
+writer is the service's, behind ``tiny dataset``: :mod:`engine.service.tiny_dataset`)."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-CAPTIONS = (
-    "a red circle on a blue background",
-    "a yellow square on a green background",
-    "a white triangle on a black background",
-    "a purple ring on an orange background",
-)
+from engine.service.tiny_dataset import CAPTIONS, write_dataset
 
-
-def write_dataset(
-    folder: Path, count: int = 4, size: int = 64, *, metadata: bool = False,
-    shapes: Sequence[tuple[int, int]] | None = None,
-) -> Path:
-    """``count`` drawn PNGs with captions: ``.txt`` sidecars, or one ``metadata.jsonl``.
-
-    ``shapes``: (width, height) per image, in turn (aspect buckets); else ``size`` square.
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for index in range(count):
-        width, height = shapes[index % len(shapes)] if shapes else (size, size)
-        image = Image.new("RGB", (width, height), ((index * 70) % 256, 90, 200 - index * 30 % 200))
-        draw = ImageDraw.Draw(image)
-        inset = min(width, height) // 4 + index % 3
-        draw.ellipse((inset, inset, width - inset, height - inset), fill=(230, 40 + index * 40 % 200, 40))
-        name = f"image_{index:03d}.png"
-        image.save(folder / name)
-        caption = CAPTIONS[index % len(CAPTIONS)]
-        if metadata:
-            lines.append(json.dumps({"file_name": name, "text": caption}))
-        else:
-            (folder / name).with_suffix(".txt").write_text(caption, encoding="utf-8")
-    if metadata:
-        (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return folder
+__all__ = ["CAPTIONS", "write_clip", "write_clip_dataset", "write_dataset"]
 
 
 def write_clip(path: Path, frames: int = 9, size: tuple[int, int] = (64, 64), fps: int = 16, *,
