@@ -128,51 +128,55 @@ def _judge_tensors(weights: Path, marker: StoredMarker) -> None:
         header, _, metadata = read_safetensors_file(weights)
     except ValueError as exc:
         raise _refused(weights, "", f"it is not a complete safetensors file ({exc})") from None
-    quantised_class, data_dtype = QUANTISED_CLASS[marker.scheme]
+    quantised_class = QUANTISED_CLASS[marker.scheme][0]
     names = _metadata(weights, metadata, "tensor_names")
     if not (isinstance(names, list) and all(isinstance(n, str) and "." in n for n in names)):
         raise _refused(weights, "__metadata__.tensor_names", "it is not a list of tensor names (dense weights "
                        "under the marker, or metadata removed)")
     claimed: set[str] = set()
-    layers = 0
     for name in names:
-        entry = _metadata(weights, metadata, name)
-        field = f"__metadata__.{name}"
-        kind = entry.get("_type") if isinstance(entry, dict) else None
-        if kind == "Tensor":
-            if name not in header or header[name].get("dtype") not in PLAIN_DTYPES:
-                raise _refused(weights, field, "a plain tensor that is missing or not a float tensor")
-            claimed.add(name)
-        elif kind == quantised_class and isinstance(entry, dict):
-            _objects(weights, field, entry.get("_data"))
-            parts = entry.get("_tensor_data_names")
-            if not (isinstance(parts, list) and "qdata" in parts and all(isinstance(p, str) for p in parts)):
-                raise _refused(weights, f"{field}._tensor_data_names", "it does not list the quantised data")
-            module, _, weight = name.rpartition(".")
-            flat = {part: f"{module}._{weight}_{part}" for part in parts}
-            missing = [key for key in flat.values() if key not in header]
-            if missing:
-                raise _refused(weights, field, f"its data tensor {missing[0]!r} is not in the file")
-            qdata = header[flat["qdata"]]
-            shape = qdata.get("shape")
-            if qdata.get("dtype") != data_dtype or not (isinstance(shape, list) and len(shape) == 2):
-                raise _refused(weights, field, f"its qdata is {qdata.get('dtype')} {shape}, not a 2-D {data_dtype} "
-                               f"matrix as {marker.scheme} stores")
-            for part, key in flat.items():
-                other = header[key].get("shape")
-                if part != "qdata" and isinstance(other, list) and other and other[0] != shape[0]:
-                    raise _refused(weights, field, f"its {part} has {other[0]} rows where qdata has {shape[0]}")
-            claimed.update(flat.values())
-            layers += 1
-        else:
-            raise _refused(weights, f"{field}._type", f"{str(kind)[:80]!r} is not a tensor class the engine loads "
-                           f"for {marker.scheme} ({quantised_class} or a plain Tensor)")
+        claimed.update(_judge_tensor(weights, header, name, _metadata(weights, metadata, name), marker))
     leftover = sorted(set(header) - claimed)
     if leftover:
         raise _refused(weights, leftover[0], "a tensor the metadata does not name")
+    layers = sum(1 for name in names if f"{name.rpartition('.')[0]}._{name.rpartition('.')[2]}_qdata" in claimed)
     if layers != marker.layers:
         raise _refused(weights, "__metadata__", f"it holds {layers} {quantised_class} layers where the marker "
                        f"says {marker.layers}")
+
+
+def _judge_tensor(weights: Path, header: dict[str, dict[str, object]], name: str, entry: object,
+                  marker: StoredMarker) -> set[str]:
+    """The header tensors one metadata entry claims, once they are what it says."""
+    quantised_class, data_dtype = QUANTISED_CLASS[marker.scheme]
+    field = f"__metadata__.{name}"
+    kind = entry.get("_type") if isinstance(entry, dict) else None
+    if kind == "Tensor":
+        if name not in header or header[name].get("dtype") not in PLAIN_DTYPES:
+            raise _refused(weights, field, "a plain tensor that is missing or not a float tensor")
+        return {name}
+    if kind != quantised_class or not isinstance(entry, dict):
+        raise _refused(weights, f"{field}._type", f"{str(kind)[:80]!r} is not a tensor class the engine loads "
+                       f"for {marker.scheme} ({quantised_class} or a plain Tensor)")
+    _objects(weights, field, entry.get("_data"))
+    parts = entry.get("_tensor_data_names")
+    if not (isinstance(parts, list) and "qdata" in parts and all(isinstance(p, str) for p in parts)):
+        raise _refused(weights, f"{field}._tensor_data_names", "it does not list the quantised data")
+    module, _, weight = name.rpartition(".")
+    flat = {part: f"{module}._{weight}_{part}" for part in parts}
+    missing = [key for key in flat.values() if key not in header]
+    if missing:
+        raise _refused(weights, field, f"its data tensor {missing[0]!r} is not in the file")
+    qdata = header[flat["qdata"]]
+    shape = qdata.get("shape")
+    if qdata.get("dtype") != data_dtype or not (isinstance(shape, list) and len(shape) == 2):
+        raise _refused(weights, field, f"its qdata is {qdata.get('dtype')} {shape}, not a 2-D {data_dtype} "
+                       f"matrix as {marker.scheme} stores")
+    rows = [(part, header[key].get("shape")) for part, key in flat.items() if part != "qdata"]
+    wrong = [(part, other[0]) for part, other in rows if isinstance(other, list) and other and other[0] != shape[0]]
+    if wrong:
+        raise _refused(weights, field, f"its {wrong[0][0]} has {wrong[0][1]} rows where qdata has {shape[0]}")
+    return set(flat.values())
 
 
 def _metadata(weights: Path, metadata: dict[str, str], key: str) -> Any:
