@@ -17,7 +17,7 @@ PIP := $(BIN)/python -m pip install --quiet --no-compile -c constraints.txt
 WHEELS := $(wildcard ../shared/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS))
 
-.PHONY: demo test install browser clean bench gpu-check
+.PHONY: demo test check install browser clean bench gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,11 @@ browser:
 # (measured on 2 cores: 7 min 25 s with torch's default threads, 6 min 8 s with one).
 test: $(STAMP) browser
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+
+# The fast loop: every test not marked slow (a test over a few seconds on two cores is marked
+# `slow`), file by file over the two cores as `make test` runs them. `make test` stays the whole suite (CI).
+check: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python bench/info_latency.py

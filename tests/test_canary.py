@@ -65,6 +65,7 @@ def session(model: Path, request: InferenceRequest) -> InferenceSession:
     return InferenceSession(REGISTRY, source, plan_inference(REGISTRY, source.facts(REGISTRY), HARDWARE, request), request)
 
 
+@pytest.mark.slow
 def test_a_scheme_producing_nan_falls_back_before_generation(
     poisoned: Path, tiny_pipeline: Callable[[str], Path]
 ) -> None:

@@ -193,6 +193,7 @@ def assert_refused_untouched(planted: dict[str, Path], before: bytes) -> None:
     assert not (planted["record"].parent / "config.toml").exists()
 
 
+@pytest.mark.slow
 def test_cli_resume_refuses_a_planted_pickle(planted: dict[str, Path], tmp_path: Path) -> None:
     before = planted["record"].read_bytes()
     done = cli("train", "--resume", "planted", "--runs-dir", str(planted["runs"]), "--steps", "2", cwd=tmp_path)
@@ -201,6 +202,7 @@ def test_cli_resume_refuses_a_planted_pickle(planted: dict[str, Path], tmp_path:
     assert_refused_untouched(planted, before)
 
 
+@pytest.mark.slow
 def test_a_config_files_resume_from_refuses_a_planted_pickle(planted: dict[str, Path], tmp_path: Path) -> None:
     before = planted["record"].read_bytes()
     config = tmp_path / "resume.toml"

@@ -52,6 +52,7 @@ def test_plan_refuses_a_doomed_request_with_exit_2(tmp_path: Path) -> None:
     assert str(tmp_path) in not_pipeline.stderr and "Traceback" not in not_pipeline.stderr
 
 
+@pytest.mark.slow
 def test_generate_tiny_writes_pngs_of_the_asked_size(tmp_path: Path) -> None:
     out = tmp_path / "fox.png"
     result = run_cli(
@@ -98,6 +99,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_generate_says_what_it_does_before_torch_is_imported(tmp_path: Path) -> None:
     """A newcomer's first ``generate`` was silent for 20-35 s: the first line comes before
     torch is imported, and says what is about to happen."""

@@ -48,6 +48,7 @@ def test_the_isa_is_read_from_the_cpu_flags() -> None:
     assert matmul_isa(frozenset()) == ""
 
 
+@pytest.mark.slow
 def test_the_gemm_figures_are_measured_once_and_read_back_without_torch(tmp_path: Path) -> None:
     cache = tmp_path / "gemm.json"
     env = {"DIFFUSION_ENGINE_CPU_GEMM": str(cache), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}

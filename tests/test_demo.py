@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_demo_leaves_a_run_whose_base_exists_and_its_last_command_works(tmp_path: Path) -> None:
     """The run record named a deleted temporary folder as its base, so the LoRA the demo
     trained could not be used after it. Its base now stays in out/, and the command the demo

@@ -255,6 +255,7 @@ def assert_listening_on_loopback_only(pids: list[int]) -> None:
     assert all(ipaddress.ip_address(address.ip).is_loopback for _, address in listening), listening
 
 
+@pytest.mark.slow
 def test_a_node_whose_peers_never_come_fails_with_nodes_not_joined(
     tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path,
 ) -> None:
@@ -274,6 +275,7 @@ def test_a_node_whose_peers_never_come_fails_with_nodes_not_joined(
         assert RunRecord.load(Path(record.folder) / "run.json").status == "failed"  # on disk too, not pending
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_nodes_have_not_joined_stops_the_run_at_once(
     tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path,
 ) -> None:

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from engine import Engine
 from engine.service.doctor import PACKAGES, doctor_report, format_doctor
 from engine.hardware.presets import preset
@@ -42,6 +44,7 @@ def test_h100_suggests_flash3_and_trains_in_bf16() -> None:
     assert any("kernels" in b for b in flux["inference"]["better"])
 
 
+@pytest.mark.slow
 def test_doctor_on_this_machine_prints_no_library_noise_and_names_flags() -> None:
     """The terminal's doctor: verdicts on stdout only, and their advice in the flags a user types."""
     out = subprocess.run([sys.executable, "-m", "engine", "doctor"], capture_output=True, text=True, check=True)

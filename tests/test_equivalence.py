@@ -133,6 +133,7 @@ def _resolved(request: dict[str, str], tiny: dict[str, str]) -> dict[str, str]:
     return {k: tiny.get(v, v) for k, v in request.items()}
 
 
+@pytest.mark.slow
 def test_plans_and_refusals_are_the_same_through_every_door(
     servers: dict[str, tuple[str, Engine]], tiny_models: dict[str, str], capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -162,6 +163,7 @@ def test_plans_and_refusals_are_the_same_through_every_door(
     assert [m for m in MESSAGES["http"] if FLAG_SPELLING.search(m)] == []
 
 
+@pytest.mark.slow
 def test_training_dry_runs_are_the_same_through_every_door(
     servers: dict[str, tuple[str, Engine]], tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:

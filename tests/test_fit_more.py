@@ -66,6 +66,7 @@ def encoder_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     yield calls
 
 
+@pytest.mark.slow
 def test_a_second_load_takes_prompt_embeddings_from_disk_and_streamed_encoders_stay_unloaded(
     tiny_pipeline: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, encoder_calls: list[str],
 ) -> None:

@@ -87,6 +87,7 @@ def test_checkpoints_are_told_apart_by_name() -> None:
     assert REGISTRY.component_sizes(FLUX2, FLUX2.checkpoint("flux.2-dev")).transformer_gb == 64.5
 
 
+@pytest.mark.slow
 def test_a_lora_trained_on_klein_base_deploys_on_the_distilled_model(tmp_path_factory: pytest.TempPathFactory) -> None:
     """LoRAs train on klein's undistilled base; the one trained here loads onto the 4-step
     distilled model through the engine's LoRA door and changes its image."""

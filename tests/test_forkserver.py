@@ -44,6 +44,7 @@ def config(tiny_pipeline: Callable[[str], Path], tmp_path: Path) -> dict[str, ob
             "lora_rank": 2, "device": "cpu"}
 
 
+@pytest.mark.slow
 def test_runs_fork_from_one_warm_server_in_the_engines_present(
     config: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -64,6 +65,7 @@ def test_runs_fork_from_one_warm_server_in_the_engines_present(
     assert any(cache.rglob("*")), "the trainer did not see the variable the engine set after the server started"
 
 
+@pytest.mark.slow
 def test_a_changed_import_time_variable_gets_a_fresh_server_and_a_killed_trainer_reads_as_killed(
     config: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -85,6 +87,7 @@ def test_a_changed_import_time_variable_gets_a_fresh_server_and_a_killed_trainer
     assert "killed by signal 9" in error["message"], error  # type: ignore[index]
 
 
+@pytest.mark.slow
 def test_switched_off_every_trainer_is_a_fresh_interpreter(
     config: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -95,6 +98,7 @@ def test_switched_off_every_trainer_is_a_fresh_interpreter(
     assert finish(engine)["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_a_forked_trainer_writes_where_the_engine_writes_now() -> None:
     """The server keeps the stderr it started with (another test's capture, a terminal since
     closed); a trainer's traceback goes to the engine's stderr as it points now."""
@@ -135,6 +139,7 @@ def test_a_loaded_gpu_driver_is_named_and_a_clean_map_is_not() -> None:
         assert forkserver.gpu_driver_touched(maps.read(), torch_initialised=False) == ""
 
 
+@pytest.mark.slow
 def test_a_server_that_found_a_gpu_driver_hands_every_later_trainer_to_a_fresh_interpreter(
     config: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -159,6 +159,7 @@ def _torchao_functional_in_child(pythonpath: str | None) -> bool:
     return out.stdout.strip().splitlines()[-1] == "True"
 
 
+@pytest.mark.slow
 def test_torchao_functional_runs_the_int8_call_and_catches_a_stub(tmp_path: Path) -> None:
     assert _torchao_functional_in_child(None) is True
     for relative, source in STUB_TORCHAO.items():
@@ -167,6 +168,7 @@ def test_torchao_functional_runs_the_int8_call_and_catches_a_stub(tmp_path: Path
     assert _torchao_functional_in_child(str(tmp_path)) is False
 
 
+@pytest.mark.slow
 def test_torchao_missing_symbols_are_not_functional(tmp_path: Path) -> None:
     (tmp_path / "torchao").mkdir()
     (tmp_path / "torchao" / "__init__.py").write_text("", encoding="utf-8")

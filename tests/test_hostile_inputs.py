@@ -175,6 +175,7 @@ def decoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", ["/v1/images/generate", "/v1/images/jobs"])
 @pytest.mark.parametrize(("field", "name", "status", "code"), [
     ("image", "bomb.png", 400, "invalid_image"),

@@ -72,6 +72,7 @@ def cli(hub: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_a_gated_base_is_named_with_its_licence_page_before_any_download(hub: str, tmp_path: Path) -> None:
     """``generate`` and ``train`` on a gated base with downloads allowed: refused with
     ``gated_repo`` naming the repo's page on the hub they use and what to do, after

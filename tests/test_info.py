@@ -136,6 +136,7 @@ def test_families_all_lists_the_builtin_table_plugin_and_its_hooks() -> None:
     assert "engine.table_plugin" not in {p["name"] for p in json.loads(run_cli("families", "--json").stdout)["plugins"]}
 
 
+@pytest.mark.slow
 def test_doctor_probes_this_machine_with_torch() -> None:
     result = run_cli("doctor", "--json")
     assert result.returncode == 0, result.stderr

@@ -33,6 +33,7 @@ def _wait_for(condition: Callable[[], bool], seconds: float) -> bool:
     return condition()
 
 
+@pytest.mark.slow
 def test_an_idle_server_frees_its_model_after_keep_alive(tiny_pipeline: Callable[[str], Path], tmp_path: Path) -> None:
     shutil.copytree(tiny_pipeline("sdxl"), tmp_path / "models" / "sdxl")
     engine = Engine(registry=load_registry(), hardware=probe(verify=False), runs_dir=tmp_path / "runs")
@@ -73,6 +74,7 @@ def test_a_keep_alive_that_means_nothing_is_refused(seconds: float) -> None:
         ServerSettings(keep_alive_s=seconds)
 
 
+@pytest.mark.slow
 def test_a_request_says_how_long_the_model_stays(tiny_pipeline: Callable[[str], Path], tmp_path: Path) -> None:
     """``keep_alive`` on a generate (native and OpenAI), as Ollama's: the model goes that long after it,
     on a server that otherwise keeps it; a negative or unbounded one is a 422."""

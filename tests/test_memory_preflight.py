@@ -326,6 +326,7 @@ def test_a_plan_is_made_for_the_memory_after_eviction() -> None:
 # -- refused before eviction --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_memory_refusals_evict_nothing(tmp_path: Path, sized: Callable[[str], str]) -> None:
     data = write_dataset(tmp_path / "data", count=2)
     refusals = 0

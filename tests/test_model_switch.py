@@ -98,6 +98,7 @@ def _loaded(url: str) -> str:
     return Path(status["pipeline"]["model"]["location"]).name
 
 
+@pytest.mark.slow
 def test_queued_jobs_run_on_their_own_model_grouped_and_never_overtaken_for_ever(
         served: tuple[str, WatchedEngine, HostModel, Path]) -> None:
     """With tiny-sdxl loaded and its job held: a job naming tiny-zimage, then five for the
@@ -129,6 +130,7 @@ def test_queued_jobs_run_on_their_own_model_grouped_and_never_overtaken_for_ever
                for job in jobs)
 
 
+@pytest.mark.slow
 def test_every_door_takes_a_model_name_and_openai_names_mean_the_loaded_model(
         served: tuple[str, WatchedEngine, HostModel, Path]) -> None:
     """The native generate, OpenAI's generations (its client's ``model``) and Python's typed

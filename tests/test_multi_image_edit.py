@@ -45,6 +45,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {**made, "inputs": inputs}
 
 
+@pytest.mark.slow
 def test_a_two_image_edit_equals_plain_diffusers_pixel_for_pixel(folders: dict[str, Path]) -> None:
     import diffusers
 

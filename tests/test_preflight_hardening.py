@@ -451,6 +451,7 @@ def test_a_failing_evict_is_reported_and_the_resident_dropped() -> None:
     assert raised.value.code == "evict_failed" and "host.broken" in raised.value.message
     assert residency.owner is None and residency.residents() == []
     assert residency.acquire("engine.trainer") == []  # the next job runs
+    assert residency.release_if(lambda owner: owner == "engine.trainer")  # as a finished run does
 
 
 @pytest.mark.slow

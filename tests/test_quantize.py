@@ -101,6 +101,7 @@ print(status("VmHWM") - before)
 """
 
 
+@pytest.mark.slow
 def test_loading_it_never_holds_the_dense_weights(stored: tuple[Path, Path, dict]) -> None:
     """The rise of the process's peak resident memory while the denoiser loads: the stored int8
     folder against load-time quantisation, which reads every fp32 weight first."""

@@ -75,6 +75,7 @@ def expected_status(command: str) -> int:
     return int(found.group(1)) if found else 0
 
 
+@pytest.mark.slow
 def test_every_readme_and_guide_command_runs_or_says_why_not(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -62,6 +62,7 @@ def finish(client: httpx.Client, job_id: str, timeout: float = 120) -> dict[str,
     raise AssertionError(f"job {job_id} did not finish")
 
 
+@pytest.mark.slow
 def test_concurrent_jobs_complete_or_get_429_none_lost_and_both_replicas_serve(service: str) -> None:
     body = {"prompt": "a fox", "width": 128, "height": 128, "steps": 6}  # long enough that the burst overlaps
     with httpx.Client(base_url=service, timeout=60, headers=AUTH) as client:

@@ -47,6 +47,7 @@ def cpu(**changes: object) -> object:
 # -- the plan -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_on_a_cpu_a_gguf_with_its_companions_goes_to_sdcpp_sized_from_its_files(sdcpp_model: Path) -> None:
     plan = Engine(hardware=cpu()).images.plan(str(sdcpp_model))
     engine = plan["engine"]
@@ -163,6 +164,7 @@ def pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 
 
+@pytest.mark.slow
 def test_generate_runs_on_sdcpp_and_the_cli_gives_the_same_pixels(
     sdcpp_model: Path, tmp_path: Path, cli_json: Callable[..., object],
 ) -> None:
@@ -189,6 +191,7 @@ def test_generate_runs_on_sdcpp_and_the_cli_gives_the_same_pixels(
     assert json.loads(written.info["diffusion-engine"])["seed"] == 7  # the same record as a diffusers image
 
 
+@pytest.mark.slow
 def test_cancel_stops_after_the_step_and_the_next_generate_restarts_the_worker(sdcpp_model: Path) -> None:
     engine = Engine()
     engine.images.load(str(sdcpp_model), request=SDCPP)
@@ -284,6 +287,7 @@ def test_an_unload_with_cancel_kills_a_worker_stuck_in_a_step(sdcpp_model: Path)
     assert _gone(pid) and engine.status()["pipeline"] is None and engine.status()["job"] is None
 
 
+@pytest.mark.slow
 def test_a_worker_silent_past_its_step_timeout_is_killed_and_the_next_generate_restarts_it(
     sdcpp_model: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -326,6 +330,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_the_readme_sdcpp_commands_say_what_they_do(
     sdcpp_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:

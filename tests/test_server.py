@@ -167,6 +167,7 @@ def test_a_resume_names_a_run_of_the_servers_runs_folder(
     assert host.evicted == before and engine.training.status() is None
 
 
+@pytest.mark.slow
 def test_trainer_killed_while_serving_fails_cleanly_and_the_next_start_works(
     served: tuple[str, Engine, Roots, HostModel],
 ) -> None:

@@ -54,6 +54,7 @@ def _check_response(case: schemathesis.Case, response: httpx.Response) -> None:
         assert len(payload["error"]["message"]) <= 1100
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "examples"), [(GenerationMode.POSITIVE, 10), (GenerationMode.NEGATIVE, 10)]
 )

@@ -220,6 +220,7 @@ def test_concurrent_waiting_clients_queue_instead_of_refusing_each_other(served:
     assert status["generate"]["state"] == "done" and status["queue"]["waiting"] == 0
 
 
+@pytest.mark.slow
 def test_the_training_stream_shows_the_run_s_steps(served: tuple[str, GatedEngine]) -> None:
     url, engine = served
     body = {"base_model": "tiny-sdxl", "dataset_dir": "shapes", "resolution": 64, "steps": 1, "lora_rank": 2,

@@ -36,6 +36,7 @@ def test_each_runtime_has_every_method_with_the_protocols_parameters(runtime: ty
     assert parameters(getattr(runtime, method)) == parameters(getattr(Session, method))
 
 
+@pytest.mark.slow
 def test_a_loaded_session_of_either_runtime_is_a_session(tiny_pipeline: Callable[[str], Path], tmp_path: Path) -> None:
     from engine.policy.plan import InferenceRequest
     from families.flux.sdcpp_files import write_tiny

@@ -81,6 +81,7 @@ def test_a_dry_run_reports_a_missing_dataset_together_with_what_the_machine_refu
     assert refused(code, payload, "") == "dataset_not_found" and "also" not in payload["error"]  # type: ignore[operator]
 
 
+@pytest.mark.slow
 def test_int8_with_a_stub_torchao_is_refused(
     tiny_pipeline: Callable[[str], Path], good_data: Path, tmp_path: Path
 ) -> None:
@@ -100,6 +101,7 @@ def test_int8_with_a_stub_torchao_is_refused(
     assert refused(*dry_run(base, good_data, "--hardware", "h100", "--no-torchao", "--base-precision", "int8")) == "torchao_unavailable"
 
 
+@pytest.mark.slow
 def test_capability_gated_modes(tiny_pipeline: Callable[[str], Path], good_data: Path) -> None:
     base = tiny_pipeline("flux")
     assert refused(*dry_run(base, good_data, "--hardware", "a100-80g", "--base-precision", "fp8")) == "fp8_unsupported"

@@ -9,11 +9,14 @@ import tomllib
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from engine.testing import typecheck
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_mypy_with_no_arguments_checks_the_core_strictly_and_passes(tmp_path: Path) -> None:
     """``python -m mypy`` reads ``[tool.mypy]``: strict over the contract, the requests and the policy."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]
@@ -24,6 +27,7 @@ def test_mypy_with_no_arguments_checks_the_core_strictly_and_passes(tmp_path: Pa
     assert "Success: no issues found" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_rest_of_the_engine_holds_to_its_baseline(tmp_path: Path) -> None:
     """No error outside the core that the baseline does not list, and none listed that is gone."""
     found, baseline = typecheck.rest_findings(cache_dir=tmp_path), typecheck.read_baseline()

@@ -206,6 +206,7 @@ def test_a_two_expert_base_trains_either_expert_or_both_each_on_its_own_sigmas(
     assert set(only_low["outputs"]) == {"lora"}  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_a_two_expert_run_folder_as_a_lora_puts_each_file_on_its_expert(
     two_experts: tuple[Path, Path, dict[str, str]], tiny_pipeline: Callable[[str], Path],
 ) -> None:
@@ -235,6 +236,7 @@ def test_a_two_expert_run_folder_as_a_lora_puts_each_file_on_its_expert(
     assert host.evicted == 0 and engine.images.session is None
 
 
+@pytest.mark.slow
 def test_the_training_memory_of_a_clip_run_matches_a_real_width_step_under_fake_tensors() -> None:
     """Wan 2.1 1.3B at full width and depth, 256 px, 17 and 33 frames, gradient checkpointing:
     the estimate's activations and peak within 10% of the bytes the step holds."""
@@ -270,6 +272,7 @@ def bad_clips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return sets
 
 
+@pytest.mark.slow
 def test_doomed_video_training_starts_evict_nothing(
     tiny_pipeline: Callable[[str], Path], bad_clips: dict[str, Path], tmp_path: Path,
 ) -> None:

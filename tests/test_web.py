@@ -162,6 +162,7 @@ def test_the_page_is_public_and_every_api_call_needs_the_token(site: Site) -> No
 # -- pages -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sign_in_then_the_machine_page_lists_every_family_with_reasons(site: Site, open_page: Callable[..., Watched]) -> None:
     watched = open_page()
     page = watched.page
@@ -189,6 +190,7 @@ def test_sign_in_then_the_machine_page_lists_every_family_with_reasons(site: Sit
     assert watched.errors == []
 
 
+@pytest.mark.slow
 def test_generate_an_image_from_the_page(site: Site, open_page: Callable[..., Watched]) -> None:
     watched = open_page()
     page = signed_in(site, watched)
@@ -219,6 +221,7 @@ def test_generate_an_image_from_the_page(site: Site, open_page: Callable[..., Wa
     site.engine.images.unload()
 
 
+@pytest.mark.slow
 def test_render_a_clip_and_play_it_in_the_page(site: Site, open_page: Callable[..., Watched]) -> None:
     """The Video tab lists the video models only, renders through the OpenAI videos API, and
     plays the MP4 in the page's player (decoded by the browser: its size and duration are read back)."""
@@ -257,6 +260,7 @@ def test_render_a_clip_and_play_it_in_the_page(site: Site, open_page: Callable[.
     site.engine.images.unload()
 
 
+@pytest.mark.slow
 def test_the_gallery_page_shows_what_was_kept_and_pins_and_deletes(site: Site, open_page: Callable[..., Watched]) -> None:
     """Outputs made through the API are in the Gallery tab with their recipe; Pin and Delete
     there change the gallery itself (the API answers so afterwards)."""
@@ -394,6 +398,7 @@ def test_a_doomed_start_names_the_bad_file_and_evicts_nothing(site: Site, open_p
     assert only_refusals(watched.errors, 400) and len(watched.errors) == 1  # the refusal, nothing else
 
 
+@pytest.mark.slow
 def test_train_watch_the_charts_stop_and_get_the_lora(site: Site, open_page: Callable[..., Watched]) -> None:
     watched = open_page()
     page = signed_in(site, watched)
@@ -457,6 +462,7 @@ def test_train_watch_the_charts_stop_and_get_the_lora(site: Site, open_page: Cal
     assert "v1/training/events?token=" + TOKEN in watched.requests  # the run was followed over its event stream
 
 
+@pytest.mark.slow
 def test_a_run_that_finishes_says_training_complete(site: Site, open_page: Callable[..., Watched]) -> None:
     """A run that reached its last step says "Training complete" in the success colour (the
     earlier system's finished-run marker), not a bare status word."""
@@ -475,6 +481,7 @@ def test_a_run_that_finishes_says_training_complete(site: Site, open_page: Calla
     assert watched.errors == []
 
 
+@pytest.mark.slow
 def test_every_page_at_desktop_and_phone_width(site: Site, open_page: Callable[..., Watched]) -> None:
     for name, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
         watched = open_page(viewport)
