@@ -243,3 +243,20 @@ def test_fp16_safety_is_stated_per_component() -> None:
     assert resolve_dtype(FLUX, preset("t4"), "auto", fp32_fits=True).value == "fp16"
     with pytest.raises(ValueError, match="components are"):
         PrecisionRules(fp16_unsafe=(("unet", "x"),))
+
+
+def test_the_worked_example_plugin_imports_only_the_contract() -> None:
+    """The example a plugin author copies (examples/diffusion-engine-sd3) spells the contract as
+    docs/plugins.md teaches: ``engine.contract.*``, never plugin API 1's silent aliases
+    (``engine.types``, ``engine.hookspecs``) nor the engine's insides."""
+    import ast
+
+    package = Path(__file__).resolve().parents[1] / "examples" / "diffusion-engine-sd3" / "diffusion_engine_sd3"
+    outside = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            outside += [f"{path.name}:{node.lineno} {name}" for name in names
+                        if name.split(".")[0] == "engine" and not name.startswith("engine.contract")]
+    assert outside == []

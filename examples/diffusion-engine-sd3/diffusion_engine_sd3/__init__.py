@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from engine.hookspecs import hookimpl
-from engine.types import (
+from engine.contract.hookspecs import hookimpl
+from engine.contract.types import (
     Capabilities,
     Checkpoint,
     ComponentSizes,
