@@ -35,39 +35,43 @@ def within(root: str | os.PathLike[str], path: str | os.PathLike[str], *, strict
     return top in where.parents or (not strictly and where == top)
 
 
+#: A per-user folder by platform: (override variable, Windows (variable, fallback under home),
+#: macOS path under home, elsewhere (XDG variable, fallback under home)).
+_DATA = ("DIFFUSION_ENGINE_HOME", ("LOCALAPPDATA", "AppData/Local"), "Library/Application Support",
+         ("XDG_DATA_HOME", ".local/share"))
+_CONFIG = ("DIFFUSION_ENGINE_KEYS", ("APPDATA", "AppData/Roaming"), "Library/Preferences",
+           ("XDG_CONFIG_HOME", ".config"))
+
+
+def _per_user(where: tuple[str, tuple[str, str], str, tuple[str, str]], *below: str) -> Path:
+    """The override variable's folder when set, else ``diffusion-engine/*below`` in the platform's folder."""
+    override, windows, macos, xdg = where
+    if os.environ.get(override):
+        return Path(os.environ[override]).expanduser()
+    if sys.platform == "win32":
+        base = Path(os.environ.get(windows[0]) or Path.home() / windows[1])
+    elif sys.platform == "darwin":
+        base = Path.home() / macos
+    else:
+        base = Path(os.environ.get(xdg[0]) or Path.home() / xdg[1])
+    return base.joinpath("diffusion-engine", *below)
+
+
 def data_home() -> Path:
     """The engine's per-user data folder (runs, datasets, the compile cache), wherever a
     command is run from: ``$DIFFUSION_ENGINE_HOME`` when set; else ``diffusion-engine`` in
     the platform's data folder: ``%LOCALAPPDATA%`` on Windows, ``~/Library/Application
     Support`` on macOS, ``$XDG_DATA_HOME`` (``~/.local/share``) elsewhere."""
-    home = os.environ.get("DIFFUSION_ENGINE_HOME")
-    if home:
-        return Path(home).expanduser()
-    if sys.platform == "win32":
-        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
-    elif sys.platform == "darwin":
-        base = Path.home() / "Library" / "Application Support"
-    else:
-        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    return base / "diffusion-engine"
+    return _per_user(_DATA)
 
 
 def keys_home() -> Path:
     """Where the engine keeps this user's secrets (the compile cache's signing key), apart
     from :func:`data_home` so that a data folder copied from elsewhere never brings the key
-    that would vouch for it: ``$DIFFUSION_ENGINE_KEYS`` when set; else ``diffusion-engine``
+    that would vouch for it: ``$DIFFUSION_ENGINE_KEYS`` when set; else ``diffusion-engine/keys``
     in the platform's config folder: ``%APPDATA%`` on Windows, ``~/Library/Preferences`` on
     macOS, ``$XDG_CONFIG_HOME`` (``~/.config``) elsewhere."""
-    keys = os.environ.get("DIFFUSION_ENGINE_KEYS")
-    if keys:
-        return Path(keys).expanduser()
-    if sys.platform == "win32":
-        base = Path(os.environ.get("APPDATA") or Path.home() / "AppData" / "Roaming")
-    elif sys.platform == "darwin":
-        base = Path.home() / "Library" / "Preferences"
-    else:
-        base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-    return base / "diffusion-engine" / "keys"
+    return _per_user(_CONFIG, "keys")
 
 
 #: Variables that hold a secret of this process's (the server's bearer token): never handed to a
