@@ -118,37 +118,9 @@ def load_object(dotted: str) -> object:
         ) from exc
 
 
-# -- runtime defaults (imported lazily: loading the registry stays torch-free) --------
-
-
-@hookimpl(trylast=True)
-def engine_lora_add(family: FamilySpec, denoiser: object, config: object, adapter_name: str) -> str | None:
-    from engine.runtime.adapters import add_adapter
-
-    return add_adapter(denoiser, config, adapter_name)  # type: ignore[arg-type]
-
-
-@hookimpl(trylast=True)
-def engine_lora_state_dict(family: FamilySpec, denoiser: object, adapter_name: str) -> dict | None:
-    from engine.runtime.adapters import adapter_state_dict
-
-    return adapter_state_dict(denoiser, adapter_name)  # type: ignore[arg-type]
-
-
-@hookimpl(trylast=True)
-def engine_lora_load(family: FamilySpec, pipeline: object, state_dict: dict, adapter_name: str) -> str | None:
-    from engine.runtime.adapters import load_adapter
-
-    return load_adapter(getattr(pipeline, family.denoiser), state_dict, adapter_name)
+# -- the runtime hooks' defaults are the runtime's own (engine.runtime.family_hooks) --------
 
 
 @hookimpl(trylast=True)
 def engine_generate_kwargs(family: FamilySpec, pipeline: object, kwargs: dict) -> dict | None:
     return kwargs
-
-
-@hookimpl(trylast=True)
-def engine_pipeline_output(family: FamilySpec, pipeline: object, result: object) -> list | None:
-    from engine.runtime.outputs import pipeline_output
-
-    return pipeline_output(family.output, result)

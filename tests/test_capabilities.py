@@ -62,13 +62,15 @@ def test_engine_lora_state_dict_and_add_defaults_need_nothing_from_the_class() -
     import torch
     from peft import LoraConfig
 
+    from engine.runtime import family_hooks
+
     registry = load_registry()
     family = registry.family("flux")
     module = torch.nn.Sequential()
     module.add_module("to_q", torch.nn.Linear(4, 4))
-    how = registry.lora_add(family, module, LoraConfig(r=2, target_modules=["to_q"]))
+    how = family_hooks.lora_add(registry, family, module, LoraConfig(r=2, target_modules=["to_q"]))
     assert "inject_adapter_in_model" in how
-    state = registry.lora_state_dict(family, module)
+    state = family_hooks.lora_state_dict(registry, family, module)
     assert set(state) == {"to_q.lora_A.weight", "to_q.lora_B.weight"}
 
 

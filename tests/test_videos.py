@@ -14,6 +14,7 @@ import httpx
 import pytest
 from PIL import Image
 
+from engine.runtime import family_hooks
 from engine.contract.plugins import load_registry
 from engine.hardware.probe import probe
 from engine.requests import GenerateBody
@@ -160,12 +161,12 @@ def test_engine_pipeline_output_reads_frames_or_images_and_a_plugin_may_answer()
     registry = load_registry()
     wan, sdxl = registry.family("wan"), registry.family("sdxl")
     clip = np.zeros((3, 16, 16, 3), dtype=np.float32) + 0.5
-    frames = registry.pipeline_output(wan, None, SimpleNamespace(frames=[clip]))
+    frames = family_hooks.pipeline_output(registry, wan, None, SimpleNamespace(frames=[clip]))
     assert len(frames) == 1 and len(frames[0]) == 3 and frames[0][0].getpixel((0, 0)) == (128, 128, 128)
     image = Image.new("RGB", (8, 8))
-    assert registry.pipeline_output(sdxl, None, SimpleNamespace(images=[image])) == [image]
+    assert family_hooks.pipeline_output(registry, sdxl, None, SimpleNamespace(images=[image])) == [image]
     with pytest.raises(EngineError, match="output='frames'") as wrong:
-        registry.pipeline_output(sdxl, None, SimpleNamespace(frames=[clip]))
+        family_hooks.pipeline_output(registry, sdxl, None, SimpleNamespace(frames=[clip]))
     assert wrong.value.code == "unreadable_output"
 
     class AudioClips:
@@ -175,7 +176,7 @@ def test_engine_pipeline_output_reads_frames_or_images_and_a_plugin_may_answer()
 
     registry._pm.register(AudioClips(), name="audio-clips")
     try:
-        assert registry.pipeline_output(wan, None, SimpleNamespace(audio=b"", video=None)) == [["frame"]]
+        assert family_hooks.pipeline_output(registry, wan, None, SimpleNamespace(audio=b"", video=None)) == [["frame"]]
     finally:
         registry._pm.unregister(name="audio-clips")
 

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from engine.hardware.profile import HardwareProfile
 
 
+#: The hooks whose default answer is the runtime's (torch objects pass through them).
+RUNTIME_HOOKS = ("engine_lora_add", "engine_lora_state_dict", "engine_lora_load", "engine_pipeline_output")
+
+
 @dataclass(frozen=True)
 class Registry:
     """The loaded families and plugins, frozen. Pass it around; do not rebuild it per call."""
@@ -128,36 +132,19 @@ class Registry:
 
     # -- runtime hooks (torch objects pass through; the registry imports none) --
 
-    def lora_add(self, family: FamilySpec, denoiser: object, config: object, adapter_name: str = "default") -> str:
-        """Add a trainable LoRA to ``denoiser``; how it was added."""
-        return str(self._pm.hook.engine_lora_add(
-            family=family, denoiser=denoiser, config=config, adapter_name=adapter_name
-        ))
-
-    def lora_state_dict(self, family: FamilySpec, denoiser: object, adapter_name: str = "default") -> dict[str, Any]:
-        """The adapter's weights in peft's keys, for saving."""
-        return dict(self._pm.hook.engine_lora_state_dict(
-            family=family, denoiser=denoiser, adapter_name=adapter_name
-        ))
-
-    def lora_load(self, family: FamilySpec, pipeline: object, state_dict: dict[str, Any], adapter_name: str) -> str:
-        """Load a LoRA into a pipeline without diffusers' LoRA loader; how it was loaded."""
-        return str(self._pm.hook.engine_lora_load(
-            family=family, pipeline=pipeline, state_dict=state_dict, adapter_name=adapter_name
-        ))
+    def answer(self, hook: str, **arguments: object) -> Any:
+        """The first plugin's answer to the runtime hook ``hook`` (``engine_lora_add``,
+        ``engine_lora_state_dict``, ``engine_lora_load``, ``engine_pipeline_output``); None where
+        no family plugin answers. The engine's own default answers live with the runtime
+        (:mod:`engine.runtime.family_hooks`), which asks here first: the contract imports no runtime."""
+        if hook not in RUNTIME_HOOKS:
+            raise ValueError(f"{hook} is not one of the runtime hooks {', '.join(RUNTIME_HOOKS)}")
+        return getattr(self._pm.hook, hook)(**arguments)
 
     def generate_kwargs(self, family: FamilySpec, pipeline: object, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The arguments to call ``pipeline`` with for one generate."""
         answer = self._pm.hook.engine_generate_kwargs(family=family, pipeline=pipeline, kwargs=dict(kwargs))
         return dict(kwargs if answer is None else answer)
-
-    def pipeline_output(self, family: FamilySpec, pipeline: object, result: object) -> list[Any]:
-        """One pipeline call's outputs, one per prompt (images, or each clip's frames)."""
-        answer = self._pm.hook.engine_pipeline_output(family=family, pipeline=pipeline, result=result)
-        if answer is None:
-            raise PluginError(f"no plugin read the output of {type(result).__name__} for {family.name}",
-                              code="unreadable_output")
-        return list(answer)
 
     def build_tiny_pipeline(self, family: FamilySpec, path: Path, checkpoint: Checkpoint | None = None) -> Path:
         """A tiny pipeline of ``family`` written to ``path``: of ``checkpoint``'s own

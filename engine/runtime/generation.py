@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from engine.runtime import family_hooks
 from engine.errors import EngineError
 from engine.contract.plugins import Registry
 from engine.policy.plan import Plan
@@ -264,7 +265,7 @@ class Generation:
             finally:
                 if stream is not None:
                     stream.after_call()
-            return self.registry.pipeline_output(self.source.family, pipe, result)  # engine_pipeline_output
+            return family_hooks.pipeline_output(self.registry, self.source.family, pipe, result)  # engine_pipeline_output
 
         def on_split(event: batching.SplitEvent) -> None:
             self.batch_events = [*self.batch_events[-19:], event.to_dict()]

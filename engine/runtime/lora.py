@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engine.runtime import family_hooks
 from engine.errors import EngineError
 from engine.contract.plugins import Registry
 from engine.preflight.lora import LoraFile
@@ -193,7 +194,7 @@ class HookAdapters:
                 f"{file.path} also adapts {', '.join(others)}; {type(self.pipe).__name__} has no "
                 f"diffusers LoRA loader, so only {self.family.denoiser} LoRAs load"
             )
-        self.registry.lora_load(self.family, self.pipe, {k[len(prefix):]: v for k, v in state.items()}, name)
+        family_hooks.lora_load(self.registry, self.family, self.pipe, {k[len(prefix):]: v for k, v in state.items()}, name)
 
     def delete(self, names: list[str]) -> None:
         from engine.runtime.adapters import delete

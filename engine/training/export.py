@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.runtime import family_hooks
 from engine.runtime.kohya import OutFeatures, kohya_state_dict
 from engine.contract.types import FamilySpec
 
@@ -128,7 +129,7 @@ def save_lora(
         return both
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    state = registry.lora_state_dict(plan.family, denoiser)  # engine_lora_state_dict
+    state = family_hooks.lora_state_dict(registry, plan.family, denoiser)  # engine_lora_state_dict
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
     prefix = plan.family.denoiser
     saver = getattr(type(pipe), "save_lora_weights", None)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine.runtime import family_hooks
 from engine.errors import EngineError
 from engine.contract.family_runtime import load_runtime
 from engine.runtime import flags
@@ -322,7 +323,7 @@ def _add_lora(plan: TrainingPlan, denoiser: torch.nn.Module, registry: Registry)
         init_lora_weights="gaussian",
         target_modules=list(plan.lora_targets),
     )
-    how = registry.lora_add(plan.family, denoiser, lora)
+    how = family_hooks.lora_add(registry, plan.family, denoiser, lora)
     for param in denoiser.parameters():
         if param.requires_grad:  # the base was frozen before: only the adapter trains
             param.data = param.data.float()  # the adapter trains in fp32 over any base
