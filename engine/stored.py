@@ -21,7 +21,8 @@ folder, a shared outputs folder, a planted file. Every such read goes through he
 
 Sizes and times a limit acts on (a gallery's bytes and ages) are read from the file
 system by their users, never from a record. Standard library and pydantic only (the
-base room: everything may import it).
+base room: everything may import it); pydantic is imported when a record is first read,
+so the light paths that import this module (the hardware probe) stay free of it.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ import re
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
-
-from pydantic import TypeAdapter, ValidationError
-from pydantic_core import from_json, to_json
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.errors import EngineError
 from engine.places import within
+
+if TYPE_CHECKING:
+    from pydantic import TypeAdapter
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,7 @@ class UnreadableRecord(EngineError, ValueError):
 
     def __init__(self, path: Path, problem: str, *, field: str | None = None) -> None:
         where = f"{path}" + (f" (field {field!r})" if field else "")
-        super().__init__(f"the record {where} cannot be used: {problem}; it is skipped "
-                         "(remove or restore it)")
+        super().__init__(f"the record {where} cannot be used: {problem}")
         self.path, self.field, self.problem = path, field, problem
 
 
@@ -106,15 +106,6 @@ def confined_file(root: Path | str, name: str) -> Path | None:
     return path
 
 
-def file_size(root: Path | str, name: str) -> int | None:
-    """The bytes of a confined file (:func:`confined_file`), or None."""
-    path = confined_file(root, name)
-    try:
-        return None if path is None else os.stat(path).st_size
-    except OSError:
-        return None
-
-
 def read_json(path: Path | str, *, root: Path | str | None = None, max_bytes: int = MAX_RECORD_BYTES) -> Any:
     """The JSON value in ``path`` (inside ``root`` when given, see :func:`confined_file`),
     its size bounded before it is read and its nesting by the parser.
@@ -124,11 +115,12 @@ def read_json(path: Path | str, *, root: Path | str | None = None, max_bytes: in
         raise UnreadableRecord(path, f"it is not a regular file inside {root}")
     try:
         with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode):
                 raise UnreadableRecord(path, "it is not a regular file")
-            if size > max_bytes:
-                raise UnreadableRecord(path, f"it holds {size} bytes, more than the {max_bytes} such a record may")
+            if info.st_size > max_bytes:
+                raise UnreadableRecord(path, f"it holds {info.st_size} bytes, more than the {max_bytes} "
+                                       "such a record may")
             data = handle.read(max_bytes + 1)
     except OSError as exc:
         raise UnreadableRecord(path, f"it cannot be read ({exc.strerror or exc})") from None
@@ -137,10 +129,13 @@ def read_json(path: Path | str, *, root: Path | str | None = None, max_bytes: in
 
 def parse_json(data: bytes | str, path: Path | str = "<record>") -> Any:
     """``data`` as JSON, nesting bounded by the parser (a :class:`UnreadableRecord` for ``path``)."""
+    from pydantic_core import from_json
+
     try:
         return from_json(data)
     except ValueError as exc:
-        problem = "it nests deeper than any record this engine writes" if "recursion limit" in str(exc) else f"it is not JSON ({str(exc)[:120]})"
+        deep = "recursion limit" in str(exc)
+        problem = "it nests deeper than any record this engine writes" if deep else f"it is not JSON ({str(exc)[:120]})"
         raise UnreadableRecord(Path(path), problem) from None
 
 
@@ -148,6 +143,9 @@ def validated(path: Path | str, schema: type[T], value: Any, *,
               identity: Mapping[str, object] | None = None) -> T:
     """``value`` (read from ``path``) as ``schema``, strictly; ``identity`` (what the record's
     place says it is) replaces the same fields in it. Raises :class:`UnreadableRecord`."""
+    from pydantic import ValidationError
+    from pydantic_core import to_json
+
     path = Path(path)
     if identity is not None:
         if not isinstance(value, dict):
@@ -184,7 +182,7 @@ def records_in(root: Path | str, schema: type[T], *, suffix: str, stem: re.Patte
         try:
             yield key, read_record(Path(root) / name, schema, root=root, identity=identity(key), max_bytes=max_bytes)
         except UnreadableRecord as exc:
-            log.warning("%s", exc.message)
+            log.warning("%s; skipped (remove or restore it)", exc.message)
 
 
 #: One pydantic adapter per record type (building one costs more than a small record's read).
@@ -192,10 +190,12 @@ _ADAPTERS: dict[object, TypeAdapter[Any]] = {}
 
 
 def _adapter(schema: Any) -> TypeAdapter[Any]:
+    from pydantic import TypeAdapter
+
     if schema not in _ADAPTERS:
         _ADAPTERS[schema] = TypeAdapter(schema)
     return _ADAPTERS[schema]
 
 
-__all__ = ["MAX_RECORD_BYTES", "UnreadableRecord", "UnsafeRoot", "confined_file", "confined_root", "file_size",
+__all__ = ["MAX_RECORD_BYTES", "UnreadableRecord", "UnsafeRoot", "confined_file", "confined_root",
            "parse_json", "plain_name", "read_json", "read_record", "records_in", "validated"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -76,6 +76,17 @@ def test_the_request_vocabulary_is_a_leaf() -> None:
     assert not below, below
 
 
+def test_reading_records_back_loads_no_pydantic_on_the_light_paths() -> None:
+    """The hardware probe reads its GEMM cache through engine.stored; importing them loads no
+    pydantic (it comes with the first record validated), so the probe stays as light as it was."""
+    import subprocess
+    import sys
+
+    code = "import sys, engine.stored, engine.hardware.probe; print('pydantic' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "False"
+
+
 def test_plugin_api_1_spellings_are_the_contract_modules_themselves() -> None:
     """``from engine.types import FamilySpec`` (plugin API 1) gets the contract's own class: one
     module object under two names, so a patch or an ``isinstance`` through either holds for both."""

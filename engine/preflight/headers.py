@@ -116,10 +116,8 @@ def read_safetensors_file(file: Path) -> tuple[dict[str, dict[str, object]], int
             header = stored.parse_json(handle.read(length), file)
     except (OSError, struct.error) as exc:
         raise ValueError(getattr(exc, "strerror", None) or str(exc) or type(exc).__name__) from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"the header is not UTF-8 JSON ({exc.reason})") from None
-    except RecursionError:
-        raise ValueError("the header nests too deeply to be a tensor index") from None
+    except stored.UnreadableRecord as exc:  # not UTF-8 JSON, or nested past the parser's bound
+        raise ValueError(f"its header: {exc.problem}") from None
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
     metadata = header.pop("__metadata__", None)

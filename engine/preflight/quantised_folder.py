@@ -134,27 +134,30 @@ def _judge_tensors(weights: Path, marker: StoredMarker) -> None:
         raise _refused(weights, "__metadata__.tensor_names", "it is not a list of tensor names (dense weights "
                        "under the marker, or metadata removed)")
     claimed: set[str] = set()
+    layers = 0
     for name in names:
-        claimed.update(_judge_tensor(weights, header, name, _metadata(weights, metadata, name), marker))
+        tensors, quantised = _judge_tensor(weights, header, name, _metadata(weights, metadata, name), marker)
+        claimed |= tensors
+        layers += quantised
     leftover = sorted(set(header) - claimed)
     if leftover:
         raise _refused(weights, leftover[0], "a tensor the metadata does not name")
-    layers = sum(1 for name in names if f"{name.rpartition('.')[0]}._{name.rpartition('.')[2]}_qdata" in claimed)
     if layers != marker.layers:
         raise _refused(weights, "__metadata__", f"it holds {layers} {quantised_class} layers where the marker "
                        f"says {marker.layers}")
 
 
 def _judge_tensor(weights: Path, header: dict[str, dict[str, object]], name: str, entry: object,
-                  marker: StoredMarker) -> set[str]:
-    """The header tensors one metadata entry claims, once they are what it says."""
+                  marker: StoredMarker) -> tuple[set[str], bool]:
+    """The header tensors one metadata entry claims, once they are what it says, and whether
+    it is a quantised layer."""
     quantised_class, data_dtype = QUANTISED_CLASS[marker.scheme]
     field = f"__metadata__.{name}"
     kind = entry.get("_type") if isinstance(entry, dict) else None
     if kind == "Tensor":
         if name not in header or header[name].get("dtype") not in PLAIN_DTYPES:
             raise _refused(weights, field, "a plain tensor that is missing or not a float tensor")
-        return {name}
+        return {name}, False
     if kind != quantised_class or not isinstance(entry, dict):
         raise _refused(weights, f"{field}._type", f"{str(kind)[:80]!r} is not a tensor class the engine loads "
                        f"for {marker.scheme} ({quantised_class} or a plain Tensor)")
@@ -176,7 +179,7 @@ def _judge_tensor(weights: Path, header: dict[str, dict[str, object]], name: str
     wrong = [(part, other[0]) for part, other in rows if isinstance(other, list) and other and other[0] != shape[0]]
     if wrong:
         raise _refused(weights, field, f"its {wrong[0][0]} has {wrong[0][1]} rows where qdata has {shape[0]}")
-    return set(flat.values())
+    return set(flat.values()), True
 
 
 def _metadata(weights: Path, metadata: dict[str, str], key: str) -> Any:

@@ -55,6 +55,7 @@ import torch
 from pydantic import Field
 
 from engine import stored
+from engine.places import data_home, keys_home, within
 
 KILL_SWITCH = "DIFFUSION_ENGINE_COMPILE_CACHE"
 #: The per-user key that signs every artifact file this user's processes write.
@@ -86,8 +87,6 @@ def private_folder(folder: Path) -> Path:
 
 def key_path() -> Path:
     """The signing key's file: ``compile-cache.key`` in :func:`engine.places.keys_home`."""
-    from engine.places import keys_home
-
     return keys_home() / KEY_NAME
 
 
@@ -95,8 +94,6 @@ def user_key(signs: Path) -> bytes:
     """The per-user signing key (made once, 0600) for the cache folder ``signs``; refused if
     anyone else could read or write it, or if it lies inside the folder it signs (a copied
     folder would bring its own key)."""
-    from engine.places import within
-
     path = key_path()
     if within(signs, path):
         raise Untrusted(f"the signing key {path} lies inside the cache folder it signs; "
@@ -165,8 +162,6 @@ def checked_artifacts(data: bytes) -> Any:
 
 def cache_folder() -> Path:
     """``compile-cache`` in the engine's data folder, beside the runs (:func:`engine.places.data_home`)."""
-    from engine.places import data_home
-
     return data_home() / "compile-cache"
 
 
@@ -220,7 +215,7 @@ class CompileCache:
         parts = {"environment": environment(), "model": model_identity(location), "compiled": compiled}
         key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
         cache = cls(folder or cache_folder(), key)
-        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        with contextlib.suppress(stored.UnreadableRecord):
             cache.shapes = set(cache._read_manifest().shapes)
         return cache
 

@@ -15,7 +15,6 @@ from typing import Any
 
 from engine.contract.registry import Registry
 from engine.contract.types import FamilySpec
-from engine.errors import PluginError
 
 
 def lora_add(registry: Registry, family: FamilySpec, denoiser: Any, config: Any, adapter_name: str = "default") -> str:
@@ -55,13 +54,10 @@ def lora_load(registry: Registry, family: FamilySpec, pipeline: Any, state_dict:
 def pipeline_output(registry: Registry, family: FamilySpec, pipeline: Any, result: Any) -> list[Any]:
     """One pipeline call's outputs, one per prompt (images, or each clip's frames)."""
     answer = registry.answer("engine_pipeline_output", family=family, pipeline=pipeline, result=result)
-    if answer is None:
+    if answer is None:  # the default reads the family's output kind, or refuses (unreadable_output)
         from engine.runtime.outputs import pipeline_output as read
 
         answer = read(family.output, result)
-    if answer is None:
-        raise PluginError(f"no plugin read the output of {type(result).__name__} for {family.name}",
-                          code="unreadable_output")
     return list(answer)
 
 

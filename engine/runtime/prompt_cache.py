@@ -120,7 +120,7 @@ class PromptCache:
 
         if not path.exists() and not path.is_symlink():
             return None
-        if stored.confined_file(self.folder, path.name) is None or path.is_symlink():
+        if path.is_symlink() or stored.confined_file(self.folder, path.name) is None:
             log.warning("prompt cache entry %s is not a file of the cache (a link?); encoding again", path.name)
             return None
         try:
