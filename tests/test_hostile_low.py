@@ -80,6 +80,7 @@ def test_a_host_header_with_a_control_character_is_refused(url: str, host: str) 
 def test_the_servers_token_never_reaches_a_child_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Trainers and the fork server get child_env(); the stable-diffusion.cpp worker gets
     child_environment(): neither carries DIFFUSION_ENGINE_TOKEN. A real child checks."""
+    import os
     import subprocess
     import sys
 
@@ -88,7 +89,7 @@ def test_the_servers_token_never_reaches_a_child_process(monkeypatch: pytest.Mon
 
     monkeypatch.setenv("DIFFUSION_ENGINE_TOKEN", "the-servers-secret")
     for env in (child_env(), child_environment(OMP_NUM_THREADS="1")):
-        assert "DIFFUSION_ENGINE_TOKEN" not in env and env.get("PATH") == __import__("os").environ.get("PATH")
+        assert "DIFFUSION_ENGINE_TOKEN" not in env and env.get("PATH") == os.environ.get("PATH")
         shown = subprocess.run([sys.executable, "-c", "import os; print(dict(os.environ))"], env=env,
                                capture_output=True, text=True, timeout=120, check=True).stdout
         assert "the-servers-secret" not in shown
