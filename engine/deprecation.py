@@ -10,8 +10,11 @@ Every shim is registered in :data:`SHIMS`, the list the migration notes and
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from engine.version import __version__
 
@@ -74,3 +77,36 @@ def deprecate(shim: Shim, *, stacklevel: int = 3, version: str = __version__) ->
                           f"delete the shim (callers write {shim.new})")
     warnings.warn(f"{shim.old} is deprecated and will be removed in {shim.removed_in}; use {shim.new}",
                   EngineDeprecationWarning, stacklevel=stacklevel)
+
+
+class moved:  # noqa: N801 - used as a decorator-like field, as ``property`` is
+    """A method whose spelling moved: ``Engine.load`` -> ``Engine.images.load``.
+
+    ``path``: where it lives now, dotted from the instance (``images.load``). It still
+    works until its shim's release, warning once per call with the new spelling;
+    ``adapt`` turns the new method's answer into the old one's shape. ``old`` defaults
+    to ``Owner.attr()`` (the class it is set on)."""
+
+    def __init__(self, old: str | None, new: str, path: str, adapt: Callable[[Any], Any] | None = None) -> None:
+        self.old, self.new, self.path, self.adapt = old, new, path, adapt
+        self.shim: Shim | None = None
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        self.shim = register(self.old or f"{owner.__name__}.{attr}()", self.new)
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        target = instance
+        for name in self.path.split("."):
+            target = getattr(target, name)
+        shim, adapt = self.shim, self.adapt
+        assert shim is not None
+
+        @functools.wraps(target)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            deprecate(shim)
+            answer = target(*args, **kwargs)
+            return adapt(answer) if adapt is not None else answer
+
+        return call

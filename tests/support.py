@@ -1,18 +1,27 @@
-"""Test support: fake *distributions* (real entry points on a real sys.path).
+"""Test support, one module, one name per helper.
 
-Plugins reach the engine through ``importlib.metadata`` entry points. To test
-that path without pip-installing anything, a fixture writes a ``.dist-info``
-folder beside the plugin's module; importlib finds it exactly as it finds an
-installed package. Only the hardware is ever faked, never the engine.
+- fake *distributions* (real entry points on a real sys.path): plugins reach the
+  engine through ``importlib.metadata`` entry points; a fixture writes a
+  ``.dist-info`` folder beside the plugin's module, and importlib finds it exactly
+  as it finds an installed package;
+- a real server on a loopback port (:class:`LiveServer`), a host model that counts
+  its evictions (:class:`HostModel`);
+- counters: the calls of a decision (:func:`counted`) and the calls a face makes
+  into the engine (:func:`engine_calls`).
+
+Only the hardware is ever faked, never the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -120,3 +129,64 @@ class HostModel:
 
     def evict(self) -> None:
         self.evicted += 1
+
+
+@contextlib.contextmanager
+def counted(*functions: Callable[..., object]) -> Iterator[Counter[str]]:
+    """Count the outermost calls of ``functions`` through every engine module that binds them."""
+    calls: Counter[str] = Counter()
+    depth = Counter[str]()
+    patches = []
+    for function in functions:
+        name = function.__name__
+
+        def wrapper(*args: object, _f: Callable[..., object] = function, _n: str = name, **kwargs: object) -> object:
+            if depth[_n] == 0:
+                calls[_n] += 1
+            depth[_n] += 1
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                depth[_n] -= 1
+
+        for module in list(sys.modules.values()):
+            if getattr(module, "__name__", "").startswith(("engine.", "families.")) and getattr(module, name, None) is function:
+                patches.append((module, name, function))
+                setattr(module, name, wrapper)
+    try:
+        yield calls
+    finally:
+        for module, name, function in patches:
+            setattr(module, name, function)
+
+
+@contextlib.contextmanager
+def engine_calls(*parts: type) -> Iterator[list[str]]:
+    """The calls a face makes into the engine: every public method of ``parts`` (the facade's
+    classes) recorded as ``Class.method`` when no other engine method is running (the
+    outermost ones: ``images.load`` calling the loaded model's ``load`` is one call)."""
+    calls: list[str] = []
+    depth = [0]
+    patches = []
+    for part in parts:
+        for name, function in list(vars(part).items()):
+            if name.startswith("_") or not inspect.isfunction(function):
+                continue
+
+            def wrapper(*args: object, _f: Callable[..., object] = function, _n: str = f"{part.__name__}.{name}",
+                        **kwargs: object) -> object:
+                if depth[0] == 0:
+                    calls.append(_n)
+                depth[0] += 1
+                try:
+                    return _f(*args, **kwargs)
+                finally:
+                    depth[0] -= 1
+
+            patches.append((part, name, function))
+            setattr(part, name, wrapper)
+    try:
+        yield calls
+    finally:
+        for part, name, function in patches:
+            setattr(part, name, function)

@@ -17,11 +17,11 @@ import pytest
 from engine import Engine
 from engine.deprecation import SHIMS, EngineDeprecationWarning, ShimExpired, deprecate, version_tuple
 from engine.hardware.presets import preset
-from engine.service.facade import _Moved
+from engine.deprecation import moved as Moved
 from engine.version import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
-MOVED = {name: value for name, value in vars(Engine).items() if isinstance(value, _Moved)}
+MOVED = {name: value for name, value in vars(Engine).items() if isinstance(value, Moved)}
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +33,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
 def test_every_old_method_names_a_method_of_a_part_with_the_same_parameters(engine: Engine) -> None:
     assert len(MOVED) >= 38
     for name, moved in MOVED.items():
-        target = getattr(getattr(engine, moved.part), moved.name)
+        part, new_name = moved.path.split(".")
+        target = getattr(getattr(engine, part), new_name)
         assert callable(target), name
-        assert moved.shim is not None and moved.shim.new == f"Engine.{moved.part}.{moved.name}()"
+        assert moved.shim is not None and moved.shim.new == f"Engine.{part}.{new_name}()"
         assert inspect.signature(getattr(engine, name)) == inspect.signature(target), name
 
 
@@ -97,9 +98,10 @@ def test_the_facade_is_composed_not_mixed_in() -> None:
     """``Engine`` inherits nothing but object; its parts are classes of their own that share no base."""
     assert Engine.__mro__ == (Engine, object)
     engine = Engine(hardware=preset("cpu"))
-    parts = [engine.images, engine.training, engine.datasets, engine.catalog]
+    parts = [engine.loaded, engine.images, engine.videos, engine.training, engine.datasets, engine.catalog]
     assert all(type(part).__mro__[1:] == (object,) for part in parts)
-    assert engine.images._slot is engine.training._slot  # noqa: SLF001 - one job slot for every GPU job
+    assert engine.loaded._slot is engine.training._slot  # noqa: SLF001 - one job slot for every GPU job
+    assert engine.images._loaded is engine.videos._loaded is engine.loaded  # noqa: SLF001 - one loaded model
 
 
 class _Namespaced:
@@ -109,8 +111,8 @@ class _Namespaced:
         self._engine = engine
 
     def __getattr__(self, name: str) -> object:
-        moved = MOVED[name]
-        return getattr(getattr(self._engine, moved.part), moved.name)
+        part, new_name = MOVED[name].path.split(".")
+        return getattr(getattr(self._engine, part), new_name)
 
 
 def _plain(answer: object) -> object:

@@ -366,10 +366,9 @@ def test_a_reference_under_64_pixels_is_refused_before_anything_loads(
     folder = tiny_pipeline("flux2")
     engine = Engine(registry=REGISTRY, hardware=PRESETS["h100"])
     host = HostModel(engine)
-    ticket = engine.images.check_load(str(folder))
-    engine.videos.check_door(ticket, GenerateBody(prompt="a fox", image=[str(big), str(big)]), video_file=False)
+    engine.images.check_generate(GenerateBody(prompt="a fox", model=str(folder), image=[str(big), str(big)]))
     with pytest.raises(EngineError) as refused:
-        engine.videos.check_door(ticket, GenerateBody(prompt="a fox", image=[str(big), str(small)]), video_file=False)
+        engine.images.check_generate(GenerateBody(prompt="a fox", model=str(folder), image=[str(big), str(small)]))
     assert refused.value.code == "invalid_image" and "image[1] is 96x32" in refused.value.message
     assert "at least 64 pixels" in refused.value.message and host.evicted == 0
 

@@ -38,24 +38,26 @@ class WatchedEngine(Engine):
         self.loads: list[str] = []
         self.hold: threading.Event | None = None
         self.holding = threading.Event()
-        generate, load = self.images.generate, self.images.load
+        run, load = self.loaded.run, self.loaded.load
 
-        def watched(prompt: GenerateBody, **options: Any) -> list[Any]:
-            session = self.images.session
-            self.ran.append((prompt.prompt, Path(session.source.location).name if session else "-"))
+        def watched(ticket: Any, *args: Any, **options: Any) -> list[Any]:
             gate = self.hold
             if gate is not None:
                 self.holding.set()
                 gate.wait(timeout=120)
-            return generate(prompt, **options)
+            try:
+                return run(ticket, *args, **options)
+            finally:  # the model it ran on: its own, loaded at its turn when another was in
+                session = self.loaded.session
+                self.ran.append((ticket.body.prompt, Path(session.source.location).name if session else "-"))
 
-        def counted(model: Any, **options: Any) -> dict[str, object]:
-            status = load(model, **options)
-            self.loads.append(Path(str(self.images.session.source.location)).name)  # type: ignore[union-attr]
+        def counted(ticket: Any) -> dict[str, object]:
+            status = load(ticket)
+            self.loads.append(Path(str(self.loaded.session.source.location)).name)  # type: ignore[union-attr]
             return status
 
-        self.images.generate = watched  # type: ignore[method-assign]
-        self.images.load = counted  # type: ignore[method-assign]
+        self.loaded.run = watched  # type: ignore[method-assign]
+        self.loaded.load = counted  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")
@@ -208,5 +210,5 @@ def test_a_replica_never_switches_models(tiny_pipeline: Callable[[str], Path]) -
         other = httpx.post(f"{url}/v1/images/jobs", json={"prompt": "x", "model": "zimage", **SMALL})
         assert other.status_code == 409 and other.json()["error"]["code"] == "not_with_replicas"
         own = httpx.post(f"{url}/v1/images/generate", json={"prompt": "x", "model": "sdxl", **SMALL}, timeout=120)
-        assert own.status_code == 200 and engine.images.loaded_target().family.name == "sdxl"  # type: ignore[union-attr]
+        assert own.status_code == 200 and engine.loaded.target().family.name == "sdxl"  # type: ignore[union-attr]
     engine.images.unload()

@@ -72,14 +72,12 @@ def test_more_images_than_a_checkpoint_takes_are_refused_before_eviction(folders
     engine = Engine(registry=REGISTRY, hardware=probe(verify=False))
     host = HostModel(engine)
     images = [str(folders["inputs"] / "a.png"), str(folders["inputs"] / "b.png")]
-    single = engine.images.check_load(str(folders["single"]))
     with pytest.raises(EngineError) as one_only:
-        engine.videos.check_door(single, GenerateBody(prompt=PROMPT, image=images), video_file=False)
+        engine.images.check_generate(GenerateBody(prompt=PROMPT, model=str(folders["single"]), image=images))
     assert one_only.value.code == "too_many_images"
     assert "qwen-image-edit-2509 (up to 3), qwen-image-edit-2511 (up to 3)" in one_only.value.message
-    plus = engine.images.check_load(str(folders["plus"]))
     with pytest.raises(EngineError, match="at most 3") as four:
-        engine.videos.check_door(plus, GenerateBody(prompt=PROMPT, image=images * 2), video_file=False)
+        engine.images.check_generate(GenerateBody(prompt=PROMPT, model=str(folders["plus"]), image=images * 2))
     assert four.value.code == "too_many_images"
     assert host.evicted == 0 and engine.images.session is None
 

@@ -28,7 +28,7 @@ from engine.policy.plan import InferenceRequest
 from families.flux.sdcpp_files import write_tiny
 from tests.support import HostModel
 
-SMALL = {"width": 32, "height": 32, "steps": 2}
+SMALL = {"width": 64, "height": 64, "steps": 2}  # the smallest side a request takes (MIN_SIDE)
 #: This machine may multiply bf16 natively (then auto keeps torch, measured faster): ask for sd.cpp.
 SDCPP = InferenceRequest(engine="sdcpp")
 
@@ -174,12 +174,11 @@ def test_generate_runs_on_sdcpp_and_the_cli_gives_the_same_pixels(
         __import__("os").environ.get("OMP_NUM_THREADS") or engine.hardware().physical_cores)
     worker = status["sdcpp"]["worker_pid"]
     steps: list[tuple[int, int]] = []
-    first = engine.images.generate("a red fox", seed=7, progress=lambda s, t: steps.append((s, t)),
-                            **{**SMALL, "width": 64, "height": 64})  # the request vocabulary's smallest side
-    other = engine.images.generate("a red fox", seed=8, **SMALL)
+    first = engine.images.generate("a red fox", seed=7, progress=lambda s, t: steps.append((s, t)), **SMALL)
+    other = engine.images.generate("a red fox", seed=8, **{**SMALL, "width": 80, "height": 80})
     assert steps == [(1, 2), (2, 2)]
     assert first[0].size == (64, 64) and first[0].mode == "RGB"
-    assert other[0].size == (32, 32) and not (pixels(first[0])[:32, :32] == pixels(other[0])).all()
+    assert other[0].size == (80, 80) and not (pixels(first[0]) == pixels(other[0])[:64, :64]).all()
     assert engine.status()["pipeline"]["sdcpp"]["worker_pid"] == worker  # one context, reused
     engine.images.unload()
     out = tmp_path / "fox.png"
@@ -213,7 +212,7 @@ def test_cancel_stops_after_the_step_and_the_next_generate_restarts_the_worker(s
         engine.images.generate("a fox", mask_image=before[0], image=before[0], **SMALL)
     assert refused.value.code == "unsupported_on_sdcpp"
     redrawn = engine.images.generate("a fox", image=before[0], strength=0.5, seed=2, **SMALL)  # img2img: the binding's
-    assert redrawn[0].size == (32, 32) and not (pixels(redrawn[0]) == pixels(before[0])).all()
+    assert redrawn[0].size == (64, 64) and not (pixels(redrawn[0]) == pixels(before[0])).all()
     held = engine.available_memory().to_dict()
     assert any(r["name"] == "engine.pipeline" and r["gb"] == pytest.approx(engine.images.loaded_plan().sdcpp.gb, abs=0.01)
                for r in held["releasable"]), held  # the files as stored, not the torch estimate
@@ -305,7 +304,7 @@ def test_a_worker_silent_past_its_step_timeout_is_killed_and_the_next_generate_r
     # The watchdog is proven; the restart's reload may take over 2 s on a busy machine.
     engine.images.session.step_timeout = 120.0  # type: ignore[union-attr]
     image = engine.images.generate("a fox", seed=1, **SMALL)[0]  # a new worker, reloaded
-    assert image.size == (32, 32) and engine.status()["pipeline"]["sdcpp"]["restarts"] == 1
+    assert image.size == (64, 64) and engine.status()["pipeline"]["sdcpp"]["restarts"] == 1
     engine.images.unload()
 
 

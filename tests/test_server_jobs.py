@@ -5,6 +5,8 @@ that queue instead of refusing each other."""
 
 from __future__ import annotations
 
+from engine.service.tickets import GenerateTicket
+
 import base64
 import io
 import json
@@ -36,7 +38,7 @@ SMALL = {"steps": 1, "width": 64, "height": 64}
 class GatedEngine(Engine):
     """The real engine with its generate calls counted (by prompt), and a gate:
     while ``hold`` is set, the next call waits for it before it generates. The server
-    passes the typed request (a GenerateBody), as the CLI does; anything else fails the call."""
+    passes the checked request (a GenerateTicket), as the CLI does; anything else fails the call."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -45,9 +47,9 @@ class GatedEngine(Engine):
         self.holding = threading.Event()
         generate = self.images.generate
 
-        def gated(prompt: GenerateBody, **options: Any) -> list[Any]:
-            assert isinstance(prompt, GenerateBody), f"the server passed {type(prompt).__name__}, not the typed request"
-            self.calls.append(prompt.prompt)
+        def gated(prompt: GenerateTicket, **options: Any) -> list[Any]:
+            assert isinstance(prompt, GenerateTicket), f"the server passed {type(prompt).__name__}, not a ticket"
+            self.calls.append(prompt.body.prompt)
             gate = self.hold
             if gate is not None:
                 self.holding.set()

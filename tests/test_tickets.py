@@ -9,11 +9,8 @@ them, and change the files, the machine and the free memory between check and lo
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,35 +22,7 @@ from engine.policy import inference
 from engine.preflight import model as preflight_model
 from engine.requests.machine import MachineRequest
 from engine.service.tickets import REPLAN_MARGIN_GB
-
-
-@contextlib.contextmanager
-def counted(*functions: Callable[..., object]) -> Iterator[Counter[str]]:
-    """Count the outermost calls of ``functions`` through every engine module that binds them."""
-    calls: Counter[str] = Counter()
-    depth = Counter[str]()
-    patches = []
-    for function in functions:
-        name = function.__name__
-
-        def wrapper(*args: object, _f: Callable[..., object] = function, _n: str = name, **kwargs: object) -> object:
-            if depth[_n] == 0:
-                calls[_n] += 1
-            depth[_n] += 1
-            try:
-                return _f(*args, **kwargs)
-            finally:
-                depth[_n] -= 1
-
-        for module in list(sys.modules.values()):
-            if getattr(module, "__name__", "").startswith(("engine.", "families.")) and getattr(module, name, None) is function:
-                patches.append((module, name, function))
-                setattr(module, name, wrapper)
-    try:
-        yield calls
-    finally:
-        for module, name, function in patches:
-            setattr(module, name, function)
+from tests.support import counted
 
 
 @pytest.mark.slow
@@ -104,7 +73,7 @@ def test_free_memory_that_moved_is_planned_again_and_a_small_move_is_not(tiny_pi
     engine = Engine(hardware=MachineRequest(preset="rtx4090"))
     ticket = engine.images.check_load(str(tiny_pipeline("sdxl")))
     with counted(inference.plan_inference) as calls:
-        assert engine.images._checks.recheck(ticket).plan is ticket.plan  # noqa: SLF001 - nothing moved
+        assert engine.loaded.checks.recheck(ticket).plan is ticket.plan  # noqa: SLF001 - nothing moved
     assert calls["plan_inference"] == 0
     small = preset("rtx4090").replace(free_memory_gb=(ticket.available_gb + REPLAN_MARGIN_GB / 2))
     moved = preset("rtx4090").replace(free_memory_gb=(ticket.available_gb - 4 * REPLAN_MARGIN_GB))
@@ -113,7 +82,7 @@ def test_free_memory_that_moved_is_planned_again_and_a_small_move_is_not(tiny_pi
         mine = other.images.check_load(str(tiny_pipeline("sdxl")))
         other.machine._given = preset("rtx4090")  # noqa: SLF001 - the GPU's free memory changed under the ticket
         with counted(inference.plan_inference) as calls:
-            other.images._checks.recheck(mine)  # noqa: SLF001
+            other.loaded.checks.recheck(mine)  # noqa: SLF001
         assert calls["plan_inference"] == replans, (profile.free_memory_gb, calls)
 
 

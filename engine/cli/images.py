@@ -118,6 +118,7 @@ def _shown(value: object) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """One engine question (the ticket: every check, each decision once), then load, generate."""
     from engine import Engine
 
     controls = plan_controls(args)
@@ -127,71 +128,60 @@ def cmd_generate(args: argparse.Namespace) -> int:
     paths = output_paths(args.output, len(items), overwrite=args.overwrite)
     if not args.json:  # before torch and diffusers are imported: a cold start is many seconds of silence
         print(starting_line(args, len(items), paths[0]), file=sys.stderr, flush=True)
-    video = paths[0].suffix.lower() == ".mp4"
-    engine = Engine(allow_download=download_allowed(args))
-    engine.images.check_generate(body)  # input images: present, readable, within the caps
-    if args.tiny:
-        engine.catalog.family(args.tiny)  # an unknown family before anything is built
     request = controls.request()
     if args.tiny and request.steps is None:
         request = dataclasses.replace(request, steps=body.steps)
-    # The activation guard sizes the plan for this image size and batch.
-    request = dataclasses.replace(request, width=body.width, height=body.height, count=len(items))
-    loras = [f"{lora.path}:{lora.scale}" for lora in body.loras or ()]
     startup = StartUp()
-    with tempfile.TemporaryDirectory(prefix="diffusion-engine-tiny-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="diffusion-engine-tiny-") as scratch, \
+            Engine(allow_download=download_allowed(args)) as engine:  # unloaded before its folder goes
+        door = engine.videos if paths[0].suffix.lower() == ".mp4" else engine.images
         model = _tiny_model(args, engine, Path(scratch), startup) if args.tiny else args.model
-        load = {"base": args.base, "family": args.family, "request": request, "loras": loras,
-                "controlnet": args.controlnet}
         checking = time.perf_counter()
-        ticket = engine.images.check_load(model, **load)  # every refusal a load gives, before anything heavy
-        plan = ticket.plan
-        shape = engine.videos.check_door(ticket, body, video_file=video)  # the door; a clip's shape gate
-        weights = engine.images.weights(ticket)
+        ticket = door.check_generate(body.model_copy(update={"model": model}), base=args.base, family=args.family,
+                                     request=request, controlnet=args.controlnet)  # every refusal, nothing heavy
         startup.checks = time.perf_counter() - checking
+        plan, weights = ticket.plan, ticket.target.ticket.weights
         if not weights["here"] and plan.sdcpp is None:  # sd.cpp reads the files beside the model: no download
             print(f"downloading {weights['repo']}: about {weights['download_gb']} GB into the hub cache",
                   file=sys.stderr)
         overridden = report_overrides(plan.controls, strict=args.strict)
-        startup.imports += _import_runtime(args, engine)  # start-up, not the model's load
+        if not args.tiny:
+            startup.imports += _import_runtime(args, engine)  # start-up, not the model's load
         started = time.perf_counter()
-        engine.images.load(ticket)  # the ticket's decisions, re-checked only where they can have changed
+        status = door.load(ticket)  # the ticket's decisions, re-checked only where they can have changed
         loaded = time.perf_counter()
-        try:
-            status = engine.status()["pipeline"] or {}
-            overridden += report_overrides(_controls(engine), strict=args.strict,
-                                           already=[o["control"] for o in overridden])
-            if shape is not None:
-                clip = engine.videos.generate(body, progress=None if args.json else progress_bar())
-                clip.save(paths[0])
-                times = {**startup.to_dict(started - PROCESS_STARTED), "load_s": loaded - started,
-                         "generate_s": time.perf_counter() - loaded}
-                return report_clip(args, paths[0], clip, seed, times, overridden)
-            images = engine.images.generate(body, progress=None if args.json else progress_bar())
-            status = engine.status()["pipeline"] or {}
-        finally:
-            engine.images.unload()
+        overridden += report_overrides(_controls(status), strict=args.strict,
+                                       already=[o["control"] for o in overridden])
+        made = door.generate(ticket, progress=None if args.json else progress_bar())
     done = time.perf_counter()
+    times = {**startup.to_dict(started - PROCESS_STARTED), "load_s": loaded - started, "generate_s": done - loaded}
+    if ticket.shape is not None:
+        made.save(paths[0])
+        return report_clip(args, paths[0], made, seed, times, overridden)
+    return report_images(args, body, ticket, made, paths, status, times, overridden)
+
+
+def report_images(args: argparse.Namespace, body: Any, ticket: Any, images: list[Any], paths: list[Path],
+                  status: Mapping[str, Any], times: Mapping[str, float], overridden: list[Any]) -> int:
+    """Write the images with their PNG records; what was written, as lines or as JSON (``--json``)."""
     paths[0].parent.mkdir(parents=True, exist_ok=True)
-    steps = body.steps or plan.default_steps
-    applied = list((status.get("loras") or {}).get("applied") or [])  # type: ignore[union-attr]
+    items = body.images()
+    steps = body.steps or ticket.plan.default_steps
+    applied = list((status.get("loras") or {}).get("applied") or [])
     for index, (image, path) in enumerate(zip(images, paths)):
-        info = _png_info(body, items[index], model=ticket.source.location, steps=steps, image=image,
-                         index=index, loras=applied)
+        info = _png_info(body, items[index], model=ticket.model, steps=steps, image=image, index=index, loras=applied)
         image.save(path, pnginfo=info)
     if args.json:
         print(json.dumps({
-            "images": [str(p) for p in paths], "seed": seed,
-            **{k: round(v, 3) for k, v in startup.to_dict(started - PROCESS_STARTED).items()},
-            "load_s": round(loaded - started, 3),
-            "generate_s": round(done - loaded, 3), "overridden": overridden, "status": status,
+            "images": [str(p) for p in paths], "seed": body.seed,
+            **{k: round(v, 3) for k, v in times.items()}, "overridden": overridden, "status": status,
         }, indent=2, default=str))
         return 0
     for path, image in zip(paths, images):
         print(f"wrote {path} ({image.width}x{image.height}, {steps} steps)")
-    seeds = ", ".join(str(s) for s in body.seeds) if body.seeds else str(seed)
+    seeds = ", ".join(str(s) for s in body.seeds) if body.seeds else str(body.seed)
     print(f"seed{'s' if body.seeds else ''} {seeds}" + "".join(f", LoRA {lo['name']} x{lo['scale']:g}" for lo in applied))
-    print(f"{startup.line(started - PROCESS_STARTED)}, load {loaded - started:.2f} s, generate {done - loaded:.2f} s")
+    print(f"{StartUp.line_of(times)}, load {times['load_s']:.2f} s, generate {times['generate_s']:.2f} s")
     return 0
 
 
@@ -208,12 +198,15 @@ class StartUp:
     def to_dict(self, total: float) -> dict[str, float]:
         return {"startup_s": total, "import_s": self.imports, "build_s": self.build, "checks_s": self.checks}
 
-    def line(self, total: float) -> str:
-        parts = [f"importing torch and diffusers {self.imports:.2f} s"]
-        if self.build:
-            parts.append(f"building the tiny pipeline {self.build:.2f} s")
-        parts.append(f"checks {self.checks:.2f} s")
-        parts.append(f"Python and the engine {max(0.0, total - self.imports - self.build - self.checks):.2f} s")
+    @staticmethod
+    def line_of(times: Mapping[str, float]) -> str:
+        """The start-up line for :meth:`to_dict`'s figures."""
+        total, imports, build, checks = (times[k] for k in ("startup_s", "import_s", "build_s", "checks_s"))
+        parts = [f"importing torch and diffusers {imports:.2f} s"]
+        if build:
+            parts.append(f"building the tiny pipeline {build:.2f} s")
+        parts.append(f"checks {checks:.2f} s")
+        parts.append(f"Python and the engine {max(0.0, total - imports - build - checks):.2f} s")
         return f"start-up {total:.2f} s ({', '.join(parts)})"
 
 
@@ -226,6 +219,7 @@ def starting_line(args: argparse.Namespace, count: int, first: Path) -> str:
 
 def _tiny_model(args: argparse.Namespace, engine: Any, scratch: Path, startup: StartUp) -> str:
     """Build ``--tiny``'s pipeline in ``scratch``, timing its imports apart from the build."""
+    engine.registry.family(args.tiny)  # an unknown family before anything is imported or built
     startup.imports += _import_runtime(args, engine)
     building = time.perf_counter()
     model = str(engine.catalog.tiny_pipeline(args.tiny, scratch / args.tiny))
@@ -266,10 +260,11 @@ def _quiet_loading(args: argparse.Namespace) -> None:
         quiet_library_logs(progress_bars=False)
 
 
-def _controls(engine: Any) -> dict[str, Any]:
-    """The loaded pipeline's controls, as the runtime recorded them (fallbacks included)."""
-    plan = engine.images.loaded_plan()
-    return dict(plan.controls) if plan is not None else {}
+def _controls(status: Mapping[str, Any]) -> dict[str, Any]:
+    """The loaded pipeline's controls, as the runtime recorded them (fallbacks included), from its status."""
+    resolved = (status.get("plan") or {}).get("resolved") or {}
+    return {name: argparse.Namespace(asked=r["requested"], value=r["value"], outcome=r["status"],
+                                     overridden=r["overridden"], reason=r["reason"]) for name, r in resolved.items()}
 
 
 def _png_info(body: Any, item: Any, *, model: str, steps: int, image: Any, index: int,

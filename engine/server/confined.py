@@ -41,7 +41,7 @@ class Confined:
     def request_model(self, value: str | None) -> str | None:
         """A request's ``model``: None where it means the loaded model (none given, a name the
         loaded model answers to, OpenAI's own names), else the model confined to the roots."""
-        if self.engine.images.serves(value):
+        if self.engine.loaded.means(value):
             return None
         if self.settings.replica:  # a replicated service serves its --load model on every replica
             raise EngineError(f"model {value[:120]!r} is not the model this replicated service serves: its replicas "  # type: ignore[index]
@@ -67,9 +67,9 @@ class Confined:
         return str(confine(value, self.settings.model_roots, "ControlNet")) if value else None
 
     def generate(self, body: GenerateBody) -> GenerateBody:
-        """The body with its input images confined to the input roots and sized from their
-        headers (a bomb is refused before it is queued or decoded), its LoRAs confined, and
-        its model confined unless it names the loaded one (blocking: run it off the loop)."""
+        """The body with its input images confined to the input roots, its LoRAs confined, and
+        its model confined unless it names the loaded one; the queue's ticket then sizes the
+        images from their headers (a bomb is refused before it is queued or decoded)."""
         update: dict[str, Any] = {"loras": self.lora_bodies(body.loras), "model": self.request_model(body.model)}
         for name in INPUT_IMAGES:
             value = getattr(body, name)
@@ -77,9 +77,7 @@ class Confined:
                 update[name] = [str(confine(each, self.settings.input_roots, "input image")) for each in value]
             elif value is not None:
                 update[name] = str(confine(value, self.settings.input_roots, "input image"))
-        confined = body.model_copy(update=update)
-        self.engine.images.check_generate(confined)  # the engine's one image check, each field by name
-        return confined
+        return body.model_copy(update=update)
 
     def training(self, body: TrainingStartBody) -> Any:
         """A training body as a config, its base, dataset, output and checkpoint confined."""

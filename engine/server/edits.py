@@ -6,8 +6,8 @@ whole body is capped by the server's body limit before a byte is read
 (:mod:`engine.server.guard`), so an upload can never exceed it; the scalar
 fields are held to the same limits as ``/v1/images/generations``
 (:class:`~engine.server.bodies.OpenAIImagesBody`). Both uploads are sized
-from their headers by the engine (:meth:`~engine.service.facade.Engine.check_image`: a bomb is refused
-before a pixel is decoded) and decoded only by the generate job, in the
+from their headers by the engine (the job's ticket, ``engine.images.check_generate``: a bomb
+is refused before a pixel is decoded) and decoded only by the generate job, in the
 queue, like every other input. OpenAI's mask marks the area to edit by full
 transparency, which the engine's mask reader honours
 (:func:`engine.runtime.inputs.read_mask`).
@@ -25,7 +25,6 @@ from pydantic import ValidationError
 from engine.errors import EngineError
 from engine.requests.bodies import MAX_INPUT_IMAGES
 from engine.server.bodies import OpenAIImagesBody
-from engine import Engine
 
 
 @dataclass(frozen=True)
@@ -36,16 +35,6 @@ class EditForm:
     mask: bytes | None
     #: Whether the client sent ``size``; without it the output keeps the input's size.
     sized: bool
-
-    def check(self, engine: Engine) -> None:
-        """Every upload sized from its header by the engine (a bomb is refused, nothing decoded)."""
-        if isinstance(self.image, list):
-            for index, image in enumerate(self.image):
-                engine.images.check_image(image, f"image[{index}]")
-        else:
-            engine.images.check_image(self.image, "image")
-        if self.mask is not None:
-            engine.images.check_image(self.mask, "mask")
 
 
 async def read_edit_form(request: Request) -> EditForm:

@@ -108,7 +108,6 @@ def openai_images_router(engine: Engine, confined: Confined, queue: JobQueue) ->
         """OpenAI's image edit: multipart ``image`` (+ ``mask``): an instruction
         edit on an edit checkpoint, inpaint with a mask, img2img otherwise."""
         form = await read_edit_form(request)
-        await run_in_threadpool(form.check, engine)
         width, height = form.body.dimensions() if form.sized else (None, None)
         inputs = {"image": form.image} if form.mask is None else {"image": form.image, "mask_image": form.mask}
         if form.body.response_format == "url":

@@ -61,12 +61,13 @@ class Job:
     """One generate request and what became of it. Mutated only under the queue's lock."""
 
     id: str
-    #: The request, as every face passes it to ``engine.images.generate`` (its paths confined).
+    #: The request as it runs (its paths confined; a clip's shape decided).
     body: GenerateBody
-    #: Images uploaded inline (OpenAI's edits), by the generate option they fill; dropped once the job ends.
-    inputs: dict[str, bytes | list[bytes]]
-    #: The model the job runs on (``engine.images.target``: the one its request named, else the
-    #: one loaded when it was queued); loaded at its turn if another is in by then.
+    #: Its checks, passed (``engine.images.check_generate``): the model, the inputs (uploads
+    #: included), the LoRAs; dropped once the job ends.
+    ticket: Any
+    #: The model the job runs on (the ticket's: the one its request named, else the one loaded
+    #: when it was queued); loaded at its turn if another is in by then.
     target: Any
     state: State = "queued"
     step: int = 0

@@ -5,9 +5,9 @@ once; ``/v1/images/generate``, ``/v1/images/generations`` and
 ``/v1/images/edits`` wait on their job), so concurrent clients queue instead
 of refusing each other. A job runs on its own model: the one its request
 named (``model``, judged against that model when it was queued, before
-anything is evicted: ``engine.images.target``), else the one loaded when it
-was queued. At its turn the worker loads that model if another is in
-(``engine.images.ensure``), so a job is never failed or drawn with another
+anything is evicted: its ticket, ``engine.images.check_generate``), else the one
+loaded when it was queued. At its turn the worker loads that model if another is
+in (the ticket's generate does), so a job is never failed or drawn with another
 model because another job's model came in, or an idle unload took its own.
 
 Jobs are grouped where that saves a load: when the oldest job needs another
@@ -119,17 +119,18 @@ class JobQueue:
 
     # -- clients ----------------------------------------------------------------------
 
-    def submit(self, body: GenerateBody, inputs: Mapping[str, bytes | list[bytes]] | None = None, *,
-               kind: str = "images", video: Mapping[str, Any] | None = None, target: Any = None) -> Job:
-        """Queue a generate (blocking: judging a named model reads its headers; call it off
+    def submit(self, request: Any, inputs: Mapping[str, bytes | list[bytes]] | None = None,
+               *, video: Mapping[str, Any] | None = None) -> Job:
+        """Queue a generate: its ticket (``engine.images.check_generate`` or ``engine.videos``'), or
+        a body checked here through the images door (blocking: the check reads headers; call it off
         the event loop); :class:`QueueFull` when ``size`` jobs already wait, ``not_loaded`` when
         it names no model and none is loaded, a named model's refusal before anything is evicted.
-        ``inputs``: images uploaded inline, in place of the body's path fields of those names;
-        ``target``: the model, when the caller judged it already (a video's shape gate)."""
-        if target is None:
-            target = self._engine.images.target(body.model, body, "frames" if kind == "video" else "images",
-                                                uploads=(inputs or {}).get("image"))
-        job = Job(f"j-{next(self._ids)}-{secrets.token_hex(6)}{self._suffix}", body, dict(inputs or {}), target,
+        ``inputs``: images uploaded inline, in place of the body's path fields of those names."""
+        ticket = self._engine.images.check_generate(request, uploads=inputs) if isinstance(request, GenerateBody) \
+            else request
+        kind = "video" if ticket.output == "frames" else "images"
+        body = ticket.body
+        job = Job(f"j-{next(self._ids)}-{secrets.token_hex(6)}{self._suffix}", body, ticket, ticket.target,
                   steps=body.steps or 0, kind=kind, video=dict(video or {}) if kind == "video" else None)
         with self._lock:
             if len(self._waiting) >= self.size:
@@ -227,7 +228,7 @@ class JobQueue:
         """The next job (under the lock): the oldest, unless it needs another model while a
         later one runs on the loaded model and no job it would pass was passed
         :data:`MAX_OVERTAKEN` times; then that later one."""
-        loaded = self._engine.images.loaded_target()
+        loaded = self._engine.loaded.target()
         if loaded is not None and self._waiting[0].target.key != loaded.key:
             for index, job in enumerate(self._waiting):
                 if job.target.key == loaded.key:
@@ -242,17 +243,16 @@ class JobQueue:
 
     def _run(self, job: Job) -> None:
         try:
-            self._engine.images.ensure(job.target)  # its model, if another came in meanwhile
-            body = job.body.model_copy(update={"model": None})  # judged and loaded: the loaded one now
+            body = job.body  # its ticket runs on its model, loaded at its turn if another is in
             if job.kind == "video":
-                clip = self._engine.videos.generate(body, progress=lambda d, t: self._step(job, d, t),
-                                                    cancel=job.cancel, **job.inputs)
+                clip = self._engine.videos.generate(job.ticket, progress=lambda d, t: self._step(job, d, t),
+                                                    cancel=job.cancel)
                 job.video = {**(job.video or {}), **clip.files()}
                 encoded: list[str] = []
                 job.gallery = self._keep(job, clip=clip)
             else:
-                images = self._engine.images.generate(body, progress=lambda d, t: self._step(job, d, t),
-                                                      cancel=job.cancel, **job.inputs)
+                images = self._engine.images.generate(job.ticket, progress=lambda d, t: self._step(job, d, t),
+                                                      cancel=job.cancel)
                 pngs = [_png(image) for image in images]
                 encoded = [base64.b64encode(png).decode("ascii") for png in pngs]
                 job.gallery = self._keep(job, images=list(zip(images, pngs)), body=body)
@@ -279,7 +279,7 @@ class JobQueue:
                 entry = self.gallery.add("video", files["mp4"], thumbnail=files["thumbnail"], recipe=clip.recipe,
                                          width=clip.shape.width, height=clip.shape.height, job=job.id)
                 return [entry.id]
-            recipes = self._engine.images.recipes(body, [image for image, _ in images])
+            recipes = self._engine.loaded.recipes(body, [image for image, _ in images])
             return [self.gallery.add("image", png, recipe=recipe, width=image.width, height=image.height,
                                      job=job.id).id for (image, png), recipe in zip(images, recipes)]
         except OSError as error:
@@ -303,7 +303,7 @@ class JobQueue:
         """Record the end (under the lock), keep it bounded, wake the job's watchers."""
         job.state, job.error, job.finished, job.position = state, error, time.time(), None
         # A kept record holds its request, not its uploads (an image, a mask).
-        job.inputs = {}
+        job.ticket = None
         self._finished.append(job)
         while len(self._finished) > self._kept:
             self._jobs.pop(self._finished.popleft().id, None)

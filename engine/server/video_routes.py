@@ -121,9 +121,9 @@ def videos_router(engine: Engine, confined: Confined, queue: JobQueue) -> APIRou
     @api.post("")
     async def create(request: Request) -> dict[str, Any]:
         form, upload = await read_video_form(request)
-        body, note, planned, target = await run_in_threadpool(_video_request, engine, confined, form, upload)
-        job = queue.submit(body, {"image": upload} if upload is not None else None, kind="video",
-                           video={"note": note, "planned": planned, "model": target.name}, target=target)
+        ticket = await run_in_threadpool(_video_request, engine, confined, form, upload)
+        job = queue.submit(ticket, video={"note": ticket.note, "planned": ticket.shape.to_dict(),
+                                          "model": ticket.target.name})
         return video_object(job)
 
     @api.get("")
@@ -171,25 +171,29 @@ def _video_job(queue: JobQueue, video_id: str) -> Job:
     return job
 
 
-def _video_request(engine: Engine, confined: Confined, form: OpenAIVideoBody, upload: bytes | None
-                   ) -> tuple[GenerateBody, str, dict[str, object], Any]:
-    """The engine's request for the form, judged against the model it runs on (the one its
-    ``model`` names, else the loaded one) before it is queued or anything is evicted: the
-    body, the snap note, the planned shape, and the model (``engine.images.target``)."""
-    model = confined.request_model(form.model)
-    # The model first (sizes are not valid until the shape gate passed): the loaded one or the one named.
-    target = engine.images.target(model, GenerateBody(prompt=form.prompt, model=model), "frames")
-    frames, note = form.frames, ""
-    if frames is None and form.seconds is not None:
-        snapped = engine.videos.frames_for_seconds(form.seconds, form.fps, on=target)
-        frames, note = snapped.frames, snapped.note()
+def _video_request(engine: Engine, confined: Confined, form: OpenAIVideoBody, upload: bytes | None) -> Any:
+    """The engine's ticket for the form (``engine.videos.check_generate``), judged against the
+    model it runs on (the one its ``model`` names, else the loaded one) before it is queued or
+    anything is evicted: the model, the clip's shape (``seconds`` snapped onto frames: the
+    ticket's note), the uploaded image's header."""
+    from pydantic import ValidationError
+
+    from engine.requests.bodies import describe_problems
+
     width, height = form.dimensions()
-    # The shape gate: a size off the model's multiple is named with its presets (422).
-    engine.videos.check_shape(frames=frames, width=width, height=height, fps=form.fps, on=target)
-    body = GenerateBody(prompt=form.prompt, model=model, negative_prompt=form.negative_prompt, steps=form.steps,
-                        guidance=form.guidance, width=width, height=height, frames=frames, fps=form.fps,
-                        seed=secrets.randbelow(2**31) if form.seed is None else form.seed)
-    shape = engine.videos.check_door(target.ticket, body, video_file=True)
-    if upload is not None:
-        engine.images.check_image(upload, "input_reference")
-    return body, note, shape.to_dict() if shape else {}, target
+    fields: dict[str, Any] = dict(
+        prompt=form.prompt, model=confined.request_model(form.model), negative_prompt=form.negative_prompt,
+        steps=form.steps, guidance=form.guidance, frames=form.frames, fps=form.fps,
+        seed=secrets.randbelow(2**31) if form.seed is None else form.seed)
+    uploads = {"image": upload} if upload is not None else None
+    seconds = None if form.frames else form.seconds
+    try:
+        body = GenerateBody(**fields, width=width, height=height)
+    except ValidationError as exc:
+        if width is not None and any(p["loc"][:1] in (("width",), ("height",)) for p in exc.errors()):
+            # A size off the request's lattice: the model's shape gate names its presets (422).
+            unsized = engine.videos.check_generate(GenerateBody(**fields), uploads=uploads, seconds=seconds)
+            engine.videos.check_shape(frames=unsized.shape.frames, width=width, height=height, fps=form.fps,
+                                      on=unsized.target)
+        raise EngineError("; ".join(describe_problems(exc)), code="invalid_request") from None
+    return engine.videos.check_generate(body, uploads=uploads, seconds=seconds)

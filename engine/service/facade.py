@@ -1,9 +1,9 @@
 """``Engine``: the facade apps embed and the HTTP server serves, composed of its parts.
 
     engine = Engine()
-    ticket = engine.images.check_load("./my-model")   # every check, nothing loaded
-    engine.images.load(ticket)
-    images = engine.images.generate("a lighthouse at dusk", steps=20)
+    ticket = engine.images.check_generate(GenerateBody(prompt="a lighthouse", model="./my-model"))
+    images = engine.images.generate(ticket)            # every check above, nothing re-decided
+    images = engine.images.generate("a lighthouse at dusk", steps=20)   # on the loaded model
     clip = engine.videos.generate("waves at dawn", frames=81)     # a video model: one clip
     run = engine.training.start({"base_model": "./my-model", "dataset_dir": "./cats"})
     engine.datasets.list(); engine.catalog.families()
@@ -30,13 +30,12 @@ release that removes it (``docs/migration.md`` lists them).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from engine.contract.plugins import Registry, load_registry
-from engine.deprecation import Shim, deprecate, register
+from engine.deprecation import moved
 from engine.errors import Busy, Cancelled, EngineError
 from engine.hardware.profile import HardwareProfile
 from engine.places import default_datasets_dir, default_runs_dir
@@ -46,6 +45,7 @@ from engine.service.catalog import Catalog
 from engine.service.datasets import Datasets
 from engine.service.gallery import Gallery
 from engine.service.images import Images
+from engine.service.loaded import LoadedModel
 from engine.service.machine import Machine
 from engine.service.quantize import Quantizer
 from engine.service.residency import Residency, Resident
@@ -56,43 +56,22 @@ from engine.service.videos import Videos
 __all__ = ["Busy", "Cancelled", "Engine", "PIPELINE", "TRAINER"]
 
 
-class _Moved:
-    """A method that moved into a part: ``Engine.load`` -> ``Engine.images.load``.
-
-    It still works for one release, warning once per call with the new spelling;
-    ``adapt`` turns the new method's answer into the old one's shape."""
-
-    def __init__(self, part: str, name: str, adapt: Callable[[Any], Any] | None = None) -> None:
-        self.part, self.name, self.adapt = part, name, adapt
-        self.shim: Shim | None = None
-
-    def __set_name__(self, owner: type, attr: str) -> None:
-        self.shim = register(f"Engine.{attr}()", f"Engine.{self.part}.{self.name}()")
-
-    def __get__(self, engine: Any, owner: type | None = None) -> Any:
-        if engine is None:
-            return self
-        target = getattr(getattr(engine, self.part), self.name)
-        shim, adapt = self.shim, self.adapt
-        assert shim is not None
-
-        @functools.wraps(target)
-        def moved(*args: Any, **kwargs: Any) -> Any:
-            deprecate(shim)
-            answer = target(*args, **kwargs)
-            return adapt(answer) if adapt is not None else answer
-
-        return moved
+def _Moved(part: str, name: str, adapt: Callable[[Any], Any] | None = None) -> moved:
+    """A method that moved into a part: ``Engine.load`` -> ``Engine.images.load``."""
+    return moved(None, f"Engine.{part}.{name}()", f"{part}.{name}", adapt)
 
 
 class Engine:
     """One engine per process. Thread-safe: jobs are reserved in one slot under a lock.
 
-    Its parts: :attr:`images` (plan, load, generate), :attr:`training` (plan, start,
+    Its parts: :attr:`images` (plan, load, generate images), :attr:`videos` (clips),
+    :attr:`loaded` (the one loaded model both share), :attr:`training` (plan, start,
     follow and list runs), :attr:`datasets` (the dataset folders a run trains on),
     :attr:`catalog` (installed families and plugins, model references, tiny builders)."""
 
+    loaded: LoadedModel
     images: Images
+    videos: Videos
     training: Training
     datasets: Datasets
     catalog: Catalog
@@ -125,16 +104,30 @@ class Engine:
         self.slot = JobSlot(residency)
         #: Engines of one process share the GPU: their arbiters hand it over (engine.service.residency).
         self.residency = self.slot.residency
-        self.machine = Machine(hardware, self.residency, held=lambda: self.images.held())
+        self.machine = Machine(hardware, self.residency, held=lambda: self.loaded.held())
         consent = lambda: self.allow_download  # noqa: E731 - read at each check: an app may change it
-        self.images = Images(self.registry, self.machine, self.slot, allow_download=consent)
-        #: Clips from a loaded video model: the same pipeline slot as ``images``.
-        self.videos = Videos(self.images)
+        #: The one loaded model (its session, phase, generate queue, keep-alive) both doors share.
+        self.loaded = LoadedModel(self.registry, self.machine, self.slot, allow_download=consent)
+        self.images = Images(self.loaded, self.machine)
+        #: Clips from a loaded video model: the same loaded-model slot as ``images``.
+        self.videos = Videos(self.loaded, self.images)
         self.training = Training(self.registry, self.machine, self.slot, self.runs_dir,
-                                 allow_download=consent, drop_pipeline=self.images.drop)
+                                 allow_download=consent, drop_pipeline=self.loaded.drop)
         self.datasets = Datasets(self.dataset_roots, self.runs_dir, lambda: self.training.current)
         self.catalog = Catalog(self.registry, self.machine)
         self._quantizer = Quantizer(self.registry, self.machine, self.slot)
+
+    # -- its life ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unload the loaded model (a running generate stopped at its next step first)."""
+        self.loaded.unload(cancel=True)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- the engine's own questions -------------------------------------------------
 
@@ -174,8 +167,8 @@ class Engine:
         return {
             "job": self.slot.job,
             "gpu_owner": self.residency.owner,
-            "load_phase": self.images.phase,
-            "pipeline": self.images.status(),
+            "load_phase": self.loaded.phase,
+            "pipeline": self.loaded.status(),
         }
 
     def doctor(self, *, as_json: bool = False) -> str:

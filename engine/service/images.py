@@ -1,68 +1,47 @@
-"""``engine.images``: plan, load, generate and unload an image pipeline.
+"""``engine.images``: plan, load and generate images; the image door over the loaded model.
 
-A load runs in one order, so nothing is evicted before the last cheap check
-passed: resolve the model -> diffusers' refusal (a lone single file, an
-uncached hub model) -> the LoRA and ControlNet files -> plan -> reserve the
-job slot (:class:`~engine.errors.Busy` if another job holds it) -> evict ->
-load. :meth:`Images.check_load` runs the checks and returns them as a
-:class:`~engine.service.tickets.LoadTicket`; :meth:`Images.load` takes that
-ticket (or runs the checks itself) and re-checks only what can change.
-
-A generate is a GPU job too: while one runs, a training start, a load or an
-unload is Busy; concurrent generates queue and run one after another.
+The loaded model itself (its session, phase, generate queue and keep-alive clock) is
+:class:`~engine.service.loaded.LoadedModel`, shared with ``engine.videos`` and the
+server's queue. This door asks the questions that load nothing (:meth:`Images.plan`,
+:meth:`Images.plans`, :meth:`Images.info`), checks a load into a
+:class:`~engine.service.tickets.LoadTicket` and a generate into a
+:class:`~engine.service.tickets.GenerateTicket` (:mod:`engine.service.generating`: each
+decision once), and runs them.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import Busy, Cancelled, EngineError, UnknownName
-from engine.contract.plugins import Registry
-from engine.policy.available import Releasable
+from engine.deprecation import moved
+from engine.errors import EngineError, UnknownName
 from engine.policy.inference import ModelFacts, Plan, plan_inference
 from engine.policy.info import images_info
-from engine.preflight.hub import weights_report
-from engine.preflight.lora import read_loras
 from engine.preflight.model import resolve_model
 from engine.requests.bodies import GenerateBody
 from engine.requests.inference import InferenceRequest
-from engine.requests.loras import LoraLike, lora_choices
-from engine.runtime.protocol import Session, cancellable
-from engine.service.keep_alive import KeepAlive
+from engine.requests.loras import LoraLike
+from engine.runtime.protocol import Session
+from engine.service.generating import GenerateChecks, load_options
+from engine.service.loaded import LoadedModel
 from engine.service.machine import Machine
-from engine.service.residency import Resident
-from engine.service.slot import PIPELINE, JobSlot
-from engine.service.load_checks import LoadChecks
-from engine.service import targets
-from engine.service.targets import Target
-from engine.service.tickets import LoadTicket
-from engine.policy.video import check_output
+from engine.service.tickets import GenerateTicket, LoadTicket
 
 if TYPE_CHECKING:
     from PIL import Image
 
+    from engine.service.keep_alive import KeepAlive
 
 class Images:
-    """The image pipeline of one engine: its session, its load phase, its generate queue."""
+    """The image door of one engine: questions, load and generate, over the shared loaded model."""
 
-    def __init__(self, registry: Registry, machine: Machine, slot: JobSlot, *,
-                 allow_download: Callable[[], bool]) -> None:
-        self._registry = registry
+    def __init__(self, loaded: LoadedModel, machine: Machine) -> None:
+        self._loaded = loaded
+        self._registry = loaded.registry
         self._machine = machine
-        self._slot = slot
-        self._allow_download = allow_download
-        self._session: Session | None = None
-        #: The ticket the loaded pipeline was loaded with: a job queued for it reloads it from there.
-        self._ticket: LoadTicket | None = None
-        self._phase = "idle"
-        #: Serialises generates; never held while reserving other jobs.
-        self._generate_lock = threading.Lock()
-        #: The running generate's cancel event (see :meth:`cancel`).
-        self._cancel: threading.Event | None = None
-        self._checks = LoadChecks(registry, machine, allow_download, id(self))
-        self.keep_alive = KeepAlive(self.unload, lambda: self._slot.job is not None or self._generate_lock.locked())
+        self._checks = GenerateChecks(loaded)
 
     # -- questions --------------------------------------------------------------
 
@@ -113,15 +92,6 @@ class Images:
             "families": {f.name: images_info(self._registry, f).to_dict() for f in self._registry.families.values()},
         }
 
-    def check_generate(self, request: Any) -> None:
-        """Refuse, before anything loads, a generate whose input images are missing,
-        unreadable or beyond the caps (each named by its request field)."""
-        from engine.preflight.images import named_images
-
-        for name in ("image", "mask_image", "control_image"):
-            for field, value in named_images(getattr(request, name), name):  # a list: each by its place
-                self.check_image(value, field)
-
     def check_image(self, value: Any, field: str) -> tuple[int, int]:
         """An input image's (width, height) from its header, within the engine's caps;
         nothing decoded, so a bomb is refused (``invalid_image``, naming ``field``) for nothing."""
@@ -138,13 +108,13 @@ class Images:
         load with (and what it resolved), or the refusal it would give (a single file without
         its base, an uncached hub model without consent, a LoRA that is missing or for another
         model...). Pass the ticket to :meth:`load`."""
-        return self._checks.check((model, base, family, switching), request, loras, controlnet, verify=False)
+        return self._loaded.checks.check((model, base, family, switching), request, loras, controlnet, verify=False)
 
-    def load(self, model: str | LoadTicket, *, base: str | None = None, family: str | None = None,
+    def load(self, model: str | LoadTicket | GenerateTicket, *, base: str | None = None, family: str | None = None,
              request: InferenceRequest = InferenceRequest(), loras: Sequence[LoraLike] = (),
              switching: bool = False, controlnet: str | None = None) -> dict[str, object]:
-        """Load a pipeline (a model reference, or the ticket :meth:`check_load` gave);
-        every check runs before anything is evicted.
+        """Load a pipeline (a model reference, or the ticket :meth:`check_load` or
+        :meth:`check_generate` gave); every check runs before anything is evicted.
 
         ``controlnet``: a diffusers ControlNet folder of a class the family
         declares, loaded beside the pipeline for ``control_image`` generates.
@@ -152,66 +122,12 @@ class Images:
         :class:`~engine.requests.loras.LoraChoice`) are applied at load; each
         is checked against the model's module tree first. ``switching`` says
         LoRAs will be changed later (they then stay unfused)."""
-        from engine.runtime.engines import start_session
-
-        if isinstance(model, LoadTicket):
-            ticket = self._checks.recheck(model)
-        else:
-            ticket = self._checks.check((model, base, family, switching), request, loras, controlnet, verify=True)
-        self._slot.reserve("loading")
-        try:
-            self._phase = "evicting"
-            self.drop()
-            self._slot.residency.acquire(PIPELINE)
-            self._phase = "loading"
-            session = start_session(self._registry, ticket.source, ticket.plan, ticket.request,
-                                    loras=ticket.loras, controlnet=ticket.controlnet,
-                                    diffusers_refusal=ticket.refusal)
-            self._session, self._ticket = session, ticket
-            self._slot.residency.register(Resident(PIPELINE, self.drop))
-            self._phase = "ready"
-            self.keep_alive.loaded()
-            return session.status()
-        except BaseException:
-            self._phase = "failed"
-            self._slot.residency.release_if(lambda owner: owner == PIPELINE)
-            raise
-        finally:
-            self._slot.release("loading")
-
-    # -- the model a request names ------------------------------------------------
-
-    def target(self, model: str | None, body: Any, output: str = "images", *,
-               uploads: bytes | list[bytes] | None = None) -> Target:
-        """The model ``body`` runs on (``model``: its reference, or None for the loaded one),
-        judged against that model before anything is evicted (:mod:`engine.service.targets`;
-        ``uploads``: input images uploaded beside the body, judged in place of its ``image``)."""
-        return targets.target(self, model, body, output, uploads=uploads)
-
-    def ensure(self, chosen: Target) -> bool:
-        """Load ``chosen`` unless it is the loaded model; True when it loaded."""
-        return targets.ensure(self, chosen)
-
-    def switch_for(self, body: GenerateBody, output: str = "images") -> GenerateBody:
-        """Load the model ``body`` names (judged first, as :meth:`target` judges it) unless it is
-        in; the body for the loaded model (``model`` dropped). Both doors call it before they run."""
-        if body.model is None:
-            return body
-        self.ensure(self.target(body.model, body, output))
-        return body.model_copy(update={"model": None})
-
-    def serves(self, name: str | None) -> bool:
-        """Whether a request's ``model`` means the loaded model (none, one of its names, OpenAI's)."""
-        return targets.means_loaded(self, name)
-
-    def loaded_target(self) -> Target | None:
-        """The loaded model as a target (its load's ticket), or None."""
-        ticket = self._ticket if self._session is not None else None
-        return Target(ticket) if ticket is not None else None
-
-    @property
-    def registry(self) -> Registry:
-        return self._registry
+        if isinstance(model, GenerateTicket):
+            model = self._checks.recheck(model).target.ticket
+        if not isinstance(model, LoadTicket):
+            model = self._loaded.checks.check((model, base, family, switching), request, loras, controlnet,
+                                              verify=True)
+        return self._loaded.load(model)
 
     def prepare_runtime(self) -> float:
         """Import the runtime stack (torch, diffusers, transformers, peft) now; seconds it took
@@ -227,148 +143,88 @@ class Images:
 
     # -- generate ---------------------------------------------------------------
 
-    def generate(self, prompt: str | GenerateBody, *, progress: Callable[[int, int], None] | None = None,
-                 loras: Sequence[LoraLike] | None = None, cancel: threading.Event | None = None,
-                 **options: object) -> list[Image.Image]:
-        """Images for a :class:`~engine.requests.GenerateBody` (the request every face builds), or
-        a ``prompt`` with keyword options (steps, guidance, width, height, seed, count, image...);
+    def check_generate(self, body: GenerateBody, *, uploads: Mapping[str, Any] | None = None,
+                       base: str | None = None, family: str | None = None, request: InferenceRequest | None = None,
+                       controlnet: str | None = None) -> GenerateTicket:
+        """Every check a generate of ``body`` makes, loading nothing: a ticket holding the model it
+        runs on (the loaded one, or the one its ``model`` names, resolved and planned at its size and
+        count), its input images sized from their headers, and its LoRAs read; or the refusal
+        (named by the request's field). Pass it to :meth:`generate`.
+
+        ``uploads``: input images given inline (bytes or pictures), by field. ``base``, ``family``,
+        ``request`` (the controls) and ``controlnet``: how to load the model ``body`` names, as
+        :meth:`load` takes them; given, its LoRAs load with it."""
+        return self._checks.check(body, "images", uploads=uploads, load=load_options(base, family, request, controlnet))
+
+    def generate(self, prompt: str | GenerateBody | GenerateTicket, *,
+                 progress: Callable[[int, int], None] | None = None, loras: Sequence[LoraLike] | None = None,
+                 cancel: threading.Event | None = None, **options: object) -> list[Image.Image]:
+        """Images for a ticket (:meth:`check_generate`), a :class:`~engine.requests.GenerateBody`,
+        or a ``prompt`` with keyword options (steps, guidance, width, height, seed, count, image...);
         ``progress(step, total)`` after each step. ``loras`` (as for :meth:`load`) replaces the
         loaded LoRAs or their scales without reloading the base (``[]`` removes them; None keeps them).
         It holds the ``generating`` reservation throughout; concurrent generates queue on a lock.
         ``cancel``, set from any thread, stops the call with :class:`Cancelled` before it starts or
         after the running step; :meth:`cancel` sets it."""
-        return self.run("images", prompt, progress=progress, loras=loras, cancel=cancel, **options)
-
-    def run(self, output: str, prompt: str | GenerateBody, *, progress: Callable[[int, int], None] | None = None,
-            loras: Sequence[LoraLike] | None = None, cancel: threading.Event | None = None,
-            **options: object) -> list[Any]:
-        """The generate both doors share (``engine.images`` and ``engine.videos``): the loaded
-        pipeline's outputs, refused (``wrong_output``) where its family's ``output`` is not
-        ``output`` (a video model asked for images through the images door, say)."""
-        from engine.runtime.engines import fall_back_from
-        from engine.runtime.sdcpp import SdcppFailed
-        from engine.runtime.session import GenerateRequest
-
-        if isinstance(prompt, GenerateBody):  # the typed request: its model, options and LoRAs
-            prompt = self.switch_for(prompt, output)
-            options = {**prompt.options(), **options}
-            if loras is None and prompt.loras is not None:
-                loras = [{"path": lo.path, "scale": lo.scale} for lo in prompt.loras]
-            prompt = prompt.prompt
-        keep = options.pop("keep_alive", None)  # how long the model stays after this call
-        cancel = cancel or threading.Event()
-        step = cancellable(progress, cancel)
-        for name in ("prompts", "seeds"):
-            if name in options:  # a request model's list (or None: unset)
-                options[name] = tuple(options[name] or ())  # type: ignore[call-overload]
-        with self._generate_lock:
-            self._slot.reserve("generating")
-            self._cancel = cancel
-            try:
-                session = self._session
-                if session is None:
-                    raise EngineError("no image pipeline is loaded; load one first", code="not_loaded")
-                check_output(session.source.family, output)
-                targets.check_references(session.source.family, session.source.checkpoint, options.get("image"))
-                files = None if loras is None else read_loras(lora_choices(loras))
-                if cancel.is_set():
-                    raise Cancelled("the generate was cancelled before it started")
-                call = GenerateRequest(prompt=prompt, loras=files, **options)  # type: ignore[arg-type]
-                try:
-                    return session.generate(call, step, cancel)
-                except SdcppFailed as exc:  # the CPU engine failed: diffusers takes the model over
-                    self._session = fall_back_from(session, exc)
-                    return self._session.generate(call, step, cancel)
-            finally:
-                self._cancel = None
-                self._slot.release("generating")
-                self.keep_alive.touch(keep)  # type: ignore[arg-type]
+        ticket = self._checks.ticket(prompt, "images", loras, options)
+        return self._loaded.run(ticket, progress, cancel)
 
     def recipes(self, body: GenerateBody, images: Sequence[Any]) -> list[dict[str, object]]:
-        """What replays each of ``images`` (just made for ``body`` on the loaded pipeline): the
-        request as it ran and what engaged (:mod:`engine.service.recipes`); [] when none is loaded."""
-        from engine.service.recipes import image_recipes
-
-        session = self._session
-        return image_recipes(body, session, list(images)) if session is not None else []
+        """What replays each of ``images`` (just made for ``body`` on the loaded pipeline)."""
+        return self._loaded.recipes(body, list(images))
 
     def cancel(self) -> bool:
         """Stop the running generate after its current denoising step (it raises
         :class:`Cancelled` to its caller); False when none runs. Queued ones still run."""
-        cancel = self._cancel
-        if cancel is None:
-            return False
-        cancel.set()
-        return True
+        return self._loaded.cancel()
 
     # -- state ------------------------------------------------------------------
 
     def loaded_plan(self) -> Plan | None:
         """The loaded pipeline's plan as the runtime recorded it (a kernel or
         quantised build that fell back included), or None when none is loaded."""
-        session = self._session
-        return session.plan if session is not None else None
+        return self._loaded.plan()
 
     def status(self) -> dict[str, object] | None:
         """The loaded pipeline's status (model, plan, LoRAs, its keep-alive clock...), or None."""
-        session = self._session
-        return {**session.status(), "keep_alive": self.keep_alive.status()} if session is not None else None
+        return self._loaded.status()
 
     @property
     def phase(self) -> str:
         """``idle``, ``evicting``, ``loading``, ``ready`` or ``failed``."""
-        return self._phase
+        return self._loaded.phase
 
     @property
     def session(self) -> Session | None:
         """The loaded runtime session (the :class:`~engine.runtime.protocol.Session` protocol), or None."""
-        return self._session
+        return self._loaded.session
 
-    def held(self) -> Releasable | None:
-        """What evicting the loaded pipeline would release, for the memory a new job would have."""
-        session = self._session
-        if session is None:
-            return None
-        return Releasable(PIPELINE, _held_gb(session.plan), "the engine's loaded pipeline (its plan)")
+    @property
+    def keep_alive(self) -> KeepAlive:
+        """The loaded model's idle clock (``keep_alive.seconds``: the server's ``--keep-alive``)."""
+        return self._loaded.keep_alive
 
     def unload(self, *, cancel: bool = False) -> bool:
         """Release the loaded pipeline. A running generate is not pulled from
         under: this waits for it to finish (``cancel``: stops it at its next
         step first); a load in progress is :class:`Busy`."""
-        busy = "the engine is busy loading; unload when it is done"
-        self._slot.refuse_if("loading", busy)
-        if cancel:
-            self.cancel()
-        with self._generate_lock:  # held by a running generate: wait for it
-            with self._slot.lock:
-                if self._slot.job == "loading":
-                    raise Busy(busy)
-                dropped = self.drop()
-        self._slot.residency.release_if(lambda owner: owner == PIPELINE)
-        return dropped
+        return self._loaded.unload(cancel=cancel)
 
-    def drop(self) -> bool:
-        """Release the session now (an eviction, or a training start); True when one was loaded."""
-        session, self._session = self._session, None
-        self.keep_alive.stop()
-        self._slot.residency.unregister(PIPELINE)
-        if session is None:
-            return False
-        session.unload()
-        self._phase = "idle"
-        return True
+    # -- the spellings before the loaded-model slot (one release, each warning) -----
 
-    def weights(self, ticket: LoadTicket) -> dict[str, object]:
-        """Whether a ticket's weights are here (if not: the download a load needs)."""
-        return weights_report(ticket.source,
-                              self._registry.component_sizes(ticket.source.family, ticket.source.checkpoint))
+    target = moved("Engine.images.target()", "Engine.images.check_generate(body).target", "_target_of")
+    ensure = moved("Engine.images.ensure()", "Engine.loaded.ensure()", "_loaded.ensure")
+    serves = moved("Engine.images.serves()", "Engine.loaded.means()", "_loaded.means")
+    loaded_target = moved("Engine.images.loaded_target()", "Engine.loaded.target()", "_loaded.target")
+    held = moved("Engine.images.held()", "Engine.loaded.held()", "_loaded.held")
+    drop = moved("Engine.images.drop()", "Engine.loaded.drop()", "_loaded.drop")
+    weights = moved("Engine.images.weights()", "LoadTicket.weights", "_weights_of")
 
+    def _target_of(self, model: str | None, body: GenerateBody, output: str = "images", *,
+                   uploads: Any = None) -> Any:
+        checked = body.model_copy(update={"model": model})
+        return self._checks.check(checked, output, uploads={"image": uploads} if uploads is not None else None).target
 
-def _held_gb(plan: Plan) -> float:
-    """Device GB a loaded pipeline holds between calls: its weights when
-    resident (or when the device is the host), little when offloaded; sd.cpp's files as stored."""
-    if plan.sdcpp is not None:
-        return plan.sdcpp.gb
-    if plan.value("memory_mode") == "resident" or plan.device == "cpu":
-        return plan.estimate.resident_gb
-    return 0.0
+    @staticmethod
+    def _weights_of(ticket: LoadTicket) -> Mapping[str, object]:
+        return ticket.weights

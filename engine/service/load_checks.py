@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from engine.contract.plugins import Registry
 from engine.errors import EngineError
 from engine.policy.inference import Plan, plan_inference
-from engine.preflight.hub import diffusers_refusal
+from engine.preflight.hub import diffusers_refusal, weights_report
 from engine.preflight.lora import plan_input as lora_plan_input
 from engine.preflight.lora import read_loras
 from engine.preflight.model import resolve_model
@@ -30,15 +30,18 @@ if TYPE_CHECKING:
 
 
 class LoadChecks:
-    """The checks of one :class:`~engine.service.images.Images` (``owner``: its id, stamped on its tickets)."""
+    """The checks of one :class:`~engine.service.loaded.LoadedModel` (``owner``: its id, stamped on its tickets)."""
 
     def __init__(self, registry: Registry, machine: Machine, allow_download: Callable[[], bool], owner: int) -> None:
         self._registry, self._machine = registry, machine
         self._allow_download, self._owner = allow_download, owner
 
     def check(self, asked: tuple[str, str | None, str | None, bool], request: InferenceRequest,
-               loras: Sequence[LoraLike], controlnet: str | None, *, verify: bool) -> LoadTicket:
-        """The load's checks, cheapest first: nothing is imported that a refusal does not need."""
+               loras: Sequence[LoraLike], controlnet: str | None, *, verify: bool,
+              shaped: Callable[[ModelSource], InferenceRequest] | None = None) -> LoadTicket:
+        """The load's checks, cheapest first: nothing is imported that a refusal does not need.
+        ``shaped(source)``: the request at the shape it runs at on that model (a generate's clip,
+        decided once the model is known), before it is planned."""
         from engine.preflight.controlnet import check_controlnet
 
         model, base, family, switching = asked
@@ -55,6 +58,8 @@ class LoadChecks:
             from engine.runtime.lora_check import check_loras
 
             check_loras(self._registry, source, lora_files)
+        if shaped is not None:
+            request = shaped(source)
         request = dataclasses.replace(request, loras=lora_plan_input(lora_files, switching=switching))
         hardware = self._machine.hardware(verify=verify or None)
         available = self._machine.available_memory(verify=verify or None)
@@ -63,6 +68,7 @@ class LoadChecks:
             asked=asked, source=source, loras=lora_files, controlnet=controlnet, request=request, plan=plan,
             refusal=refusal, capabilities=capabilities(hardware), available_gb=available.after_eviction_gb,
             verified=verify, stamps=stamp_files(ticket_files(source, lora_files, controlnet)), owner=self._owner,
+            weights=weights_report(source, self._registry.component_sizes(source.family, source.checkpoint)),
         )
         return self.after_plan(ticket)
 

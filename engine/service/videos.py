@@ -1,34 +1,39 @@
 """``engine.videos``: clips from a loaded video pipeline, through the same request as images.
 
-A video model loads like any other (``engine.images.check_load`` / ``load``: one
-pipeline slot, one plan, the same refusals before anything is evicted); what
-differs is the call and what it gives back. :meth:`Videos.check_generate` runs
-the shape gate (:mod:`engine.policy.video`: frames on the lattice, a size the
-model takes) and the input image's header check before the GPU is touched;
-:meth:`Videos.generate` renders one clip per call as a :class:`Video`, whose
-frames are images too and which writes itself as MP4 with its recipe beside it.
+A video model loads like any other (one loaded-model slot,
+:mod:`engine.service.loaded`; one plan; the same refusals before anything is evicted);
+what differs is the call and what it gives back. :meth:`Videos.check_generate` makes the
+request's ticket (:mod:`engine.service.generating`): the model, the clip's shape
+(:mod:`engine.policy.video`: frames on the lattice, a size the model takes) and the input
+image's header check, once, before the GPU is touched; :meth:`Videos.generate` renders one
+clip per call as a :class:`Video`, whose frames are images too and which writes itself as
+MP4 with its recipe beside it.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.deprecation import moved
 from engine.errors import EngineError
-from engine.policy.video import SnappedFrames, VideoShape, check_output, frames_for_seconds, video_shape
+from engine.policy.video import SnappedFrames, VideoShape, frames_for_seconds, video_shape
 from engine.requests.bodies import GenerateBody
+from engine.requests.inference import InferenceRequest
 from engine.requests.loras import LoraLike
+from engine.service.generating import GenerateChecks, load_options
+from engine.service.tickets import GenerateTicket, LoadTicket, Target
 
 if TYPE_CHECKING:
     from PIL import Image
 
     from engine.contract.types import Checkpoint, FamilySpec
     from engine.service.images import Images
-    from engine.service.targets import Target
+    from engine.service.loaded import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -78,98 +83,75 @@ def recipe_path(mp4: Path) -> Path:
 
 
 class Videos:
-    """The video door of one engine: the loaded pipeline is ``engine.images``' (one slot)."""
+    """The video door of one engine, over the loaded-model slot ``engine.images`` shares."""
 
-    def __init__(self, images: Images) -> None:
+    def __init__(self, loaded: LoadedModel, images: Images) -> None:
+        self._loaded = loaded
         self._images = images
-
-    def check_door(self, ticket: Any, body: GenerateBody, *, video_file: bool) -> VideoShape | None:
-        """Before a load: the request goes through the door the ticket's model serves (a video
-        model writes a clip, ``video_file``; an image model takes no frames or fps), and a clip's
-        shape passes the gate. The clip's shape, or None for an image model."""
-        from engine.service.targets import check_references
-
-        family = ticket.source.family
-        check_references(family, ticket.source.checkpoint, body.image)  # several images: an edit that takes them
-        asked_video = video_file or body.frames is not None or body.fps is not None
-        check_output(family, "frames" if asked_video else "images")
-        if family.output != "frames":
-            return None
-        return self.check_generate(body, family, ticket.source.checkpoint)
+        self._checks = GenerateChecks(loaded)
 
     def check_shape(self, *, frames: int | None, width: int | None, height: int | None,
                     fps: int | None, on: Target | None = None) -> VideoShape:
-        """The clip of this shape on ``on`` (``engine.images.target``; the loaded model by
-        default), or :class:`~engine.policy.video.InvalidVideoShape`."""
-        family, checkpoint = self._loaded(on)
+        """The clip of this shape on ``on`` (a ticket's target; the loaded model by default),
+        or :class:`~engine.policy.video.InvalidVideoShape`."""
+        family, checkpoint = self._on(on)
         return video_shape(family, checkpoint, frames=frames, width=width, height=height, fps=fps)
 
     def frames_for_seconds(self, seconds: float, fps: int | None = None, *, on: Target | None = None) -> SnappedFrames:
         """``seconds`` of clip on ``on`` (the loaded model by default), as frames on its lattice
         (and whether they were snapped)."""
-        family, checkpoint = self._loaded(on)
+        family, checkpoint = self._on(on)
         return frames_for_seconds(family, checkpoint, seconds, fps)
 
-    def _loaded(self, on: Target | None = None) -> tuple[FamilySpec, Checkpoint | None]:
-        if on is not None:
-            return on.family, on.checkpoint
-        session = self._images.session
-        if session is None:
+    def _on(self, on: Target | None = None) -> tuple[FamilySpec, Checkpoint | None]:
+        if on is None:
+            on = self._loaded.target()
+        if on is None:
             raise EngineError("no video model is loaded; load one first (POST /v1/images/load)", code="not_loaded")
-        return session.source.family, session.source.checkpoint
+        return on.family, on.checkpoint
 
-    def check_generate(self, body: GenerateBody, family: FamilySpec | None = None,
-                       checkpoint: Checkpoint | None = None) -> VideoShape:
-        """The clip ``body`` renders on ``family`` / ``checkpoint`` (the loaded model's by default),
-        or the refusal it would get: a shape off the lattice or the sizes, more than one clip,
-        an input image missing or unreadable. Nothing loads."""
-        if family is None:
-            family, checkpoint = self._loaded()
-            check_output(family, "frames")
-        if body.count != 1 or body.prompts or body.seeds:
-            raise EngineError("a video generate renders one clip; drop count / prompts / seeds and call once "
-                              "per clip (vary seed)", code="invalid_request")
-        for name in ("mask_image", "control_image", "strength"):
-            if getattr(body, name) is not None:
-                raise EngineError(f"{name} does not apply to a video; drop it", code="invalid_request")
-        shape = video_shape(family, checkpoint, frames=body.frames, width=body.width, height=body.height,
-                            fps=body.fps)
-        self._images.check_generate(body)
-        return shape
+    def load(self, ticket: GenerateTicket) -> dict[str, object]:
+        """Load a checked request's model now (as ``engine.images.load`` does), so a face can time
+        the load apart from the clip; the generate would load it otherwise."""
+        return self._images.load(ticket)
 
-    def generate(self, prompt: str | GenerateBody, *, progress: Callable[[int, int], None] | None = None,
-                 loras: Sequence[LoraLike] | None = None, cancel: threading.Event | None = None,
-                 **options: object) -> Video:
-        """One clip for a :class:`~engine.requests.GenerateBody` (or a prompt with keyword options:
-        frames, fps, width, height, steps, guidance, seed, negative_prompt, image); ``progress(step,
-        total)`` after each step, ``cancel`` stops it at the next step (:class:`~engine.errors.Cancelled`)."""
-        inline = {name: options.pop(name) for name in ("image",) if name in options and
-                  not isinstance(options[name], str)}  # an uploaded image's bytes ride beside the body
-        body = prompt if isinstance(prompt, GenerateBody) else _body(prompt, options)
-        body = self._images.switch_for(body, "frames")  # the model it names, loaded first
-        shape = self.check_generate(body)
-        for name, value in inline.items():
-            self._images.check_image(value, name)
-        session = self._images.session
-        assert session is not None  # check_generate refused otherwise
-        clips = self._images.run("frames", body, progress=progress, loras=loras, cancel=cancel, **inline,
-                                 frames=shape.frames, fps=shape.fps, width=shape.width, height=shape.height)
+    def check_generate(self, body: GenerateBody, *, uploads: Mapping[str, Any] | None = None,
+                       seconds: float | None = None, base: str | None = None, family: str | None = None,
+                       request: InferenceRequest | None = None, controlnet: str | None = None) -> GenerateTicket:
+        """Every check a clip of ``body`` makes, loading nothing: a ticket holding the model it
+        runs on (the loaded one, or the one its ``model`` names, planned at the clip's frames and
+        size), the clip's shape (``seconds``, when ``body`` gives no frames, snapped onto the
+        lattice: the ticket's ``note`` says so), its input image sized from its header and its
+        LoRAs read; or the refusal: a shape off the lattice or the sizes, more than one clip, an
+        image model, an input image missing or unreadable. Pass it to :meth:`generate`.
+        ``base``... ``controlnet``: how to load the model ``body`` names (as ``engine.images.load``)."""
+        return self._checks.check(body, "frames", uploads=uploads, seconds=seconds,
+                                  load=load_options(base, family, request, controlnet))
+
+    def generate(self, prompt: str | GenerateBody | GenerateTicket, *,
+                 progress: Callable[[int, int], None] | None = None, loras: Sequence[LoraLike] | None = None,
+                 cancel: threading.Event | None = None, **options: object) -> Video:
+        """One clip for a ticket (:meth:`check_generate`), a :class:`~engine.requests.GenerateBody`
+        (or a prompt with keyword options: frames, fps, width, height, steps, guidance, seed,
+        negative_prompt, image); ``progress(step, total)`` after each step, ``cancel`` stops it at
+        the next step (:class:`~engine.errors.Cancelled`)."""
+        ticket = self._checks.ticket(prompt, "frames", loras, options)
+        clips = self._loaded.run(ticket, progress, cancel)
+        session = self._loaded.session
+        assert ticket.shape is not None and session is not None  # the frames door decided one; run loaded it
         frames = tuple(clips[0])
-        if frames:
-            shape = _as_rendered(shape, frames)
-        return Video(frames=frames, shape=shape, recipe=_recipe(body, shape, session))
+        shape = _as_rendered(ticket.shape, frames) if frames else ticket.shape
+        return Video(frames=frames, shape=shape, recipe=_recipe(ticket.body, shape, session))
 
+    check_door = moved("Engine.videos.check_door()", "Engine.videos.check_generate()", "_check_door")
 
-def _body(prompt: str, options: dict[str, object]) -> GenerateBody:
-    """The request for a prompt and keyword options, refused as ``invalid_request`` naming each field."""
-    from pydantic import ValidationError
-
-    from engine.requests.bodies import describe_problems
-
-    try:
-        return GenerateBody.model_validate({"prompt": prompt, **options})
-    except ValidationError as exc:
-        raise EngineError("; ".join(describe_problems(exc)), code="invalid_request") from None
+    def _check_door(self, ticket: LoadTicket, body: GenerateBody, *, video_file: bool) -> VideoShape | None:
+        asked = body.model_copy(update={"model": ticket.source.location})
+        frames = video_file or body.frames is not None or body.fps is not None
+        if ticket.source.family.output == "frames" or frames:
+            return self.check_generate(asked).shape
+        self._images.check_generate(asked)
+        return None
 
 
 def _as_rendered(shape: VideoShape, frames: Sequence[Any]) -> VideoShape:
