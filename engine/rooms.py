@@ -68,10 +68,10 @@ ROOMS: tuple[Room, ...] = (
          "schemes, the hooks a family's table answers",
          frozenset({"hardware", "base"})),
     Room("hardware", "engine/hardware/", "the machine as plain data: probe and presets", frozenset({"base"})),
-    Room("alias", "engine/types.py, hookspecs.py, ...", "plugin API 1's spellings of the contract's modules",
-         frozenset({"contract"})),
+    Room("alias", "engine/types.py, hookspecs.py, ...", "plugin API 1's spellings of the contract's modules "
+         "(each a row of the register of old spellings)", frozenset({"contract", "base"})),
     Room("base", "engine/errors.py, stored.py, places.py, ...", "errors and their catalogue, records read back, "
-         "where things are, the loopback test, the release and its shims, this map", frozenset()),
+         "where things are, the loopback test, the release and its register of old spellings, this map", frozenset()),
 )
 ALLOWED: dict[str, frozenset[str]] = {room.name: room.imports for room in ROOMS}
 #: Upward arrows that exist today, to be removed (and then removed from here). None: the last

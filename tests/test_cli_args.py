@@ -106,7 +106,7 @@ def test_model_files_are_refused_before_loading(
     # The spelling earlier releases had still works, and is answered in today's words.
     older = refused(capsys, ["generate", "--model", str(sdxl), "--model-family", "flux", "--prompt", "x"])
     assert "error[family_mismatch]" in older and "--family sdxl" in older
-    assert "warning[deprecated]: --model-family is now --family" in older
+    assert "warning[deprecated]: --model-family is deprecated and will be removed in 0.3.0; use --family" in older
     exists = refused(capsys, ["generate", "--model", str(sdxl), "--prompt", "x", "-o", "taken.png"])
     assert "error[output_exists]" in exists and "--overwrite" in exists
     occupied = refused(capsys, ["tiny", "save", "sdxl", str(tmp_path)])

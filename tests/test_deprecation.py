@@ -9,13 +9,15 @@ instead (as diffusers' ``deprecate`` does), so the release that forgot to delete
 
 from __future__ import annotations
 
+import ast
 import inspect
 from pathlib import Path
 
 import pytest
 
 from engine import Engine
-from engine.deprecation import SHIMS, EngineDeprecationWarning, ShimExpired, deprecate, version_tuple
+from engine.deprecation import (SHIMS, EngineDeprecationWarning, ShimExpired, deprecate, load_register,
+                                page_with_register, version_tuple)
 from engine.hardware.presets import preset
 from engine.deprecation import moved as Moved
 from engine.version import __version__
@@ -90,8 +92,72 @@ def test_no_shim_outlives_its_release() -> None:
 
 def test_the_migration_notes_list_every_shim() -> None:
     notes = (ROOT / "docs" / "migration.md").read_text(encoding="utf-8")
-    missing = [s.old for s in SHIMS.values() if f"`{s.old.removesuffix('()')}`" not in notes]
+    missing = [s.old for s in load_register().values() if f"`{s.old.removesuffix('()')}`" not in notes]
     assert not missing, missing
+
+
+def test_the_migration_notes_carry_the_register_as_it_is() -> None:
+    """docs/migration.md's table is the register rendered (``python -m engine.deprecation``)."""
+    load_register()
+    notes = (ROOT / "docs" / "migration.md").read_text(encoding="utf-8")
+    assert notes == page_with_register(notes), "the register changed: run python -m engine.deprecation"
+
+
+def test_the_register_holds_every_kind_of_old_spelling() -> None:
+    kinds = {shim.kind for shim in load_register().values()}
+    assert kinds == {"engine", "plugin", "module", "flag", "setting"}, kinds
+    assert len(SHIMS) >= 100
+
+
+def _calls(tree: ast.AST) -> list[ast.Call]:
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
+
+
+def _name(node: ast.AST) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+def test_no_old_spelling_warns_outside_the_register() -> None:
+    """Every deprecation the tree gives goes through the register's one ``deprecate``: no other
+    ``warnings.warn`` of a deprecation category, no deprecation worded in a print, no second function
+    called ``deprecate``, and every spelling a call names is a row."""
+    rows = load_register()
+    found = []
+    for path in [*ROOT.glob("engine/**/*.py"), *ROOT.glob("families/**/*.py"), *ROOT.glob("examples/**/*.py")]:
+        if path == ROOT / "engine" / "deprecation.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        where = path.relative_to(ROOT)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "deprecate":
+                found.append(f"{where}:{node.lineno} defines another deprecate")
+        for call in _calls(tree):
+            words = ast.unparse(call)
+            if _name(call.func) in ("warn", "warn_explicit") and any(
+                    c in words for c in ("DeprecationWarning", "FutureWarning")):
+                found.append(f"{where}:{call.lineno} warns outside the register: {words[:80]}")
+            said = " ".join(str(c.value) for c in ast.walk(call) if isinstance(c, ast.Constant)).lower()
+            if _name(call.func) == "print" and "deprecated" in said and ("removed" in said or " is now " in said):
+                found.append(f"{where}:{call.lineno} prints its own deprecation (the register words them)")
+            if _name(call.func) == "deprecate" and call.args and isinstance(call.args[0], ast.Constant):
+                if call.args[0].value not in rows:
+                    found.append(f"{where}:{call.lineno} deprecates {call.args[0].value!r}, not a row")
+    assert not found, "\n".join(found)
+
+
+def test_a_renamed_flag_and_an_alias_module_warn_with_their_row(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+    import sys
+
+    from engine.cli import main
+    from engine.deprecation import PluginDeprecationWarning
+
+    main(["plan", "--model-family", "sdxl", "--hardware", "rtx4090", "--json"])
+    assert f"warning[deprecated]: {SHIMS['--model-family'].message()}" in capsys.readouterr().err
+    sys.modules.pop("engine.types", None)
+    with pytest.warns(PluginDeprecationWarning, match=r"engine\.types is a spelling of an earlier plugin API.*"
+                      r"use engine\.contract\.types .* removed in 0\.4\.0"):
+        importlib.import_module("engine.types")
 
 
 def test_the_facade_is_composed_not_mixed_in() -> None:

@@ -87,7 +87,8 @@ def test_a_gallery_bound_that_is_not_positive_is_refused_under_either_name(
 
     assert main(["serve", "--keep-url-images", seconds, "--port", "0", "--outputs", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "warning[deprecated]: --keep-url-images is now --gallery-max-age" in err, err
+    assert "warning[deprecated]: --keep-url-images is deprecated and will be removed in 0.3.0; use --gallery-max-age" \
+        in err, err
     assert "error[invalid_config]: --gallery-max-age must be a positive number" in err, err
     assert main(["serve", "--gallery-max-gb", seconds, "--port", "0", "--outputs", str(tmp_path / "o")]) == 2
     assert "error[invalid_config]: --gallery-max-gb" in capsys.readouterr().err

@@ -33,9 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 FACES = ("engine/cli", "engine/server")
 #: What a face may import from the engine: the facade, the vocabulary, the errors, log quieting,
 #: the generated pages' writer (a leaf that writes a rendered string: docs/cli.md is the CLI's)
-#: and the loopback and confinement tests every check shares (standard-library leaves).
+#: the loopback and confinement tests every check shares (standard-library leaves), and the
+#: register of old spellings (a renamed flag or setting is a row of it).
 ALLOWED = re.compile(
-    r"^engine(\.requests(\..*)?|\.errors|\.logs|\.generated_docs|\.network|\.places|\.cli(\..*)?|\.server(\..*)?)?$")
+    r"^engine(\.requests(\..*)?|\.errors|\.logs|\.generated_docs|\.network|\.places|\.deprecation|\.cli(\..*)?"
+    r"|\.server(\..*)?)?$")
 #: Names a face may take from the ``engine`` package itself.
 FACADE_NAMES = {"Engine", "__version__", "requests"}
 

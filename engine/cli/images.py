@@ -152,7 +152,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         loaded = time.perf_counter()
         overridden += report_overrides(_controls(status), strict=args.strict,
                                        already=[o["control"] for o in overridden])
-        made = door.generate(ticket, progress=None if args.json else progress_bar())
+        made: Any = door.generate(ticket, progress=None if args.json else progress_bar())  # a Video, or images
     done = time.perf_counter()
     times = {**startup.to_dict(started - PROCESS_STARTED), "load_s": loaded - started, "generate_s": done - loaded}
     if ticket.shape is not None:

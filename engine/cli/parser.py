@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine import __version__
 from engine.cli import images, machine, training
+from engine.deprecation import register, told
 from engine.cli.common import DOWNLOAD_HELP, Parser, add_controls, add_json, add_verbose, port_number
 from engine.requests import GENERATE_CONTROLS, MODEL_CONTROLS, PLAN_CONTROLS
 from engine.server.settings import DEFAULT_GALLERY_GB
@@ -173,7 +174,7 @@ def _add_serve(commands: Commands) -> None:
                        help="remove unpinned outputs older than this from the gallery (default: kept until the "
                             "size bound removes them)")
     serve.add_argument("--keep-url-images", dest="gallery_max_age", type=float, metavar="SECONDS",
-                       help=argparse.SUPPRESS, action=_Renamed, new="--gallery-max-age")
+                       help=argparse.SUPPRESS, action=_Renamed)
     serve.add_argument("--replicas", type=int, default=1, metavar="N",
                        help="serve through N replicas on Ray Serve, one engine each (one GPU each on a GPU "
                             "machine); needs the ray extra")
@@ -194,17 +195,18 @@ def _add_doctor(commands: Commands) -> None:
 
 
 
-class _Renamed(argparse.Action):
-    """A flag an earlier release spelled differently: still taken, with a warning naming today's."""
+#: The flags earlier releases spelled differently: rows of the register (engine.deprecation).
+RENAMED_FLAGS = {old: register(old, new, kind="flag") for old, new in (
+    ("--keep-url-images", "--gallery-max-age"), ("--model-family", "--family"))}
 
-    def __init__(self, *args: object, new: str, **kwargs: object) -> None:
-        self.new = new
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+class _Renamed(argparse.Action):
+    """A flag an earlier release spelled differently: still taken, with the register's warning."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> None:
-        print(f"warning[deprecated]: {option_string} is now {self.new}; the old name will be removed "
-              "in a later release", file=sys.stderr)
+        for line in told(RENAMED_FLAGS[str(option_string)]):
+            print(f"warning[deprecated]: {line}", file=sys.stderr)
         setattr(namespace, self.dest, values)
 
 
@@ -238,8 +240,7 @@ def _add_model_args(parser: argparse.ArgumentParser, *, tiny: bool) -> None:
                            "(64 px, 4 steps unless you say otherwise)")
     group.add_argument(rows["family"].flag, **rows["family"].argparse_kwargs())  # type: ignore[arg-type]
     # The name earlier releases gave the model's family on plan and generate.
-    group.add_argument("--model-family", dest="family", help=argparse.SUPPRESS, action=_Renamed,
-                       new="--family")
+    group.add_argument("--model-family", dest="family", help=argparse.SUPPRESS, action=_Renamed)
     if not tiny:
         group.add_argument(rows["checkpoint"].flag, **rows["checkpoint"].argparse_kwargs())  # type: ignore[arg-type]
     group.add_argument(rows["base"].flag, **rows["base"].argparse_kwargs())  # type: ignore[arg-type]

@@ -4,9 +4,10 @@ The engine publishes :data:`PLUGIN_API_VERSION`. A plugin module may declare
 the version it was written for (``ENGINE_PLUGIN_API = 1``); one that targets a
 newer API than this engine provides is refused at load, saying which it needs
 and which it got. A plugin written against an older API keeps working for one
-major version: each spelling that moved is read through a shim that emits a
-:class:`DeprecationWarning` naming the new spelling and the docs section
-(``docs/plugins.md#migration``), as diffusers' ``deprecate()`` does, and
+major version: each spelling that moved is a row of the engine's one register of
+old spellings (:mod:`engine.deprecation`), read through a shim that warns with
+:class:`~engine.deprecation.PluginDeprecationWarning` naming the new spelling, the docs
+section (``docs/plugins.md#migration``) and the release that removes it, and
 ``diffusion-engine families`` lists them per plugin. A shape no shim covers
 fails to load with the API-version message instead of a bare ``TypeError``.
 
@@ -17,9 +18,16 @@ fields into sections; :data:`RENAMED` is the table of every move.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from engine.deprecation import PluginDeprecationWarning, deprecate, register
+
+__all__ = [  # PluginDeprecationWarning and deprecate are the register's, re-exported: plugin API 1 code reads them here
+    "DECLARATION", "MIGRATION_DOCS", "OLDEST_SUPPORTED", "PLUGIN_API_VERSION", "RENAMED", "SPLIT", "Move",
+    "PluginDeprecationWarning", "declared_api", "deprecate", "legacy_read", "sections_from_legacy", "shape_refusal",
+    "version_refusal",
+]
 
 #: The plugin API this engine provides.
 PLUGIN_API_VERSION = 1
@@ -30,17 +38,6 @@ DECLARATION = "ENGINE_PLUGIN_API"
 MIGRATION_DOCS = "docs/plugins.md#migration"
 
 
-class PluginDeprecationWarning(DeprecationWarning):
-    """A plugin used a spelling of an earlier plugin API (still read, to be removed in the next)."""
-
-
-def deprecate(old: str, new: str, *, stacklevel: int = 3) -> None:
-    """Warn that ``old`` is spelled ``new`` since plugin API :data:`PLUGIN_API_VERSION`."""
-    warnings.warn(
-        f"{old} is deprecated since plugin API {PLUGIN_API_VERSION}: use {new} (see {MIGRATION_DOCS}); "
-        f"it will stop working in plugin API {PLUGIN_API_VERSION + 1}",
-        PluginDeprecationWarning, stacklevel=stacklevel,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +87,21 @@ SPLIT: Mapping[str, str] = {
 }
 
 
+def _register_rows() -> None:
+    """Plugin API 0's spellings, one register row each (:mod:`engine.deprecation`)."""
+    for name, move in RENAMED.items():
+        register(f"FamilySpec({name}=...)", f"FamilySpec({move.section}={_section_class(move.section)}"
+                 f"({move.field}=...))", kind="plugin")
+        register(f"FamilySpec.{name}", f"FamilySpec.{move.section}.{move.field}", kind="plugin")
+    register("FamilySpec(quant_deny={...})", SPLIT["quant_deny"], kind="plugin")
+    register("FamilySpec(fp16_compute_safe=..., fp16_unsafe_reason=...)", SPLIT["fp16_compute_safe"], kind="plugin")
+    register("FamilySpec.quant_deny", "FamilySpec.quantisation.deny(purpose)", kind="plugin")
+    register("FamilySpec.fp16_compute_safe", "FamilySpec.precision.fp16_safe(component)", kind="plugin")
+    register("FamilySpec.fp16_unsafe_reason", "FamilySpec.precision.fp16_reason(component)", kind="plugin")
+    register("TrainingObjective(runtime_module=...)", "FamilySpec(runtime_module=...)", kind="plugin")
+    register("TrainingObjective.runtime_module", "FamilySpec.runtime_module", kind="plugin")
+
+
 def sections_from_legacy(current: dict[str, Any], legacy: Mapping[str, Any], *, family: str,
                          defaults: Mapping[str, Any]) -> dict[str, Any]:
     """``FamilySpec`` fields with plugin API 0's flat ones folded into their sections
@@ -105,17 +117,15 @@ def sections_from_legacy(current: dict[str, Any], legacy: Mapping[str, Any], *, 
     for name, value in legacy.items():
         if name in RENAMED:
             move = RENAMED[name]
-            deprecate(f"FamilySpec({name}=...)", f"FamilySpec({move.section}={_section_class(move.section)}"
-                      f"({move.field}=...))", stacklevel=5)
+            deprecate(f"FamilySpec({name}=...)", stacklevel=5)
             updates.setdefault(move.section, {})[move.field] = move.convert(value) if move.convert else value
     if "quant_deny" in legacy:
-        deprecate("FamilySpec(quant_deny={...})", SPLIT["quant_deny"], stacklevel=5)
+        deprecate("FamilySpec(quant_deny={...})", stacklevel=5)
         mapping = dict(legacy["quant_deny"])
         updates.setdefault("quantisation", {}).update(
             deny_inference=tuple(mapping.get("inference", ())), deny_training=tuple(mapping.get("training", ())))
     if "fp16_compute_safe" in legacy or "fp16_unsafe_reason" in legacy:
-        deprecate("FamilySpec(fp16_compute_safe=..., fp16_unsafe_reason=...)", SPLIT["fp16_compute_safe"],
-                  stacklevel=5)
+        deprecate("FamilySpec(fp16_compute_safe=..., fp16_unsafe_reason=...)", stacklevel=5)
         if legacy.get("fp16_compute_safe", True) is False:
             reason = str(legacy.get("fp16_unsafe_reason") or "fp16 compute is unsafe for this family")
             updates["precision"] = {"fp16_unsafe": (("denoiser", reason),)}
@@ -134,20 +144,23 @@ def legacy_read(spec: Any, name: str) -> Any:
     """A flat field of plugin API 0 read on a plugin API 1 ``FamilySpec`` (deprecated)."""
     if name in RENAMED:
         move = RENAMED[name]
-        deprecate(f"FamilySpec.{name}", f"FamilySpec.{move.section}.{move.field}")
+        deprecate(f"FamilySpec.{name}")
         value = getattr(object.__getattribute__(spec, move.section), move.field)
         return move.back(value) if move.back else value
     if name == "quant_deny":
-        deprecate("FamilySpec.quant_deny", "FamilySpec.quantisation.deny(purpose)")
+        deprecate("FamilySpec.quant_deny")
         rules = object.__getattribute__(spec, "quantisation")
         return {"inference": rules.deny_inference, "training": rules.deny_training}
     if name == "fp16_compute_safe":
-        deprecate("FamilySpec.fp16_compute_safe", "FamilySpec.precision.fp16_safe(component)")
+        deprecate("FamilySpec.fp16_compute_safe")
         return object.__getattribute__(spec, "precision").fp16_safe()
     if name == "fp16_unsafe_reason":
-        deprecate("FamilySpec.fp16_unsafe_reason", "FamilySpec.precision.fp16_reason(component)")
+        deprecate("FamilySpec.fp16_unsafe_reason")
         return object.__getattribute__(spec, "precision").fp16_reason()
     raise AttributeError(f"'FamilySpec' object has no attribute {name!r}")
+
+
+_register_rows()
 
 
 def declared_api(plugin: object) -> int | None:

@@ -38,7 +38,7 @@ class TrainingObjective:
         if runtime_module is not None:  # plugin API 0 named the runtime module here
             from engine.contract.plugin_api import deprecate
 
-            deprecate("TrainingObjective(runtime_module=...)", "FamilySpec(runtime_module=...)")
+            deprecate("TrainingObjective(runtime_module=...)")
             object.__setattr__(self, "_legacy_runtime_module", runtime_module)
 
     @property
@@ -47,7 +47,7 @@ class TrainingObjective:
         The module an API 0 plugin passed here, else None (the family's table holds it)."""
         from engine.contract.plugin_api import deprecate
 
-        deprecate("TrainingObjective.runtime_module", "FamilySpec.runtime_module")
+        deprecate("TrainingObjective.runtime_module")
         return getattr(self, "_legacy_runtime_module", None)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.deprecation import deprecate, register
 from engine.errors import EngineError
 from engine.network import is_loopback
 from engine.requests.bodies import MAX_KEEP_ALIVE_S
@@ -32,6 +33,10 @@ class InsecureServer(EngineError):
     """A configuration that would expose the engine without meaning to."""
 
     code = "insecure_server"
+
+
+#: The gallery's age bound under its name from when URL images were kept apart: a register row.
+KEEP_URL_IMAGES = register("ServerSettings.keep_url_images_s", "ServerSettings.gallery_max_age_s", kind="setting")
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ class ServerSettings:
                 f"got {self.keep_alive_s:g}); leave it out to keep the model until told",
                 code="invalid_config",
             )
+        if self.keep_url_images_s is not None:
+            deprecate(KEEP_URL_IMAGES, stacklevel=4)
         if self.queue_size < 1:
             raise EngineError(
                 f"the generate queue size must be at least 1 (got {self.queue_size}); "

@@ -193,6 +193,7 @@ def _video_request(engine: Engine, confined: Confined, form: OpenAIVideoBody, up
         if width is not None and any(p["loc"][:1] in (("width",), ("height",)) for p in exc.errors()):
             # A size off the request's lattice: the model's shape gate names its presets (422).
             unsized = engine.videos.check_generate(GenerateBody(**fields), uploads=uploads, seconds=seconds)
+            assert unsized.shape is not None  # the videos door decides a clip's shape or refuses
             engine.videos.check_shape(frames=unsized.shape.frames, width=width, height=height, fps=form.fps,
                                       on=unsized.target)
         raise EngineError("; ".join(describe_problems(exc)), code="invalid_request") from None

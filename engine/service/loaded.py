@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine.contract.plugins import Registry
 from engine.errors import Busy, Cancelled, EngineError
@@ -36,6 +36,7 @@ from engine.service.tickets import GenerateTicket, LoadTicket, Target
 
 if TYPE_CHECKING:
     from engine.requests.bodies import GenerateBody
+    from engine.runtime.sdcpp import SdcppSession
 
 class LoadedModel:
     """The loaded pipeline of one engine: its session, its load ticket, its phase and generate queue."""
@@ -132,7 +133,7 @@ class LoadedModel:
                 try:
                     return session.generate(call, step, cancel)
                 except SdcppFailed as exc:  # the CPU engine failed: diffusers takes the model over
-                    self._session = fall_back_from(session, exc)
+                    self._session = fall_back_from(cast("SdcppSession", session), exc)
                     return self._session.generate(call, step, cancel)
             finally:
                 self._cancel = None

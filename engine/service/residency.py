@@ -42,7 +42,8 @@ class Resident:
     """Something holding GPU memory that the engine may ask to leave."""
 
     name: str
-    evict: Callable[[], None]
+    #: Frees its memory; what it returns is not read (the engine's own drop says whether it held one).
+    evict: Callable[[], object]
     size_gb: float = 0.0
     evictions: int = field(default=0, compare=False)
 

@@ -127,7 +127,7 @@ SD3 = FamilySpec(
 )
 
 
-#: The plugin API this plugin is written for (engine.plugin_api).
+#: The plugin API this plugin is written for (engine.contract.plugin_api).
 ENGINE_PLUGIN_API = 1
 
 
