@@ -33,14 +33,14 @@ def test_flux_controlnet_generates_from_a_canny_map(tiny_pipeline: Callable[[str
     engine = Engine(registry=REGISTRY, hardware=HARDWARE)
     engine.images.load(str(tiny_pipeline("flux")), controlnet=str(build_tiny_controlnet(tmp_path / "flux-controlnet")))
     try:
-        options = {"steps": 2, "seed": 1, "width": 64, "height": 48}
+        options = {"steps": 2, "seed": 1, "width": 64, "height": 64}  # the smallest side a request takes
         [plain] = engine.images.generate("a box", **options)
         [guided] = engine.images.generate("a box", control_image=box(), control_scale=1.0, **options)
         [moved] = engine.images.generate("a box", control_image=box(corner=(0, 0, 24, 24)), control_scale=1.0, **options)
         status = engine.status()
     finally:
         engine.images.unload()
-    assert guided.size == plain.size == (64, 48)
+    assert guided.size == plain.size == (64, 64)
     assert not np.array_equal(np.asarray(guided), np.asarray(plain))
     assert not np.array_equal(np.asarray(guided), np.asarray(moved))  # the map steers the image
     assert "controlnet" in status["pipeline"]["workflows"]  # type: ignore[index]
@@ -179,14 +179,14 @@ def test_a_qwen_image_edit_checkpoint_edits_at_the_requested_size(tmp_path: Path
     engine = Engine(registry=REGISTRY, hardware=HARDWARE)
     engine.images.load(str(folder))
     try:
-        options = {"steps": 2, "seed": 5, "width": 64, "height": 48}
+        options = {"steps": 2, "seed": 5, "width": 64, "height": 64}
         [text] = engine.images.generate("make it red", **options)  # 2 steps (1 leaves the terminal-shifted schedule NaN): each edit step attends over 4k tokens
-        [edited] = engine.images.generate("make it red", image=box(corner=(8, 8, 40, 40)), **options)
+        [edited] = engine.images.generate("make it red", image=box(corner=(8, 8, 40, 40)).resize((64, 64)), **options)
         status = engine.status()["pipeline"]
     finally:
         engine.images.unload()
     assert status["model"]["checkpoint"] == "qwen-image-edit"  # type: ignore[index]
-    assert edited.size == text.size == (64, 48)
+    assert edited.size == text.size == (64, 64)
     assert not np.array_equal(np.asarray(edited), np.asarray(text))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from engine.requests.bodies import MAX_STEPS
+
 import io
 import itertools
 import threading
@@ -270,7 +272,7 @@ def test_two_engines_in_one_process_share_one_gpu_arbiter(tiny_pipeline: Callabl
 
     def generate() -> None:
         try:
-            first.images.generate("a fox", steps=500, width=64, height=64, progress=lambda s, t: running.set())
+            first.images.generate("a fox", steps=MAX_STEPS, width=64, height=64, progress=lambda s, t: running.set())
         except EngineError as exc:
             assert exc.code == "cancelled"
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import EngineError
+from engine.errors import Busy, EngineError
 from engine.policy.video import VideoShape, check_output, frames_for_seconds, video_shape
 from engine.requests.bodies import GenerateBody
 from engine.requests.inference import InferenceRequest
@@ -126,6 +126,8 @@ class GenerateChecks:
         loaded = self._loaded.target()
         if load is None and means_loaded(loaded, body.model):
             if loaded is None:
+                if self._loaded.job == "training":  # a run took the GPU (and evicted the model): say so
+                    raise Busy("the engine is busy training; generate when the run is done (or stop it)")
                 raise EngineError(f"no {MEDIUM[output]} is loaded; name one in the request's model field, or load "
                                   "one first (POST /v1/images/load)", code="not_loaded")
             return loaded

@@ -165,6 +165,11 @@ class LoadedModel:
         return self._session
 
     @property
+    def job(self) -> str | None:
+        """The job holding the engine's slot now (``loading``, ``generating``, ``training``), or None."""
+        return self._slot.job
+
+    @property
     def phase(self) -> str:
         """``idle``, ``evicting``, ``loading``, ``ready`` or ``failed``."""
         return self._phase
