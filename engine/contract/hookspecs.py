@@ -22,6 +22,7 @@ import pluggy
 if TYPE_CHECKING:
     from engine.hardware.profile import HardwareProfile
     from engine.contract.types import (
+        CallShape,
         Checkpoint,
         ComponentSizes,
         FamilySpec,
@@ -207,13 +208,16 @@ def engine_lora_load(
 
 @hookspec(firstresult=True)
 def engine_generate_kwargs(
-    family: FamilySpec, pipeline: object, kwargs: dict[str, Any]
+    family: FamilySpec, pipeline: object, kwargs: dict[str, Any], shape: CallShape
 ) -> dict[str, Any] | None:
     """The keyword arguments to call the loaded ``pipeline`` with.
 
     :param kwargs: the engine's arguments for this request (prompt, steps,
         guidance under ``family.guidance_kwarg``, size, generator, ...), already
         limited to what the pipeline's call accepts.
+    :param shape: the request's shape as decided (size, count, a clip's frames and fps;
+        plugin API 2): what a pipeline that spells them its own way is passed. An
+        implementation that does not name it keeps working (pluggy passes what it names).
     :return: the arguments to use instead (start from a copy of ``kwargs``),
         or None to call with ``kwargs`` as they are.
 

@@ -30,7 +30,7 @@ __all__ = [  # PluginDeprecationWarning and deprecate are the register's, re-exp
 ]
 
 #: The plugin API this engine provides.
-PLUGIN_API_VERSION = 1
+PLUGIN_API_VERSION = 2
 #: The oldest API whose spellings are still read (through the shims below).
 OLDEST_SUPPORTED = 0
 #: Where a plugin declares the API it targets (a module- or object-level constant).

@@ -18,6 +18,7 @@ import pluggy
 
 from engine.contract.training_types import TrainingObjective
 from engine.contract.types import (
+    CallShape,
     PURPOSES,
     Checkpoint,
     ComponentSizes,
@@ -141,9 +142,12 @@ class Registry:
             raise ValueError(f"{hook} is not one of the runtime hooks {', '.join(RUNTIME_HOOKS)}")
         return getattr(self._pm.hook, hook)(**arguments)
 
-    def generate_kwargs(self, family: FamilySpec, pipeline: object, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The arguments to call ``pipeline`` with for one generate."""
-        answer = self._pm.hook.engine_generate_kwargs(family=family, pipeline=pipeline, kwargs=dict(kwargs))
+    def generate_kwargs(self, family: FamilySpec, pipeline: object, kwargs: dict[str, Any],
+                        shape: CallShape | None = None) -> dict[str, Any]:
+        """The arguments to call ``pipeline`` with for one generate (``shape``: the request's, as decided)."""
+        shape = shape or CallShape(width=kwargs.get("width"), height=kwargs.get("height"))
+        answer = self._pm.hook.engine_generate_kwargs(family=family, pipeline=pipeline, kwargs=dict(kwargs),
+                                                      shape=shape)
         return dict(kwargs if answer is None else answer)
 
     def build_tiny_pipeline(self, family: FamilySpec, path: Path, checkpoint: Checkpoint | None = None) -> Path:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -76,37 +75,7 @@ class OptimizationDeny:
     reason: str
 
 
-def model_name(model_id: str) -> str:
-    """A model's own name: the last component of a repo id or a local path.
-
-    Rules keyed on names (pre-quantised patterns) read this and never the
-    folders above it: ``/data/checkpoint4/model-dev`` is called ``model-dev``,
-    and its parent's ``int4`` says nothing about the model.
-    """
-    parts = [part for part in model_id.replace("\\", "/").split("/") if part]
-    return parts[-1] if parts else model_id
-
-
-#: What separates the tokens of a model name (``Model.1-dev_bnb-4bit``: model, 1, dev, bnb, 4bit).
-_TOKEN_SEPARATORS = re.compile(r"[^a-z0-9]+")
-
-
-def name_has_marker(name: str, pattern: str) -> bool:
-    """Whether a model name carries ``pattern``, case-insensitively.
-
-    A pattern ``*marker*`` whose marker is tokens (``*int4*``, ``*bnb-4bit*``, ``*-4bit*``)
-    matches them as whole tokens of the name, in order: ``model-int4`` and
-    ``Model.1-dev-bnb-4bit`` carry theirs; ``checkpoint4``, ``mint4-model`` and
-    ``paint4k`` carry none, where a substring glob took all three for 4-bit repos.
-    Any other glob (``model-*-q?``) matches as a glob over the whole name.
-    """
-    lowered, wanted = name.lower(), pattern.lower()
-    inner = wanted[1:-1] if len(wanted) > 2 and wanted.startswith("*") and wanted.endswith("*") else None
-    if inner is None or any(c in inner for c in "*?[]"):
-        return fnmatch.fnmatch(lowered, wanted)
-    marker = [t for t in _TOKEN_SEPARATORS.split(inner) if t]
-    tokens = [t for t in _TOKEN_SEPARATORS.split(lowered) if t]
-    return bool(marker) and any(tokens[i:i + len(marker)] == marker for i in range(len(tokens)))
+from engine.contract.names import model_name as model_name, name_has_marker as name_has_marker  # noqa: E402,I001
 
 
 @dataclass(frozen=True)
@@ -148,6 +117,19 @@ class Checkpoint:
     #: ``pipeline_class``, where it differs from the family's (the contract kit runs it with
     #: ``checkpoint_name``); empty: the family's ``tiny_pipeline`` serves it.
     tiny_pipeline: str = ""
+    #: The folder of ``repo`` its pipeline lives in, where checkpoints share one repo (a dev and a
+    #: distilled pipeline side by side); empty: the repo's root. (Plugin API 2.)
+    subfolder: str = ""
+    #: The hub revision (branch, tag or commit) it is, where checkpoints share one repo's
+    #: folders across revisions; None: the repo's default branch. (Plugin API 2.)
+    revision: str | None = None
+
+    @property
+    def reference(self) -> str:
+        """What names this checkpoint alone on the hub: ``repo``, its ``/subfolder`` and
+        ``@revision`` where it has them (``org/model/dev@v1``)."""
+        sub = f"/{self.subfolder.strip('/')}" if self.subfolder else ""
+        return f"{self.repo}{sub}{'@' + self.revision if self.revision else ''}"
 
     def match_score(self, model_id: str) -> int:
         """Length of the longest pattern matching ``model_id`` (0: no match).
@@ -226,6 +208,7 @@ from engine.contract.family_sections import (  # noqa: E402
     TrainingSpec as TrainingSpec,
 )
 from engine.contract.video_spec import OUTPUT_KINDS as OUTPUT_KINDS, OutputKind as OutputKind, VideoSpec as VideoSpec
+from engine.contract.video_spec import CallShape as CallShape
 from engine.contract.video_memory import VideoMemory as VideoMemory
 
 
@@ -338,9 +321,11 @@ class FamilySpec:
 
     def workflows_of(self, checkpoint: Checkpoint | None) -> dict[Workflow, str]:
         """Workflow -> diffusers pipeline class for ``checkpoint`` (the family's
-        default checkpoint when None); ``txt2img`` only where declared."""
+        default checkpoint when None); ``txt2img`` only where declared, but a video family
+        that declares none serves text to video by its pipeline class (plugin API 2)."""
         chosen = checkpoint or self.default_checkpoint
-        return dict(self.workflows if chosen.workflows is None else chosen.workflows)
+        declared = dict(self.workflows if chosen.workflows is None else chosen.workflows)
+        return declared or ({"txt2img": self.pipeline_class_of(chosen)} if self.output == "frames" else {})
 
     def pipeline_class_of(self, checkpoint: Checkpoint | None) -> str:
         """The diffusers class ``checkpoint`` loads as (its own, else the family's)."""
@@ -366,11 +351,13 @@ class FamilySpec:
         return self.checkpoints[0]
 
     def checkpoint(self, name: str) -> Checkpoint | None:
-        """The checkpoint called ``name``, or the one whose patterns match it."""
+        """The checkpoint called ``name`` (its name, its :attr:`~Checkpoint.reference`, or its repo:
+        the first of those sharing it), or the one whose patterns match it."""
         lowered = name.lower()
-        for checkpoint in self.checkpoints:
-            if lowered in (checkpoint.name.lower(), checkpoint.repo.lower()):
-                return checkpoint
+        for key in ("name", "reference", "repo"):
+            for checkpoint in self.checkpoints:
+                if lowered == str(getattr(checkpoint, key)).lower():
+                    return checkpoint
         best = max(self.checkpoints, key=lambda c: c.match_score(name))
         return best if best.match_score(name) else None
 

@@ -18,6 +18,20 @@ OUTPUT_KINDS: tuple[str, ...] = ("images", "frames")
 
 
 @dataclass(frozen=True)
+class CallShape:
+    """The shape one pipeline call renders, as the request decided it (plugin API 2): what
+    ``engine_generate_kwargs`` is given beside the engine's arguments, so a family whose
+    pipeline spells them its own way (``frame_rate``, ``num_frames``) can pass them on.
+    ``frames`` and ``fps`` are None for images; a side is None where the model's default rules."""
+
+    width: int | None
+    height: int | None
+    count: int = 1
+    frames: int | None = None
+    fps: int | None = None
+
+
+@dataclass(frozen=True)
 class VideoSpec:
     """The clips a video family renders: its frame lattice, fps and sizes.
 

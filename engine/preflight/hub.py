@@ -108,6 +108,21 @@ def hub_repo(source: ModelSource) -> str | None:
     return None
 
 
+def hub_root(source: ModelSource) -> str:
+    """Where a model loads from: its location, or, for a hub checkpoint that lives in a
+    subfolder of its repo or at a revision (checkpoints sharing one repo), that folder of the
+    repo's snapshot, fetched into the hub cache (or found there: offline, nothing is asked)."""
+    checkpoint = source.checkpoint
+    if source.kind != "hub" or checkpoint is None or not (checkpoint.subfolder or checkpoint.revision):
+        return source.location
+    from huggingface_hub import snapshot_download
+
+    subfolder = checkpoint.subfolder.strip("/")
+    folder = snapshot_download(source.location, revision=checkpoint.revision,
+                               allow_patterns=[f"{subfolder}/**"] if subfolder else None)
+    return os.path.join(folder, subfolder) if subfolder else folder
+
+
 def hub_download_gb(repo: str, timeout_s: float = 10.0) -> float:
     """The size of ``repo`` on the hub, in GB, to say before downloading it (asks the hub).
 

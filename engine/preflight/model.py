@@ -101,7 +101,7 @@ def resolve_model(
         raise ModelNotFound(f"{path} is a broken symlink or neither a file nor a folder; point at the model itself")
     named = checkpoint_named(registry, text)
     if named is not None:
-        text = named.repo  # a checkpoint name (as `families` lists it) stands for its hub repo
+        text = named.repo  # a checkpoint name (as `families` lists it) stands for its hub repo (and folder)
     elif not is_hub_id(text):
         names = ", ".join(c.name for f in registry.families.values() for c in f.checkpoints)
         raise ModelNotFound(
@@ -118,17 +118,18 @@ def resolve_model(
     if spec is None:
         raise unknown_family(registry, text)
     return ModelSource(
-        "hub", text, spec, spec.checkpoint(text),
+        "hub", text, spec, named if named is not None and named in spec.checkpoints else spec.checkpoint(text),
         prequantised_scheme="nf4" if spec.is_prequantised(text) else None,
     )
 
 
 def checkpoint_named(registry: Registry, text: str) -> Checkpoint | None:
-    """The checkpoint of any installed family that ``text`` names (its name or label, any case)."""
+    """The checkpoint of any installed family that ``text`` names (its name, label or hub
+    reference ``org/repo/subfolder@revision``, any case)."""
     lowered = text.strip().lower()
     for family in registry.families.values():
         for checkpoint in family.checkpoints:
-            if lowered in (checkpoint.name.lower(), checkpoint.label.lower()):
+            if lowered in (checkpoint.name.lower(), checkpoint.label.lower(), checkpoint.reference.lower()):
                 return checkpoint
     return None
 

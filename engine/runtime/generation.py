@@ -26,6 +26,7 @@ from PIL import Image
 from engine.runtime import family_hooks
 from engine.errors import EngineError
 from engine.contract.plugins import Registry
+from engine.contract.video_spec import CallShape
 from engine.policy.plan import Plan
 from engine.preflight.lora import LoraFile
 from engine.preflight.source import ModelSource
@@ -352,7 +353,17 @@ class Generation:
         if "." in family.guidance_kwarg:  # held by a component (a guider), not passed to the call
             set_component_guidance(pipe, family.guidance_kwarg, guidance)
         kwargs = {k: v for k, v in kwargs.items() if k in accepted or k == "callback_on_step_end"}
-        return self.registry.generate_kwargs(family, pipe, kwargs)  # engine_generate_kwargs
+        shape = _call_shape(request, family.video_of(checkpoint), width, height, len(chunk))
+        return self.registry.generate_kwargs(family, pipe, kwargs, shape)  # engine_generate_kwargs
+
+
+def _call_shape(request: GenerateRequest, video: Any, width: int | None, height: int | None,
+                count: int) -> CallShape:
+    """The request's shape as the call renders it: a clip's frames and fps (the checkpoint's
+    fps where the request gave none), the size, the images in this call."""
+    fps = request.fps or (video.fps if video is not None else None)
+    return CallShape(width=width or None, height=height or None, count=count,
+                     frames=request.frames if video is not None else None, fps=fps)
 
 
 def _clip_kwargs(request: GenerateRequest, checkpoint: Any, video: Any) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from engine.errors import EngineError
 from engine.contract.plugins import Registry
 from engine.policy.plan import Plan
 from engine.policy.resolved import explicit
+from engine.preflight.hub import hub_root
 from engine.preflight.source import ModelSource
 from engine.runtime import flags, quantize, text_encoders
 from engine.runtime.canary import inference_canary
@@ -169,7 +170,7 @@ class PipelineLoading:
         from_file = source.kind == "single_file" or (source.kind == "gguf" and scheme is None)
         # A GGUF model with a torchao scheme is the dense-quant candidate: the
         # base's dense transformer is loaded and quantised instead of the file.
-        root = source.base if source.kind in ("single_file", "gguf") else source.location
+        root = source.base if source.kind in ("single_file", "gguf") else hub_root(source)
         try:
             if source.kind == "single_file_pipeline":  # every weight in one file: no base
                 return load_whole_file(source, dtype)

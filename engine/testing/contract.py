@@ -104,7 +104,8 @@ class FamilyContract:
             assert checkpoint.repo.count("/") == 1, checkpoint.repo
             assert checkpoint.default_steps >= 1
             assert checkpoint.default_guidance >= 0
-            assert family.checkpoint(checkpoint.repo) == checkpoint
+            # Checkpoints may share one repo (a subfolder or revision apart): each is named alone by its reference.
+            assert family.checkpoint(checkpoint.reference) == checkpoint, checkpoint.reference
         assert family.training.dense_gb > 0
         assert family.lora.targets
         assert all(reason for _, reason in family.precision.fp16_unsafe), (

@@ -128,7 +128,7 @@ SD3 = FamilySpec(
 
 
 #: The plugin API this plugin is written for (engine.contract.plugin_api).
-ENGINE_PLUGIN_API = 1
+ENGINE_PLUGIN_API = 2
 
 
 @hookimpl
