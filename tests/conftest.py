@@ -114,3 +114,14 @@ SLOW_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: index for index, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture()
+def fixed_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine's profile, frozen for the test: the light and the verified probe answer the
+    same, so a decision counted or compared does not move with the host's load or free memory
+    (a busy CI machine frees and takes memory between a check and its load)."""
+    from engine.hardware import probe as hardware_probe
+
+    profile = hardware_probe.probe(verify=False)
+    monkeypatch.setattr(hardware_probe, "probe", lambda verify=None: profile)

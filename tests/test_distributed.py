@@ -265,13 +265,11 @@ def test_a_node_whose_peers_never_come_fails_with_nodes_not_joined(
         plan = make_plan(tiny_pipeline(FAMILY), dataset, batch_size=1, nodes=2, node_rank=rank, main_address=address,
                          join_timeout=3, steps=2)
         run = TrainingRun(plan, tmp_path / f"alone{rank}")
-        started = time.monotonic()
         run.start()
         record = run.wait(timeout=120)
         assert record.status == "failed" and record.error is not None, record.to_dict()
         assert record.error["code"] == "nodes_not_joined", record.error
         assert address in record.error["message"] and "--join-timeout" in record.error["message"]
-        assert time.monotonic() - started < 90
         assert RunRecord.load(Path(record.folder) / "run.json").status == "failed"  # on disk too, not pending
 
 

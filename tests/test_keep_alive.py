@@ -25,6 +25,8 @@ AUTH = {"Authorization": "Bearer keep-token"}
 
 
 def _wait_for(condition: Callable[[], bool], seconds: float) -> bool:
+    """Whether ``condition`` came true within ``seconds`` (a bound for a failure only: a busy
+    machine only makes a passing wait longer)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if condition():
@@ -50,7 +52,7 @@ def test_an_idle_server_frees_its_model_after_keep_alive(tiny_pipeline: Callable
         assert generated.status_code == 200, generated.text
         time.sleep(1.6)  # 3.2 s since the load, 1.6 since the generate restarted the clock: still loaded
         assert call("GET", "/status").json()["pipeline"] is not None
-        assert _wait_for(lambda: engine.images.session is None, 8.0), "the idle model was not unloaded"
+        assert _wait_for(lambda: engine.images.session is None, 120.0), "the idle model was not unloaded"
         assert call("GET", "/status").json()["pipeline"] is None
         assert engine.residency.owner is None  # its memory was given back
 
@@ -63,7 +65,7 @@ def test_keep_alive_never_pulls_a_model_from_under_a_running_generate(tiny_pipel
     images = engine.images.generate("a fox", steps=8, width=64, height=64,
                                     progress=lambda step, total: time.sleep(0.1))  # slower than the clock
     assert images and time.monotonic() - started > 0.2  # it outlived the clock and finished
-    assert _wait_for(lambda: engine.images.session is None, 5.0)
+    assert _wait_for(lambda: engine.images.session is None, 120.0)
 
 
 @pytest.mark.parametrize("seconds", [-1.0, float("inf")])
@@ -92,4 +94,4 @@ def test_a_request_says_how_long_the_model_stays(tiny_pipeline: Callable[[str], 
         assert engine.images.session is not None  # no keep-alive anywhere: it stays
         assert post("/images/generate", {**base, "keep_alive": -1}).status_code == 422
         assert post("/images/generations", {"prompt": "a fox", "size": "64x64", "keep_alive": 0.3}).status_code == 200
-        assert _wait_for(lambda: engine.images.session is None, 8.0), "keep_alive=0.3 did not unload the model"
+        assert _wait_for(lambda: engine.images.session is None, 120.0), "keep_alive=0.3 did not unload the model"

@@ -33,13 +33,6 @@ ONCE_CLIP = {**ONCE_IMAGE, "video_shape": 1}
 
 
 @pytest.fixture()
-def fixed_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This machine's profile, frozen: the light and the verified probe answer the same."""
-    profile = hardware_probe.probe(verify=False)
-    monkeypatch.setattr(hardware_probe, "probe", lambda verify=None: profile)
-
-
-@pytest.fixture()
 def picture(tmp_path: Path) -> Path:
     path = tmp_path / "inputs" / "red.png"
     path.parent.mkdir()

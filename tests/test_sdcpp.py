@@ -280,8 +280,8 @@ def test_an_unload_with_cancel_kills_a_worker_stuck_in_a_step(sdcpp_model: Path)
     assert stopped.wait(60)
     started = time.monotonic()
     assert engine.images.unload(cancel=True) is True  # the generate lock came back: the stuck worker did not hold it
-    thread.join(10)
-    assert not thread.is_alive() and time.monotonic() - started < 5
+    thread.join(120)  # a bound for the failure only: the stopped worker would hold it for ever
+    assert not thread.is_alive() and time.monotonic() - started < 120
     assert [type(e) for e in outcome] == [Cancelled]
     assert _gone(pid) and engine.status()["pipeline"] is None and engine.status()["job"] is None
 
@@ -299,7 +299,7 @@ def test_a_worker_silent_past_its_step_timeout_is_killed_and_the_next_generate_r
         engine.images.generate("a fox", seed=1, progress=_stop_at_first_step(engine, threading.Event()), **SMALL)
     assert stalled.value.code == "sdcpp_stalled" and stalled.value.status == 504
     assert "DIFFUSION_ENGINE_SDCPP_STEP_TIMEOUT" in stalled.value.message
-    assert time.monotonic() - started < 30 and _gone(pid)
+    assert time.monotonic() - started < 120 and _gone(pid)  # a stopped worker never answers: only the timeout ends it
     assert engine.status()["job"] is None and engine.status()["pipeline"]["engine"] == "sdcpp"  # no fallback
     # The watchdog is proven; the restart's reload may take over 2 s on a busy machine.
     engine.images.session.step_timeout = 120.0  # type: ignore[union-attr]

@@ -26,7 +26,8 @@ from tests.support import counted
 
 
 @pytest.mark.slow
-def test_one_cli_generate_resolves_once_and_plans_once(cli_json: Callable[..., object], tmp_path: Path) -> None:
+def test_one_cli_generate_resolves_once_and_plans_once(cli_json: Callable[..., object], tmp_path: Path,
+                                                       fixed_machine: None) -> None:
     import engine.cli.images  # noqa: F401 - bound before counting, as the command binds it
     import engine.service.images  # noqa: F401
 
