@@ -63,26 +63,6 @@ def install_example(site: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[],
     return install
 
 
-@pytest.fixture(scope="session")
-def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """Build (once per session) and return a family's tiny pipeline folder (``checkpoint``:
-    that checkpoint's own, where its pipeline class differs from the family's)."""
-    from engine.contract.plugins import load_registry
-
-    registry = load_registry()
-    built: dict[tuple[str, str | None], Path] = {}
-
-    def get(family: str, checkpoint: str | None = None) -> Path:
-        if (family, checkpoint) not in built:
-            spec = registry.family(family)
-            folder = tmp_path_factory.mktemp(f"tiny-{family}") / (checkpoint or family)
-            built[family, checkpoint] = registry.build_tiny_pipeline(
-                spec, folder, spec.checkpoint(checkpoint) if checkpoint else None)
-        return built[family, checkpoint]
-
-    return get
-
-
 @pytest.fixture
 def cli_json(capsys: pytest.CaptureFixture[str]) -> Callable[..., object]:
     """``diffusion-engine ARGS --json`` run in this process (no cold start; a trainer it

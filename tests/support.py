@@ -7,7 +7,9 @@
 - a real server on a loopback port (:class:`LiveServer`), a host model that counts
   its evictions (:class:`HostModel`);
 - counters: the calls of a decision (:func:`counted`) and the calls a face makes
-  into the engine (:func:`engine_calls`).
+  into the engine (:func:`engine_calls`);
+- a family's plan from its table on a preset (:func:`table_plan`), the one helper
+  every policy test plans with.
 
 Only the hardware is ever faked, never the engine.
 """
@@ -24,10 +26,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine import Engine
+    from engine.hardware.profile import HardwareProfile
+    from engine.policy.inference import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_PLUGIN = ROOT / "examples" / "diffusion-engine-sd3"
@@ -190,3 +194,26 @@ def engine_calls(*parts: type) -> Iterator[list[str]]:
     finally:
         for part, name, function in patches:
             setattr(part, name, function)
+
+
+_REGISTRY: list[Any] = []
+
+
+def table_plan(family: str, hw: str | HardwareProfile, checkpoint: str | None = None,
+               env: dict[str, str] | None = None, gguf_gb: float | None = None, **request: object) -> Plan:
+    """A family's checkpoint (its default one) planned from its table alone on a preset (or a
+    profile): the policy's answer, torch-free, with no environment switch (``env``: some)."""
+    from engine.contract.plugins import load_registry
+    from engine.hardware.presets import PRESETS
+    from engine.policy.inference import ModelFacts, plan_inference
+    from engine.requests.inference import InferenceRequest
+
+    if not _REGISTRY:
+        _REGISTRY.append(load_registry())
+    registry = _REGISTRY[0]
+    spec = registry.family(family)
+    chosen = spec.checkpoint(checkpoint) if checkpoint else spec.default_checkpoint
+    hardware = PRESETS[hw] if isinstance(hw, str) else hw
+    facts = ModelFacts(spec, chosen, registry.component_sizes(spec, chosen), gguf_transformer_gb=gguf_gb)
+    return plan_inference(registry, facts, hardware, InferenceRequest(**request),  # type: ignore[arg-type]
+                          env={} if env is None else env)

@@ -7,6 +7,8 @@ and, where the runtime decides, tiny real pipelines on this CPU.
 
 from __future__ import annotations
 
+from tests.support import table_plan
+
 import dataclasses
 import inspect
 import json
@@ -23,7 +25,7 @@ from engine.hardware.profile import GIB_IN_GB, HardwareProfile
 from engine.contract.hookspecs import hookimpl
 from engine.contract.plugins import load_registry
 from engine.contract.types import FamilySpec, QuantDeny
-from engine.policy.inference import CONTROLS, InferenceRequest, ModelFacts, Plan, plan_inference
+from engine.policy.inference import CONTROLS, InferenceRequest, ModelFacts, plan_inference
 from engine.policy.memory import budget_gb
 from engine.policy.quant import quant_ladder
 from engine.policy.quant_filter import dense_gb, quantised_gb, quantises
@@ -36,21 +38,6 @@ REGISTRY = load_registry()
 NO_ENV: dict[str, str] = {}
 
 
-def plan(
-    family: str,
-    hw: str | HardwareProfile,
-    checkpoint: str | None = None,
-    env: dict[str, str] | None = None,
-    gguf_gb: float | None = None,
-    **request: object,
-) -> Plan:
-    spec = REGISTRY.family(family)
-    chosen = spec.checkpoint(checkpoint) if checkpoint else spec.default_checkpoint
-    hardware = PRESETS[hw] if isinstance(hw, str) else hw
-    facts = ModelFacts(spec, chosen, REGISTRY.component_sizes(spec, chosen), gguf_transformer_gb=gguf_gb)
-    return plan_inference(
-        REGISTRY, facts, hardware, InferenceRequest(**request), env=NO_ENV if env is None else env  # type: ignore[arg-type]
-    )
 
 
 def cli_plan(*args: str) -> dict[str, object]:
@@ -71,8 +58,8 @@ def test_1_kontext_plans_no_step_cache_and_says_why() -> None:
     # The fullgraph compile stays on: no cache can engage later.
     assert kontext["compile_fullgraph"] is True
     # The text-to-image pipeline of the same family keeps it.
-    assert plan("flux", "h100", "flux.1-dev", speed="default").value("step_cache") == "fbcache"
-    pinned = plan("flux", "h100", "flux.1-kontext-dev", step_cache="fbcache")["step_cache"]
+    assert table_plan("flux", "h100", "flux.1-dev", speed="default").value("step_cache") == "fbcache"
+    pinned = table_plan("flux", "h100", "flux.1-kontext-dev", step_cache="fbcache")["step_cache"]
     assert pinned.value == "off" and pinned.to_dict()["status"] == "refused"
 
 
@@ -160,7 +147,7 @@ def test_2_offload_hooks_turn_fullgraph_off() -> None:
     assert offloaded["resolved"]["compile"]["value"] == "regional"  # type: ignore[index]
     assert offloaded["compile_fullgraph"] is False
     assert "offload hooks" in offloaded["resolved"]["compile"]["reason"]  # type: ignore[index]
-    resident = plan("flux", "h100", step_cache="off", speed="default")
+    resident = table_plan("flux", "h100", step_cache="off", speed="default")
     assert resident.value("memory_mode") == "resident" and resident.compile_fullgraph is True
 
 
@@ -174,7 +161,7 @@ def test_3_unified_memory_refuses_what_does_not_fit_instead_of_offloading() -> N
     spark = preset("dgx-spark")
     assert spark.unified_memory and spark.vendor == "nvidia"
     with pytest.raises(PreflightError) as raised:
-        plan("flux", spark.replace(free_memory_gb=30.0), quant="none")
+        table_plan("flux", spark.replace(free_memory_gb=30.0), quant="none")
     assert raised.value.code == "insufficient_memory"
 
 
@@ -182,12 +169,12 @@ def test_3_unified_memory_refuses_what_does_not_fit_instead_of_offloading() -> N
 def test_3_unified_memory_never_plans_offload(hw: str) -> None:
     for family in sorted(REGISTRY.families):
         try:
-            result = plan(family, hw)
+            result = table_plan(family, hw)
         except PreflightError as exc:
             assert exc.code in ("insufficient_memory", "no_safe_dtype")
             continue
         assert result.value("memory_mode") == "resident"
-    asked = plan("zimage", hw, memory="model_offload")["memory_mode"]
+    asked = table_plan("zimage", hw, memory="model_offload")["memory_mode"]
     assert asked.value == "resident" and asked.to_dict()["status"] == "not applicable"
     assert "frees nothing" in asked.reason
 
@@ -202,13 +189,13 @@ def test_4_no_dense_quant_below_sm80_on_cpu_or_with_fp16_compute() -> None:
     assert "sm80" in quant["reason"]
     for hw in ("t4", "v100", "rtx2080ti", "cpu"):
         assert quant_ladder(PRESETS[hw]) == ()
-        assert plan("sdxl", hw).value("transformer_quant") is None
+        assert table_plan("sdxl", hw).value("transformer_quant") is None
     # fp16 compute on an Ampere card: no torchao scheme either.
-    fp16 = plan("sdxl", "a100-80g", dtype="fp16", quant="int8")["transformer_quant"]
+    fp16 = table_plan("sdxl", "a100-80g", dtype="fp16", quant="int8")["transformer_quant"]
     assert fp16.value is None and "bf16 compute" in fp16.reason
     assert quant_ladder(PRESETS["a100-80g"], "fp16") == ()
     # An explicit int8 on the CPU is still honoured (it runs, and halves RAM).
-    assert plan("sdxl", "cpu", quant="int8").value("transformer_quant") == "int8"
+    assert table_plan("sdxl", "cpu", quant="int8").value("transformer_quant") == "int8"
 
 
 # -- 5. int8 exclusions per family ----------------------------------------------------
@@ -289,12 +276,12 @@ def test_6_budget_is_free_memory_less_the_reserve() -> None:
 def test_7_model_offload_only_where_the_transformer_fits_with_the_reserve_taken_from_free() -> None:
     # Dense, resident encoders: int8 encoders (auto on sm80) would make it
     # resident, and streaming them would keep the transformer resident.
-    roomy = plan("flux", "a100-40g", quant="none", text_encoder_quant="none", text_encoder_memory="resident")
+    roomy = table_plan("flux", "a100-40g", quant="none", text_encoder_quant="none", text_encoder_memory="resident")
     assert roomy.value("memory_mode") == "model_offload"
     assert "stays on the device" in roomy["memory_mode"].reason
     # 33 GB free: the transformer (23.8 + 2.1 overhead) fits 0.85 x 33, but not
     # 0.85 x (33 - 4.2 reserve): the case whole-component offload spills in.
-    tight = plan("flux", preset("a100-40g").replace(free_memory_gb=33.0), quant="none", text_encoder_quant="none")
+    tight = table_plan("flux", preset("a100-40g").replace(free_memory_gb=33.0), quant="none", text_encoder_quant="none")
     assert tight.value("memory_mode") == "group_offload"
 
 
@@ -317,34 +304,34 @@ def test_8_the_class_moves_int8_first_and_fp16_accumulation() -> None:
     assert a4000.consumer and not ada.consumer
     assert quant_ladder(ada) == ("fp8", "int8")
     assert quant_ladder(ada.replace(consumer=True)) == ("int8", "fp8")
-    assert plan("flux", a4000, speed="default").value("fp16_accumulation") is True
-    assert plan("flux", ada, speed="default").value("fp16_accumulation") is False
+    assert table_plan("flux", a4000, speed="default").value("fp16_accumulation") is True
+    assert table_plan("flux", ada, speed="default").value("fp16_accumulation") is False
 
 
 # -- 9. speed details ---------------------------------------------------------------------
 
 
 def test_9_dense_models_compile_from_the_third_image() -> None:
-    dense = plan("flux", "h100", speed="default")
+    dense = table_plan("flux", "h100", speed="default")
     assert dense.value("compile") == "regional" and dense.compile_from_image == COMPILE_FROM_IMAGE == 3
     assert "image 3" in dense["compile"].reason
-    assert plan("flux", "h100", compile="on").compile_from_image == 1
-    assert plan("flux", "rtx4090").value("transformer_quant") == "int8"
-    assert plan("flux", "rtx4090").compile_from_image == 1  # quantised kernels gain from compile
+    assert table_plan("flux", "h100", compile="on").compile_from_image == 1
+    assert table_plan("flux", "rtx4090").value("transformer_quant") == "int8"
+    assert table_plan("flux", "rtx4090").compile_from_image == 1  # quantised kernels gain from compile
 
 
 def test_9_fp16_gguf_dynamo_and_tf32() -> None:
-    t4 = plan("sdxl", "t4")
+    t4 = table_plan("sdxl", "t4")
     assert t4.value("dtype") == "fp16" and t4.value("compile") == "off"
-    assert plan("flux", "h100", gguf_gb=12.7).value("compile") == "off"
-    maxed = plan("flux", "h100", gguf_gb=12.7, speed="max", quant="none")
+    assert table_plan("flux", "h100", gguf_gb=12.7).value("compile") == "off"
+    maxed = table_plan("flux", "h100", gguf_gb=12.7, speed="max", quant="none")
     assert maxed.value("compile") == "regional" and maxed.compile_fullgraph is False
-    disabled = plan("flux", "h100", env={"TORCHDYNAMO_DISABLE": "1"})
+    disabled = table_plan("flux", "h100", env={"TORCHDYNAMO_DISABLE": "1"})
     assert disabled.value("compile") == "off" and "TORCHDYNAMO_DISABLE" in disabled["compile"].reason
-    forced = plan("flux", "h100", env={"TORCHDYNAMO_DISABLE": "1"}, compile="on")["compile"]
+    forced = table_plan("flux", "h100", env={"TORCHDYNAMO_DISABLE": "1"}, compile="on")["compile"]
     assert forced.value == "off" and forced.to_dict()["status"] == "refused"
-    assert plan("flux", "h100").value("tf32") is False
-    assert plan("flux", "h100", speed="max").value("tf32") is True
+    assert table_plan("flux", "h100").value("tf32") is False
+    assert table_plan("flux", "h100", speed="max").value("tf32") is True
 
 
 @pytest.mark.slow
@@ -375,12 +362,12 @@ def test_9_the_session_compiles_before_the_third_image(tiny_pipeline: Callable[[
 
 
 def test_10_cudnn_attention_auto_on_sm80_and_explicit() -> None:
-    assert plan("flux", "a100-80g", speed="default").value("attention_backend") == "cudnn"
-    assert plan("flux", "t4").value("attention_backend") == "native"
-    assert plan("flux", "apple-m3-max").value("attention_backend") == "native"
+    assert table_plan("flux", "a100-80g", speed="default").value("attention_backend") == "cudnn"
+    assert table_plan("flux", "t4").value("attention_backend") == "native"
+    assert table_plan("flux", "apple-m3-max").value("attention_backend") == "native"
     # cuDNN's kernel takes half-precision inputs only: an fp32 plan keeps native SDPA.
-    assert plan("zimage", "a100-80g", dtype="fp32").value("attention_backend") == "native"
-    assert plan("zimage", "a100-80g", dtype="fp32", attention="cudnn").value("attention_backend") == "native"
+    assert table_plan("zimage", "a100-80g", dtype="fp32").value("attention_backend") == "native"
+    assert table_plan("zimage", "a100-80g", dtype="fp32", attention="cudnn").value("attention_backend") == "native"
     asked = cli_plan("--family", "flux", "--hardware", "rtx4090", "--attention", "cudnn")
     assert asked["resolved"]["attention_backend"]["value"] == "cudnn"  # type: ignore[index]
     from engine.runtime.attention import DIFFUSERS_BACKENDS
@@ -390,15 +377,15 @@ def test_10_cudnn_attention_auto_on_sm80_and_explicit() -> None:
 
 def test_10_unknown_capability_does_not_block_and_installs_are_pinned() -> None:
     unknown = preset("rtx4090").replace(capability=None, device_name="NVIDIA Next GPU")
-    sage = plan("flux", unknown, attention="sage")
+    sage = table_plan("flux", unknown, attention="sage")
     assert sage.value("attention_backend") == "sage" and "capability unknown" in sage["attention_backend"].reason
     assert sage.attention_install == "sageattention>=2.1.1 --no-deps"
-    matched = plan("flux", preset("rtx4090").replace(torch_version="2.8.0+cu128"), attention="xformers")
+    matched = table_plan("flux", preset("rtx4090").replace(torch_version="2.8.0+cu128"), attention="xformers")
     # The wheel built for this torch and its CUDA, from PyTorch's index for that CUDA.
     assert matched.attention_install == (
         "xformers==0.0.32.post2 --index-url https://download.pytorch.org/whl/cu128 --no-deps"
     )
-    unmatched = plan("flux", preset("rtx4090").replace(torch_version="2.99.0"), attention="xformers")
+    unmatched = table_plan("flux", preset("rtx4090").replace(torch_version="2.99.0"), attention="xformers")
     assert unmatched.value("attention_backend") == "native" and unmatched.attention_install is None
     assert "no xformers wheel" in unmatched["attention_backend"].reason
     from engine.runtime.attention import pip_command
@@ -418,10 +405,10 @@ def test_11_every_control_records_requested_and_status() -> None:
     fp8 = resolved["transformer_quant"]  # type: ignore[index]
     assert (fp8["requested"], fp8["value"], fp8["status"]) == ("fp8", None, "refused")
     assert resolved["dtype"]["requested"] == "auto" and resolved["dtype"]["status"] == "engaged"  # type: ignore[index]
-    t4 = plan("flux", "t4", attention="sage")["attention_backend"].to_dict()
+    t4 = table_plan("flux", "t4", attention="sage")["attention_backend"].to_dict()
     assert (t4["requested"], t4["value"], t4["status"]) == ("sage", "native", "fell back")
     # A control re-decided later keeps what was asked.
-    later = plan("flux", "rtx4090", attention="sage").with_control("attention_backend", explicit("native", "install failed"))
+    later = table_plan("flux", "rtx4090", attention="sage").with_control("attention_backend", explicit("native", "install failed"))
     assert later["attention_backend"].to_dict()["status"] == "fell back"
 
 
@@ -429,9 +416,9 @@ def test_11_every_control_records_requested_and_status() -> None:
 
 
 def test_12_qwen_image_fp8_inference_needs_and_gets_the_floor() -> None:
-    assert plan("qwen_image", "h100", quant="fp8").value("transformer_quant") == "fp8"
+    assert table_plan("qwen_image", "h100", quant="fp8").value("transformer_quant") == "fp8"
     no_floor = preset("h100").replace(fp8_activation_floor=False)
-    denied = plan("qwen_image", no_floor, quant="fp8")["transformer_quant"]
+    denied = table_plan("qwen_image", no_floor, quant="fp8")["transformer_quant"]
     assert denied.value is None and "black" in denied.reason
     # Training keeps fp8 denied, floor or not.
     spec = REGISTRY.family("qwen_image")
@@ -475,18 +462,18 @@ def test_12_the_runtime_sets_the_floor_where_torchao_has_it() -> None:
 def test_13_cpu_counts_swap_before_refusing() -> None:
     small = preset("cpu").replace(free_memory_gb=12.0)
     with pytest.raises(PreflightError) as raised:
-        plan("zimage", small)
+        table_plan("zimage", small)
     assert raised.value.code == "insufficient_memory" and "swap" in raised.value.message
-    swapped = plan("zimage", small.replace(swap_free_gb=16.0))
+    swapped = table_plan("zimage", small.replace(swap_free_gb=16.0))
     assert swapped.value("memory_mode") == "resident" and "swap" in swapped["memory_mode"].reason
 
 
 def test_kept_cpu_threads_are_one_per_physical_core_the_earlier_halving_where_unknown() -> None:
     """Kept difference: the earlier cpu_count // 2 gave a 2-core machine without SMT 1 thread."""
     no_smt = preset("cpu").replace(cpu_count=2, physical_cores=2, free_memory_gb=16.0)
-    assert plan("sdxl", no_smt).value("threads") == 2
-    assert plan("sdxl", no_smt.replace(cpu_count=16, physical_cores=8)).value("threads") == 8  # SMT: once per core
-    assert plan("sdxl", no_smt.replace(physical_cores=None)).value("threads") == 1  # unknown: the earlier rule
+    assert table_plan("sdxl", no_smt).value("threads") == 2
+    assert table_plan("sdxl", no_smt.replace(cpu_count=16, physical_cores=8)).value("threads") == 8  # SMT: once per core
+    assert table_plan("sdxl", no_smt.replace(physical_cores=None)).value("threads") == 1  # unknown: the earlier rule
 
 
 @pytest.mark.parametrize("mode", ["resident", "model_offload", "group_offload", "sequential_offload"])
@@ -494,9 +481,9 @@ def test_13_an_explicit_memory_mode_on_a_cpu_is_refused_beyond_ram_and_swap_too(
     """Every mode keeps the weights in RAM on a CPU, so none gets past the refusal auto gives."""
     small = preset("cpu").replace(free_memory_gb=12.0)
     with pytest.raises(PreflightError) as raised:
-        plan("zimage", small, memory=mode)
+        table_plan("zimage", small, memory=mode)
     assert raised.value.code == "insufficient_memory" and f"memory={mode}" in raised.value.message
-    assert plan("zimage", small.replace(swap_free_gb=16.0), memory=mode).value("memory_mode") == "resident"
+    assert table_plan("zimage", small.replace(swap_free_gb=16.0), memory=mode).value("memory_mode") == "resident"
 
 
 def test_12_lifted_denials_name_real_capabilities_and_real_denials() -> None:

@@ -7,6 +7,8 @@ as it does on the real models' small layers), so int8 has layers to take.
 
 from __future__ import annotations
 
+from tests.support import table_plan
+
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -15,21 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from engine.hardware.presets import PRESETS
 from engine.hardware.probe import probe
 from engine.contract.plugins import load_registry
 from engine.policy.encoders import encoder_gb
-from engine.policy.inference import InferenceRequest, ModelFacts, Plan, plan_inference
+from engine.policy.inference import InferenceRequest, plan_inference
 from engine.preflight.model import resolve_model
 from engine.runtime.session import GenerateRequest, InferenceSession
 
 REGISTRY = load_registry()
 
 
-def plan(family: str, hw: str, **request: object) -> Plan:
-    spec = REGISTRY.family(family)
-    facts = ModelFacts(spec, spec.default_checkpoint, REGISTRY.component_sizes(spec))
-    return plan_inference(REGISTRY, facts, PRESETS[hw], InferenceRequest(**request), env={})  # type: ignore[arg-type]
 
 
 # -- the plan ------------------------------------------------------------------------
@@ -39,7 +36,7 @@ def plan(family: str, hw: str, **request: object) -> Plan:
 def test_auto_encoder_scheme_follows_the_machine(hw: str, scheme: str) -> None:
     """``auto`` takes layerwise fp8 wherever a CUDA GPU computes in native bf16 (sm80+: the
     earlier system's "fp8 needs CUDA bf16"), none on a T4 or the CPU."""
-    result = plan("sdxl" if hw == "cpu" else "flux", hw)
+    result = table_plan("sdxl" if hw == "cpu" else "flux", hw)
     resolved = result["text_encoder_quant"]
     assert (resolved.value, resolved.source) == (scheme, "auto")
     assert resolved.reason
@@ -48,8 +45,8 @@ def test_auto_encoder_scheme_follows_the_machine(hw: str, scheme: str) -> None:
 
 
 def test_the_encoder_scheme_sizes_the_memory_estimate() -> None:
-    fp8 = plan("flux", "h100")
-    dense = plan("flux", "h100", text_encoder_quant="none")
+    fp8 = table_plan("flux", "h100")
+    dense = table_plan("flux", "h100", text_encoder_quant="none")
     sizes = REGISTRY.component_sizes(REGISTRY.family("flux"))
     assert fp8.estimate.components.text_encoders_gb == pytest.approx(encoder_gb(sizes.text_encoders_gb, "fp8"))
     assert dense.estimate.components.text_encoders_gb == pytest.approx(sizes.text_encoders_gb)
@@ -57,56 +54,56 @@ def test_the_encoder_scheme_sizes_the_memory_estimate() -> None:
 
 
 def test_a_family_deny_list_keeps_its_encoders_dense_with_the_reason() -> None:
-    auto = plan("sdxl", "h100")["text_encoder_quant"]
+    auto = table_plan("sdxl", "h100")["text_encoder_quant"]
     assert auto.value == "none" and "denies" in auto.reason
-    asked = plan("sdxl", "h100", text_encoder_quant="int8")["text_encoder_quant"]
+    asked = table_plan("sdxl", "h100", text_encoder_quant="int8")["text_encoder_quant"]
     assert asked.value == "none" and asked.overridden and "SDXL" in asked.reason
 
 
 def test_an_unsupported_explicit_scheme_is_downgraded_with_the_capability() -> None:
-    asked = plan("flux", "rtx3090", text_encoder_quant="fp8_dynamic")["text_encoder_quant"]
+    asked = table_plan("flux", "rtx3090", text_encoder_quant="fp8_dynamic")["text_encoder_quant"]
     assert asked.value == "none" and "8.9" in asked.reason
-    assert plan("flux", "h100", text_encoder_quant="fp8_dynamic").value("text_encoder_quant") == "fp8_dynamic"
-    t4 = plan("flux", "t4", text_encoder_quant="fp8")["text_encoder_quant"]
+    assert table_plan("flux", "h100", text_encoder_quant="fp8_dynamic").value("text_encoder_quant") == "fp8_dynamic"
+    t4 = table_plan("flux", "t4", text_encoder_quant="fp8")["text_encoder_quant"]
     assert t4.value == "none" and "native bf16" in t4.reason
-    nvfp4 = plan("flux", "h100", text_encoder_quant="nvfp4")["text_encoder_quant"]
+    nvfp4 = table_plan("flux", "h100", text_encoder_quant="nvfp4")["text_encoder_quant"]
     assert nvfp4.value == "none" and "Blackwell" in nvfp4.reason
-    assert plan("flux", "b200", text_encoder_quant="nvfp4").value("text_encoder_quant") == "nvfp4"
+    assert table_plan("flux", "b200", text_encoder_quant="nvfp4").value("text_encoder_quant") == "nvfp4"
 
 
 def test_torchao_encoder_modes_run_as_layerwise_fp8_where_the_plan_moves_the_encoders() -> None:
     """torchao's modes are tensor subclasses that reject ``Module.to``: under offload (or
     streamed encoders) the plan holds the encoders in layerwise fp8 instead, saying why."""
-    offloaded = plan("flux", "h100", text_encoder_quant="fp8_dynamic", memory="model_offload")["text_encoder_quant"]
+    offloaded = table_plan("flux", "h100", text_encoder_quant="fp8_dynamic", memory="model_offload")["text_encoder_quant"]
     assert (offloaded.value, offloaded.to_dict()["status"]) == ("fp8", "fell back")
     assert "torchao tensor subclass" in offloaded.reason and "layerwise fp8" in offloaded.reason
-    resident = plan("flux", "h100", text_encoder_quant="fp8_dynamic")
+    resident = table_plan("flux", "h100", text_encoder_quant="fp8_dynamic")
     assert resident.value("memory_mode") == "resident" and resident.value("text_encoder_quant") == "fp8_dynamic"
-    layerwise = plan("flux", "h100", text_encoder_quant="fp8", memory="model_offload")["text_encoder_quant"]
+    layerwise = table_plan("flux", "h100", text_encoder_quant="fp8", memory="model_offload")["text_encoder_quant"]
     assert layerwise.value == "fp8" and layerwise.to_dict()["status"] == "engaged"
 
 
 def test_int8_encoders_need_the_familys_keep_in_bf16_schedule_else_fp8_is_the_effective_mode() -> None:
     """The earlier system ran int8 encoders only for a family with a measured keep-in-bf16
     schedule (Qwen-Image has one); elsewhere the record says fp8 is the effective mode."""
-    flux = plan("flux", "h100", text_encoder_quant="int8")["text_encoder_quant"]
+    flux = table_plan("flux", "h100", text_encoder_quant="int8")["text_encoder_quant"]
     assert (flux.value, flux.to_dict()["requested"], flux.to_dict()["status"]) == ("fp8", "int8", "fell back")
     assert "schedule" in flux.reason and "fp8 is the effective mode" in flux.reason
     assert REGISTRY.family("qwen_image").quantisation.text_encoder_int8_keep
-    assert plan("qwen_image", "b200", text_encoder_quant="int8").value("text_encoder_quant") == "int8"
+    assert table_plan("qwen_image", "b200", text_encoder_quant="int8").value("text_encoder_quant") == "int8"
 
 
 def test_encoders_that_do_not_fit_beside_the_denoiser_are_streamed() -> None:
-    result = plan("flux", "rtx4090")
+    result = table_plan("flux", "rtx4090")
     assert result.value("text_encoder_memory") == "streamed"
     assert result.value("memory_mode") == "resident"  # the denoiser is never offloaded
     assert "do not fit beside the denoiser" in result["text_encoder_memory"].reason
-    roomy = plan("flux", "h100")
+    roomy = table_plan("flux", "h100")
     assert roomy.value("text_encoder_memory") == "resident"
 
 
 def test_streaming_is_refused_beside_an_offloaded_denoiser() -> None:
-    asked = plan("flux", "h100", memory="model_offload", text_encoder_memory="streamed")
+    asked = table_plan("flux", "h100", memory="model_offload", text_encoder_memory="streamed")
     resolved = asked["text_encoder_memory"]
     assert resolved.value == "resident" and resolved.overridden and "model_offload" in resolved.reason
     assert asked.value("memory_mode") == "model_offload"
@@ -116,7 +113,7 @@ def test_a_bad_encoder_request_is_refused_naming_the_field() -> None:
     from engine.errors import PreflightError
 
     with pytest.raises(PreflightError, match="text_encoder_quant"):
-        plan("flux", "h100", text_encoder_quant="int4")
+        table_plan("flux", "h100", text_encoder_quant="int4")
 
 
 # -- the runtime on CPU ----------------------------------------------------------------

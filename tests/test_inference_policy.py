@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tests.support import table_plan
+
 import itertools
 import json
 import subprocess
@@ -12,7 +14,6 @@ import pytest
 
 from engine.errors import PreflightError
 from engine.hardware.presets import PRESETS, preset
-from engine.hardware.profile import HardwareProfile
 from engine.contract.plugins import load_registry
 from engine.policy.inference import CONTROLS, InferenceRequest, ModelFacts, Plan, plan_inference
 from engine.policy.quant import QUANT_REQUESTS, lift_denials, quant_ladder
@@ -23,18 +24,11 @@ FAMILIES = sorted(REGISTRY.families)
 NO_ENV: dict[str, str] = {}
 
 
-def plan(family: str, hw: str | HardwareProfile, env: dict[str, str] | None = None, **request: object) -> Plan:
-    spec = REGISTRY.family(family)
-    hardware = PRESETS[hw] if isinstance(hw, str) else hw
-    facts = ModelFacts(spec, spec.default_checkpoint, REGISTRY.component_sizes(spec))
-    return plan_inference(
-        REGISTRY, facts, hardware, InferenceRequest(**request), env=NO_ENV if env is None else env  # type: ignore[arg-type]
-    )
 
 
 def plan_or_code(family: str, hw: str, **request: object) -> Plan | str:
     try:
-        return plan(family, hw, **request)
+        return table_plan(family, hw, **request)
     except PreflightError as exc:
         return exc.code
 
@@ -92,27 +86,27 @@ def test_qwen_image_never_gets_fp8_family_schemes_nor_fp16_compute() -> None:
 
 def test_explicit_denied_scheme_yields_no_scheme_with_the_measured_reason() -> None:
     # Without torchao's activation-scale floor the fp8 deny stands.
-    result = plan("qwen_image", preset("b200").replace(fp8_activation_floor=False), quant="fp8")
+    result = table_plan("qwen_image", preset("b200").replace(fp8_activation_floor=False), quant="fp8")
     quant = result["transformer_quant"]
     assert quant.value is None and quant.source == "explicit"
     assert "black" in quant.reason and "falling back" in quant.reason
 
 
 def test_explicit_unsupported_scheme_falls_back_with_the_reason() -> None:
-    quant = plan("flux", "a100-80g", quant="fp8")["transformer_quant"]
+    quant = table_plan("flux", "a100-80g", quant="fp8")["transformer_quant"]
     assert quant.value is None and "8.9+" in quant.reason
-    assert plan("flux", "h100", quant="nvfp4")["transformer_quant"].value is None
-    assert plan("flux", "b200", quant="nvfp4")["transformer_quant"].value == "nvfp4"
+    assert table_plan("flux", "h100", quant="nvfp4")["transformer_quant"].value is None
+    assert table_plan("flux", "b200", quant="nvfp4")["transformer_quant"].value == "nvfp4"
 
 
 def test_h100_flux_is_bf16_resident_without_quantisation() -> None:
-    result = plan("flux", "h100")
+    result = table_plan("flux", "h100")
     assert (result.value("dtype"), result.value("memory_mode")) == ("bf16", "resident")
     assert result.value("transformer_quant") is None and result.fallback is None
 
 
 def test_rtx4090_flux_picks_int8_first_and_keeps_a_fallback() -> None:
-    result = plan("flux", "rtx4090")
+    result = table_plan("flux", "rtx4090")
     assert result.value("transformer_quant") == "int8"
     # The encoders do not fit beside the int8 denoiser: they are streamed, and
     # the denoiser stays resident instead of being offloaded per image.
@@ -135,10 +129,10 @@ def test_auto_skips_denied_schemes_for_the_family() -> None:
     # Without torchao's activation-scale floor Qwen-Image's fp8 deny stands.
     # (All 47.8 GB free: int8 now keeps the text stream dense, 34 GB steady.)
     tight = preset("l40s").replace(fp8_activation_floor=False)
-    qwen = plan("qwen_image", tight)["transformer_quant"]
+    qwen = table_plan("qwen_image", tight)["transformer_quant"]
     assert qwen.value == "int8" and "fp8" in qwen.reason  # skipped, and says so
-    assert plan("flux", tight.replace(free_memory_gb=30.0))["transformer_quant"].value == "fp8"
-    assert plan("qwen_image", preset("l40s"))["transformer_quant"].value == "fp8"  # the floor lifts it
+    assert table_plan("flux", tight.replace(free_memory_gb=30.0))["transformer_quant"].value == "fp8"
+    assert table_plan("qwen_image", preset("l40s"))["transformer_quant"].value == "fp8"  # the floor lifts it
 
 
 def test_a_host_quantised_candidate_is_sized_at_its_steady_size() -> None:
@@ -146,7 +140,7 @@ def test_a_host_quantised_candidate_is_sized_at_its_steady_size() -> None:
     # the 40.9 GB dense weights, so int8 (34 GB: the text stream stays bf16)
     # beats streaming the dense blocks. (fp8 floor off: Qwen-Image's fp8 deny
     # stands, so the candidate is int8; all 47.8 GB free.)
-    result = plan("qwen_image", preset("l40s").replace(fp8_activation_floor=False))
+    result = table_plan("qwen_image", preset("l40s").replace(fp8_activation_floor=False))
     assert result.value("transformer_quant") == "int8"
     # Without its (fp8) encoders it fits resident: they are streamed per prompt.
     assert (result.value("memory_mode"), result.value("text_encoder_memory")) == ("resident", "streamed")
@@ -157,7 +151,7 @@ def test_a_host_quantised_candidate_is_sized_at_its_steady_size() -> None:
 def test_a_candidate_whose_build_peak_does_not_fit_is_not_taken() -> None:
     # nf4 is quantised while bitsandbytes loads onto the device: its build peak
     # is the dense transformer, which 40 GB free cannot hold.
-    result = plan("qwen_image", preset("l40s").replace(free_memory_gb=40.0), quant="nf4")
+    result = table_plan("qwen_image", preset("l40s").replace(free_memory_gb=40.0), quant="nf4")
     assert result.value("transformer_quant") == "nf4"
     assert result.estimate.components.transformer_transient_gb == 40.9
     # 12.3 GB steady would sit beside the encoders, but the 40.9 GB build cannot.
@@ -166,20 +160,20 @@ def test_a_candidate_whose_build_peak_does_not_fit_is_not_taken() -> None:
 
 def test_dense_quant_candidate_beats_offload_only_when_it_improves_the_plan() -> None:
     # Qwen-Image on a 4090: int8 (22.5 GB) still cannot sit beside a transformer-sized peak.
-    result = plan("qwen_image", "rtx4090")
+    result = table_plan("qwen_image", "rtx4090")
     assert result.value("transformer_quant") is None
     assert "would not improve" in result["transformer_quant"].reason
 
 
 def test_max_tier_quantises_for_speed_even_when_dense_fits() -> None:
-    assert plan("flux", "h100", speed="max").value("transformer_quant") == "fp8"
-    assert plan("flux", "h100").value("transformer_quant") is None
+    assert table_plan("flux", "h100", speed="max").value("transformer_quant") == "fp8"
+    assert table_plan("flux", "h100").value("transformer_quant") is None
 
 
 @pytest.mark.parametrize("hw", ["t4", "v100", "rtx2080ti"])
 def test_no_native_bf16_gives_fp16_only_to_fp16_safe_families(hw: str) -> None:
-    assert plan("flux", hw).value("dtype") == "fp16"
-    assert plan("sdxl", hw).value("dtype") == "fp16"
+    assert table_plan("flux", hw).value("dtype") == "fp16"
+    assert table_plan("sdxl", hw).value("dtype") == "fp16"
     for family in ("qwen_image", "zimage"):
         result = plan_or_code(family, hw)
         assert result == "no_safe_dtype" or result.value("dtype") == "fp32"  # type: ignore[union-attr]
@@ -187,25 +181,25 @@ def test_no_native_bf16_gives_fp16_only_to_fp16_safe_families(hw: str) -> None:
 
 def test_unsafe_family_gets_fp32_when_it_fits() -> None:
     big_v100 = preset("v100").replace(total_memory_gb=80.0, free_memory_gb=79.0)
-    result = plan("zimage", big_v100)
+    result = table_plan("zimage", big_v100)
     assert result.value("dtype") == "fp32" and "fails in attention" in result["dtype"].reason
 
 
 def test_explicit_bf16_on_t4_and_fp16_on_qwen_image_are_refused() -> None:
     with pytest.raises(PreflightError) as raised:
-        plan("flux", "t4", dtype="bf16")
+        table_plan("flux", "t4", dtype="bf16")
     assert raised.value.code == "bf16_unsupported"
     with pytest.raises(PreflightError) as raised:
-        plan("qwen_image", "h100", dtype="fp16")
+        table_plan("qwen_image", "h100", dtype="fp16")
     assert raised.value.code == "fp16_unsafe" and "black" in raised.value.message
 
 
 def test_memory_budget_reserve_and_resident_fraction() -> None:
-    result = plan("zimage", preset("h100"))
+    result = table_plan("zimage", preset("h100"))
     estimate = result.estimate
     # The reserve is taken from free memory (84.5 GB on the preset), not total.
     assert estimate.budget_gb == pytest.approx(84.5 - 8.5)  # 10% reserve > 2 GiB
-    unified = plan("zimage", "apple-m3-max").estimate
+    unified = table_plan("zimage", "apple-m3-max").estimate
     assert unified.budget_gb == pytest.approx(96.0 - 128.0 * 0.2)
 
 
@@ -213,46 +207,46 @@ def test_explicit_memory_mode_that_cannot_fit_falls_to_the_next_that_does() -> N
     """The earlier system's later rule (FACTS.md, Memory): an explicit fast/resident
     request that does not fit falls to the next tier rather than failing; the
     record keeps what was asked (status ``fell back``, so ``--strict`` refuses it)."""
-    fell = plan("qwen_image", "rtx4090", memory="resident")["memory_mode"].to_dict()
+    fell = table_plan("qwen_image", "rtx4090", memory="resident")["memory_mode"].to_dict()
     assert fell["requested"] == "resident" and fell["status"] == "fell back" and fell["overridden"] is True
     assert fell["value"] in ("model_offload", "group_offload", "sequential_offload")
     assert "memory=resident does not fit" in str(fell["reason"])
-    assert plan("qwen_image", "rtx4090", memory="sequential_offload").value("memory_mode") == "sequential_offload"
+    assert table_plan("qwen_image", "rtx4090", memory="sequential_offload").value("memory_mode") == "sequential_offload"
 
 
 @pytest.mark.parametrize(("steps", "engaged"), [(28, True), (20, True), (19, False), (4, False)])
 def test_step_cache_engages_from_20_steps(steps: int, engaged: bool) -> None:
-    result = plan("flux", "h100", steps=steps, speed="default")
+    result = table_plan("flux", "h100", steps=steps, speed="default")
     assert (result.value("step_cache") == "fbcache") is engaged
     assert result.step_cache_threshold == 0.08
 
 
 def test_step_cache_threshold_is_higher_on_a_quantised_transformer() -> None:
-    result = plan("flux", "rtx4090", steps=28)
+    result = table_plan("flux", "rtx4090", steps=28)
     assert result.value("step_cache") == "fbcache" and result.step_cache_threshold == 0.12
 
 
 def test_step_cache_follows_the_checkpoints_schedule_and_pins() -> None:
-    assert plan("flux", "h100", speed="default").value("step_cache") == "fbcache"  # FLUX.1-dev: 28 steps
+    assert table_plan("flux", "h100", speed="default").value("step_cache") == "fbcache"  # FLUX.1-dev: 28 steps
     schnell = REGISTRY.family("flux").checkpoint("flux.1-schnell")
     facts = ModelFacts(REGISTRY.family("flux"), schnell, REGISTRY.component_sizes(REGISTRY.family("flux")))
     default = InferenceRequest(speed="default")
     assert plan_inference(REGISTRY, facts, preset("h100"), default, env=NO_ENV).value("step_cache") == "off"
-    pinned = plan("flux", "h100", steps=4, step_cache="fbcache")["step_cache"]
+    pinned = table_plan("flux", "h100", steps=4, step_cache="fbcache")["step_cache"]
     assert (pinned.value, pinned.source) == ("fbcache", "explicit")
 
 
 def test_step_cache_is_off_where_the_family_denies_it() -> None:
-    result = plan("zimage", "h100", steps=28)
+    result = table_plan("zimage", "h100", steps=28)
     assert result.value("step_cache") == "off" and "cache hooks" in result["step_cache"].reason
 
 
 def test_compile_drops_fullgraph_when_an_auto_cache_could_engage() -> None:
-    assert plan("flux", "h100", speed="default").compile_fullgraph is False
-    assert plan("flux", "h100", speed="default", step_cache="off").compile_fullgraph is True
-    assert plan("zimage", "h100", speed="default").compile_fullgraph is True  # no cache can engage
-    assert plan("sdxl", "cpu").value("compile") == "off"
-    assert plan("flux", "h100", speed="eager").value("compile") == "off"
+    assert table_plan("flux", "h100", speed="default").compile_fullgraph is False
+    assert table_plan("flux", "h100", speed="default", step_cache="off").compile_fullgraph is True
+    assert table_plan("zimage", "h100", speed="default").compile_fullgraph is True  # no cache can engage
+    assert table_plan("sdxl", "cpu").value("compile") == "off"
+    assert table_plan("flux", "h100", speed="eager").value("compile") == "off"
 
 
 @pytest.mark.parametrize(
@@ -268,40 +262,40 @@ def test_compile_drops_fullgraph_when_an_auto_cache_could_engage() -> None:
     ],
 )
 def test_fp16_accumulation_gate(hw: str, family: str, speed: str, env: dict[str, str], expected: bool) -> None:
-    assert plan(family, hw, env=env, speed=speed).value("fp16_accumulation") is expected
+    assert table_plan(family, hw, env=env, speed=speed).value("fp16_accumulation") is expected
 
 
 def test_fp16_accumulation_needs_torch_that_exposes_the_flag() -> None:
     old_torch = preset("rtx4090").replace(torch_fp16_accumulation=False)
-    result = plan("flux", old_torch)["fp16_accumulation"]
+    result = table_plan("flux", old_torch)["fp16_accumulation"]
     assert result.value is False and "2.7" in result.reason
 
 
 def test_attention_explicit_backend_the_card_cannot_run_falls_back_to_native() -> None:
-    result = plan("flux", "t4", attention="sage")
+    result = table_plan("flux", "t4", attention="sage")
     assert result.value("attention_backend") == "native" and "sm80" in result["attention_backend"].reason
     assert result.attention_install is None
-    assert plan("flux", "rtx4090", attention="flash3").value("attention_backend") == "native"
+    assert table_plan("flux", "rtx4090", attention="flash3").value("attention_backend") == "native"
 
 
 def test_attention_install_only_for_explicit_requests_after_the_arch_gate() -> None:
-    result = plan("flux", "rtx4090", attention="sage")
+    result = table_plan("flux", "rtx4090", attention="sage")
     # The install carries the version floor and --no-deps (keeps the installed torch).
     assert result.value("attention_backend") == "sage"
     assert result.attention_install == "sageattention>=2.1.1 --no-deps"
-    assert plan("flux", "rtx4090").attention_install is None
-    off = plan("flux", "rtx4090", env={ATTENTION_INSTALL_ENV: "0"}, attention="sage")
+    assert table_plan("flux", "rtx4090").attention_install is None
+    off = table_plan("flux", "rtx4090", env={ATTENTION_INSTALL_ENV: "0"}, attention="sage")
     assert off.value("attention_backend") == "native" and off.attention_install is None
     installed = preset("rtx4090").replace(attention_packages=("sageattention",))
-    ready = plan("flux", installed, attention="sage")
+    ready = table_plan("flux", installed, attention="sage")
     assert ready.value("attention_backend") == "sage" and ready.attention_install is None
 
 
 def test_attention_auto_uses_flash3_on_hopper_when_installed() -> None:
     hopper = preset("h100").replace(attention_packages=("kernels",))
-    assert plan("flux", hopper, speed="default").value("attention_backend") == "flash3"
+    assert table_plan("flux", hopper, speed="default").value("attention_backend") == "flash3"
     # Without FA3, auto takes cuDNN's fused SDPA on sm80+.
-    assert plan("flux", "h100", speed="default").value("attention_backend") == "cudnn"
+    assert table_plan("flux", "h100", speed="default").value("attention_backend") == "cudnn"
 
 
 @pytest.mark.parametrize(("cpus", "cores", "threads"), [
@@ -310,16 +304,16 @@ def test_attention_auto_uses_flash3_on_hopper_when_installed() -> None:
 ])
 def test_cpu_threads_are_one_per_physical_core(cpus: int | None, cores: int | None, threads: int) -> None:
     cpu = preset("cpu").replace(cpu_count=cpus, physical_cores=cores)
-    shared = plan("sdxl", cpu, env={"OMP_NUM_THREADS": "3"})["threads"]  # processes sharing the cores set it
+    shared = table_plan("sdxl", cpu, env={"OMP_NUM_THREADS": "3"})["threads"]  # processes sharing the cores set it
     assert shared.value == 3 and "OMP_NUM_THREADS=3" in shared.reason
-    assert plan("sdxl", cpu).value("threads") == threads
-    assert plan("sdxl", "h100").value("threads") is None
+    assert table_plan("sdxl", cpu).value("threads") == threads
+    assert table_plan("sdxl", "h100").value("threads") is None
 
 
 def test_invalid_request_values_are_refused_with_a_code() -> None:
     for field, value in (("speed", "turbo"), ("attention", "magic"), ("compile", "yes"), ("dtype", "fp8")):
         with pytest.raises(PreflightError):
-            plan("flux", "h100", **{field: value})
+            table_plan("flux", "h100", **{field: value})
 
 
 def test_planning_imports_no_torch() -> None:

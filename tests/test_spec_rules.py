@@ -40,7 +40,7 @@ DIT = ("flux", "qwen_image", "zimage")
 TORCHAO_SCHEMES = ("int8", "fp8", "mxfp8", "nvfp4")
 
 
-def plan(family: str, hardware: str, **request: Any):  # type: ignore[no-untyped-def]
+def door_plan(family: str, hardware: str, **request: Any):  # type: ignore[no-untyped-def]
     return Engine(registry=REGISTRY, hardware=preset(hardware)).images.plan(family=family, request=InferenceRequest(**request))
 
 
@@ -77,12 +77,12 @@ def training_plan(base: Path, data: Path, hardware: Any, **overrides: object) ->
 
 
 def test_pinned_fbcache_compiles_without_fullgraph() -> None:
-    pinned = plan("flux", "h100", step_cache="fbcache", speed="default")
+    pinned = door_plan("flux", "h100", step_cache="fbcache", speed="default")
     assert pinned.value("step_cache") == "fbcache" and pinned.value("compile") == "regional"
     assert pinned.compile_fullgraph is False
     assert "First-Block-Cache" in pinned["compile"].reason
     # The control: with the cache pinned off, nothing hooks the blocks.
-    assert plan("flux", "h100", step_cache="off", speed="default").compile_fullgraph is True
+    assert door_plan("flux", "h100", step_cache="off", speed="default").compile_fullgraph is True
 
 
 def test_session_hands_the_plans_fullgraph_and_dynamic_shapes_to_compile(
@@ -110,12 +110,12 @@ def test_flash3_is_diffusers_hub_backend_loaded_by_kernels() -> None:
     assert DIFFUSERS_BACKENDS["flash3"] == "_flash_3_hub"
     assert AttentionBackendName("_flash_3_hub") in _HUB_KERNELS_REGISTRY  # fetched by `kernels`
     hopper = preset("h100").replace(attention_packages=("kernels",))
-    assert plan("flux", "h100", speed="default").value("attention_backend") == "cudnn"  # kernels not installed
+    assert door_plan("flux", "h100", speed="default").value("attention_backend") == "cudnn"  # kernels not installed
     engine = Engine(registry=REGISTRY, hardware=hopper)
     assert engine.images.plan(family="flux", request=InferenceRequest(speed="default")).value("attention_backend") == "flash3"
-    missing = plan("flux", "h100", attention="flash3")
+    missing = door_plan("flux", "h100", attention="flash3")
     assert missing.value("attention_backend") == "flash3" and missing.attention_install == "kernels>=0.12"
-    assert plan("flux", "rtx4090", attention="flash3").value("attention_backend") == "native"  # sm89
+    assert door_plan("flux", "rtx4090", attention="flash3").value("attention_backend") == "native"  # sm89
 
 
 @pytest.mark.parametrize("family", DIT)
@@ -223,9 +223,9 @@ def test_sdxl_info_on_mps_says_where_it_really_trains(
 
 def test_memory_reason_names_the_component_that_does_not_fit() -> None:
     # nf4 shrinks FLUX's transformer below its text encoders: they are what a T4 cannot hold.
-    reason = plan("flux", "t4", quant="nf4")["memory_mode"].reason
+    reason = door_plan("flux", "t4", quant="nf4")["memory_mode"].reason
     assert "text encoders alone" in reason and "transformer alone" not in reason
-    assert "transformer alone" in plan("flux", "t4")["memory_mode"].reason
+    assert "transformer alone" in door_plan("flux", "t4")["memory_mode"].reason
 
 
 # -- implemented, now proven -------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_trainer_compiles_regions_with_dynamic_shapes(
 def test_sdxl_compiles_its_blocks_regionally_from_its_table() -> None:
     sdxl = REGISTRY.family("sdxl")
     assert REGISTRY.compile_regions(sdxl) == sdxl.compile_regions != ()
-    result = plan("sdxl", "h100", speed="default")
+    result = door_plan("sdxl", "h100", speed="default")
     assert result.value("compile") == "regional"
     assert all(region in result["compile"].reason for region in sdxl.compile_regions)
     assert training_info(REGISTRY, sdxl, preset("h100")).supports_compile
@@ -315,7 +315,7 @@ def test_a_torchao_transformer_never_goes_to_group_offload() -> None:
                     if result.value("transformer_quant") in TORCHAO_SCHEMES:
                         assert result.value("memory_mode") != "group_offload", (name, family, scheme, memory)
     with pytest.raises(EngineError) as refused:
-        plan("flux", "rtx4090", quant="int8", memory="group_offload")
+        door_plan("flux", "rtx4090", quant="int8", memory="group_offload")
     assert refused.value.code == "incompatible_options" and "sequential_offload" in refused.value.message
 
 

@@ -3,39 +3,36 @@ that grows with resolution x batch."""
 
 from __future__ import annotations
 
+from tests.support import table_plan
+
 import torch
 from diffusers import AutoencoderKL
 
-from engine.hardware.presets import PRESETS
 from engine.contract.plugins import load_registry
 from engine.policy.activations import VAE_TILE_PX
-from engine.policy.inference import InferenceRequest, ModelFacts, Plan, plan_inference
+from engine.policy.inference import Plan
 from engine.policy.resolved import auto
 from engine.runtime.vae import apply_vae_tiling
 
 REGISTRY = load_registry()
 
 
-def plan(family: str, hw: str, **request: object) -> Plan:
-    spec = REGISTRY.family(family)
-    facts = ModelFacts(spec, spec.default_checkpoint, REGISTRY.component_sizes(spec))
-    return plan_inference(REGISTRY, facts, PRESETS[hw], InferenceRequest(**request), env={})  # type: ignore[arg-type]
 
 
 def test_the_plan_names_the_size_above_which_the_vae_tiles() -> None:
-    small, large = plan("sdxl", "rtx-a4000"), plan("sdxl", "h100")
+    small, large = table_plan("sdxl", "rtx-a4000"), table_plan("sdxl", "h100")
     side = small.value("vae_tiling")
     assert isinstance(side, int) and 1024 <= side < 4096
     assert large.value("vae_tiling") > side  # type: ignore[operator]  # more headroom, tiles later
     assert f"{side}x{side}" in small["vae_tiling"].reason
-    assert plan("sdxl", "h100", vae_tiling="on").value("vae_tiling") == 0
-    assert plan("sdxl", "h100", vae_tiling="off").value("vae_tiling") is None
+    assert table_plan("sdxl", "h100", vae_tiling="on").value("vae_tiling") == 0
+    assert table_plan("sdxl", "h100", vae_tiling="off").value("vae_tiling") is None
 
 
 def test_the_activation_guard_grows_with_resolution_and_batch() -> None:
-    base = plan("flux", "h100").estimate.overhead_gb
-    big = plan("flux", "h100", width=2048, height=2048).estimate.overhead_gb
-    batch = plan("flux", "h100", width=2048, height=2048, count=4).estimate.overhead_gb
+    base = table_plan("flux", "h100").estimate.overhead_gb
+    big = table_plan("flux", "h100", width=2048, height=2048).estimate.overhead_gb
+    batch = table_plan("flux", "h100", width=2048, height=2048, count=4).estimate.overhead_gb
     assert base < big < batch
     assert batch > 4 * (big - 1.2)  # four images' activations, one context
 
@@ -43,8 +40,8 @@ def test_the_activation_guard_grows_with_resolution_and_batch() -> None:
 def test_a_large_request_on_a_small_card_is_planned_down_up_front() -> None:
     # 2048 px x4 on a 24 GB card: the activations no longer fit beside the
     # resident int8 denoiser, so the plan moves to a lighter mode before loading.
-    at_1024 = plan("zimage", "rtx3090")
-    at_2048 = plan("zimage", "rtx3090", width=2048, height=2048, count=4)
+    at_1024 = table_plan("zimage", "rtx3090")
+    at_2048 = table_plan("zimage", "rtx3090", width=2048, height=2048, count=4)
     assert at_1024.value("memory_mode") == "resident"
     assert at_2048.value("memory_mode") != "resident" or at_2048.value("text_encoder_memory") == "streamed"
 
@@ -84,16 +81,16 @@ def test_tiling_engages_only_above_the_size_the_plan_names() -> None:
     # A served VAE declares 1024 px samples; the engine caps its tile at the
     # size the plan's peak assumed. Never decoded here, so full-size config is free.
     vae = tiny_vae(1024, blocks=4)  # latents 1/8 of the image
-    named = plan("sdxl", "rtx-a4000")
+    named = table_plan("sdxl", "rtx-a4000")
     side = named.value("vae_tiling")
     assert isinstance(side, int) and side % 16 == 0
     assert apply_vae_tiling(Pipe(vae), named, side + 16, side + 16) and vae.use_tiling
     assert (vae.tile_sample_min_size, vae.tile_latent_min_size) == (VAE_TILE_PX, VAE_TILE_PX // 8)
     assert not apply_vae_tiling(Pipe(vae), named, side, side) and not vae.use_tiling
     assert not apply_vae_tiling(Pipe(vae), named, 2 * side, side // 2) and not vae.use_tiling  # same pixels
-    assert not apply_vae_tiling(Pipe(vae), plan("sdxl", "rtx-a4000", vae_tiling="off"), 4096, 4096)
+    assert not apply_vae_tiling(Pipe(vae), table_plan("sdxl", "rtx-a4000", vae_tiling="off"), 4096, 4096)
     assert not vae.use_tiling
-    assert apply_vae_tiling(Pipe(vae), plan("sdxl", "rtx-a4000", vae_tiling="on"), 64, 64) and vae.use_tiling
+    assert apply_vae_tiling(Pipe(vae), table_plan("sdxl", "rtx-a4000", vae_tiling="on"), 64, 64) and vae.use_tiling
 
 
 def test_the_tiled_decode_the_plan_engages_matches_the_untiled_one() -> None:
@@ -107,7 +104,7 @@ def test_the_tiled_decode_the_plan_engages_matches_the_untiled_one() -> None:
     # sigma); a tile-size mismatch between latent and image fails on shape.
     vae = tiny_vae(128)
     pipe = Pipe(vae)
-    named = plan("sdxl", "cpu").with_control("vae_tiling", auto(160, "test: tile above 160x160"))
+    named = table_plan("sdxl", "cpu").with_control("vae_tiling", auto(160, "test: tile above 160x160"))
     never = named.with_control("vae_tiling", auto(None, "test: never"))
     decodes: list[int] = []  # one entry per decoder forward: per tile when tiled
     vae.decoder.register_forward_pre_hook(lambda _module, _args: decodes.append(1))

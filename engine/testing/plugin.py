@@ -29,3 +29,25 @@ def engine_run_model(engine_registry: Registry, tmp_path: Path) -> Callable[[str
         return run_model(engine_registry, engine_registry.family(family_name), tmp_path / family_name)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``tiny_pipeline(family, checkpoint=None)``: the family's tiny random-weight pipeline
+    folder, built once per session through its ``engine_build_tiny_pipeline`` (``checkpoint``:
+    that checkpoint's own, where its pipeline class differs from the family's). A family's own
+    suite, beside the family, takes it as the engine's suite does."""
+    from engine.contract.plugins import load_registry
+
+    registry = load_registry()
+    built: dict[tuple[str, str | None], Path] = {}
+
+    def get(family: str, checkpoint: str | None = None) -> Path:
+        if (family, checkpoint) not in built:
+            spec = registry.family(family)
+            folder = tmp_path_factory.mktemp(f"tiny-{family}") / (checkpoint or family)
+            built[family, checkpoint] = registry.build_tiny_pipeline(
+                spec, folder, spec.checkpoint(checkpoint) if checkpoint else None)
+        return built[family, checkpoint]
+
+    return get

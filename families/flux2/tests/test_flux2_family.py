@@ -4,6 +4,8 @@ and FLUX.2 dev's plan on the cards people run it on says what fits and why."""
 
 from __future__ import annotations
 
+from tests.support import table_plan
+
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,8 +13,6 @@ import pytest
 
 from engine.contract.plugins import load_registry
 from engine.hardware.presets import preset
-from engine.policy.inference import ModelFacts, plan_inference
-from engine.requests.inference import InferenceRequest
 from engine.testing import FamilyContract
 
 REGISTRY = load_registry()
@@ -31,16 +31,12 @@ class TestFlux2DevKit(FamilyContract):
     checkpoint_name = "flux.2-dev"
 
 
-def plan(checkpoint: str, hardware: str, **request: object):  # type: ignore[no-untyped-def]
-    chosen = FLUX2.checkpoint(checkpoint)
-    facts = ModelFacts(FLUX2, chosen, REGISTRY.component_sizes(FLUX2, chosen))
-    return plan_inference(REGISTRY, facts, preset(hardware), InferenceRequest(**request))  # type: ignore[arg-type]
 
 
 def test_flux2_dev_on_a_24_gb_card_streams_its_blocks_because_nothing_else_fits() -> None:
     """64.5 GB of transformer and a 24B text encoder (26 GB even in fp8): no scheme makes
     either resident on an RTX 4090, so the plan streams blocks (group offload) and says so."""
-    chosen = plan("flux.2-dev", "rtx4090")
+    chosen = table_plan("flux2", "rtx4090", "flux.2-dev")
     assert chosen.value("memory_mode") == "group_offload" and chosen.value("transformer_quant") is None
     assert "does not fit" in chosen["memory_mode"].reason
     assert "quantising would not improve the plan" in chosen["transformer_quant"].reason
@@ -49,7 +45,7 @@ def test_flux2_dev_on_a_24_gb_card_streams_its_blocks_because_nothing_else_fits(
 def test_flux2_dev_on_an_l40s_holds_an_fp8_transformer_and_streams_its_encoder() -> None:
     """fp8 at the family's own factor (0.501 of 64.5 GB) fits the 48 GB card resident; the
     fp8 text encoder then goes to the GPU per prompt."""
-    chosen = plan("flux.2-dev", "l40s")
+    chosen = table_plan("flux2", "l40s", "flux.2-dev")
     assert chosen.value("transformer_quant") == "fp8" and chosen.value("memory_mode") == "resident"
     assert chosen.value("text_encoder_memory") == "streamed"
     assert 30 < chosen.estimate.peak_gb < 0.85 * preset("l40s").total_memory_gb
@@ -57,14 +53,14 @@ def test_flux2_dev_on_an_l40s_holds_an_fp8_transformer_and_streams_its_encoder()
 
 
 def test_flux2_dev_on_an_h100_is_fp8_and_wholly_resident() -> None:
-    chosen = plan("flux.2-dev", "h100")
+    chosen = table_plan("flux2", "h100", "flux.2-dev")
     assert (chosen.value("transformer_quant"), chosen.value("memory_mode"), chosen.value("text_encoder_memory")) == (
         "fp8", "resident", "resident")
     assert "the whole pipeline fits resident" in chosen["text_encoder_memory"].reason
 
 
 def test_flux2_dev_on_a_b200_runs_dense_bf16() -> None:
-    chosen = plan("flux.2-dev", "b200")
+    chosen = table_plan("flux2", "b200", "flux.2-dev")
     assert (chosen.value("dtype"), chosen.value("transformer_quant"), chosen.value("memory_mode")) == (
         "bf16", None, "resident")
     assert "quantising would not improve the plan" in chosen["transformer_quant"].reason
@@ -73,7 +69,7 @@ def test_flux2_dev_on_a_b200_runs_dense_bf16() -> None:
 @pytest.mark.parametrize("hardware", ["rtx4090", "l40s", "h100", "b200"])
 def test_flux2_klein_is_resident_dense_on_every_card(hardware: str) -> None:
     """klein 4B (7.8 + 8.0 GB) is the FLUX.2 for one consumer card: dense and resident."""
-    chosen = plan("flux.2-klein-4b", hardware)
+    chosen = table_plan("flux2", hardware, "flux.2-klein-4b")
     assert (chosen.value("transformer_quant"), chosen.value("memory_mode")) == (None, "resident")
     assert chosen.default_steps == 4
 
@@ -117,11 +113,11 @@ def test_klein_9b_on_a_24_gb_card_is_int8_resident_with_its_encoder_streamed() -
     """18 GB of transformer and the 16.4 GB Qwen3-8B embedder do not sit together on an RTX 4090
     (dense, its blocks would stream): int8 keeps the transformer resident and the fp8 encoder is
     streamed per prompt. On an L40S the dense transformer and the encoder are both resident."""
-    small = plan("flux.2-klein-9b", "rtx4090")
+    small = table_plan("flux2", "rtx4090", "flux.2-klein-9b")
     assert (small.value("transformer_quant"), small.value("memory_mode"), small.value("text_encoder_memory")) == (
         "int8", "resident", "streamed")
     assert "the dense transformer plans group_offload" in small["transformer_quant"].reason
-    large = plan("flux.2-klein-9b", "l40s")
+    large = table_plan("flux2", "l40s", "flux.2-klein-9b")
     assert (large.value("transformer_quant"), large.value("memory_mode"), large.value("text_encoder_memory")) == (
         None, "resident", "resident")
 
