@@ -51,12 +51,11 @@ class Registry:
 
     def family(self, name: str) -> FamilySpec:
         """The family called ``name`` (or an alias); :class:`UnknownName` otherwise."""
-        key = name.lower().replace("-", "_")
-        canonical = self._aliases.get(key, key)
-        try:
-            return self.families[canonical]
-        except KeyError:
-            raise UnknownName("family", name, self.families, aliases=self._aliases) from None
+        for key in dict.fromkeys((name.lower(), name.lower().replace("-", "_"))):  # a plugin's own hyphens first
+            canonical = self._aliases.get(key, key)
+            if canonical in self.families:
+                return self.families[canonical]
+        raise UnknownName("family", name, self.families, aliases=self._aliases)
 
     def hook_implementations(self, hook: str) -> list[dict[str, object]]:
         """The plugins implementing ``hook``, in the order pluggy calls them (the first

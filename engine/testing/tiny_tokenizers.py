@@ -90,3 +90,18 @@ def qwen_chat_tokenizer(special_tokens: list[str] | None = None, corpus: list[st
     tokenizer.add_special_tokens({"additional_special_tokens": special_tokens[1:]})
     tokenizer.chat_template = chat_template or _CHAT_TEMPLATE
     return tokenizer
+
+
+def gemma_char_tokenizer(model_max_length: int = 256) -> Any:
+    """A ``GemmaTokenizerFast`` over printable ASCII, one token per character (built with
+    ``tokenizers``, no files): what a Gemma-2-encoded family's tiny pipeline (Lumina 2, Sana) takes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GemmaTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    for char in string.printable:
+        vocab.setdefault(char, len(vocab))
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return GemmaTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                              unk_token="<unk>", model_max_length=model_max_length)
