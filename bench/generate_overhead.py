@@ -63,15 +63,15 @@ def bench_family(registry, family: str, folder: Path, runs: int, steps: int, siz
     plain.set_progress_bar_config(disable=True)
     spec = registry.family(family)
     guidance = (source.checkpoint or spec.default_checkpoint).default_guidance
-    extra = {"negative_prompt": " "} if spec.guidance_kwarg == "true_cfg_scale" and guidance > 1 else {}
-    clip = {"frames": frames} if spec.output == "frames" else {}
+    extra = {"negative_prompt": " "} if spec.pipeline.guidance_kwarg == "true_cfg_scale" and guidance > 1 else {}
+    clip = {"frames": frames} if spec.rendering.output == "frames" else {}
     if clip:
         extra = {**extra, "num_frames": frames, "output_type": "pil"}
 
     def run_plain() -> None:
         with torch.inference_mode():
             plain(PROMPT, num_inference_steps=steps, width=size, height=size,
-                  generator=torch.Generator("cpu").manual_seed(0), **{spec.guidance_kwarg: guidance}, **extra)
+                  generator=torch.Generator("cpu").manual_seed(0), **{spec.pipeline.guidance_kwarg: guidance}, **extra)
 
     def run_engine() -> None:
         engine.generate(GenerateRequest(PROMPT, steps=steps, width=size, height=size, seed=0, **clip))

@@ -245,7 +245,7 @@ def all_cases(registry: Registry, families: list[str]) -> list[Case]:
     cases: list[Case] = []
     for family_name in families:
         family = registry.family(family_name)
-        if family.output == "frames":  # a clip through the engine's generate, dense and int8
+        if family.rendering.output == "frames":  # a clip through the engine's generate, dense and int8
             cases += [Case(family_name, "inference", path, rank, **fields) for path, fields, rank in VIDEO_PATHS]  # type: ignore[arg-type]
             continue
         training = TRAINING_PATHS if family.training.base_precision_applies else SINGLE_MODE_TRAINING
@@ -786,7 +786,7 @@ class BenchModel:
         self.settings = settings
         self.folder = settings.tiny_pipeline(family)
         self.device = "cpu" if settings.tiny else "cuda"
-        tiny_config = json.loads((self.folder / self.family.denoiser / "config.json").read_text(encoding="utf-8"))
+        tiny_config = json.loads((self.folder / self.family.pipeline.denoiser / "config.json").read_text(encoding="utf-8"))
         self.cls = getattr(diffusers, tiny_config["_class_name"])
         if settings.tiny:
             config: dict[str, Any] = tiny_config
@@ -869,9 +869,9 @@ class BenchModel:
             denoiser = to_nf4(denoiser, dtype, self.device)
         index = json.loads((self.folder / "model_index.json").read_text(encoding="utf-8"))
         parts: dict[str, Any] = {name: None for name in index if name.startswith(("text_encoder", "tokenizer"))}
-        if self.family.output == "frames":  # its pipeline encodes the prompt: a 1-layer encoder of the real width
+        if self.family.rendering.output == "frames":  # its pipeline encodes the prompt: a 1-layer encoder of the real width
             parts = {"text_encoder": self.wide_encoder(dtype)}
-        parts[self.family.denoiser] = denoiser
+        parts[self.family.pipeline.denoiser] = denoiser
         pipe = DiffusionPipeline.from_pretrained(self.folder, dtype=dtype, **parts)
         pipe.set_progress_bar_config(disable=True)
         return pipe
@@ -983,7 +983,7 @@ def run_inference_case(case: Case, bench: BenchModel, settings: Settings, row: R
         final = session.plan
         if final["attention_backend"].value != plan["attention_backend"].value:
             row.status, row.message = "fallback", str(final["attention_backend"].reason)
-        render = render_clip if family.output == "frames" else denoise
+        render = render_clip if family.rendering.output == "frames" else denoise
         speed, finite, warm_s = render(session, bench, settings, str(plan.value("dtype")), plan.device)
         row.steps_per_s, row.finite = round(speed, 3), finite
         row.details["warmup_s"] = round(warm_s, 2)
@@ -1205,7 +1205,7 @@ def _trainer_seams(case: Case, bench: BenchModel) -> dict[str, Callable[..., Any
     seams: dict[str, Callable[..., Any]] = {"_load_pipeline": load_pipeline, "cache_inputs": cache_inputs}
     if case.static_shapes:
         def compiled_static(_plan: Any, denoiser: torch.nn.Module) -> torch.nn.Module:
-            regions = set(_plan.family.compile_regions)
+            regions = set(_plan.family.speed.compile_regions)
             for module in denoiser.modules():
                 if type(module).__name__ in regions:
                     module.compile(dynamic=False)

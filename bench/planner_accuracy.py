@@ -69,12 +69,12 @@ def full_size_model(family: str, configs: dict[str, Path]) -> torch.nn.Module:
     root = configs.get(family)
     if root is None:  # the default checkpoint's configs from the hub cache, offline
         index = diffusers.DiffusionPipeline.load_config(spec.default_checkpoint.repo, local_files_only=True)
-        cls = getattr(diffusers, index[spec.denoiser][1])
-        config = cls.load_config(spec.default_checkpoint.repo, subfolder=spec.denoiser, local_files_only=True)
+        cls = getattr(diffusers, index[spec.pipeline.denoiser][1])
+        config = cls.load_config(spec.default_checkpoint.repo, subfolder=spec.pipeline.denoiser, local_files_only=True)
     elif (root / "model_index.json").exists():
         index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
-        cls = getattr(diffusers, index[spec.denoiser][1])
-        config = cls.load_config(root / spec.denoiser)
+        cls = getattr(diffusers, index[spec.pipeline.denoiser][1])
+        config = cls.load_config(root / spec.pipeline.denoiser)
     else:
         config = json.loads((root / "config.json").read_text(encoding="utf-8"))
         cls = getattr(diffusers, config["_class_name"])

@@ -64,7 +64,7 @@ def plain_steps_per_s(plan, steps: int) -> tuple[float, float]:  # type: ignore[
     runtime = importlib.import_module(plan.family.runtime_module)
     torch.manual_seed(plan.config.seed)
     pipe = DiffusionPipeline.from_pretrained(plan.base.location, dtype=torch.float32)
-    denoiser = getattr(pipe, plan.family.denoiser)
+    denoiser = getattr(pipe, plan.family.pipeline.denoiser)
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.requires_grad_(False)

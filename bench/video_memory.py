@@ -117,7 +117,7 @@ def check(name: str, clips: list[str]) -> None:
 def derive(name: str) -> None:
     registry = load_registry()
     checkpoint = next(c for c in registry.family("wan").checkpoints if c.name == name)
-    memory = (checkpoint.video or registry.family("wan").video).memory  # type: ignore[union-attr]
+    memory = (checkpoint.video or registry.family("wan").rendering.video).memory  # type: ignore[union-attr]
     case = CASES[name]
     points = []
     for clip in case.derive:

@@ -44,7 +44,7 @@ def engine_quant_deny(family: FamilySpec, purpose: Purpose) -> Iterable[QuantDen
 
 @hookimpl(trylast=True)
 def engine_optimization_deny(family: FamilySpec) -> Iterable[OptimizationDeny] | None:
-    return family.optimization_deny + capability_denies(family)
+    return family.speed.optimization_deny + capability_denies(family)
 
 
 #: What a capability the table declares missing turns off, and why.
@@ -89,7 +89,7 @@ def engine_training_precision_modes(
 
 @hookimpl(trylast=True)
 def engine_compile_regions(family: FamilySpec) -> tuple[str, ...] | None:
-    return family.compile_regions
+    return family.speed.compile_regions
 
 
 @hookimpl(trylast=True)

@@ -104,7 +104,8 @@ def _spec(name: str) -> FamilySpec:
         checkpoints=(Checkpoint(name=name, label=name, repo=f"someone/{name}", default_steps=2,
                                 default_guidance=1.0, matches=(f"*{name}*",)),),
         lora=LoraLayout(targets=("to_q", "to_k", "to_v", "to_out")),
-        compile_regions=(), tiny_pipeline="", capabilities=type(SD3.capabilities)(),
+        speed=dataclasses.replace(SD3.speed, compile_regions=()), tiny_pipeline="",
+        capabilities=type(SD3.capabilities)(),
         quantisation=dataclasses.replace(SD3.quantisation, deny_inference=(), deny_training=(),
                                          prequantised_patterns=()),
     )

@@ -18,6 +18,7 @@ from engine.contract.types import (
     LatentGeometry,
     LoraLayout,
     MemoryProbe,
+    Rendering,
     TrainingObjective,
     TrainingSpec,
 )
@@ -37,8 +38,6 @@ def sana_family(memory: Any = None) -> FamilySpec:
         checkpoints=(Checkpoint("sana-1.6b", "Sana 1.6B", "Efficient-Large-Model/Sana_1600M_1024px_diffusers",
                                 20, 4.5, matches=("*sana*",)),),
         sizes=ComponentSizes(transformer_gb=3.2, text_encoders_gb=5.2, vae_gb=0.6),
-        geometry=LatentGeometry(spatial_compression=32, patch_size=1, latent_channels=32),
-        side_multiple=32,
         runtime_module="tests.sana_probe",
         lora=LoraLayout(targets=("to_q", "to_k", "to_v", "to_out.0")),
         training=TrainingSpec(
@@ -51,6 +50,10 @@ def sana_family(memory: Any = None) -> FamilySpec:
                                                           "cross_attention_dim": 128,
                                                           "num_cross_attention_heads": 2,
                                                           "cross_attention_head_dim": 64}),
+        ),
+        rendering=Rendering(
+            geometry=LatentGeometry(spatial_compression=32, patch_size=1, latent_channels=32),
+            side_multiple=32,
         ),
     )
 

@@ -12,7 +12,7 @@ import pytest
 from engine.hardware.cpu import matmul_isa
 from engine.hardware.presets import preset
 from engine.hardware.profile import CpuGemm
-from tests.test_inference_policy import plan
+from tests.support import table_plan
 
 SAPPHIRE_RAPIDS = preset("cpu").replace(total_memory_gb=128.0, free_memory_gb=120.0, cpu_isa="AMX-BF16", cpu_bf16_matmul=True,
                                         cpu_gemm=CpuGemm(374.5, 383.0, 2159.9, 2))  # measured on a 2-core VM
@@ -21,25 +21,25 @@ AVX2 = preset("cpu").replace(total_memory_gb=128.0, free_memory_gb=120.0, cpu_is
 
 
 def test_a_speed_tier_computes_in_bf16_where_the_cpu_multiplies_it_natively() -> None:
-    controls = plan("flux", SAPPHIRE_RAPIDS, speed="default")
+    controls = table_plan("flux", SAPPHIRE_RAPIDS, speed="default")
     assert controls["dtype"].value == "bf16" and "AMX-BF16" in controls["dtype"].reason
     assert "5.6x" in controls["dtype"].reason and controls["cpu_kernel"].value == "onednn"
-    assert plan("flux", ZEN5, speed="default")["dtype"].value == "bf16"
+    assert table_plan("flux", ZEN5, speed="default")["dtype"].value == "bf16"
 
 
 def test_no_speed_request_stays_exact_and_says_what_bf16_would_gain() -> None:
-    dtype = plan("flux", SAPPHIRE_RAPIDS)["dtype"]
+    dtype = table_plan("flux", SAPPHIRE_RAPIDS)["dtype"]
     assert dtype.value == "fp32" and "--speed default" in dtype.reason and "AMX-BF16" in dtype.reason
-    assert plan("flux", ZEN5)["cpu_kernel"].value == "mkl"  # the off tier keeps torch's default kernel
+    assert table_plan("flux", ZEN5)["cpu_kernel"].value == "mkl"  # the off tier keeps torch's default kernel
 
 
 def test_fp32_takes_onednn_only_where_measured_faster() -> None:
-    zen = plan("flux", ZEN5, speed="default", dtype="fp32")["cpu_kernel"]
+    zen = table_plan("flux", ZEN5, speed="default", dtype="fp32")["cpu_kernel"]
     assert zen.value == "onednn" and "2.1x" in zen.reason
-    avx2 = plan("flux", AVX2, speed="default")
+    avx2 = table_plan("flux", AVX2, speed="default")
     assert avx2["dtype"].value == "fp32" and "AVX2" in avx2["dtype"].reason  # emulated bf16 is slower
     assert avx2["cpu_kernel"].value == "mkl"
-    assert plan("flux", preset("rtx4090"))["cpu_kernel"].value is None
+    assert table_plan("flux", preset("rtx4090"))["cpu_kernel"].value is None
 
 
 def test_the_isa_is_read_from_the_cpu_flags() -> None:

@@ -67,7 +67,7 @@ def test_1_family_tables_say_which_pipelines_carry_the_cache_context() -> None:
     import diffusers
 
     for name, spec in REGISTRY.families.items():
-        declared = spec.cache_context_pipelines
+        declared = spec.pipeline.cache_context_pipelines
         assert declared is not None, f"{name} does not declare its cache-context pipelines"
         for class_name in spec.pipeline_class_names:
             call = inspect.getsource(getattr(diffusers, class_name).__call__)
@@ -123,7 +123,7 @@ def test_1_tiny_flux_without_a_cache_context_generates_20_steps_with_the_cache_o
     from engine.runtime.session import GenerateRequest
 
     flux = REGISTRY.family("flux")
-    no_context = dataclasses.replace(flux, cache_context_pipelines=())
+    no_context = dataclasses.replace(flux, pipeline=dataclasses.replace(flux.pipeline, cache_context_pipelines=()))
     session = _session(tiny_pipeline("flux"), InferenceRequest(steps=20, speed="default"), family_override=no_context)
     session.load()
     try:

@@ -20,7 +20,7 @@ from engine.policy.inference import CONTROLS, Plan
 from engine.policy.quant import quant_ladder
 from engine.policy.speed import install_requirement
 from engine.policy.training import training_precision_preflight_error
-from tests.test_earlier_decisions import plan
+from tests.support import table_plan
 
 REGISTRY = load_registry()
 FAMILIES = sorted(REGISTRY.families)
@@ -36,12 +36,12 @@ def test_a_dense_model_with_no_speed_request_runs_on_the_off_tier_and_engages_no
     accumulation, no step cache, native attention." (RTX 4090: a consumer card, where
     every one of those would otherwise engage.) That its images are bit-identical is
     checked by pixels in tests/test_stock_diffusers.py, not by the reason's words."""
-    dense = plan(family, "rtx4090", quant="none", steps=28)
+    dense = table_plan(family, "rtx4090", quant="none", steps=28)
     assert (dense["speed_tier"].value, dense["speed_tier"].source) == ("off", "auto")
     assert dense.value("compile") == "off" and dense.value("step_cache") == "off"
     assert dense.value("fp16_accumulation") is False and dense.value("attention_backend") == "native"
     # The same request with speed=default engages what the card and family allow.
-    fast = plan(family, "rtx4090", quant="none", steps=28, speed="default")
+    fast = table_plan(family, "rtx4090", quant="none", steps=28, speed="default")
     assert fast["speed_tier"].source == "explicit"
     denied = REGISTRY.optimization_deny(REGISTRY.family(family))
     assert fast.value("attention_backend") == ("native" if "cudnn" in denied else "cudnn")
@@ -50,7 +50,7 @@ def test_a_dense_model_with_no_speed_request_runs_on_the_off_tier_and_engages_no
 def test_a_quantised_transformer_with_no_speed_request_runs_on_the_default_tier() -> None:
     """A quantised transformer already differs from the dense reference and its kernels
     gain from compile: ``auto`` takes the default tier there (FLUX.1 int8 on a 4090)."""
-    quantised = plan("flux", "rtx4090")
+    quantised = table_plan("flux", "rtx4090")
     assert quantised.value("transformer_quant") == "int8"
     assert quantised["speed_tier"].value == "default" and quantised.value("compile") == "regional"
 
@@ -58,9 +58,9 @@ def test_a_quantised_transformer_with_no_speed_request_runs_on_the_default_tier(
 def test_attention_auto_stays_native_on_the_off_tier_and_on_mps() -> None:
     """"Attention `auto` stays native on `off` and on non-NVIDIA devices (MPS)"; an
     explicit kernel is still honoured on `off`."""
-    assert plan("flux", "h100", speed="off").value("attention_backend") == "native"
-    assert plan("flux", "apple-m3-max", speed="default").value("attention_backend") == "native"
-    assert plan("flux", "h100", speed="off", attention="cudnn").value("attention_backend") == "cudnn"
+    assert table_plan("flux", "h100", speed="off").value("attention_backend") == "native"
+    assert table_plan("flux", "apple-m3-max", speed="default").value("attention_backend") == "native"
+    assert table_plan("flux", "h100", speed="off", attention="cudnn").value("attention_backend") == "cudnn"
 
 
 def test_flash4_is_auto_on_blackwell_datacenter_cards_where_the_hub_kernels_are_installed() -> None:
@@ -72,13 +72,13 @@ def test_flash4_is_auto_on_blackwell_datacenter_cards_where_the_hub_kernels_are_
 
     assert AttentionBackendName(DIFFUSERS_BACKENDS["flash4"]) in _HUB_KERNELS_REGISTRY
     b200 = preset("b200").replace(attention_packages=("kernels",))
-    assert plan("flux", b200, speed="default").value("attention_backend") == "flash4"
-    assert plan("flux", preset("h100").replace(attention_packages=("kernels",)), speed="default").value(
+    assert table_plan("flux", b200, speed="default").value("attention_backend") == "flash4"
+    assert table_plan("flux", preset("h100").replace(attention_packages=("kernels",)), speed="default").value(
         "attention_backend"
     ) == "flash3"
-    missing = plan("flux", "b200", attention="flash4")
+    missing = table_plan("flux", "b200", attention="flash4")
     assert missing.value("attention_backend") == "flash4" and missing.attention_install == "kernels>=0.12.3"
-    hopper = plan("flux", "h100", attention="flash4")["attention_backend"]
+    hopper = table_plan("flux", "h100", attention="flash4")["attention_backend"]
     assert hopper.value == "native" and "needs sm100+" in hopper.reason
 
 
@@ -90,7 +90,7 @@ def test_a_cpu_target_never_offloads(memory: str) -> None:
     """"A CPU target never offloads (host RAM is where it runs)": every memory request
     plans resident in RAM."""
     for family in FAMILIES:
-        assert plan(family, preset("cpu").replace(free_memory_gb=64.0), memory=memory).value("memory_mode") == "resident"
+        assert table_plan(family, preset("cpu").replace(free_memory_gb=64.0), memory=memory).value("memory_mode") == "resident"
 
 
 def test_unified_memory_compares_weights_and_base_overhead_with_the_budget_not_the_soft_headroom() -> None:
@@ -98,11 +98,11 @@ def test_unified_memory_compares_weights_and_base_overhead_with_the_budget_not_t
     and ignores the soft activation headroom": Z-Image (22.8 GB resident) on an M3 Max with
     50 GB free (budget 50 - 25.6 = 24.4 GB) is resident, though it exceeds 0.85 x 24.4."""
     mac = preset("apple-m3-max").replace(free_memory_gb=50.0)
-    result = plan("zimage", mac, quant="none")
+    result = table_plan("zimage", mac, quant="none")
     assert result.value("memory_mode") == "resident"
     assert result.estimate.resident_gb > 0.85 * result.estimate.budget_gb
     with pytest.raises(PreflightError) as refused:  # beyond the budget itself it is refused
-        plan("zimage", mac.replace(free_memory_gb=45.0), quant="none")
+        table_plan("zimage", mac.replace(free_memory_gb=45.0), quant="none")
     assert refused.value.code == "insufficient_memory" and "frees nothing" in refused.value.message
 
 
@@ -115,19 +115,19 @@ def test_unified_memory_leaves_the_size_grown_activation_headroom_out_of_the_ove
     # FACTS: FLUX.1-dev weights 23.8 + 9.8 + 0.2 GB with the 2 GiB base overhead: about 35.9 GB.
     mac = mac.replace(free_memory_gb=reserve + 37.0)
     for request in ({}, {"width": 2048, "height": 2048}, {"count": 4}):
-        planned = plan("flux", mac, **request)
+        planned = table_plan("flux", mac, **request)
         assert planned.value("memory_mode") == "resident", request
-    big = plan("flux", mac, width=2048, height=2048)
+    big = table_plan("flux", mac, width=2048, height=2048)
     assert "base overhead 2.1" in big["memory_mode"].reason  # the plan says what it compared
     assert big.estimate.resident_gb > big.estimate.budget_gb  # the guarded figure alone would refuse it
     with pytest.raises(PreflightError):  # beyond weights + base overhead it is still refused
-        plan("flux", mac.replace(free_memory_gb=reserve + 34.0))
+        table_plan("flux", mac.replace(free_memory_gb=reserve + 34.0))
 
 
 def test_unified_memory_fails_open_when_free_memory_is_unknown() -> None:
     """"... and fails open (no refusal) when free memory is unknown."""
     unknown = preset("apple-m3-max").replace(free_memory_gb=None, total_memory_gb=16.0)
-    result = plan("qwen_image", unknown, quant="none")
+    result = table_plan("qwen_image", unknown, quant="none")
     assert result.value("memory_mode") == "resident" and "free memory unknown" in result["memory_mode"].reason
 
 
@@ -135,9 +135,9 @@ def test_the_unified_oversize_check_never_refuses_a_discrete_card_or_a_plain_cpu
     """"It never refuses a discrete-VRAM or plain-CPU machine": Qwen-Image on a 4090 plans
     offload; on a CPU it is resident while RAM + free swap hold it (kept difference:
     beyond both it is refused, docs/architecture.md)."""
-    assert plan("qwen_image", "rtx4090", quant="none").value("memory_mode") == "group_offload"
+    assert table_plan("qwen_image", "rtx4090", quant="none").value("memory_mode") == "group_offload"
     cpu = preset("cpu").replace(free_memory_gb=40.0, total_memory_gb=48.0, swap_free_gb=32.0)
-    assert plan("qwen_image", cpu).value("memory_mode") == "resident"
+    assert table_plan("qwen_image", cpu).value("memory_mode") == "resident"
 
 
 def test_an_explicit_resident_that_does_not_fit_falls_to_the_next_tier_and_strict_refuses_it(
@@ -148,7 +148,7 @@ def test_an_explicit_resident_that_does_not_fit_falls_to_the_next_tier_and_stric
     terminal's ``--strict`` refuses it before anything loads."""
     from engine.cli import main
 
-    fell = plan("flux", "rtx4090", quant="none", memory="resident")["memory_mode"].to_dict()
+    fell = table_plan("flux", "rtx4090", quant="none", memory="resident")["memory_mode"].to_dict()
     assert (fell["requested"], fell["value"], fell["status"]) == ("resident", "group_offload", "fell back")
     assert main(["plan", "--family", "flux", "--hardware", "rtx4090", "--quant", "none", "--memory", "resident",
                  "--strict"]) == 2
@@ -166,9 +166,9 @@ def test_an_explicit_resident_falls_to_the_tier_auto_ranks_next_streamed_encoder
     from engine.cli import main
 
     card = preset("rtx3090")
-    auto_plan = plan("flux", card, quant="int8")
+    auto_plan = table_plan("flux", card, quant="int8")
     assert (auto_plan.value("memory_mode"), auto_plan.value("text_encoder_memory")) == ("resident", "streamed")
-    asked = plan("flux", card, quant="int8", memory="resident")
+    asked = table_plan("flux", card, quant="int8", memory="resident")
     assert (asked.value("memory_mode"), asked.value("text_encoder_memory")) == ("resident", "streamed")
     record = asked["memory_mode"].to_dict()
     assert (record["requested"], record["status"]) == ("resident", "fell back"), record
@@ -176,7 +176,7 @@ def test_an_explicit_resident_falls_to_the_tier_auto_ranks_next_streamed_encoder
                  "--strict"]) == 2
     assert "overridden" in capsys.readouterr().err
     # An explicit mode that fits is kept, and the encoders follow it.
-    kept = plan("flux", card, quant="int8", memory="model_offload")
+    kept = table_plan("flux", card, quant="int8", memory="model_offload")
     assert (kept.value("memory_mode"), kept.value("text_encoder_memory")) == ("model_offload", "resident")
 
 def test_z_image_int8_on_a_16_gb_card_keeps_its_denoiser_resident_and_streams_the_encoders() -> None:
@@ -186,9 +186,9 @@ def test_z_image_int8_on_a_16_gb_card_keeps_its_denoiser_resident_and_streams_th
     still; the dense 12.3 GB transformer, which cannot fit with the overhead, streams its
     blocks (group offload), never whole-module offload."""
     card = preset("rtx4090").replace(total_memory_gb=16.0, free_memory_gb=15.5, device_name="GeForce RTX 4080")
-    int8 = plan("zimage", card, quant="int8")
+    int8 = table_plan("zimage", card, quant="int8")
     assert (int8.value("memory_mode"), int8.value("text_encoder_memory")) == ("resident", "streamed")
-    dense = plan("zimage", card, quant="none")
+    dense = table_plan("zimage", card, quant="none")
     assert dense.value("memory_mode") == "group_offload" and "does not fit" in dense["memory_mode"].reason
 
 
@@ -202,11 +202,11 @@ def test_z_image_int8_at_a_large_size_streams_its_encoders_instead_of_sequential
     the encoders the image's headroom fell to sequential offload."""
     card = preset("rtx4090").replace(total_memory_gb=16.0, free_memory_gb=15.5, device_name="GeForce RTX 4080")
     assert 8.0 + 2 * 1.073741824 <= 0.85 * (15.5 - 2 * 1.073741824)
-    big = plan("zimage", card, quant="int8", text_encoder_quant="none", width=1536, height=1536)
+    big = table_plan("zimage", card, quant="int8", text_encoder_quant="none", width=1536, height=1536)
     assert (big.value("memory_mode"), big.value("text_encoder_memory")) == ("resident", "streamed"), \
         big["memory_mode"].reason
     # Where the grown headroom leaves no room for the denoiser itself, nothing but sequential fits.
-    huge = plan("zimage", card, quant="int8", text_encoder_quant="none", width=2048, height=2048)
+    huge = table_plan("zimage", card, quant="int8", text_encoder_quant="none", width=2048, height=2048)
     assert huge.value("memory_mode") == "sequential_offload" and "transformer alone" in huge["memory_mode"].reason
 
 # -- quantisation --------------------------------------------------------------------------
@@ -217,9 +217,9 @@ def test_qwen_image_auto_takes_fp8_first_where_torchao_floors_activation_scales(
     is usable (B200), skipping mxfp8 and nvfp4; with fp8 unusable the deny still skips
     mxfp8/nvfp4 and int8 is picked. Training keeps fp8 denied." The reason names the floor."""
     b200 = preset("b200").replace(free_memory_gb=60.0)  # the dense 40.9 GB transformer does not fit resident
-    chosen = plan("qwen_image", b200)["transformer_quant"]
+    chosen = table_plan("qwen_image", b200)["transformer_quant"]
     assert chosen.value == "fp8" and "fp8_activation_floor" in chosen.reason and "safe" in chosen.reason
-    without = plan("qwen_image", b200.replace(fp8_activation_floor=False, free_memory_gb=65.0))["transformer_quant"]
+    without = table_plan("qwen_image", b200.replace(fp8_activation_floor=False, free_memory_gb=65.0))["transformer_quant"]
     assert without.value == "int8"
     assert "mxfp8" in without.reason and "nvfp4" not in quant_ladder(b200)
     spec = REGISTRY.family("qwen_image")
@@ -307,7 +307,7 @@ def test_the_record_keeps_requested_reports_an_honoured_off_as_engaged_and_auto_
         for hw in ("rtx4090", "h100", "a100-80g", "t4", "cpu", "apple-m3-max"):
             for request in requests:
                 try:
-                    result = plan(family, hw, **request)
+                    result = table_plan(family, hw, **request)
                 except PreflightError:
                     continue
                 for name, record in _records(result).items():
@@ -318,9 +318,9 @@ def test_the_record_keeps_requested_reports_an_honoured_off_as_engaged_and_auto_
                         assert record["status"] == "engaged", (family, hw, name, record)
                     if name in request:
                         assert asked == request[name], (family, hw, name, record)
-    off = plan("flux", "h100", step_cache="off", speed="default")["step_cache"].to_dict()
+    off = table_plan("flux", "h100", step_cache="off", speed="default")["step_cache"].to_dict()
     assert (off["requested"], off["value"], off["status"], off["overridden"]) == ("off", "off", "engaged", False)
-    assert json.dumps(_records(plan("flux", "rtx4090")))  # the record serialises as the API returns it
+    assert json.dumps(_records(table_plan("flux", "rtx4090")))  # the record serialises as the API returns it
 
 
 def test_a_consumer_card_s_int8_pick_says_why_it_beats_fp8() -> None:
@@ -331,7 +331,7 @@ def test_a_consumer_card_s_int8_pick_says_why_it_beats_fp8() -> None:
 
     consumer = preset("rtx4090")
     assert consumer.fp8 and quant_ladder(consumer) == ("int8", "fp8")
-    picked = plan("flux", "rtx4090")["transformer_quant"]
+    picked = table_plan("flux", "rtx4090")["transformer_quant"]
     assert picked.value == "int8" and "int8 > fp8" in picked.reason and "consumer" in picked.reason
     assert quant_ladder(preset("h100")) == ("fp8", "int8")
 
@@ -340,7 +340,7 @@ def test_int8_quantised_on_the_host_builds_at_its_steady_size() -> None:
     """Kept difference: torchao int8 is quantised on the host and moved quantised, so the
     device never holds the dense transformer: the plan's build peak is the quantised size
     (the earlier system planned a dense-sized peak while building)."""
-    planned = plan("flux", "rtx4090")
+    planned = table_plan("flux", "rtx4090")
     assert planned.value("transformer_quant") == "int8"
     parts = planned.estimate.components
     assert parts.transformer_transient_gb == parts.transformer_gb < 23.8 * 0.75

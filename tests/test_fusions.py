@@ -39,7 +39,7 @@ def test_fused_blocks_generate_the_stock_image_and_unfuse_back_to_it(
     try:
         assert session.plan.value("eager_fusions") is True
         report = session.status()["eager_fusions"]
-        sites = REGISTRY.family(family).eager_fusions
+        sites = REGISTRY.family(family).speed.eager_fusions
         assert report["skipped"] == {}  # type: ignore[index]
         assert set(report["fused"]) <= {site.block for site in sites} and report["fused"]  # type: ignore[index]
         fused = pixels(session).astype(np.int16)
@@ -83,13 +83,13 @@ def test_the_fused_block_computes_what_the_stock_block_computes(tiny_pipeline: C
 
 def test_off_tier_and_the_kill_switch_leave_the_blocks_as_diffusers_wrote_them() -> None:
     from engine.hardware.presets import preset
-    from tests.test_earlier_decisions import plan
+    from tests.support import table_plan
 
-    assert plan("flux", "rtx4090", quant="none")["eager_fusions"].value is False  # off tier: bit-identical
-    assert plan("flux", "rtx4090", speed="default")["eager_fusions"].value is True
-    killed = plan("flux", "rtx4090", speed="default", env={"DIFFUSION_ENGINE_EAGER_FUSIONS": "0"})["eager_fusions"]
+    assert table_plan("flux", "rtx4090", quant="none")["eager_fusions"].value is False  # off tier: bit-identical
+    assert table_plan("flux", "rtx4090", speed="default")["eager_fusions"].value is True
+    killed = table_plan("flux", "rtx4090", speed="default", env={"DIFFUSION_ENGINE_EAGER_FUSIONS": "0"})["eager_fusions"]
     assert killed.value is False and "DIFFUSION_ENGINE_EAGER_FUSIONS=0" in killed.reason
-    assert plan("sdxl", preset("h100"), speed="default")["eager_fusions"].value is False  # no site in its table
+    assert table_plan("sdxl", preset("h100"), speed="default")["eager_fusions"].value is False  # no site in its table
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ DC_AE = LatentGeometry(spatial_compression=32, patch_size=1)
 
 def deep_vae(family: FamilySpec) -> FamilySpec:
     """``family`` with a 32x VAE and no patching, its figures as measured per token."""
-    return dataclasses.replace(family, geometry=DC_AE)
+    return dataclasses.replace(family, rendering=dataclasses.replace(family.rendering, geometry=DC_AE))
 
 
 def test_the_default_geometry_is_the_dits_and_every_built_in_family_keeps_it() -> None:
@@ -31,13 +31,13 @@ def test_the_default_geometry_is_the_dits_and_every_built_in_family_keeps_it() -
     assert (geometry.spatial_compression, geometry.patch_size, geometry.token_pixels) == (8, 2, 16)
     assert geometry.image_tokens(1024) == 4096 and geometry.image_tokens(1024, 512) == 2048
     assert geometry.latent_side(1024) == 128
-    images = [f for f in REGISTRY.families.values() if f.output == "images"]
-    assert images and {(f.geometry.spatial_compression, f.geometry.patch_size) for f in images} == {(8, 2)}
-    assert {f.geometry for f in images if f.name != "flux2"} == {geometry}
-    assert REGISTRY.family("flux2").geometry.latent_channels == 32  # FLUX.2's VAE says its own channels
+    images = [f for f in REGISTRY.families.values() if f.rendering.output == "images"]
+    assert images and {(f.rendering.geometry.spatial_compression, f.rendering.geometry.patch_size) for f in images} == {(8, 2)}
+    assert {f.rendering.geometry for f in images if f.name != "flux2"} == {geometry}
+    assert REGISTRY.family("flux2").rendering.geometry.latent_channels == 32  # FLUX.2's VAE says its own channels
     # The video families say their VAE's own: 4x in time, Wan 2.1's 8x and HunyuanVideo's 16x / patch 1.
-    assert REGISTRY.family("wan").geometry.temporal_compression == 4
-    assert REGISTRY.family("hunyuan_video").geometry.token_pixels == 16
+    assert REGISTRY.family("wan").rendering.geometry.temporal_compression == 4
+    assert REGISTRY.family("hunyuan_video").rendering.geometry.token_pixels == 16
 
 
 def test_a_32x_vae_with_patch_1_has_a_quarter_of_the_tokens() -> None:
@@ -80,7 +80,7 @@ def test_the_flow_shift_by_resolution_reads_the_familys_token_count() -> None:
     qwen = REGISTRY.family("qwen_image")
     defaults = qwen.training.defaults
     assert defaults is not None
-    shift_dits = resolution_shift(defaults, 1024, qwen.geometry)
+    shift_dits = resolution_shift(defaults, 1024, qwen.rendering.geometry)
     shift_deep = resolution_shift(defaults, 1024, DC_AE)
     assert shift_deep < shift_dits  # fewer tokens: the schedule shifts less
     # 2048 px at 32 px a token is the 4096 tokens 1024 px is at 16 px a token: the same shift
@@ -95,7 +95,7 @@ def test_the_memory_tool_feeds_the_denoiser_latents_of_the_familys_compression()
 
     flux = REGISTRY.family("flux")
     dits = memory_figures.Denoiser.of(flux)
-    deep = memory_figures.Denoiser.of(dataclasses.replace(flux, geometry=LatentGeometry(32, 2)))
+    deep = memory_figures.Denoiser.of(dataclasses.replace(flux, rendering=dataclasses.replace(flux.rendering, geometry=LatentGeometry(32, 2))))
     at_64, _ = memory_figures.measure_step(dits, dits.narrow, 64, 32, False)
     at_256, _ = memory_figures.measure_step(deep, deep.narrow, 256, 32, False)
     at_256_dits, _ = memory_figures.measure_step(dits, dits.narrow, 256, 32, False)
@@ -128,7 +128,7 @@ def test_a_sana_lora_run_is_sized_from_its_own_tokens_not_an_8x_vae() -> None:
     base = BaseFacts(sana.training.dense_gb, sana.sizes.text_encoders_gb, sana.sizes.vae_gb)
     shape = TrainingShape(resolution=1024, batch_size=1, lora_rank=16, gradient_checkpointing=False)
     estimate = estimate_training_memory(sana, base, "bf16", shape)
-    assert sana.geometry.image_tokens(1024) == 1024
+    assert sana.rendering.geometry.image_tokens(1024) == 1024
     assert 4.0 < estimate.activations_gb < 6.0 and estimate.training_peak_gb < 12.0, estimate
     memory = MemoryRequest(base, shape)
     registry = REGISTRY

@@ -209,13 +209,13 @@ def test_physical_cores_count_smt_siblings_once(tmp_path: Path, siblings: dict[i
 def test_a_two_core_machine_without_smt_plans_two_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The halving rule gave this 2-core machine 1 thread: every CPU path ran on half of it."""
     from engine.hardware import cpu, probe as probing
-    from tests.test_inference_policy import plan
+    from tests.support import table_plan
 
     monkeypatch.setattr(cpu, "CPU_TOPOLOGY", str(_topology(tmp_path / "cpu", {0: "0", 1: "1"})))
     monkeypatch.setattr(probing.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(probing, "_nvidia_smi", lambda: None)
     profile = probing.probe(verify=False)
     assert (profile.vendor, profile.cpu_count, profile.physical_cores) == ("cpu", 2, 2)
-    threads = plan("sdxl", profile)["threads"]
+    threads = table_plan("sdxl", profile)["threads"]
     assert threads.value == 2 and "2 physical cores" in threads.reason
-    assert plan("sdxl", profile.replace(cpu_count=4, physical_cores=2))["threads"].value == 2
+    assert table_plan("sdxl", profile.replace(cpu_count=4, physical_cores=2))["threads"].value == 2

@@ -49,13 +49,13 @@ def make_lora(
 
     spec = REGISTRY.family(family)
     pipe = diffusers.DiffusionPipeline.from_pretrained(pipeline)
-    denoiser = getattr(pipe, spec.denoiser)
+    denoiser = getattr(pipe, spec.pipeline.denoiser)
     torch.manual_seed(seed)
     denoiser.add_adapter(LoraConfig(
         r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=targets or list(spec.lora.targets),
     ))
     state = {k: v * 4 for k, v in get_peft_model_state_dict(denoiser).items()}  # a visible change
-    type(pipe).save_lora_weights(str(out), **{f"{spec.denoiser}_lora_layers": state})
+    type(pipe).save_lora_weights(str(out), **{f"{spec.pipeline.denoiser}_lora_layers": state})
     return out / "pytorch_lora_weights.safetensors"
 
 
@@ -111,7 +111,7 @@ def test_lora_changes_the_image_and_equals_stock_diffusers(
         plain = image(stock)
         stock.pipeline.load_lora_weights(str(file))
         stock_unfused = image(stock)
-        stock.pipeline.fuse_lora(components=[REGISTRY.family(family).denoiser])
+        stock.pipeline.fuse_lora(components=[REGISTRY.family(family).pipeline.denoiser])
         stock_fused = image(stock)
         unfused.set_loras([dataclasses.replace(files[0], scale=0.0)])
         at_zero = image(unfused)

@@ -57,22 +57,22 @@ def adapted(pipeline: Path, family: str, targets: object = None, seed: int = 0) 
     spec = REGISTRY.family(family)
     pipe = diffusers.DiffusionPipeline.from_pretrained(pipeline)
     torch.manual_seed(seed)
-    getattr(pipe, spec.denoiser).add_adapter(LoraConfig(
+    getattr(pipe, spec.pipeline.denoiser).add_adapter(LoraConfig(
         r=RANK, lora_alpha=ALPHA, init_lora_weights=False, target_modules=targets or list(spec.lora.targets),
     ))
-    state = {k: v * 3 for k, v in get_peft_model_state_dict(getattr(pipe, spec.denoiser)).items()}
+    state = {k: v * 3 for k, v in get_peft_model_state_dict(getattr(pipe, spec.pipeline.denoiser)).items()}
     return pipe, state
 
 
 def write_both(pipe: object, family: str, state: dict[str, torch.Tensor], out: Path) -> tuple[Path, Path]:
     """The diffusers-format file (with the adapter's alpha in its metadata) and the kohya file."""
     spec = REGISTRY.family(family)
-    denoiser = getattr(pipe, spec.denoiser)
+    denoiser = getattr(pipe, spec.pipeline.denoiser)
     config = denoiser.peft_config["default"].to_dict()
     config["target_modules"] = sorted(config["target_modules"]) if isinstance(config["target_modules"], set) else config["target_modules"]
     type(pipe).save_lora_weights(  # type: ignore[attr-defined]
-        str(out / "diffusers"), **{f"{spec.denoiser}_lora_layers": state,
-                                   f"{spec.denoiser}_lora_adapter_metadata": config},
+        str(out / "diffusers"), **{f"{spec.pipeline.denoiser}_lora_layers": state,
+                                   f"{spec.pipeline.denoiser}_lora_adapter_metadata": config},
     )
     kohya = kohya_state_dict(spec, state, ALPHA, denoiser_out_features(denoiser))
     (out / "kohya").mkdir(parents=True)

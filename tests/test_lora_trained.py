@@ -121,7 +121,7 @@ def test_a_trained_lora_in_generate_changes_the_image_and_equals_stock_diffusers
         plain = render(stock)
         stock.pipeline.load_lora_weights(str(run / RUN_LORA_FILE))
         if mode == "fused":  # one LoRA on a dense base: merged, as the plan chose
-            stock.pipeline.fuse_lora(components=[REGISTRY.family(family).denoiser])
+            stock.pipeline.fuse_lora(components=[REGISTRY.family(family).pipeline.denoiser])
         reference = render(stock)
     finally:
         stock.unload()

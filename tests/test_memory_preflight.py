@@ -86,8 +86,8 @@ def test_lora_size_from_headers_equals_what_peft_adds(family: str, tiny_pipeline
     import diffusers
 
     config = diffusers.DiffusionPipeline.load_config(str(tiny_pipeline(family)))
-    cls = getattr(diffusers, config[spec.denoiser][1])
-    denoiser = cls.from_pretrained(str(tiny_pipeline(family)), subfolder=spec.denoiser)
+    cls = getattr(diffusers, config[spec.pipeline.denoiser][1])
+    denoiser = cls.from_pretrained(str(tiny_pipeline(family)), subfolder=spec.pipeline.denoiser)
     denoiser.requires_grad_(False)
     denoiser.add_adapter(peft.LoraConfig(r=8, lora_alpha=8, target_modules=list(spec.lora.targets)))
     added = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)

@@ -98,9 +98,10 @@ def test_a_checkpoint_in_a_subfolder_loads_from_that_folder_of_its_repo(
 
 def test_a_video_family_serves_text_to_video_without_a_workflows_entry() -> None:
     wan = load_registry().family("wan")
-    bare = dataclasses.replace(wan, workflows=(),
+    bare = dataclasses.replace(wan, pipeline=dataclasses.replace(wan.pipeline, workflows=()),
                                checkpoints=tuple(dataclasses.replace(c, workflows=None) for c in wan.checkpoints))
     assert choose_workflow(bare, None, image=False, mask=False) == ("txt2img", bare.pipeline_class)
+    assert dict(wan.pipeline.workflows)  # the built-in table still declares its own
     image_only = wan.checkpoint("wan2.2-i2v-a14b")
     if image_only is not None and image_only.workflows is not None and "txt2img" not in dict(image_only.workflows):
         from engine.runtime.workflows import UnsupportedWorkflow

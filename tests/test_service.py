@@ -66,7 +66,7 @@ def fixtures_root(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Calla
     RunRecord(run_id="rank-2-run", folder=other_rank.parent.parent, family="sdxl", base_model=config.base_model,
               config=config.public_dict(), plan={}, status="completed").save()
     truncated = {
-        f"truncated_{family}": truncated_pipeline(tiny_pipeline(family), root / f"cut-{family}", REGISTRY.family(family).denoiser)
+        f"truncated_{family}": truncated_pipeline(tiny_pipeline(family), root / f"cut-{family}", REGISTRY.family(family).pipeline.denoiser)
         for family in FAMILIES
     }
     return {

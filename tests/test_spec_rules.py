@@ -265,17 +265,17 @@ def test_trainer_compiles_regions_with_dynamic_shapes(
     assert made.compile.value == "regional"  # SDXL compiles its blocks regionally
     unet = UNet2DConditionModel.from_pretrained(tiny_pipeline("sdxl"), subfolder="unet")
     _compiled(made, unet)
-    blocks = [m for m in unet.modules() if type(m).__name__ in made.family.compile_regions]
+    blocks = [m for m in unet.modules() if type(m).__name__ in made.family.speed.compile_regions]
     assert blocks and [m for m, _ in compile_calls] == blocks
     assert all(c == {"dynamic": True} for _, c in compile_calls)
 
 
 def test_sdxl_compiles_its_blocks_regionally_from_its_table() -> None:
     sdxl = REGISTRY.family("sdxl")
-    assert REGISTRY.compile_regions(sdxl) == sdxl.compile_regions != ()
+    assert REGISTRY.compile_regions(sdxl) == sdxl.speed.compile_regions != ()
     result = door_plan("sdxl", "h100", speed="default")
     assert result.value("compile") == "regional"
-    assert all(region in result["compile"].reason for region in sdxl.compile_regions)
+    assert all(region in result["compile"].reason for region in sdxl.speed.compile_regions)
     assert training_info(REGISTRY, sdxl, preset("h100")).supports_compile
 
 

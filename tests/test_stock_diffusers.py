@@ -43,13 +43,13 @@ def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> l
     pipe = diffusers.DiffusionPipeline.from_pretrained(folder)
     call: dict[str, Any] = {"prompt": PROMPT, "num_inference_steps": STEPS,
                             "generator": torch.Generator("cpu").manual_seed(SEED), **size}
-    if spec.guidance_kwarg == "guider.guidance_scale":  # a diffusers guider holds it
+    if spec.pipeline.guidance_kwarg == "guider.guidance_scale":  # a diffusers guider holds it
         pipe.guider = pipe.guider.new(guidance_scale=guidance)
     else:
-        call[spec.guidance_kwarg] = guidance
-    if spec.guidance_kwarg == "true_cfg_scale":  # true CFG runs with a negative prompt: its model card's " "
+        call[spec.pipeline.guidance_kwarg] = guidance
+    if spec.pipeline.guidance_kwarg == "true_cfg_scale":  # true CFG runs with a negative prompt: its model card's " "
         call["negative_prompt"] = " "
-    if spec.output == "frames":
+    if spec.rendering.output == "frames":
         result = pipe(**call, num_frames=5, output_type="pil")
         return [np.asarray(frame) for frame in result.frames[0]]
     return [np.asarray(pipe(**call).images[0])]
@@ -71,7 +71,7 @@ def test_an_off_tier_image_equals_plain_diffusers_pixel_for_pixel(
         plan = engine.status()["pipeline"]["plan"]["resolved"]  # type: ignore[index]
         assert plan["speed_tier"]["value"] == "off", plan["speed_tier"]
         assert plan["transformer_quant"]["value"] in (None, "none")
-        if spec.output == "frames":
+        if spec.rendering.output == "frames":
             clip = engine.videos.generate(PROMPT, frames=5, steps=STEPS, seed=SEED, guidance=guidance, **size)
             ours = [np.asarray(frame) for frame in clip.frames]
         else:

@@ -90,7 +90,7 @@ def test_saved_lora_loads_into_stock_diffusers_and_changes_the_output(
 
     def render() -> np.ndarray:
         generator = torch.Generator().manual_seed(3)
-        kwargs = {spec.guidance_kwarg: 1.0} if spec.guidance_kwarg != "true_cfg_scale" else {}
+        kwargs = {spec.pipeline.guidance_kwarg: 1.0} if spec.pipeline.guidance_kwarg != "true_cfg_scale" else {}
         image = pipe("a red circle", num_inference_steps=2, width=size, height=size, generator=generator, **kwargs).images[0]
         return np.asarray(image).astype(int)
 
@@ -104,7 +104,7 @@ def test_saved_lora_loads_into_stock_diffusers_and_changes_the_output(
         if "unexpected key" in r.message.lower() or "missing key" in r.message.lower()
     ]
     assert unmatched == []
-    denoiser = getattr(pipe, spec.denoiser)
+    denoiser = getattr(pipe, spec.pipeline.denoiser)
     injected = sum(1 for name, _ in denoiser.named_modules() if name.endswith("lora_A.trained"))
     pairs = sum(1 for key in load_file(lora) if ".lora_A." in key)
     assert injected == pairs > 0, "every saved pair landed on a module"

@@ -213,7 +213,7 @@ def engine_generate_kwargs(
     """The keyword arguments to call the loaded ``pipeline`` with.
 
     :param kwargs: the engine's arguments for this request (prompt, steps,
-        guidance under ``family.guidance_kwarg``, size, generator, ...), already
+        guidance under ``family.pipeline.guidance_kwarg``, size, generator, ...), already
         limited to what the pipeline's call accepts.
     :param shape: the request's shape as decided (size, count, a clip's frames and fps;
         plugin API 2): what a pipeline that spells them its own way is passed. An

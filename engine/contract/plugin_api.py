@@ -56,7 +56,7 @@ def _deny_of(purpose: str) -> Callable[[Any], Any]:
     return lambda mapping: tuple(dict(mapping).get(purpose, ()))
 
 
-#: Every flat field of plugin API 0 that moved into a section of plugin API 1.
+#: Every flat field that moved into a section: plugin API 0's into API 1's, API 1's loose ones into API 2's.
 RENAMED: Mapping[str, Move] = {
     "training_dense_gb": Move("training", "dense_gb"),
     "base_precision_applies": Move("training", "base_precision_applies"),
@@ -78,6 +78,22 @@ RENAMED: Mapping[str, Move] = {
     "single_file_whole_pipeline": Move("single_file", "whole_pipeline"),
     "single_file_parts": Move("single_file", "parts"),
     "gguf_refused_reason": Move("single_file", "gguf_refused_reason"),
+    # Plugin API 1's loose fields, in plugin API 2's sections.
+    "denoiser": Move("pipeline", "denoiser"),
+    "denoiser_label": Move("pipeline", "denoiser_label"),
+    "experts": Move("pipeline", "experts"),
+    "guidance_kwarg": Move("pipeline", "guidance_kwarg"),
+    "workflows": Move("pipeline", "workflows"),
+    "controlnet_classes": Move("pipeline", "controlnet_classes"),
+    "cache_context_pipelines": Move("pipeline", "cache_context_pipelines"),
+    "compile_regions": Move("speed", "compile_regions"),
+    "eager_fusions": Move("speed", "eager_fusions"),
+    "optimization_deny": Move("speed", "optimization_deny"),
+    "output": Move("rendering", "output"),
+    "video": Move("rendering", "video"),
+    "geometry": Move("rendering", "geometry"),
+    "side_multiple": Move("rendering", "side_multiple"),
+    "vae_decode_per_pixel": Move("rendering", "vae_decode_per_pixel"),
 }
 #: Flat fields whose one value became two or more section fields.
 SPLIT: Mapping[str, str] = {
@@ -137,7 +153,8 @@ def sections_from_legacy(current: dict[str, Any], legacy: Mapping[str, Any], *, 
 
 def _section_class(section: str) -> str:
     return {"training": "TrainingSpec", "lora": "LoraLayout", "quantisation": "QuantRules",
-            "single_file": "SingleFileLayout", "precision": "PrecisionRules"}[section]
+            "single_file": "SingleFileLayout", "precision": "PrecisionRules", "pipeline": "PipelineLayout",
+            "speed": "SpeedRules", "rendering": "Rendering"}[section]
 
 
 def legacy_read(spec: Any, name: str) -> Any:

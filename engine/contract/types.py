@@ -209,6 +209,8 @@ from engine.contract.family_sections import (  # noqa: E402
 )
 from engine.contract.video_spec import OUTPUT_KINDS as OUTPUT_KINDS, OutputKind as OutputKind, VideoSpec as VideoSpec
 from engine.contract.video_spec import CallShape as CallShape
+from engine.contract.call_sections import PipelineLayout as PipelineLayout, Rendering as Rendering  # noqa: E402
+from engine.contract.call_sections import SpeedRules as SpeedRules  # noqa: E402
 from engine.contract.video_memory import VideoMemory as VideoMemory
 
 
@@ -222,10 +224,11 @@ class FamilySpec:
     plugin answers them first. The identity and loading facts are fields of
     their own; the rules of one concern live together in a section
     (:class:`QuantRules`, :class:`SingleFileLayout`, :class:`LoraLayout`,
-    :class:`TrainingSpec`, :class:`PrecisionRules`, :class:`Capabilities`).
-    The flat spellings of plugin API 0 (``lora_targets=``, ``quant_deny=``...)
-    are still accepted, with a ``DeprecationWarning`` naming the new one
-    (:data:`engine.contract.plugin_api.RENAMED`).
+    :class:`TrainingSpec`, :class:`PrecisionRules`, :class:`Capabilities`; plugin API 2's
+    :class:`PipelineLayout`, :class:`SpeedRules`, :class:`Rendering`).
+    The flat spellings of plugin APIs 0 and 1 (``lora_targets=``, ``denoiser=``...)
+    are still accepted, with a warning naming the new one (rows of the register
+    of old spellings; :data:`engine.contract.plugin_api.RENAMED`).
     """
 
     name: str
@@ -241,41 +244,15 @@ class FamilySpec:
     #: when a model loads or a run starts.
     runtime_module: str = ""
     aliases: tuple[str, ...] = ()
-    #: Class names of the repeated blocks that regional compile targets.
-    compile_regions: tuple[str, ...] = ()
-    #: Blocks whose modulation and gated residuals run fused (``torch.addcmul``).
-    eager_fusions: tuple[FusionSite, ...] = ()
     #: ``"module:function"`` writing a tiny random-weight pipeline to a folder.
     tiny_pipeline: str = ""
-    #: The pipeline component that denoises (``transformer`` or ``unet``).
-    denoiser: str = "transformer"
-    #: How messages name the denoiser ("transformer", "UNet").
-    denoiser_label: str = "transformer"
-    #: The pipeline call's guidance argument (``true_cfg_scale`` for real CFG).
-    guidance_kwarg: str = "guidance_scale"
-    optimization_deny: tuple[OptimizationDeny, ...] = ()
-    #: Pipeline classes whose call opens a cache context around the denoiser
-    #: (First-Block-Cache needs one); None when undeclared.
-    cache_context_pipelines: tuple[str, ...] | None = None
-    #: Elements the VAE decoder holds live per output pixel at its peak; 0: unknown.
-    vae_decode_per_pixel: float = 0.0
-    #: Image workflows of the family's checkpoints and the diffusers pipeline
-    #: class serving each; a checkpoint may override.
-    workflows: tuple[tuple[Workflow, str], ...] = ()
-    #: Image sides the denoiser takes are multiples of this (VAE stride x patch).
-    side_multiple: int = 16
-    #: The VAE's compression and the denoiser's patch size (:class:`LatentGeometry`).
-    geometry: LatentGeometry = LatentGeometry()
-    #: What a call gives back: ``images``, or ``frames`` (a clip, sized by ``video``).
-    output: OutputKind = "images"
-    #: A video family's lattice, fps and sizes (:class:`VideoSpec`); None for images.
-    video: VideoSpec | None = None
-    #: Pipeline components that denoise beside ``denoiser`` (a two-expert model's low-noise
-    #: ``transformer_2``): quantisation and the other optimisations apply to all of them or none.
-    experts: tuple[str, ...] = ()
-    #: diffusers ControlNet model classes this family's pipelines take.
-    controlnet_classes: tuple[str, ...] = ()
     # -- the sections -------------------------------------------------------------
+    #: How the pipeline is put together and called (plugin API 2).
+    pipeline: PipelineLayout = PipelineLayout()
+    #: What the speed levers may touch (plugin API 2).
+    speed: SpeedRules = SpeedRules()
+    #: What a call gives back and the latent geometry that shapes it (plugin API 2).
+    rendering: Rendering = Rendering()
     quantisation: QuantRules = QuantRules()
     single_file: SingleFileLayout = SingleFileLayout()
     #: What stable-diffusion.cpp runs of the family on a CPU machine (nothing by default).
@@ -324,8 +301,8 @@ class FamilySpec:
         default checkpoint when None); ``txt2img`` only where declared, but a video family
         that declares none serves text to video by its pipeline class (plugin API 2)."""
         chosen = checkpoint or self.default_checkpoint
-        declared = dict(self.workflows if chosen.workflows is None else chosen.workflows)
-        return declared or ({"txt2img": self.pipeline_class_of(chosen)} if self.output == "frames" else {})
+        declared = dict(self.pipeline.workflows if chosen.workflows is None else chosen.workflows)
+        return declared or ({"txt2img": self.pipeline_class_of(chosen)} if self.rendering.output == "frames" else {})
 
     def pipeline_class_of(self, checkpoint: Checkpoint | None) -> str:
         """The diffusers class ``checkpoint`` loads as (its own, else the family's)."""
@@ -334,17 +311,17 @@ class FamilySpec:
     def video_of(self, checkpoint: Checkpoint | None) -> VideoSpec | None:
         """The clips ``checkpoint`` renders (its own spec, else the family's; None: an image family)."""
         chosen = checkpoint or self.default_checkpoint
-        return chosen.video or self.video
+        return chosen.video or self.rendering.video
 
     def geometry_of(self, checkpoint: Checkpoint | None) -> LatentGeometry:
         """``checkpoint``'s latent geometry (its own, else the family's)."""
         chosen = checkpoint or self.default_checkpoint
-        return chosen.geometry or self.geometry
+        return chosen.geometry or self.rendering.geometry
 
     @property
     def denoisers(self) -> tuple[str, ...]:
         """Every pipeline component that denoises: ``denoiser`` and its ``experts``."""
-        return (self.denoiser, *self.experts)
+        return (self.pipeline.denoiser, *self.pipeline.experts)
 
     @property
     def default_checkpoint(self) -> Checkpoint:

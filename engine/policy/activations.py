@@ -61,13 +61,13 @@ def denoiser_activation_gb(family: FamilySpec, shape: ImageShape, dtype_bytes: f
         return 0.0
     per_image = figures.block_per_image_token + figures.outside_per_image_token
     per_text = figures.block_per_text_token + figures.outside_per_text_token
-    elements = per_image * shape.image_tokens(family.geometry) + per_text * figures.text_tokens
+    elements = per_image * shape.image_tokens(family.rendering.geometry) + per_text * figures.text_tokens
     return elements * shape.batch * dtype_bytes / 1e9
 
 
 def vae_decode_gb(family: FamilySpec, pixels: int, dtype_bytes: float) -> float:
     """GB the VAE decoder holds at its peak decoding ``pixels`` output pixels at once."""
-    return family.vae_decode_per_pixel * pixels * dtype_bytes / 1e9
+    return family.rendering.vae_decode_per_pixel * pixels * dtype_bytes / 1e9
 
 
 def guarded_overhead_gb(
@@ -79,7 +79,7 @@ def guarded_overhead_gb(
     The VAE term assumes a tiled decode when the untiled one would be the
     larger peak (the tiling control then engages), sliced over the batch.
     """
-    if family.output == "frames":
+    if family.rendering.output == "frames":
         return video_overhead_gb(family, checkpoint, shape, dtype_bytes, floor_gb)
     activations = denoiser_activation_gb(family, shape, dtype_bytes)
     tile = vae_decode_gb(family, min(shape.pixels, VAE_TILE_PX**2), dtype_bytes)
@@ -152,22 +152,22 @@ def resolve_vae_tiling(
         return explicit(0, "every decode is tiled, as asked")
     if requested == "off":
         return explicit(None, "never tiled, as asked: a large image may run out of memory at the decode")
-    if family.output == "frames":
+    if family.rendering.output == "frames":
         return auto(0, "a video always decodes in tiles: the whole clip's frames would be live at once")
-    per_pixel_gb = family.vae_decode_per_pixel * dtype_bytes / 1e9
+    per_pixel_gb = family.rendering.vae_decode_per_pixel * dtype_bytes / 1e9
     if per_pixel_gb <= 0:
         return auto(None, f"{family.label}'s table has no VAE decode figure; the decode is not tiled")
-    token = family.geometry.token_pixels
+    token = family.rendering.geometry.token_pixels
     side = int(math.sqrt(max(0.0, headroom_gb) / per_pixel_gb)) // token * token
     return auto(
         side,
-        f"an untiled decode above {side}x{side} px ({family.vae_decode_per_pixel:g} elements per pixel) "
+        f"an untiled decode above {side}x{side} px ({family.rendering.vae_decode_per_pixel:g} elements per pixel) "
         f"would not fit the {headroom_gb:.1f} GB the weights leave: larger images decode in tiles",
     )
 
 
 def resolve_vae_slicing(family: FamilySpec) -> Resolved[bool]:
     """Decode a batch one image at a time (the peak is one image's; no measurable cost)."""
-    if family.vae_decode_per_pixel <= 0:
+    if family.rendering.vae_decode_per_pixel <= 0:
         return auto(False, f"{family.label}'s table has no VAE decode figure")
     return auto(True, "a batch decodes one image at a time: the decode peak is one image's")

@@ -37,7 +37,7 @@ def component_dtype(family: FamilySpec, hardware: HardwareProfile, compute: Reso
     if compute.value == "fp16" and not rules.fp16_safe(component):
         instead = safe_instead(hardware)
         return auto(instead, f"fp16 is unsafe for its {label} ({rules.fp16_reason(component)}): {instead} "
-                             f"beside the fp16 {family.denoiser_label}")
+                             f"beside the fp16 {family.pipeline.denoiser_label}")
     return Resolved(compute.value, compute.source, f"the {label} run in the compute dtype")
 
 

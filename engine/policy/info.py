@@ -115,9 +115,9 @@ def images_info(registry: Registry, family: FamilySpec) -> ImagesInfo:
             for scheme in ENCODER_SCHEMES if scheme not in encoder_denials(family)
         },
         text_encoder_denied=encoder_denials(family),
-        output=family.output,
+        output=family.rendering.output,
         video={c.name: _clip_rules(family.video_of(c)) for c in family.checkpoints
-               if family.output == "frames" and family.video_of(c) is not None},
+               if family.rendering.output == "frames" and family.video_of(c) is not None},
     )
 
 

@@ -18,7 +18,7 @@ def request_shape(family: FamilySpec, checkpoint: Checkpoint | None, request: In
     """What the guard sizes for: the request's size and batch (the model's own size, else
     1024 px, by default), and for a video family its clip (the checkpoint's default preset
     and frames where the request is silent)."""
-    video = family.video_of(checkpoint) if family.output == "frames" else None
+    video = family.video_of(checkpoint) if family.rendering.output == "frames" else None
     if video is None:
         width, height = own or (DEFAULT_SIDE_PX, DEFAULT_SIDE_PX)
         return ImageShape(request.width or width, request.height or height, request.count)

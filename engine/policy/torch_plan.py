@@ -115,7 +115,7 @@ class TorchPlanner:
         self.base_name = "GGUF" if model.gguf_transformer_gb is not None else "dense"
         checkpoint = model.checkpoint
         self.cache_unsupported = step_cache_unsupported(
-            family.cache_context_pipelines,
+            family.pipeline.cache_context_pipelines,
             family.pipeline_class_of(checkpoint) if checkpoint else None,
         )
         self.requested = requested_by_control(request)
@@ -172,7 +172,7 @@ class TorchPlanner:
             vae_gb=sizes.vae_gb * width("vae"),
             quantised=scheme is not None and scheme != "nf4",
             controlnet_gb=self.model.controlnet_gb * factor,
-            denoiser_label=self.family.denoiser_label,
+            denoiser_label=self.family.pipeline.denoiser_label,
         )
 
     def memory(self, dtype: str, scheme: str | None, requested: str | None = None) -> MemoryPlan | None:
@@ -198,7 +198,7 @@ class TorchPlanner:
         choice = choose_transformer_scheme(
             quant, prequantised=self.base_quant, base=self.memory(dtype.value, self.base_quant),
             base_name=self.base_name, tier=self.request.speed,
-            memory_for=lambda scheme: self.memory(dtype.value, scheme), label=self.family.denoiser_label,
+            memory_for=lambda scheme: self.memory(dtype.value, scheme), label=self.family.pipeline.denoiser_label,
         )
         if choice.memory is None:
             raise self.does_not_fit(dtype.value)
@@ -275,7 +275,7 @@ class TorchPlanner:
         request, model = self.request, self.model
         gguf = scheme is None and model.gguf_transformer_gb is not None
         quantised = scheme is not None or model.gguf_transformer_gb is not None
-        tier = resolve_speed_tier(request.speed, quantised=quantised, label=self.family.denoiser_label)
+        tier = resolve_speed_tier(request.speed, quantised=quantised, label=self.family.pipeline.denoiser_label)
         cache, threshold = checked(
             resolve_step_cache, request.step_cache, self.steps,
             quantised=quantised, tier=tier.value, denied=self.denied, thresholds=self.cache_thresholds,
@@ -342,7 +342,7 @@ class TorchPlanner:
             "text_encoder_memory": encoder_memory,
             "vae_tiling": vae_tiling,
             "vae_slicing": resolve_vae_slicing(family),
-            "eager_fusions": resolve_eager_fusions(len(family.eager_fusions), tier=tier, env=self.env),
+            "eager_fusions": resolve_eager_fusions(len(family.speed.eager_fusions), tier=tier, env=self.env),
         }
         return with_requests(controls, self.requested)
 
@@ -374,7 +374,7 @@ class TorchPlanner:
             compile_from_image=speed.compile_from_image,
             gguf=scheme.value is None and model.gguf_transformer_gb is not None,
             step_cache_may_engage=speed.cache_may_engage,
-            denoiser_label=self.family.denoiser_label,
+            denoiser_label=self.family.pipeline.denoiser_label,
             sdcpp=model.sdcpp if self.engine.value == "sdcpp" else None,
         )
         refused = plan_refusals(planned)

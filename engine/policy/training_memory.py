@@ -173,7 +173,7 @@ def estimate_training_memory(
     lora_gb = lora_params * thresholds.lora_bytes_per_param / 1e9
     activations = (
         _activation_elements(figures.activations, scale, shape,
-                             family.geometry.clip_tokens(shape.frames, shape.resolution))
+                             family.rendering.geometry.clip_tokens(shape.frames, shape.resolution))
         * dtype_bytes / 1e9
         if figures is not None else 0.0
     )

@@ -47,7 +47,7 @@ class VideoShape:
 def video_spec(family: FamilySpec, checkpoint: Checkpoint | None) -> VideoSpec:
     """The checkpoint's clip rules; a family without any is refused (it renders images)."""
     spec = family.video_of(checkpoint)
-    if spec is None or family.output != "frames":
+    if spec is None or family.rendering.output != "frames":
         raise EngineError(f"{family.label} renders images, not video; generate images with it "
                           "(engine.images, no --frames)", code="wrong_output")
     return spec
@@ -55,9 +55,9 @@ def video_spec(family: FamilySpec, checkpoint: Checkpoint | None) -> VideoSpec:
 
 def check_output(family: FamilySpec, output: str) -> None:
     """Refuse a request through the door that does not serve the family's output kind."""
-    if family.output == output:
+    if family.rendering.output == output:
         return
-    if family.output == "frames":
+    if family.rendering.output == "frames":
         raise EngineError(f"{family.label} renders video; generate with engine.videos.generate "
                           "(the CLI writes an .mp4 with -o clip.mp4; POST /v1/videos)", code="wrong_output")
     raise EngineError(f"{family.label} renders images, not video; generate with engine.images.generate "

@@ -32,8 +32,8 @@ def check_controlnet(family: FamilySpec, path: str) -> str:
         class_name = stored.read_json(config).get("_class_name")
     except (OSError, ValueError) as exc:
         raise UnsupportedWorkflow(f"controlnet {config} cannot be read ({exc})") from exc
-    if class_name not in family.controlnet_classes:
-        declared = ", ".join(family.controlnet_classes) or "none"
+    if class_name not in family.pipeline.controlnet_classes:
+        declared = ", ".join(family.pipeline.controlnet_classes) or "none"
         raise UnsupportedWorkflow(
             f"controlnet {path} is a {class_name}; {family.label} takes {declared}; give a ControlNet for this family"
         )

@@ -66,10 +66,10 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
             ".safetensors or .bin file); the pipeline folder is incomplete",
             code="model_file_missing",
         )
-    denoiser_config = folder / spec.denoiser / "config.json"
-    if spec.denoiser in components and not denoiser_config.is_file():
+    denoiser_config = folder / spec.pipeline.denoiser / "config.json"
+    if spec.pipeline.denoiser in components and not denoiser_config.is_file():
         raise ModelNotFound(
-            f"{folder / spec.denoiser} has no config.json; the pipeline folder is incomplete",
+            f"{folder / spec.pipeline.denoiser} has no config.json; the pipeline folder is incomplete",
             code="model_file_missing",
         )
     marker = stored_marker(folder, spec, index)  # written by `diffusion-engine quantize`, judged here
@@ -103,7 +103,7 @@ def stored_marker(folder: Path, spec: FamilySpec, index: dict[str, object]) -> S
     probe = spec.training.probe if spec.training is not None else None
     family_class = probe.model_class if probe is not None else None
     markers = [judge_stored(folder / name, index.get(name), family_class)
-               for name in (spec.denoiser, *spec.experts) if (folder / name).is_dir()]
+               for name in (spec.pipeline.denoiser, *spec.pipeline.experts) if (folder / name).is_dir()]
     return next((marker for marker in markers if marker is not None), None)
 
 

@@ -43,14 +43,14 @@ def measured_sizes(
     for name in components:
         files = sorted((folder / name).glob("*.safetensors"))
         shapes = tensor_shapes(files)  # every component: a truncated file fails here
-        if not (name in (spec.denoiser, "vae") or name.startswith("text_encoder")):
+        if not (name in (spec.pipeline.denoiser, "vae") or name.startswith("text_encoder")):
             continue
         if not files:
             complete = False
             continue
-        if name == spec.denoiser:
+        if name == spec.pipeline.denoiser:
             denoiser = shapes
-        part = "denoiser" if name == spec.denoiser else "vae" if name == "vae" else "text"
+        part = "denoiser" if name == spec.pipeline.denoiser else "vae" if name == "vae" else "text"
         totals[part] += dense_gb(shapes)
     sizes = ComponentSizes(totals["denoiser"], totals["text"], totals["vae"]) if complete else None
     return sizes, denoiser

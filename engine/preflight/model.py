@@ -150,7 +150,7 @@ def lora_target_error(source: ModelSource, targets: Iterable[str]) -> PreflightE
         return None
     return PreflightError(
         f"LoRA target(s) {', '.join(repr(t) for t in missing)} name no layer with weights in "
-        f"{source.location}'s {source.family.denoiser}; name modules it has (a module name or "
+        f"{source.location}'s {source.family.pipeline.denoiser}; name modules it has (a module name or "
         f"its last parts, e.g. {', '.join(source.family.lora.targets[:2]) or 'to_q'})",
         code="unknown_lora_target",
     )

@@ -44,13 +44,13 @@ class CapabilityCheck:
 
 def verify(family: FamilySpec, pipe: Any, compile_regions: tuple[str, ...]) -> dict[str, CapabilityCheck]:
     """Every capability of ``family`` checked on the loaded ``pipe``."""
-    denoiser = getattr(pipe, family.denoiser)
+    denoiser = getattr(pipe, family.pipeline.denoiser)
     found = {
         "step_cache": _cache_hooks(denoiser),
         "attention_dispatcher": _attention_dispatcher(denoiser),
         "peft_adapters": _peft_adapters(denoiser),
         "regional_compile": _compile_regions(denoiser, compile_regions),
-        "pipeline_lora": _pipeline_lora(pipe, family.denoiser, denoiser),
+        "pipeline_lora": _pipeline_lora(pipe, family.pipeline.denoiser, denoiser),
     }
     declared = family.capabilities.declared()
     return {

@@ -47,7 +47,7 @@ def lora_load(registry: Registry, family: FamilySpec, pipeline: Any, state_dict:
     if answer is None:
         from engine.runtime.adapters import load_adapter
 
-        answer = load_adapter(getattr(pipeline, family.denoiser), state_dict, adapter_name)
+        answer = load_adapter(getattr(pipeline, family.pipeline.denoiser), state_dict, adapter_name)
     return str(answer)
 
 
@@ -57,7 +57,7 @@ def pipeline_output(registry: Registry, family: FamilySpec, pipeline: Any, resul
     if answer is None:  # the default reads the family's output kind, or refuses (unreadable_output)
         from engine.runtime.outputs import pipeline_output as read
 
-        answer = read(family.output, result)
+        answer = read(family.rendering.output, result)
     return list(answer)
 
 

@@ -180,7 +180,7 @@ class Generation:
             video = family.video_of(self.source.checkpoint)
             fitted = fit_inputs(
                 picture, request.mask_image, width=request.width, height=request.height,
-                multiple=video.size_multiple if video is not None else family.side_multiple, dtype=vae_dtype(pipe),
+                multiple=video.size_multiple if video is not None else family.rendering.side_multiple, dtype=vae_dtype(pipe),
             )
             if control:
                 fitted = dataclasses.replace(fitted, control=True)
@@ -207,7 +207,7 @@ class Generation:
                 images = self._run_batch(pipe, request, steps, effective, strength, fitted, items, progress)
             finally:
                 self._active = None
-            if images and family.output == "images":
+            if images and family.rendering.output == "images":
                 self._store_compile_cache(images[0].width, images[0].height, len(images))
             if workflow == "inpaint" and fitted.original is not None and fitted.mask is not None:
                 images = [paste_unmasked(image, fitted.original, fitted.mask) for image in images]
@@ -315,7 +315,7 @@ class Generation:
             "num_inference_steps": steps,
             "num_images_per_prompt": 1,
             "generator": batching.generators([item.seed for item in chunk]),
-            family.guidance_kwarg: guidance,
+            family.pipeline.guidance_kwarg: guidance,
         }
         width, height = (fitted.width, fitted.height) if fitted.image is not None else (request.width, request.height)
         if not (width or height) and self.plan.default_size is not None:
@@ -326,7 +326,7 @@ class Generation:
             kwargs["height"] = height
         if width and height:
             kwargs["max_area"] = width * height  # edit pipelines scale their output to this area
-        if fitted.image is not None and family.output == "frames":
+        if fitted.image is not None and family.rendering.output == "frames":
             kwargs["image"] = fitted.original  # a video pipeline's processor takes the fitted picture
         elif fitted.references or (checkpoint.reference_images > 1 and fitted.original is not None
                                    and fitted.mask is None and not fitted.control):
@@ -343,15 +343,15 @@ class Generation:
             kwargs["strength"] = strength
         if request.control_scale is not None:
             kwargs["controlnet_conditioning_scale"] = request.control_scale
-        if family.output == "frames":
+        if family.rendering.output == "frames":
             kwargs.update(_clip_kwargs(request, checkpoint, family.video_of(checkpoint)))
         negative = request.negative_prompt
-        if negative is None and family.guidance_kwarg == "true_cfg_scale" and guidance > 1:
+        if negative is None and family.pipeline.guidance_kwarg == "true_cfg_scale" and guidance > 1:
             negative = " "  # true CFG runs only with a negative prompt
         if negative is not None and "negative_prompt" in accepted:
             kwargs["negative_prompt"] = [negative] * len(chunk)
-        if "." in family.guidance_kwarg:  # held by a component (a guider), not passed to the call
-            set_component_guidance(pipe, family.guidance_kwarg, guidance)
+        if "." in family.pipeline.guidance_kwarg:  # held by a component (a guider), not passed to the call
+            set_component_guidance(pipe, family.pipeline.guidance_kwarg, guidance)
         kwargs = {k: v for k, v in kwargs.items() if k in accepted or k == "callback_on_step_end"}
         shape = _call_shape(request, family.video_of(checkpoint), width, height, len(chunk))
         return self.registry.generate_kwargs(family, pipe, kwargs, shape)  # engine_generate_kwargs

@@ -113,12 +113,12 @@ class PipelineLoading:
         elif dtype == torch.float16 or (plan.device == "cpu" and dtype == torch.bfloat16):
             # fp16 compute (some families render black in it), or bf16 chosen for a CPU's kernels
             self.canary = inference_canary(
-                getattr(pipe, self.source.family.denoiser), lambda module, _: isinstance(module, torch.nn.Linear),
+                getattr(pipe, self.source.family.pipeline.denoiser), lambda module, _: isinstance(module, torch.nn.Linear),
                 scheme=str(plan.value("dtype")), dtype=dtype,
             ).to_dict()
         encoder_dtype = TORCH_DTYPES[str(plan.value("text_encoder_dtype", plan.value("dtype")))]
         self.encoder_stream, self.encoder_placements, failure = text_encoders.prepare_encoders(
-            pipe, getattr(pipe, self.source.family.denoiser), plan, self._root(), encoder_dtype, resident=resident(plan),
+            pipe, getattr(pipe, self.source.family.pipeline.denoiser), plan, self._root(), encoder_dtype, resident=resident(plan),
             precast=self.source.precast_encoders,
             int8_schedule=self.source.family.quantisation.text_encoder_int8_keep,
         )
@@ -166,7 +166,7 @@ class PipelineLoading:
         import diffusers
 
         source = self.source
-        denoiser_name = source.family.denoiser
+        denoiser_name = source.family.pipeline.denoiser
         from_file = source.kind == "single_file" or (source.kind == "gguf" and scheme is None)
         # A GGUF model with a torchao scheme is the dense-quant candidate: the
         # base's dense transformer is loaded and quantised instead of the file.
@@ -181,7 +181,7 @@ class PipelineLoading:
                 denoiser_cls = getattr(diffusers, config[denoiser_name][1])
             if stored:  # written by `quantize`: the stored torchao tensors, never a dense transient
                 folder = Path(source.location)
-                for name in (denoiser_name, *source.family.experts):
+                for name in (denoiser_name, *source.family.pipeline.experts):
                     if read_marker(folder / name) is not None:
                         components[name] = load_quantised(getattr(diffusers, config[name][1]), folder / name, dtype)
             if from_file:

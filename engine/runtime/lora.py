@@ -136,8 +136,8 @@ class LoraSet:
                 key.startswith("lora_unet_") for key in file.keys):
             return str(file.path)
         state = converted_state_dict(type(self.pipe), file, family=self.family,
-                                     denoiser=getattr(self.pipe, self.family.denoiser))
-        return state if all(key.startswith(f"{self.family.denoiser}.") for key in state) else str(file.path)
+                                     denoiser=getattr(self.pipe, self.family.pipeline.denoiser))
+        return state if all(key.startswith(f"{self.family.pipeline.denoiser}.") for key in state) else str(file.path)
 
     def _unfuse(self) -> None:
         if self._fused:
@@ -163,7 +163,7 @@ def _into(pipe: Any, file: LoraFile, family: FamilySpec | None) -> dict[str, boo
     """``load_lora_weights``' switch for a LoRA of a component other than the family's denoiser
     (a second expert's: ``load_into_transformer_2``), as :mod:`engine.runtime.lora_check` checked
     it; refused where the pipeline has no such component."""
-    if file.component is None or (family is not None and file.component == family.denoiser):
+    if file.component is None or (family is not None and file.component == family.pipeline.denoiser):
         return {}
     if getattr(pipe, file.component, None) is None:
         raise ValueError(f"{file.path} is a LoRA for {file.component}, which this model does not have "
@@ -183,16 +183,16 @@ class HookAdapters:
 
     @property
     def denoiser(self) -> torch.nn.Module:
-        return getattr(self.pipe, self.family.denoiser)
+        return getattr(self.pipe, self.family.pipeline.denoiser)
 
     def load(self, file: LoraFile, name: str) -> None:
         state = converted_state_dict(type(self.pipe), file, family=self.family, denoiser=self.denoiser)
-        prefix = self.family.denoiser + "."
+        prefix = self.family.pipeline.denoiser + "."
         others = sorted({k.partition(".")[0] for k in state if not k.startswith(prefix)})
         if others:
             raise ValueError(
                 f"{file.path} also adapts {', '.join(others)}; {type(self.pipe).__name__} has no "
-                f"diffusers LoRA loader, so only {self.family.denoiser} LoRAs load"
+                f"diffusers LoRA loader, so only {self.family.pipeline.denoiser} LoRAs load"
             )
         family_hooks.lora_load(self.registry, self.family, self.pipe, {k[len(prefix):]: v for k, v in state.items()}, name)
 

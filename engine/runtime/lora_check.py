@@ -51,7 +51,7 @@ def converted_state_dict(
                    if hasattr(getattr(m, "base_layer", m), "out_features") and "lora_" not in name}
         split = diffusers_from_kohya(family, state, linears)
         if split is not None:
-            return {f"{family.denoiser}.{key}": value for key, value in split.items()}
+            return {f"{family.pipeline.denoiser}.{key}": value for key, value in split.items()}
     if not callable(getattr(pipeline_cls, "lora_state_dict", None)):
         return dict(state)  # no diffusers LoRA loader: the engine's own save format, as it is
     kwargs: dict[str, Any] = {}
@@ -150,7 +150,7 @@ def check_loras(registry: Registry, source: ModelSource, files: Sequence[LoraFil
     skeleton = _Skeleton(root)
     for file in files:
         state = converted_state_dict(pipeline_cls, file, unet_config=skeleton.unet_config(),
-                                     family=source.family, denoiser=skeleton.get(source.family.denoiser))
+                                     family=source.family, denoiser=skeleton.get(source.family.pipeline.denoiser))
         state = _onto_component(source.family, file, state, skeleton.get)
         components = {name: skeleton.get(name) for name in {k.partition(".")[0] for k in state}}
         present = {name: model for name, model in components.items() if model is not None}
@@ -163,7 +163,7 @@ def check_on_pipeline(registry: Registry, family: FamilySpec, pipe: Any, files: 
     unet = components.get("unet")
     for file in files:
         state = converted_state_dict(type(pipe), file, unet_config=getattr(unet, "config", None),
-                                     family=family, denoiser=components.get(family.denoiser))
+                                     family=family, denoiser=components.get(family.pipeline.denoiser))
         state = _onto_component(family, file, state, components.get)
         _refuse_unmatched(registry, family, file, state, components)
 
@@ -173,13 +173,13 @@ def _onto_component(
 ) -> dict[str, torch.Tensor]:
     """A second expert's LoRA (its metadata names the component) checked against that component:
     refused where the model has none (a one-expert model), else its keys moved onto it."""
-    if file.component is None or file.component == family.denoiser:
+    if file.component is None or file.component == family.pipeline.denoiser:
         return state
     if component_of(file.component) is None:
         raise LoraMismatch(f"LoRA {file.path} is for {file.component}, a second expert this {family.label} model "
                            "does not have (it was trained on a two-expert model); nothing was applied. Give it "
                            "with a two-expert model, or use the run's first LoRA")
-    prefix = family.denoiser + "."
+    prefix = family.pipeline.denoiser + "."
     return {(file.component + "." + k[len(prefix):]) if k.startswith(prefix) else k: v for k, v in state.items()}
 
 

@@ -109,11 +109,11 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
 
     @property
     def denoiser(self) -> torch.nn.Module:
-        return getattr(self.pipeline, self.source.family.denoiser)
+        return getattr(self.pipeline, self.source.family.pipeline.denoiser)
 
     @property
     def denoisers(self) -> list[torch.nn.Module]:
-        """The denoiser and every expert beside it (see ``FamilySpec.experts``)."""
+        """The denoiser and every expert beside it (see ``PipelineLayout.experts``)."""
         from engine.runtime.loading import denoisers_of
 
         return denoisers_of(self.pipeline, self.source.family)

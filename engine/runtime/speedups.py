@@ -79,7 +79,7 @@ class SpeedControls:
         if not self.plan.value("eager_fusions"):
             return
         for denoiser in reversed(self.denoisers):  # the first denoiser's report is the one kept
-            self.fusions = fuse(denoiser, self.source.family.eager_fusions)
+            self.fusions = fuse(denoiser, self.source.family.speed.eager_fusions)
         if self.fusions is not None and not self.fusions.fused:
             why = "; ".join(f"{name}: {reason}" for name, reason in self.fusions.skipped.items())
             self._record("eager_fusions", Resolved(False, "auto", f"no block could be fused ({why})"))
@@ -136,8 +136,8 @@ class SpeedControls:
             return missing
         family = self.source.family
         pipeline = type(self._active if self._active is not None else self.pipeline)
-        if family.cache_context_pipelines is not None:
-            return step_cache_unsupported(family.cache_context_pipelines, pipeline.__name__)
+        if family.pipeline.cache_context_pipelines is not None:
+            return step_cache_unsupported(family.pipeline.cache_context_pipelines, pipeline.__name__)
         try:
             call = inspect.getsource(pipeline.__call__)
         except (OSError, TypeError):

@@ -45,14 +45,14 @@ def choose_workflow(
         if mask:
             raise UnsupportedWorkflow("mask_image was given without image; inpainting needs both (--image, --mask)")
         served = family.workflows_of(checkpoint)
-        if family.output == "frames" and "txt2img" not in served:  # an image-to-video checkpoint needs its image
+        if family.rendering.output == "frames" and "txt2img" not in served:  # an image-to-video checkpoint needs its image
             label = (checkpoint or family.default_checkpoint).label
             raise UnsupportedWorkflow(f"{label} needs an input image (it serves: {', '.join(sorted(served))}); "
                                       "give image (--image)")
         return "txt2img", served.get("txt2img")
     served = family.workflows_of(checkpoint)
     workflow: Workflow = "inpaint" if mask else (
-        "edit" if "edit" in served else "img2vid" if family.output == "frames" else "img2img")
+        "edit" if "edit" in served else "img2vid" if family.rendering.output == "frames" else "img2img")
     if workflow not in served:
         label = (checkpoint or family.default_checkpoint).label
         offered = ", ".join(sorted(served)) or "text-to-image only"
@@ -149,9 +149,9 @@ def load_controlnet(family: FamilySpec, path: str, dtype: Any, device: str) -> A
     declared ControlNet class, in the pipeline's dtype on ``device``."""
     import diffusers
 
-    if not family.controlnet_classes:
+    if not family.pipeline.controlnet_classes:
         raise UnsupportedWorkflow(f"{family.label} declares no ControlNet class; load without a ControlNet")
-    cls = getattr(diffusers, family.controlnet_classes[0])
+    cls = getattr(diffusers, family.pipeline.controlnet_classes[0])
     try:
         return cls.from_pretrained(path, dtype=dtype).to(device).eval()
     except (OSError, ValueError, RuntimeError) as exc:

@@ -86,7 +86,7 @@ class Catalog:
             "families": {
                 f.name: {"images": images_info(self._registry, f).to_dict(),
                          "training": training_info(self._registry, f, hardware).to_dict(),
-                         **({"video": self._clips_here(f, hardware, available)} if f.output == "frames" else {})}
+                         **({"video": self._clips_here(f, hardware, available)} if f.rendering.output == "frames" else {})}
                 for f in chosen
             },
             **({"model": checked} if checked is not None else {}),

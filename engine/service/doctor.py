@@ -88,7 +88,7 @@ def inference_verdict(engine: Engine, family: str, hardware: HardwareProfile) ->
 def _clip_here(engine: Engine, family: str, hardware: HardwareProfile) -> ClipFit | None:
     """A video family's default clip on this machine (None: an image family)."""
     spec = engine.registry.family(family)
-    if spec.output != "frames":
+    if spec.rendering.output != "frames":
         return None
     return clip_fit(engine.registry, spec, spec.default_checkpoint, hardware)
 

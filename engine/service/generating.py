@@ -83,7 +83,7 @@ class GenerateChecks:
         if output == "images" and (body.frames is not None or body.fps is not None):
             check_output(family, "frames")  # frames asked of the images door: an image model refuses them
         shape: VideoShape | None = decided.get("shape")
-        if shape is None and family.output == "frames":  # the loaded model: its clip decided here
+        if shape is None and family.rendering.output == "frames":  # the loaded model: its clip decided here
             shape, decided["note"] = _clip(target.ticket.source, body, seconds)
         check_references(family, checkpoint, sizes)
         loras = self._loras(body, target, load)
@@ -137,7 +137,7 @@ class GenerateChecks:
         sized = dataclasses.replace(options.request, width=body.width, height=body.height, count=count)
 
         def shaped(source: ModelSource) -> InferenceRequest:
-            if source.family.output != "frames" or output != "frames":
+            if source.family.rendering.output != "frames" or output != "frames":
                 return sized
             decided["shape"], decided["note"] = _clip(source, body, seconds)
             shape: VideoShape = decided["shape"]

@@ -94,7 +94,7 @@ def _write(source: ModelSource, scheme: str, device: str, folder: Path) -> dict[
     started = time.perf_counter()
     root, family = Path(source.location), source.family
     config = diffusers.DiffusionPipeline.load_config(str(root))
-    stored = [name for name in (family.denoiser, *family.experts)
+    stored = [name for name in (family.pipeline.denoiser, *family.pipeline.experts)
               if isinstance(config.get(name), list) and config[name][0]]
     _link_tree(root, folder, skip=set(stored))
     dtype = torch.float32 if device == "cpu" else torch.bfloat16

@@ -148,7 +148,7 @@ class Videos:
     def _check_door(self, ticket: LoadTicket, body: GenerateBody, *, video_file: bool) -> VideoShape | None:
         asked = body.model_copy(update={"model": ticket.source.location})
         frames = video_file or body.frames is not None or body.fps is not None
-        if ticket.source.family.output == "frames" or frames:
+        if ticket.source.family.rendering.output == "frames" or frames:
             return self.check_generate(asked).shape
         self._images.check_generate(asked)
         return None

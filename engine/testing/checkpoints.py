@@ -65,7 +65,7 @@ def write_sized_pipeline(tiny_dir: Path, spec: FamilySpec, target: Path) -> Path
         (f"blocks.{i}.{t.target}.weight", (t.out_features, t.in_features))
         for t in targets for i in range(t.count)
     ]
-    parts = {spec.denoiser: (spec.training.dense_gb, denoiser), "vae": (spec.sizes.vae_gb, [])}
+    parts = {spec.pipeline.denoiser: (spec.training.dense_gb, denoiser), "vae": (spec.sizes.vae_gb, [])}
     encoders = sorted(p.name for p in target.iterdir() if p.name.startswith("text_encoder"))
     for name in encoders:
         parts[name] = (spec.sizes.text_encoders_gb / len(encoders), [])

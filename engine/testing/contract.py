@@ -119,9 +119,9 @@ class FamilyContract:
         """A video family says how its clips are shaped, checkpoint by checkpoint."""
         from engine.contract.types import OUTPUT_KINDS
 
-        assert family.output in OUTPUT_KINDS, f"output {family.output!r} is not one of {OUTPUT_KINDS}"
-        if family.output == "images":
-            assert family.video is None and all(c.video is None for c in family.checkpoints), (
+        assert family.rendering.output in OUTPUT_KINDS, f"output {family.rendering.output!r} is not one of {OUTPUT_KINDS}"
+        if family.rendering.output == "images":
+            assert family.rendering.video is None and all(c.video is None for c in family.checkpoints), (
                 "an image family declares no VideoSpec; set output='frames' for a video family"
             )
             return

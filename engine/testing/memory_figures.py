@@ -145,7 +145,7 @@ def derive(d: Denoiser, resolutions: tuple[int, ...], log: Callable[[str], None]
             # checkpointing one block is recomputed in full on top.
             rest = plain.activations_peak / 2 - n_blocks * block
             rest_ckpt = ckpt.activations_peak / 2 - n_blocks * block_kept - block
-            image = d.spec.geometry.clip_tokens(frames, resolution)  # as the estimate counts them
+            image = d.spec.rendering.geometry.clip_tokens(frames, resolution)  # as the estimate counts them
             rows.append((image, text))
             per_block.append(block)
             kept.append(block_kept)

@@ -354,9 +354,9 @@ def measure_step(
 
 def latent_shape(d: Denoiser, resolution: int, frames: int = 1) -> tuple[int, ...]:
     """The latents one example is: [1, C, h, w] for an image family, [1, C, f, h, w] for a video one."""
-    geometry = d.spec.geometry
+    geometry = d.spec.rendering.geometry
     side = geometry.latent_side(resolution)
-    if d.spec.output == "frames":
+    if d.spec.rendering.output == "frames":
         return (1, d.latent_channels, geometry.latent_frames(frames), side, side)
     return (1, d.latent_channels, side, side)
 

@@ -124,7 +124,7 @@ def _pipe_shim(d: Denoiser, model: torch.nn.Module) -> Any:
     own = getattr(d.runtime, "probe_pipeline", None)
     if own is not None:
         return own(model)
-    return SimpleNamespace(vae_scale_factor=d.spec.geometry.spatial_compression, transformer=model, unet=model)
+    return SimpleNamespace(vae_scale_factor=d.spec.rendering.geometry.spatial_compression, transformer=model, unet=model)
 
 
 def _conditioning(

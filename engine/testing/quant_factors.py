@@ -78,13 +78,13 @@ def factors_of(shapes: Shapes, dense_modules: Sequence[str] = ()) -> Factors:
 
 
 def checkpoint_shapes(path: Path, spec: FamilySpec | None = None) -> Shapes:
-    """The denoiser's tensors of a pipeline folder (its ``spec.denoiser`` folder, else the one
+    """The denoiser's tensors of a pipeline folder (its ``spec.pipeline.denoiser`` folder, else the one
     ``model_index.json`` names first among transformer / unet), a denoiser folder or one file."""
     if path.is_file():
         return tensor_shapes([path])
     folder = path
     if (path / "model_index.json").is_file():
-        names = [spec.denoiser] if spec is not None else []
+        names = [spec.pipeline.denoiser] if spec is not None else []
         names += [n for n in ("transformer", "unet") if n not in names]
         folder = next((path / n for n in names if (path / n).is_dir()), path)
     files = sorted(folder.glob("*.safetensors"))

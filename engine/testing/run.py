@@ -50,7 +50,7 @@ def run_model(
         folder = folder or registry.build_tiny_pipeline(family, workdir / "tiny")
         report.stages.append(stage)
         stage = "load and generate through the engine"
-        if family.output == "frames":
+        if family.rendering.output == "frames":
             stage = "load and render a clip through the engine, written as MP4 and decoded"
             engine, base = _load_and_render(registry, folder, family, size, steps, workdir)
         else:
@@ -66,7 +66,7 @@ def run_model(
         report.stages.append(stage)
         stage = "reload the LoRA through the engine and generate"
         loras = [f"{report.lora}:{KIT_LORA_SCALE}"]
-        if family.output == "frames":
+        if family.rendering.output == "frames":
             clip = engine.videos.generate(KIT_PROMPT, frames=_frames_of(engine, family), steps=steps, width=size, height=size,
                                           seed=0, loras=loras)
             after = b"".join(_pixels(frame) for frame in clip.frames)
@@ -75,7 +75,7 @@ def run_model(
                                                    loras=loras)[0])
         engine.images.unload()
         if after == base:
-            report.failure = f"{stage}: the {'clip' if family.output == 'frames' else 'image'} did not change " \
+            report.failure = f"{stage}: the {'clip' if family.rendering.output == 'frames' else 'image'} did not change " \
                              "with the trained LoRA loaded"
             return report
         report.stages.append(stage)
@@ -121,7 +121,7 @@ def _load_and_render(
     session = engine.images.session
     assert session is not None
     spec = family.video_of(session.source.checkpoint)
-    assert spec is not None, "a family whose output is frames declares its VideoSpec (FamilySpec.video)"
+    assert spec is not None, "a family whose output is frames declares its VideoSpec (Rendering.video)"
     frames = kit_frames(spec)
     clip = engine.videos.generate(KIT_PROMPT, frames=frames, steps=steps, width=size, height=size, seed=0)
     decoded, fps = read_mp4(clip.save(workdir / "clip.mp4"))
@@ -141,7 +141,7 @@ def _train(registry: Registry, family: FamilySpec, folder: Path, workdir: Path, 
     from engine.training.preflight import preflight_training
     from engine.training.trainer import run_training
 
-    video = family.output == "frames"  # a video family trains on real clips (and an image) at the kit's length
+    video = family.rendering.output == "frames"  # a video family trains on real clips (and an image) at the kit's length
     data = write_clip_dataset(workdir / "data", clips=2, images=1) if video else write_dataset(workdir / "data", count=2)
     config = TrainingConfig.from_data({
         "base_model": str(folder), "family": family.name, "dataset_dir": str(data),

@@ -56,7 +56,7 @@ def training_canary(plan: TrainingPlan) -> CanaryResult:
         transform, keep = base_transform(scheme)
     else:
         transform, keep = None, lambda module, _: isinstance(module, torch.nn.Linear)
-    layer_and_name = read_linear(Path(plan.base.location) / plan.family.denoiser, keep)
+    layer_and_name = read_linear(Path(plan.base.location) / plan.family.pipeline.denoiser, keep)
     if layer_and_name is None:
         return CanaryResult(True, scheme, dtype_name, plan.device, skipped=True,
                             reason="no Linear weight the scheme converts was found in the base's files")

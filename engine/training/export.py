@@ -131,7 +131,7 @@ def save_lora(
     output_dir.mkdir(parents=True, exist_ok=True)
     state = family_hooks.lora_state_dict(registry, plan.family, denoiser)  # engine_lora_state_dict
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
-    prefix = plan.family.denoiser
+    prefix = plan.family.pipeline.denoiser
     saver = getattr(type(pipe), "save_lora_weights", None)
     lora_path = output_dir / LORA_WEIGHTS
     if saver is not None:
@@ -140,7 +140,7 @@ def save_lora(
     else:
         save_file({f"{prefix}.{k}": v for k, v in state.items()}, str(lora_path))
     component = component or plan.trained_components[0]
-    if component != plan.family.denoiser:  # a second expert's LoRA says where it goes
+    if component != plan.family.pipeline.denoiser:  # a second expert's LoRA says where it goes
         _mark_component(lora_path, component)
     outputs: dict[str, str] = {"lora": str(lora_path)}
     if plan.config.export_kohya:

@@ -110,11 +110,11 @@ def resolve_flow_shift(
     if isinstance(requested, (int, float)):
         return explicit(float(requested), "as configured")
     if requested == "auto" or (requested is None and defaults.flow_shift_auto):
-        shift = resolution_shift(defaults, resolution, family.geometry)
+        shift = resolution_shift(defaults, resolution, family.rendering.geometry)
         source = auto if requested is None else explicit
         return source(round(shift, 4), (
             f"by resolution as {family.label}'s scheduler shifts: {resolution} px is "
-            f"{family.geometry.image_tokens(resolution)} image tokens, mu {math.log(shift):.3f} "
+            f"{family.rendering.geometry.image_tokens(resolution)} image tokens, mu {math.log(shift):.3f} "
             f"({defaults.base_shift} at {defaults.base_seq_len} to {defaults.max_shift} at {defaults.max_seq_len})"
         ))
     return auto(defaults.flow_shift, f"{family.label}'s default shift" + (f" ({defaults.source})" if defaults.source else ""))

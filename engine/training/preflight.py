@@ -77,7 +77,7 @@ class TrainingPlan:
     @property
     def trained_components(self) -> tuple[str, ...]:
         """The pipeline components the LoRA goes on: the denoiser, or the expert(s) chosen."""
-        return self.expert.value.components if self.expert is not None else (self.family.denoiser,)
+        return self.expert.value.components if self.expert is not None else (self.family.pipeline.denoiser,)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -225,7 +225,7 @@ def _planned(
 def _side_multiple(family: FamilySpec, base: ModelSource) -> int:
     """Bucket sides: a video checkpoint's own multiple (TI2V-5B's 16x VAE x patch 2 = 32) where larger."""
     spec = video_spec_of(family, base.checkpoint)
-    return max(family.side_multiple, spec.size_multiple if spec is not None else 1)
+    return max(family.rendering.side_multiple, spec.size_multiple if spec is not None else 1)
 
 
 def _resolved(registry: Registry, config: TrainingConfig) -> ModelSource | None:

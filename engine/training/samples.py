@@ -74,7 +74,7 @@ def _call_kwargs(plan: Any, pipe: Any, prompt: str, seed: int) -> dict[str, Any]
         "generator": torch.Generator("cpu").manual_seed(seed),
         "height": size,
         "width": size,
-        plan.family.guidance_kwarg: checkpoint.default_guidance,
+        plan.family.pipeline.guidance_kwarg: checkpoint.default_guidance,
     }
     if plan.window is not None:  # a short clip of the window's length, as frames of PIL images
         kwargs.update(num_frames=plan.window.frames, output_type="pil")

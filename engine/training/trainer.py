@@ -300,9 +300,9 @@ def _load_pipeline(plan: TrainingPlan, dtype: torch.dtype) -> Any:
         from engine.runtime.quantize import nf4_config
 
         config = diffusers.DiffusionPipeline.load_config(plan.base.location)
-        denoiser_cls = getattr(diffusers, config[plan.family.denoiser][1])
-        components[plan.family.denoiser] = denoiser_cls.from_pretrained(
-            plan.base.location, subfolder=plan.family.denoiser, dtype=dtype,
+        denoiser_cls = getattr(diffusers, config[plan.family.pipeline.denoiser][1])
+        components[plan.family.pipeline.denoiser] = denoiser_cls.from_pretrained(
+            plan.base.location, subfolder=plan.family.pipeline.denoiser, dtype=dtype,
             quantization_config=nf4_config(dtype),
         )
     pipe = diffusers.DiffusionPipeline.from_pretrained(plan.base.location, dtype=dtype, **components)
@@ -344,7 +344,7 @@ def _trained_module(plan: TrainingPlan, pipe: Any, modules: list[torch.nn.Module
 
 def _compiled(plan: TrainingPlan, denoiser: torch.nn.Module) -> torch.nn.Module:
     if plan.compile.value == "regional":
-        regions = set(plan.family.compile_regions)
+        regions = set(plan.family.speed.compile_regions)
         for module in denoiser.modules():
             if type(module).__name__ in regions:
                 module.compile(dynamic=True)

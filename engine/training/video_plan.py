@@ -57,7 +57,7 @@ class ExpertChoice:
 
 
 def video_spec_of(family: FamilySpec, checkpoint: Checkpoint | None) -> VideoSpec | None:
-    return family.video_of(checkpoint) if family.output == "frames" else None
+    return family.video_of(checkpoint) if family.rendering.output == "frames" else None
 
 
 def early_window(source: ModelSource | None, config: TrainingConfig) -> ClipWindow | None:
@@ -107,11 +107,11 @@ def expert_choice(family: FamilySpec, base: ModelSource, config: TrainingConfig)
         return None
     boundary = _boundary(index)
     second = present[0]
-    components = {"high": (family.denoiser,), "low": (second,), "both": (family.denoiser, second)}
+    components = {"high": (family.pipeline.denoiser,), "low": (second,), "both": (family.pipeline.denoiser, second)}
     name = config.expert or "both"
     choice = ExpertChoice(name, boundary, components[name])
     low, high = choice.sigma_range()
-    why = {"high": f"the high-noise expert ({family.denoiser}) on sigmas {low:g} to {high:g}",
+    why = {"high": f"the high-noise expert ({family.pipeline.denoiser}) on sigmas {low:g} to {high:g}",
            "low": f"the low-noise expert ({second}) on sigmas {low:g} to {high:g}",
            "both": f"both experts, each on its own sigmas (boundary {boundary:g}): two LoRA files"}[name]
     return explicit(choice, why) if config.expert else auto(choice, why)
@@ -121,9 +121,9 @@ def _experts_present(family: FamilySpec, base: ModelSource, index: dict[str, obj
     """The family's experts this base holds: a pipeline folder's ``model_index.json`` says; a hub
     base by its checkpoint (one with a second expert's guidance has the second expert)."""
     if index is not None:
-        return tuple(name for name in family.experts if _named(index.get(name)))
+        return tuple(name for name in family.pipeline.experts if _named(index.get(name)))
     checkpoint = base.checkpoint
-    return family.experts if checkpoint is not None and checkpoint.expert_guidance is not None else ()
+    return family.pipeline.experts if checkpoint is not None and checkpoint.expert_guidance is not None else ()
 
 
 def _named(entry: object) -> bool:

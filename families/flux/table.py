@@ -5,18 +5,21 @@ the 16-channel VAE (0.2 GB); sampling defaults per published checkpoint.
 """
 
 from engine.contract.types import (
-    FusionSite,
     ActivationFigures,
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    FusionSite,
     LoraLayout,
     LoraTargetShape,
     MemoryProbe,
+    PipelineLayout,
     QuantRules,
+    Rendering,
     SdcppCompanion,
     SdcppSupport,
     SingleFileLayout,
+    SpeedRules,
     TrainingDefaults,
     TrainingMemoryFigures,
     TrainingObjective,
@@ -66,28 +69,9 @@ FLUX = FamilySpec(
             workflows=(("edit", "FluxKontextPipeline"), ("inpaint", "FluxKontextInpaintPipeline")),
         ),
     ),
-    workflows=(
-        ("img2img", "FluxImg2ImgPipeline"),
-        ("inpaint", "FluxInpaintPipeline"),
-        ("controlnet", "FluxControlNetPipeline"),
-    ),
-    controlnet_classes=("FluxControlNetModel",),
     sizes=ComponentSizes(transformer_gb=23.8, text_encoders_gb=9.8, vae_gb=0.2),
-    compile_regions=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
-    eager_fusions=(
-        FusionSite("FluxTransformerBlock", 6), FusionSite("FluxSingleTransformerBlock", 1),
-        FusionSite("AdaLayerNormZero", 1), FusionSite("AdaLayerNormZeroSingle", 1),
-    ),
-    # FluxPipeline opens a cache context around its transformer calls; the
-    # Kontext and img2img pipelines do not (First-Block-Cache would fail there).
-    cache_context_pipelines=("FluxPipeline",),
     runtime_module="families.flux.runtime",
     tiny_pipeline="families.flux.tiny:build_tiny_pipeline",
-    # The VAE decoder's peak per output pixel: its full-resolution up block
-    # (128 channels) holds about six tensors of that width at once (input,
-    # fp32 group-norm upcast, conv output), 6 x 128 elements. Derived from
-    # the architecture, not yet benchmarked (bench/ has no VAE probe yet).
-    vae_decode_per_pixel=768.0,
     quantisation=QuantRules(
         prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
         default_dense_base="black-forest-labs/FLUX.1-dev",
@@ -219,5 +203,30 @@ FLUX = FamilySpec(
                 LoraTargetShape("to_v", 3072, 3072, 57),
             ),
         ),
+    ),
+    pipeline=PipelineLayout(
+        workflows=(
+            ("img2img", "FluxImg2ImgPipeline"),
+            ("inpaint", "FluxInpaintPipeline"),
+            ("controlnet", "FluxControlNetPipeline"),
+        ),
+        controlnet_classes=("FluxControlNetModel",),
+        # FluxPipeline opens a cache context around its transformer calls; the
+        # Kontext and img2img pipelines do not (First-Block-Cache would fail there).
+        cache_context_pipelines=("FluxPipeline",),
+    ),
+    speed=SpeedRules(
+        compile_regions=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+        eager_fusions=(
+            FusionSite("FluxTransformerBlock", 6), FusionSite("FluxSingleTransformerBlock", 1),
+            FusionSite("AdaLayerNormZero", 1), FusionSite("AdaLayerNormZeroSingle", 1),
+        ),
+    ),
+    rendering=Rendering(
+        # The VAE decoder's peak per output pixel: its full-resolution up block
+        # (128 channels) holds about six tensors of that width at once (input,
+        # fp32 group-norm upcast, conv output), 6 x 128 elements. Derived from
+        # the architecture, not yet benchmarked (bench/ has no VAE probe yet).
+        vae_decode_per_pixel=768.0,
     ),
 )

@@ -13,8 +13,11 @@ from engine.contract.types import (
     FamilySpec,
     LatentGeometry,
     LoraLayout,
+    PipelineLayout,
     QuantRules,
+    Rendering,
     SingleFileLayout,
+    SpeedRules,
     TrainingDefaults,
     TrainingObjective,
     TrainingSpec,
@@ -80,21 +83,10 @@ FLUX2 = FamilySpec(
         ),
     ),
     sizes=KLEIN_SIZES,
-    # The text-to-image pipelines edit too: given images, they are references the prompt
-    # speaks of (no strength; the output is the size asked, else the first image's).
-    # klein also inpaints with its own pipeline (a mask, a strength, optional references).
-    workflows=(("edit", "Flux2KleinPipeline"), ("inpaint", "Flux2KleinInpaintPipeline")),
-    # 8x VAE with 32 latent channels; the pipeline patchifies latents 2x2 (128 channels in).
-    geometry=LatentGeometry(spatial_compression=8, patch_size=2, latent_channels=32),
-    compile_regions=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
-    # Flux2KleinPipeline opens a cache context around its transformer calls; Flux2Pipeline
-    # (dev) does not, so First-Block-Cache is not engaged there.
-    cache_context_pipelines=("Flux2KleinPipeline",),
     tiny_pipeline="families.flux2.tiny:build_tiny_pipeline",
     # A transformer file (BFL's original layout, ComfyUI's, or diffusers'): its global modulation
     # layers are FLUX.2's own (FLUX.1 modulates per block); its block names are FLUX.1's.
     single_file=SingleFileLayout(markers=("double_stream_modulation_img.", "single_stream_modulation.")),
-    vae_decode_per_pixel=768.0,
     quantisation=QuantRules(
         prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
         default_dense_base="black-forest-labs/FLUX.2-klein-4B",
@@ -156,4 +148,19 @@ FLUX2 = FamilySpec(
             ("final_layer_linear", ("proj_out",)),
         ),
     ),
+    pipeline=PipelineLayout(
+        # The text-to-image pipelines edit too: given images, they are references the prompt
+        # speaks of (no strength; the output is the size asked, else the first image's).
+        # klein also inpaints with its own pipeline (a mask, a strength, optional references).
+        workflows=(("edit", "Flux2KleinPipeline"), ("inpaint", "Flux2KleinInpaintPipeline")),
+        # Flux2KleinPipeline opens a cache context around its transformer calls; Flux2Pipeline
+        # (dev) does not, so First-Block-Cache is not engaged there.
+        cache_context_pipelines=("Flux2KleinPipeline",),
+    ),
+    rendering=Rendering(
+        # 8x VAE with 32 latent channels; the pipeline patchifies latents 2x2 (128 channels in).
+        geometry=LatentGeometry(spatial_compression=8, patch_size=2, latent_channels=32),
+        vae_decode_per_pixel=768.0,
+    ),
+    speed=SpeedRules(compile_regions=("Flux2TransformerBlock", "Flux2SingleTransformerBlock")),
 )

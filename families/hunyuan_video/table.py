@@ -17,8 +17,11 @@ from engine.contract.types import (
     FamilySpec,
     LatentGeometry,
     LoraLayout,
+    PipelineLayout,
     PrecisionRules,
     QuantRules,
+    Rendering,
+    SpeedRules,
     TrainingSpec,
     VideoSpec,
 )
@@ -35,8 +38,6 @@ HUNYUAN_VIDEO = FamilySpec(
     architecture="dit",
     pipeline_class="HunyuanVideo15Pipeline",
     pipeline_class_names=("HunyuanVideo15Pipeline",),
-    output="frames",
-    video=_480P,
     checkpoints=(
         Checkpoint(
             name="hunyuanvideo-1.5-480p", label="HunyuanVideo 1.5 480p",
@@ -50,14 +51,7 @@ HUNYUAN_VIDEO = FamilySpec(
             video=_720P,
         ),
     ),
-    workflows=(("txt2img", "HunyuanVideo15Pipeline"),),
     sizes=ComponentSizes(transformer_gb=16.6, text_encoders_gb=14.8, vae_gb=2.4),
-    geometry=LatentGeometry(spatial_compression=16, patch_size=1, temporal_compression=4, latent_channels=32),
-    side_multiple=16,
-    # The pipeline's guider holds the CFG scale: the call has no guidance argument.
-    guidance_kwarg="guider.guidance_scale",
-    compile_regions=("HunyuanVideo15TransformerBlock",),
-    cache_context_pipelines=("HunyuanVideo15Pipeline",),
     capabilities=Capabilities(step_cache=True, attention_dispatcher=True, peft_adapters=True, regional_compile=True),
     runtime_module="",
     tiny_pipeline="families.hunyuan_video.tiny:build_tiny_pipeline",
@@ -74,4 +68,17 @@ HUNYUAN_VIDEO = FamilySpec(
     precision=PrecisionRules(
         fp16_unsafe=(("denoiser", "HunyuanVideo 1.5's DiT is bf16-native: under fp16 its activations overflow"),),
     ),
+    rendering=Rendering(
+        output="frames",
+        video=_480P,
+        geometry=LatentGeometry(spatial_compression=16, patch_size=1, temporal_compression=4, latent_channels=32),
+        side_multiple=16,
+    ),
+    pipeline=PipelineLayout(
+        workflows=(("txt2img", "HunyuanVideo15Pipeline"),),
+        # The pipeline's guider holds the CFG scale: the call has no guidance argument.
+        guidance_kwarg="guider.guidance_scale",
+        cache_context_pipelines=("HunyuanVideo15Pipeline",),
+    ),
+    speed=SpeedRules(compile_regions=("HunyuanVideo15TransformerBlock",)),
 )

@@ -6,18 +6,21 @@ A/B measurements against the dense bf16 reference that justify them.
 """
 
 from engine.contract.types import (
-    FusionSite,
     ActivationFigures,
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    FusionSite,
     LoraLayout,
     LoraTargetShape,
     MemoryProbe,
+    PipelineLayout,
     PrecisionRules,
     QuantDeny,
     QuantRules,
+    Rendering,
     SingleFileLayout,
+    SpeedRules,
     TrainingDefaults,
     TrainingMemoryFigures,
     TrainingObjective,
@@ -93,25 +96,9 @@ QWEN_IMAGE = FamilySpec(
             tiny_pipeline="families.qwen_image.tiny:build_tiny_edit_plus_pipeline",
         ) for version in ("2509", "2511")),
     ),
-    workflows=(("img2img", "QwenImageImg2ImgPipeline"), ("inpaint", "QwenImageInpaintPipeline")),
     sizes=ComponentSizes(transformer_gb=40.9, text_encoders_gb=16.6, vae_gb=0.3),
-    compile_regions=("QwenImageTransformerBlock",),
-    eager_fusions=(FusionSite("QwenImageTransformerBlock", 5, ("forward", "_modulate")),),
-    # Real classifier-free guidance: the pipeline's guidance knob is true_cfg_scale.
-    guidance_kwarg="true_cfg_scale",
-    # Every Qwen-Image pipeline opens a cache context around its transformer calls.
-    cache_context_pipelines=(
-        "QwenImagePipeline",
-        "QwenImageImg2ImgPipeline",
-        "QwenImageEditPipeline",
-        "QwenImageEditPlusPipeline",
-    ),
     runtime_module="families.qwen_image.runtime",
     tiny_pipeline="families.qwen_image.tiny:build_tiny_pipeline",
-    # Qwen-Image's causal VAE decodes at 96 channels at full resolution:
-    # about six such tensors live at once (6 x 96). Derived from the
-    # architecture, not yet benchmarked.
-    vae_decode_per_pixel=576.0,
     quantisation=QuantRules(
         deny_training=(
                 QuantDeny("fp8", FP8_BLACK_TRAINING),
@@ -219,5 +206,27 @@ QWEN_IMAGE = FamilySpec(
     ),
     precision=PrecisionRules(
         fp16_unsafe=(("denoiser", "Qwen-Image renders black frames in fp16 compute"),),
+    ),
+    pipeline=PipelineLayout(
+        workflows=(("img2img", "QwenImageImg2ImgPipeline"), ("inpaint", "QwenImageInpaintPipeline")),
+        # Real classifier-free guidance: the pipeline's guidance knob is true_cfg_scale.
+        guidance_kwarg="true_cfg_scale",
+        # Every Qwen-Image pipeline opens a cache context around its transformer calls.
+        cache_context_pipelines=(
+            "QwenImagePipeline",
+            "QwenImageImg2ImgPipeline",
+            "QwenImageEditPipeline",
+            "QwenImageEditPlusPipeline",
+        ),
+    ),
+    speed=SpeedRules(
+        compile_regions=("QwenImageTransformerBlock",),
+        eager_fusions=(FusionSite("QwenImageTransformerBlock", 5, ("forward", "_modulate")),),
+    ),
+    rendering=Rendering(
+        # Qwen-Image's causal VAE decodes at 96 channels at full resolution:
+        # about six such tensors live at once (6 x 96). Derived from the
+        # architecture, not yet benchmarked.
+        vae_decode_per_pixel=576.0,
     ),
 )

@@ -15,9 +15,12 @@ from engine.contract.types import (
     LoraTargetShape,
     MemoryProbe,
     OptimizationDeny,
+    PipelineLayout,
     QuantDeny,
     QuantRules,
+    Rendering,
     SingleFileLayout,
+    SpeedRules,
     TrainingDefaults,
     TrainingMemoryFigures,
     TrainingObjective,
@@ -65,32 +68,9 @@ SDXL = FamilySpec(
             matches=("*sdxl-turbo*", "*sdxl_turbo*", "*sd_xl_turbo*"),
         ),
     ),
-    workflows=(
-        ("img2img", "StableDiffusionXLImg2ImgPipeline"),
-        ("inpaint", "StableDiffusionXLInpaintPipeline"),
-        ("controlnet", "StableDiffusionXLControlNetPipeline"),
-    ),
-    # VAE stride 8; the UNet pads odd latent sides itself (forward_upsample_size).
-    side_multiple=8,
-    controlnet_classes=("ControlNetModel",),
     sizes=ComponentSizes(transformer_gb=5.1, text_encoders_gb=1.6, vae_gb=0.2),
-    compile_regions=("BasicTransformerBlock",),
-    denoiser="unet",
-    denoiser_label="UNet",
-    cache_context_pipelines=(),
-    optimization_deny=(
-        OptimizationDeny(
-            "step_cache",
-            "First-Block-Cache hooks transformer blocks; diffusers' SDXL UNet has none it caches",
-        ),
-    ),
     runtime_module="families.sdxl.runtime",
     tiny_pipeline="families.sdxl.tiny:build_tiny_pipeline",
-    # The VAE decoder's peak per output pixel: its full-resolution up block
-    # (128 channels) holds about six tensors of that width at once (input,
-    # fp32 group-norm upcast, conv output), 6 x 128 elements. Derived from
-    # the architecture, not yet benchmarked (bench/ has no VAE probe yet).
-    vae_decode_per_pixel=768.0,
     quantisation=QuantRules(
         prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
         default_dense_base="stabilityai/stable-diffusion-xl-base-1.0",
@@ -194,6 +174,35 @@ SDXL = FamilySpec(
                 LoraTargetShape("to_v", 1280, 1280, 60),
                 LoraTargetShape("to_v", 2048, 640, 10),
                 LoraTargetShape("to_v", 2048, 1280, 60),
+            ),
+        ),
+    ),
+    pipeline=PipelineLayout(
+        workflows=(
+            ("img2img", "StableDiffusionXLImg2ImgPipeline"),
+            ("inpaint", "StableDiffusionXLInpaintPipeline"),
+            ("controlnet", "StableDiffusionXLControlNetPipeline"),
+        ),
+        controlnet_classes=("ControlNetModel",),
+        denoiser="unet",
+        denoiser_label="UNet",
+        cache_context_pipelines=(),
+    ),
+    rendering=Rendering(
+        # VAE stride 8; the UNet pads odd latent sides itself (forward_upsample_size).
+        side_multiple=8,
+        # The VAE decoder's peak per output pixel: its full-resolution up block
+        # (128 channels) holds about six tensors of that width at once (input,
+        # fp32 group-norm upcast, conv output), 6 x 128 elements. Derived from
+        # the architecture, not yet benchmarked (bench/ has no VAE probe yet).
+        vae_decode_per_pixel=768.0,
+    ),
+    speed=SpeedRules(
+        compile_regions=("BasicTransformerBlock",),
+        optimization_deny=(
+            OptimizationDeny(
+                "step_cache",
+                "First-Block-Cache hooks transformer blocks; diffusers' SDXL UNet has none it caches",
             ),
         ),
     ),

@@ -22,9 +22,12 @@ from engine.contract.types import (
     LoraLayout,
     LoraTargetShape,
     MemoryProbe,
+    PipelineLayout,
     PrecisionRules,
     QuantRules,
+    Rendering,
     SingleFileLayout,
+    SpeedRules,
     TrainingDefaults,
     TrainingMemoryFigures,
     TrainingObjective,
@@ -88,8 +91,6 @@ WAN = FamilySpec(
     architecture="dit",
     pipeline_class="WanPipeline",
     pipeline_class_names=("WanPipeline", "WanImageToVideoPipeline"),
-    output="frames",
-    video=_WAN21_480P,
     checkpoints=(
         Checkpoint(
             name="wan2.2-ti2v-5b", label="Wan 2.2 TI2V-5B", repo="Wan-AI/Wan2.2-TI2V-5B-Diffusers",
@@ -130,15 +131,7 @@ WAN = FamilySpec(
             video=_WAN21_720P,
         ),
     ),
-    workflows=(("txt2img", "WanPipeline"),),
     sizes=ComponentSizes(transformer_gb=2.84, text_encoders_gb=_UMT5_GB, vae_gb=0.5),
-    # Wan 2.1's VAE: 8x spatial, 4x temporal, 16 channels; the DiT patchifies (1, 2, 2).
-    geometry=LatentGeometry(spatial_compression=8, patch_size=2, temporal_compression=4, latent_channels=16),
-    side_multiple=16,
-    experts=("transformer_2",),
-    compile_regions=("WanTransformerBlock",),
-    # WanPipeline opens "cond" / "uncond" cache contexts around each expert's call.
-    cache_context_pipelines=("WanPipeline", "WanImageToVideoPipeline"),
     capabilities=Capabilities(step_cache=True, attention_dispatcher=True, peft_adapters=True,
                               regional_compile=True, pipeline_lora=True),
     # The trainer's torch code (prompts, clips to latents, the model call); inference needs none.
@@ -202,4 +195,18 @@ WAN = FamilySpec(
         fp16_unsafe=(("denoiser", "Wan's DiT is bf16-native: under fp16 its activations overflow"),),
         keep_fp32=(("vae", "the Wan VAE decodes in fp32 (bf16 gives banding and black frames)"),),
     ),
+    rendering=Rendering(
+        output="frames",
+        video=_WAN21_480P,
+        # Wan 2.1's VAE: 8x spatial, 4x temporal, 16 channels; the DiT patchifies (1, 2, 2).
+        geometry=LatentGeometry(spatial_compression=8, patch_size=2, temporal_compression=4, latent_channels=16),
+        side_multiple=16,
+    ),
+    pipeline=PipelineLayout(
+        workflows=(("txt2img", "WanPipeline"),),
+        experts=("transformer_2",),
+        # WanPipeline opens "cond" / "uncond" cache contexts around each expert's call.
+        cache_context_pipelines=("WanPipeline", "WanImageToVideoPipeline"),
+    ),
+    speed=SpeedRules(compile_regions=("WanTransformerBlock",)),
 )

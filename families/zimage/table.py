@@ -5,18 +5,21 @@ encoder (8.0 GB) and the 16-channel VAE (0.2 GB).
 """
 
 from engine.contract.types import (
-    FusionSite,
     ActivationFigures,
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    FusionSite,
     LoraLayout,
     LoraTargetShape,
     MemoryProbe,
     OptimizationDeny,
+    PipelineLayout,
     PrecisionRules,
     QuantRules,
+    Rendering,
     SingleFileLayout,
+    SpeedRules,
     TrainingDefaults,
     TrainingMemoryFigures,
     TrainingObjective,
@@ -48,24 +51,9 @@ ZIMAGE = FamilySpec(
             matches=("*z-image*", "*z_image*", "*zimage*"),
         ),
     ),
-    workflows=(("img2img", "ZImageImg2ImgPipeline"), ("inpaint", "ZImageInpaintPipeline")),
     sizes=ComponentSizes(transformer_gb=12.3, text_encoders_gb=8.0, vae_gb=0.2),
-    compile_regions=("ZImageTransformerBlock",),
-    eager_fusions=(FusionSite("ZImageTransformerBlock", 2),),
-    cache_context_pipelines=(),
-    optimization_deny=(
-        OptimizationDeny(
-            "step_cache",
-            "diffusers' ZImageTransformer2DModel has no cache hooks (not a CacheMixin)",
-        ),
-    ),
     runtime_module="families.zimage.runtime",
     tiny_pipeline="families.zimage.tiny:build_tiny_pipeline",
-    # The VAE decoder's peak per output pixel: its full-resolution up block
-    # (128 channels) holds about six tensors of that width at once (input,
-    # fp32 group-norm upcast, conv output), 6 x 128 elements. Derived from
-    # the architecture, not yet benchmarked (bench/ has no VAE probe yet).
-    vae_decode_per_pixel=768.0,
     quantisation=QuantRules(
         prequantised_patterns=("*bnb-4bit*", "*-4bit*", "*int4*", "*nf4*"),
         default_dense_base="Tongyi-MAI/Z-Image-Turbo",
@@ -139,5 +127,26 @@ ZIMAGE = FamilySpec(
     ),
     precision=PrecisionRules(
         fp16_unsafe=(("denoiser", "Z-Image fails in attention under fp16 compute"),),
+    ),
+    pipeline=PipelineLayout(
+        workflows=(("img2img", "ZImageImg2ImgPipeline"), ("inpaint", "ZImageInpaintPipeline")),
+        cache_context_pipelines=(),
+    ),
+    speed=SpeedRules(
+        compile_regions=("ZImageTransformerBlock",),
+        eager_fusions=(FusionSite("ZImageTransformerBlock", 2),),
+        optimization_deny=(
+            OptimizationDeny(
+                "step_cache",
+                "diffusers' ZImageTransformer2DModel has no cache hooks (not a CacheMixin)",
+            ),
+        ),
+    ),
+    rendering=Rendering(
+        # The VAE decoder's peak per output pixel: its full-resolution up block
+        # (128 channels) holds about six tensors of that width at once (input,
+        # fp32 group-norm upcast, conv output), 6 x 128 elements. Derived from
+        # the architecture, not yet benchmarked (bench/ has no VAE probe yet).
+        vae_decode_per_pixel=768.0,
     ),
 )

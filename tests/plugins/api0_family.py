@@ -34,7 +34,7 @@ OLD_SD3 = FamilySpec(
     prequantised_patterns=("*bnb-4bit*",),
     tiny_pipeline=SD3.tiny_pipeline,
     capabilities=SD3.capabilities,
-    optimization_deny=SD3.optimization_deny,
+    optimization_deny=SD3.speed.optimization_deny,
     training_objective=TrainingObjective(
         prediction="flow_matching", timestep_sampling="logit_normal",
         runtime_module=SD3.runtime_module,

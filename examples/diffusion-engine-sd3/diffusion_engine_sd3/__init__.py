@@ -16,17 +16,19 @@ from collections.abc import Callable, Iterable
 
 from engine.contract.hookspecs import hookimpl
 from engine.contract.types import (
+    ActivationFigures,
     Capabilities,
     Checkpoint,
     ComponentSizes,
-    ActivationFigures,
     FamilySpec,
+    LoraLayout,
     LoraTargetShape,
     MemoryProbe,
-    LoraLayout,
+    PipelineLayout,
     Purpose,
     QuantDeny,
     QuantRules,
+    SpeedRules,
     TrainingMemoryFigures,
     TrainingObjective,
     TrainingSpec,
@@ -50,11 +52,8 @@ SD3 = FamilySpec(
         ),
     ),
     sizes=ComponentSizes(transformer_gb=4.9, text_encoders_gb=11.1, vae_gb=0.2),
-    compile_regions=("JointTransformerBlock",),
     runtime_module="diffusion_engine_sd3.runtime",
     tiny_pipeline="diffusion_engine_sd3.tiny:build_tiny_pipeline",
-    # StableDiffusion3Pipeline's call opens no cache context (First-Block-Cache needs one).
-    cache_context_pipelines=(),
     # SD3Transformer2DModel (diffusers 0.3x-0.4x) has no cache hooks and its
     # JointAttnProcessor2_0 calls SDPA directly, not the attention dispatcher.
     capabilities=Capabilities(
@@ -123,6 +122,11 @@ SD3 = FamilySpec(
         base_precision_applies=True,
         requires_bf16=True,
         objective=TrainingObjective(prediction="flow_matching", timestep_sampling="logit_normal"),
+    ),
+    speed=SpeedRules(compile_regions=("JointTransformerBlock",)),
+    pipeline=PipelineLayout(
+        # StableDiffusion3Pipeline's call opens no cache context (First-Block-Cache needs one).
+        cache_context_pipelines=(),
     ),
 )
 

@@ -1,0 +1,77 @@
+"""Plugin API 2's sections of :class:`~engine.contract.types.FamilySpec`: the fields that
+stood loose beside the sections of plugin API 1, grouped by the concern that reads them.
+
+- :class:`PipelineLayout`: how the family's diffusers pipeline is put together and called
+  (its denoiser and experts, the guidance argument, the workflows' pipeline classes, the
+  ControlNet classes, which pipelines open a cache context);
+- :class:`SpeedRules`: what the speed levers may touch (compile regions, fused eager sites,
+  optimisations denied);
+- :class:`Rendering`: what a call gives back and the latent geometry that shapes it (the
+  output kind, a video family's clips, the VAE's compression and patches, the side multiple,
+  the decoder's peak per pixel).
+
+The flat spellings (``FamilySpec(denoiser="unet")``, ``family.compile_regions``) are rows of
+the register of old spellings: still read, with a warning naming these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.contract.family_sections import FusionSite, LatentGeometry
+
+if TYPE_CHECKING:
+    from engine.contract.types import OptimizationDeny, Workflow
+    from engine.contract.video_spec import OutputKind, VideoSpec
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """How the family's diffusers pipeline is put together and called."""
+
+    #: The pipeline component that denoises (``transformer`` or ``unet``).
+    denoiser: str = "transformer"
+    #: How messages name the denoiser ("transformer", "UNet").
+    denoiser_label: str = "transformer"
+    #: Components that denoise beside ``denoiser`` (a two-expert model's low-noise
+    #: ``transformer_2``): quantisation and the other optimisations apply to all of them or none.
+    experts: tuple[str, ...] = ()
+    #: The pipeline call's guidance argument (``true_cfg_scale`` for real CFG).
+    guidance_kwarg: str = "guidance_scale"
+    #: Workflows of the family's checkpoints and the diffusers pipeline class serving each;
+    #: a checkpoint may override. A video family that declares none serves text to video.
+    workflows: tuple[tuple[Workflow, str], ...] = ()
+    #: diffusers ControlNet model classes this family's pipelines take.
+    controlnet_classes: tuple[str, ...] = ()
+    #: Pipeline classes whose call opens a cache context around the denoiser
+    #: (First-Block-Cache needs one); None when undeclared.
+    cache_context_pipelines: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class SpeedRules:
+    """What the speed levers may touch."""
+
+    #: Class names of the repeated blocks that regional compile targets.
+    compile_regions: tuple[str, ...] = ()
+    #: Blocks whose modulation and gated residuals run fused (``torch.addcmul``).
+    eager_fusions: tuple[FusionSite, ...] = ()
+    #: Optimisations denied to the family, each with its reason.
+    optimization_deny: tuple[OptimizationDeny, ...] = ()
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """What a call gives back, and the latent geometry that shapes it."""
+
+    #: ``images``, or ``frames`` (a clip, sized by ``video``).
+    output: OutputKind = "images"
+    #: A video family's lattice, fps and sizes; None for images.
+    video: VideoSpec | None = None
+    #: The VAE's compression and the denoiser's patch size.
+    geometry: LatentGeometry = LatentGeometry()
+    #: Image sides the denoiser takes are multiples of this (VAE stride x patch).
+    side_multiple: int = 16
+    #: Elements the VAE decoder holds live per output pixel at its peak; 0: unknown.
+    vae_decode_per_pixel: float = 0.0
