@@ -47,3 +47,24 @@ def test_the_pixart_plugin_is_told_what_its_api_0_fields_are_now() -> None:
     said = sorted(str(w.message).split(" is ")[0] for w in caught if issubclass(w.category, PluginDeprecationWarning))
     assert said == ["FamilySpec(compile_regions=...)", "FamilySpec(lora_targets=...)", "FamilySpec(quant_deny={...})",
                     "FamilySpec(training_dense_gb=...)"]
+
+
+def test_a_sana_plugin_declaring_what_the_engine_derives_is_told_so_once() -> None:
+    """Its ``side_multiple=32`` is its geometry's token side (32x DC-AE, 1x1 patches), which the
+    engine derives: one warning naming the row, listed under the plugin by ``families``; the
+    sides it renders at are the same either way."""
+    import importlib
+    import warnings
+
+    from engine.contract.plugins import DERIVED, load_registry
+
+    module = importlib.import_module("tests.plugins.sana_family")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        registry = load_registry(plugins=[("sana-plugin", module)], entry_points=False)
+    told = [str(w.message) for w in caught if "derives it from rendering.geometry" in str(w.message)]
+    assert told == [DERIVED["side_multiple"].message()]
+    info = next(p for p in registry.plugins if p.name == "sana-plugin")
+    assert told[0] in info.deprecations
+    sana = registry.family("sana")
+    assert sana.rendering.sides == 32 == sana.rendering.geometry.token_pixels

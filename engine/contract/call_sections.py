@@ -71,7 +71,20 @@ class Rendering:
     video: VideoSpec | None = None
     #: The VAE's compression and the denoiser's patch size.
     geometry: LatentGeometry = LatentGeometry()
-    #: Image sides the denoiser takes are multiples of this (VAE stride x patch).
-    side_multiple: int = 16
+    #: Image sides the denoiser takes are multiples of this; None: the geometry's token side
+    #: (VAE stride x patch), which the engine derives. Declare it only where the denoiser takes
+    #: another (a UNet that pads odd latent sides takes 8).
+    side_multiple: int | None = None
     #: Elements the VAE decoder holds live per output pixel at its peak; 0: unknown.
     vae_decode_per_pixel: float = 0.0
+
+    @property
+    def sides(self) -> int:
+        """The multiple image sides are taken at: the one declared, else the geometry's token side."""
+        return self.side_multiple or self.geometry.token_pixels
+
+    def derived_declarations(self) -> list[str]:
+        """What this section declares that the engine derives anyway (a plugin is told once)."""
+        if self.side_multiple is not None and self.side_multiple == self.geometry.token_pixels:
+            return ["side_multiple"]
+        return []

@@ -31,6 +31,8 @@ from engine.contract import hookspecs
 from engine.contract.registry import Registry as Registry
 from engine.errors import FamilyConflict, PluginError
 from engine.contract.plugin_api import PluginDeprecationWarning, declared_api, shape_refusal, version_refusal
+from engine.deprecation import deprecate
+from engine.deprecation import register as register_row
 from engine.contract.types import (
     FamilySpec,
     PluginInfo,
@@ -174,6 +176,12 @@ def _check_pending(loading: _Loading) -> None:
             loading.fail(name, package, exc)
 
 
+#: What a plugin may still declare that the engine now derives: rows of the register (a plugin told so).
+DERIVED = {"side_multiple": register_row(
+    "Rendering(side_multiple=N) equal to its geometry's token side", "no side_multiple (the engine derives it from "
+    "rendering.geometry: VAE stride x patch)", kind="plugin")}
+
+
 def _collect_families(loading: _Loading) -> tuple[dict[str, FamilySpec], dict[str, str]]:
     families: dict[str, FamilySpec] = {}
     owners: dict[str, str] = {}  # family name -> plugin name
@@ -196,6 +204,8 @@ def _collect_families(loading: _Loading) -> tuple[dict[str, FamilySpec], dict[st
                         f"uninstall one or block it with {BLOCK_ENV}"
                     )
             _check_runtime_module(spec, _pkg)
+            for field in spec.rendering.derived_declarations():
+                deprecate(DERIVED[field], stacklevel=3)  # told once per process, as every row's warning is
             for key in (spec.name, *spec.aliases):
                 claimed[key.lower().replace("-", "_")] = _owner
             owners[spec.name] = _owner

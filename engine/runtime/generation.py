@@ -180,7 +180,7 @@ class Generation:
             video = family.video_of(self.source.checkpoint)
             fitted = fit_inputs(
                 picture, request.mask_image, width=request.width, height=request.height,
-                multiple=video.size_multiple if video is not None else family.rendering.side_multiple, dtype=vae_dtype(pipe),
+                multiple=video.size_multiple if video is not None else family.rendering.sides, dtype=vae_dtype(pipe),
             )
             if control:
                 fitted = dataclasses.replace(fitted, control=True)

@@ -237,7 +237,7 @@ class SdcppSession:
         guidance = request.guidance if request.guidance is not None else checkpoint.default_guidance
         width = request.width or DEFAULT_SIDE_PX  # the diffusers pipelines' default too
         height = request.height or DEFAULT_SIDE_PX
-        multiple = family.rendering.side_multiple
+        multiple = family.rendering.sides
         if width % multiple or height % multiple:
             raise EngineError(f"width and height must be multiples of {multiple} for {family.label} "
                               f"(got {width}x{height})", code="invalid_request")

@@ -20,8 +20,8 @@ from engine.contract import types
 
 #: Every type a family author writes, in the order a table is read.
 CLASSES: tuple[type, ...] = (
-    types.FamilySpec, types.Checkpoint, types.ComponentSizes, types.QuantRules, types.QuantDeny,
-    types.OptimizationDeny, types.SingleFileLayout, types.LoraLayout, types.TrainingSpec, types.TrainingObjective,
+    types.FamilySpec, types.Checkpoint, types.ComponentSizes, types.PipelineLayout, types.SpeedRules,
+    types.Rendering, types.QuantRules, types.QuantDeny, types.OptimizationDeny, types.SingleFileLayout, types.LoraLayout, types.TrainingSpec, types.TrainingObjective,
     types.TrainingDefaults, types.TrainingMemoryFigures, types.ActivationFigures, types.LoraTargetShape,
     types.MemoryProbe, types.PrecisionRules, types.Capabilities, types.LatentGeometry, types.VideoSpec, types.VideoMemory,
 )
@@ -38,7 +38,9 @@ FALLBACK: dict[str, dict[str, str]] = {
         "checkpoints": "The published checkpoints, the default first (`Checkpoint`).",
         "sizes": "bf16 GB of the default checkpoint's parts (`ComponentSizes`).",
         "aliases": "Other names `--family` accepts.",
-        "optimization_deny": "Speed optimisations denied, each an `OptimizationDeny` with its measured reason.",
+        "pipeline": "How the pipeline is put together and called (`PipelineLayout`; plugin API 2).",
+        "speed": "What the speed levers may touch (`SpeedRules`; plugin API 2).",
+        "rendering": "What a call gives back and the geometry that shapes it (`Rendering`; plugin API 2).",
         "quantisation": "How the weights may be quantised and what each scheme costs (`QuantRules`).",
         "single_file": "What a single weights file of the family holds (`SingleFileLayout`).",
         "lora": "Which modules a LoRA adapts and how its keys are spelled (`LoraLayout`).",

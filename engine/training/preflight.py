@@ -225,7 +225,7 @@ def _planned(
 def _side_multiple(family: FamilySpec, base: ModelSource) -> int:
     """Bucket sides: a video checkpoint's own multiple (TI2V-5B's 16x VAE x patch 2 = 32) where larger."""
     spec = video_spec_of(family, base.checkpoint)
-    return max(family.rendering.side_multiple, spec.size_multiple if spec is not None else 1)
+    return max(family.rendering.sides, spec.size_multiple if spec is not None else 1)
 
 
 def _resolved(registry: Registry, config: TrainingConfig) -> ModelSource | None:

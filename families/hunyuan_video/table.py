@@ -72,7 +72,6 @@ HUNYUAN_VIDEO = FamilySpec(
         output="frames",
         video=_480P,
         geometry=LatentGeometry(spatial_compression=16, patch_size=1, temporal_compression=4, latent_channels=32),
-        side_multiple=16,
     ),
     pipeline=PipelineLayout(
         workflows=(("txt2img", "HunyuanVideo15Pipeline"),),

@@ -200,7 +200,6 @@ WAN = FamilySpec(
         video=_WAN21_480P,
         # Wan 2.1's VAE: 8x spatial, 4x temporal, 16 channels; the DiT patchifies (1, 2, 2).
         geometry=LatentGeometry(spatial_compression=8, patch_size=2, temporal_compression=4, latent_channels=16),
-        side_multiple=16,
     ),
     pipeline=PipelineLayout(
         workflows=(("txt2img", "WanPipeline"),),
