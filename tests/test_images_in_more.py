@@ -35,8 +35,10 @@ def test_flux_controlnet_generates_from_a_canny_map(tiny_pipeline: Callable[[str
     try:
         options = {"steps": 2, "seed": 1, "width": 64, "height": 64}  # the smallest side a request takes
         [plain] = engine.images.generate("a box", **options)
-        [guided] = engine.images.generate("a box", control_image=box(), control_scale=1.0, **options)
-        [moved] = engine.images.generate("a box", control_image=box(corner=(0, 0, 24, 24)), control_scale=1.0, **options)
+        # A square map for a square request (a 64x48 map would be fitted within the box: 64x48 out).
+        [guided] = engine.images.generate("a box", control_image=box().resize((64, 64)), control_scale=1.0, **options)
+        [moved] = engine.images.generate("a box", control_image=box(corner=(0, 0, 24, 24)).resize((64, 64)),
+                                         control_scale=1.0, **options)
         status = engine.status()
     finally:
         engine.images.unload()
