@@ -24,7 +24,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # The worked third-party family is installed too, as a plugin author's package
-# would be: the suite runs its contract kit (tests/test_contract_kit.py).
+# would be: the suite runs its contract kit (tests/contract/test_contract_kit.py).
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt examples/diffusion-engine-sd3/pyproject.toml
 	$(PIP) $(FIND_LINKS) -e '.[test,cpu,ray]'
 	$(PIP) -e ./examples/diffusion-engine-sd3

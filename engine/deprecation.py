@@ -16,7 +16,7 @@ method), and :func:`deprecate` is the one way any of them warns, as diffusers'
 :class:`PluginDeprecationWarning` for a plugin's). Once the package's own version reaches a
 row's release, :func:`deprecate` raises :class:`ShimExpired` instead, so the release that
 forgot to delete it fails. ``python -m engine.deprecation`` renders the register into
-docs/migration.md; ``tests/test_deprecation.py`` checks that no warning of an old
+docs/migration.md; ``tests/house/test_deprecation.py`` checks that no warning of an old
 spelling is given outside it.
 """
 

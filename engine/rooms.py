@@ -1,6 +1,6 @@
 """The rooms of the engine, what each holds, and the arrows allowed between them: the one map.
 
-Imports go down, never up. ``tests/test_layers.py`` maps every ``import engine...`` in
+Imports go down, never up. ``tests/house/test_layers.py`` maps every ``import engine...`` in
 ``engine/`` to its room with this table and fails on an arrow it does not allow;
 ``docs/architecture.md``'s room table is rendered from it (``python -m engine.rooms``),
 and a test compares the page with a fresh render, so the map cannot drift from the code.

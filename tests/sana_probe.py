@@ -3,7 +3,7 @@
 
 Not a served family (no pipeline, no checkpoints to load): the table the training-memory
 tool needs (``SanaTransformer2DModel`` at Sana 1.6B's real widths, reduced depths) and the
-runtime ``predict`` it calls, so tests/test_geometry.py derives its figures and checks the
+runtime ``predict`` it calls, so tests/policy/test_geometry.py derives its figures and checks the
 dry-run estimate against a measured LoRA step.
 """
 

@@ -217,3 +217,121 @@ def table_plan(family: str, hw: str | HardwareProfile, checkpoint: str | None = 
     facts = ModelFacts(spec, chosen, registry.component_sizes(spec, chosen), gguf_transformer_gb=gguf_gb)
     return plan_inference(registry, facts, hardware, InferenceRequest(**request),  # type: ignore[arg-type]
                           env={} if env is None else env)
+
+
+# -- files a test plants: a cut download, a linked copy, a dataset with a link out ---------------
+
+
+def truncated_pipeline(pipeline: Path, target: Path, component: str) -> Path:
+    """A copy of ``pipeline`` whose ``component`` safetensors stop just after their
+    header (a download cut short); the other components are symlinks to the originals."""
+    import shutil
+
+    target.mkdir(parents=True)
+    for entry in pipeline.iterdir():
+        if entry.is_dir() and entry.name != component:
+            (target / entry.name).symlink_to(entry)
+        elif entry.is_file():
+            shutil.copy(entry, target / entry.name)
+    (target / component).mkdir()
+    for entry in (pipeline / component).iterdir():
+        data = entry.read_bytes()
+        if entry.suffix == ".safetensors":
+            data = data[: 8 + int.from_bytes(data[:8], "little") + 64]
+        (target / component / entry.name).write_bytes(data)
+    return target
+
+
+def linked_pipeline(pipeline: Path, target: Path) -> Path:
+    """``pipeline`` under another name: its files copied, its component folders linked."""
+    import shutil
+
+    target.mkdir(parents=True)
+    for entry in pipeline.iterdir():
+        if entry.is_dir():
+            (target / entry.name).symlink_to(entry)
+        else:
+            shutil.copy(entry, target / entry.name)
+    return target
+
+
+def escaping_dataset(folder: Path, secret: Path, link: str) -> Path:
+    """A good dataset plus one symlink, ``link``, that leads to ``secret`` outside it."""
+    from engine.testing.datasets import write_dataset
+
+    write_dataset(folder, count=2)
+    if (folder / link).exists():
+        (folder / link).unlink()
+    (folder / link).symlink_to(secret)
+    return folder
+
+
+class Planted:
+    """Unpickling this runs a shell command that leaves ``marker`` behind."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def real_state() -> dict[str, object]:
+    """The state the trainer writes, from a real optimizer step, scheduler and RNGs."""
+    import torch
+    from diffusers.optimization import get_scheduler
+
+    weight = torch.nn.Parameter(torch.randn(2, 3))  # rank 2, as the runs that use it
+    optimizer = torch.optim.AdamW([weight], lr=1e-3)
+    weight.sum().backward()
+    optimizer.step()
+    schedule = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=2, num_training_steps=10)
+    schedule.step()
+    generator = torch.Generator().manual_seed(3)
+    return {
+        "trainable": {"block.lora_A.weight": weight.detach().clone()},
+        "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(),
+        "torch_rng": torch.get_rng_state(), "cuda_rng": None, "generator": generator.get_state(),
+        "order": [[1, 0], [2]], "scaler": {}, "ema": {"decay": 0.5, "shadow": [weight.detach().float()]},
+        "step": 7,
+    }
+
+
+# -- a tiny pipeline's session, driven directly; a run's CLI flags and losses ----------------------
+
+#: The size :func:`pixels` draws at: non-square on purpose.
+SIZE = {"width": 64, "height": 48}
+#: A tiny training run's flags: 64 px, rank 2, on the CPU.
+TINY = ("--resolution", "64", "--rank", "2", "--device", "cpu")
+
+
+def session_for(model: Path, request: Any = None, *, base: Path | None = None, **options: object) -> Any:
+    """The runtime session for ``model`` planned on this machine (the light probe), not loaded."""
+    from engine.contract.plugins import load_registry
+    from engine.hardware.probe import probe
+    from engine.policy.inference import plan_inference
+    from engine.preflight.model import resolve_model
+    from engine.requests.inference import InferenceRequest
+    from engine.runtime.session import InferenceSession
+
+    if not _REGISTRY:
+        _REGISTRY.append(load_registry())
+    registry, request = _REGISTRY[0], request or InferenceRequest()
+    source = resolve_model(registry, model, base=base)
+    plan = plan_inference(registry, source.facts(registry), probe(verify=False), request)
+    return InferenceSession(registry, source, plan, request, **options)  # type: ignore[arg-type]
+
+
+def pixels(session: Any, seed: int = 0, steps: int = 2, **kwargs: object) -> Any:
+    """One image of a lighthouse from ``session`` at :data:`SIZE`, as an array."""
+    import numpy as np
+
+    from engine.runtime.generation import GenerateRequest
+
+    [image] = session.generate(GenerateRequest("a lighthouse at dusk", steps=steps, seed=seed, **{**SIZE, **kwargs}))  # type: ignore[arg-type]
+    return np.asarray(image)
+
+
+def losses(record: dict[str, object]) -> list[list[float]]:
+    """A run record's loss per step, as its metrics keep them."""
+    return record["metrics"]["loss"]  # type: ignore[index, return-value]

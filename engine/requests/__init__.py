@@ -13,7 +13,7 @@
 - :mod:`engine.requests.machine`: the machine a request is decided for.
 
 A leaf over the plugin contract: it imports no policy, preflight, runtime or
-trainer module (``tests/test_layers.py``); those import their records from here.
+trainer module (``tests/house/test_layers.py``); those import their records from here.
 
 The CLI and the HTTP server import the engine only through this package,
 :mod:`engine.errors` and the facade (:class:`engine.Engine`), so one request

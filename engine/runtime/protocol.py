@@ -5,7 +5,7 @@ and stable-diffusion.cpp (:class:`~engine.runtime.sdcpp.SdcppSession`). The faca
 either, routes to it (:mod:`engine.runtime.engines`) and types against this protocol only,
 so a third runtime (a video pipeline, another CPU engine) is one more class with these
 members, and a member one runtime lacks is a type error rather than an ``AttributeError``
-in a server at run time. ``tests/test_session_protocol.py`` checks both classes against it.
+in a server at run time. ``tests/runtime/test_session_protocol.py`` checks both classes against it.
 
 Torch-free: the request and image types are named for type checkers only.
 """

@@ -182,7 +182,7 @@ def keep_serve_grpc_local() -> None:
     Ray Serve binds that server to ``[::]:0`` (every interface) whatever the node
     address is; each replica calls this from its ``__init__``, which Ray Serve runs
     before it starts that server. Where Ray Serve changes and the name is gone,
-    nothing is patched (``tests/test_replicas.py`` reads the listening sockets)."""
+    nothing is patched (``tests/faces/test_replicas.py`` reads the listening sockets)."""
     if os.environ.get(RAY_LOCAL_ONLY_ENV) != "0":
         return
     from ray.serve._private import replica

@@ -1,4 +1,4 @@
-"""The engine's type check, as ``make test`` runs it (``tests/test_types.py``).
+"""The engine's type check, as ``make test`` runs it (``tests/house/test_types.py``).
 
 Two mypy runs, each cold in seconds (torch and the other heavy libraries are
 read as Any, so the engine's own types are checked, not theirs):

@@ -1,5 +1,5 @@
 """FLUX.2: the built-in family passes the contract kit on klein and on dev (each tiny pipeline
-runs through the engine: the images equal plain diffusers' in tests/test_stock_diffusers.py),
+runs through the engine: the images equal plain diffusers' in tests/runtime/test_stock_diffusers.py),
 and FLUX.2 dev's plan on the cards people run it on says what fits and why."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ class TestQwenImageContract(FamilyContract):
 class TestQwenImageEdit2511Contract(FamilyContract):
     """The multi-image Edit-2511 (QwenImageEditPlusPipeline, its processor) runs the kit on its own
     tiny pipeline: text-to-image through the base pipeline over its weights, a LoRA trained and
-    reloaded (its two-image edit equals plain diffusers' in tests/test_multi_image_edit.py)."""
+    reloaded (its two-image edit equals plain diffusers' in tests/runtime/test_multi_image_edit.py)."""
 
     family_name = "qwen_image"
     checkpoint_name = "qwen-image-edit-2511"
