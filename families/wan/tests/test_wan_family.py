@@ -76,3 +76,28 @@ def test_two_experts_render_and_each_denoises(tmp_path: Path, engine_registry: R
         weight = getattr(pipe, name).blocks[0].attn1.to_q.weight
         assert isinstance(weight, TorchAOBaseTensor), f"{name} was not quantised"
     engine.images.unload()
+
+
+# -- the safeguards in the table, each with a test that fails when its entry goes ------------------
+
+
+def test_the_wan_vae_decodes_in_fp32_whatever_the_compute_dtype() -> None:
+    """``precision.keep_fp32``: bf16 decodes give banding and black frames."""
+    from tests.support import table_plan
+
+    for hardware in ("rtx4090", "h100", "a100-40g"):
+        plan = table_plan("wan", hardware, "wan2.2-ti2v-5b")
+        assert plan.value("vae_dtype") == "fp32", (hardware, plan["vae_dtype"].reason)
+        assert "banding" in plan["vae_dtype"].reason
+
+
+def test_wan_refuses_fp16_compute_naming_why() -> None:
+    """``precision.fp16_unsafe``: Wan's DiT is bf16-native; fp16 activations overflow."""
+    import pytest
+
+    from engine.errors import PreflightError
+    from tests.support import table_plan
+
+    with pytest.raises(PreflightError) as refused:
+        table_plan("wan", "rtx4090", "wan2.2-ti2v-5b", dtype="fp16")
+    assert refused.value.code == "fp16_unsafe" and "overflow" in refused.value.message
