@@ -22,7 +22,7 @@ from typing import Any
 
 from engine.cli.common import download_allowed
 from engine.cli.machine import machine_request
-from engine.cli.requests import CONTROL_FLAGS, generate_body, output_paths, plan_controls
+from engine.cli.requests import CONTROL_FLAGS, generate_body, output_paths, plan_body, plan_controls
 from engine.cli.started import PROCESS_STARTED
 from engine.errors import EngineError
 
@@ -39,7 +39,7 @@ class Strict(EngineError):
 def cmd_plan(args: argparse.Namespace) -> int:
     from engine import Engine
 
-    controls = plan_controls(args)
+    controls = plan_body(args)  # the controls and the request's shape (--width --height --count --frames)
     if args.model is None and args.family is None:
         raise EngineError("plan needs a model (--model NAME|PATH) or a family's table (--family F)",
                           code="invalid_request")

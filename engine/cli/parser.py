@@ -73,6 +73,8 @@ def _add_plan(commands: Commands) -> None:
     plan = commands.add_parser("plan", help="every inference control, decided with its reason")
     _add_model_args(plan, tiny=False)
     _add_plan_args(plan, steps=True)
+    add_controls(plan.add_argument_group("the request's shape (the plan is made for it)"),
+                 [c for c in GENERATE_CONTROLS if c.field in SHAPE_FIELDS])
     _add_machine_args(plan)
     plan.add_argument("--strict", action="store_true", help=STRICT_HELP)
     _common(plan)
@@ -194,6 +196,9 @@ def _add_doctor(commands: Commands) -> None:
     doctor.set_defaults(run=machine.cmd_doctor)
 
 
+
+#: The generate flags that shape a plan: ``plan`` takes them too (one row, one spelling).
+SHAPE_FIELDS = ("width", "height", "count", "frames")
 
 #: The flags earlier releases spelled differently: rows of the register (engine.deprecation).
 RENAMED_FLAGS = {old: register(old, new, kind="flag") for old, new in (

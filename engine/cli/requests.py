@@ -23,6 +23,7 @@ from engine.requests import (
     FIELD_FLAGS,
     GENERATE_CONTROLS,
     PLAN_CONTROLS,
+    PlanBody,
     PLAN_KEY_FLAGS,
     GenerateBody,
     PlanControls,
@@ -61,6 +62,15 @@ def plan_controls(args: argparse.Namespace) -> Any:
     """The :class:`~engine.requests.PlanControls` the flags ask for."""
     given = {c.field: getattr(args, c.field) for c in PLAN_CONTROLS if getattr(args, c.field, None) is not None}
     return validated(PlanControls, given)
+
+
+def plan_body(args: argparse.Namespace) -> Any:
+    """``plan``'s request: its controls and the shape it plans for (``--width --height --count
+    --frames``), validated as ``POST /v1/images/plan`` validates its body."""
+    fields = ("width", "height", "count", "frames")
+    given = {c.field: getattr(args, c.field) for c in PLAN_CONTROLS if getattr(args, c.field, None) is not None}
+    given.update({name: getattr(args, name) for name in fields if getattr(args, name, None) is not None})
+    return validated(PlanBody, given)
 
 
 def generate_body(args: argparse.Namespace, seed: int) -> GenerateBody:

@@ -128,8 +128,25 @@ PlanControls = create_model(  # type: ignore[call-overload]
 PlanControls.__doc__ = _PlanControlsBase.__doc__
 
 
-class PlanBody(PlanControls):
-    """A plan for a model (path or hub id), or for a family's table."""
+class _Shaped(PlanControls):
+    """Plan controls and the request's shape the plan is made for: a plan for 121 frames is
+    not the plan for 33 (the activations, the tiled decode and the dtype fit all grow)."""
+
+    width: Side | None = None
+    height: Side | None = None
+    count: Count = 1
+    #: A video model's clip length (None: the checkpoint's default clip).
+    frames: Annotated[int, Field(ge=1, le=MAX_FRAMES)] | None = None
+
+    def request(self) -> InferenceRequest:
+        import dataclasses
+
+        return dataclasses.replace(super().request(), width=self.width, height=self.height, count=self.count,
+                                   frames=self.frames)
+
+
+class PlanBody(_Shaped):
+    """A plan for a model (path or hub id), or for a family's table, at the request's shape."""
 
     model: PathText | None = None
     family: Name | None = None
@@ -139,7 +156,9 @@ class PlanBody(PlanControls):
     controlnet: PathText | None = None
 
 
-class LoadBody(PlanControls):
+class LoadBody(_Shaped):
+    """A load, planned at the shape its generates will ask (a video model's clip length)."""
+
     model: PathText
     family: Name | None = None
     base: PathText | None = None
