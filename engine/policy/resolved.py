@@ -59,14 +59,21 @@ class Resolved(Generic[T]):
         return dataclasses.replace(self, requested=requested)
 
     def to_dict(self) -> dict[str, object]:
+        """JSON-ready: a value that is a record of its own (an expert choice) is its dict."""
         return {
-            "value": self.value,
+            "value": _plain(self.value),
             "source": self.source,
             "reason": self.reason,
-            "requested": self.asked,
+            "requested": _plain(self.asked),
             "status": self.outcome,
             "overridden": self.overridden,
         }
+
+
+def _plain(value: object) -> object:
+    """A value as JSON holds it: a record of its own (``to_dict``) as its dict."""
+    to_dict = getattr(value, "to_dict", None)
+    return to_dict() if callable(to_dict) else value
 
 
 def derive_status(requested: object, value: object) -> str:

@@ -24,7 +24,8 @@ def write_clip(path: Path, frames: int = 9, size: tuple[int, int] = (64, 64), fp
     import av
 
     width, height = size
-    with av.open(str(path), mode="w", format="mp4") as container:
+    container_format = "avi" if Path(path).suffix.lower() == ".avi" else "mp4"  # an .avi clip, as cameras write
+    with av.open(str(path), mode="w", format=container_format) as container:
         stream = container.add_stream("libx264", rate=Fraction(fps))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if rotation is not None:

@@ -151,3 +151,17 @@ def test_an_image_beside_clips_is_a_one_frame_example(tmp_path: Path) -> None:
     kinds = {item.relative: item.is_clip for item in report.items}
     assert kinds == {"a.mp4": True, "image_000.png": False}
     assert report.to_dict()["clips"] == 1 and report.to_dict()["images"] == 1
+
+
+def test_an_avi_clip_is_read_as_the_earlier_system_read_it(tmp_path: Path) -> None:
+    """A camera's ``.avi`` is a clip like an ``.mp4``: found in a dataset folder, probed, windowed."""
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    write_clip(folder / "walk.avi", frames=17, fps=16)
+    (folder / "walk.txt").write_text("a walk")
+    info = probe_clip(folder / "walk.avi", BIG, ClipWindow(9, 16))
+    assert info.size == (64, 64) and info.window_frames == 9
+    assert len(read_window(folder / "walk.avi", ClipWindow(9, 16))) == 9
+    found = discover_dataset(folder)
+    assert [(item.relative, item.caption, item.clip is not None) for item in found.items] == [("walk.avi", "a walk", True)]
+    assert not found.skipped

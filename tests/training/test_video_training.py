@@ -328,3 +328,17 @@ def test_an_int8_base_trains_a_clip_lora_on_the_cpu(tiny_pipeline: Callable[[str
     [started] = [e for e in events if e["type"] == "started"]
     assert started["quantised_layers"] > 0  # type: ignore[operator]
     assert any(v.abs().sum() > 0 for k, v in load_file(end["outputs"]["lora"]).items() if "lora_B" in k)  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_a_one_expert_dry_run_answers_json(clips: Path, tmp_path: Path, cli_json: Callable[..., object]) -> None:
+    """``train --expert low --dry-run --json``: every resolved value JSON holds (the expert choice
+    as its dict, asked and decided), not a crash on a record it cannot serialise."""
+    from families.wan.tiny import build_tiny_two_experts
+
+    base = build_tiny_two_experts(tmp_path / "a14b")
+    plan = cli_json("train", "--base", str(base), "--data", str(clips), "--expert", "low", "--dry-run",
+                    "--device", "cpu", "--resolution", str(SIZE), "--frames", str(FRAMES), "--steps", "1",
+                    "--runs-dir", str(tmp_path / "runs"))
+    expert = plan["plan"]["expert"]  # type: ignore[index]
+    assert expert["value"]["components"] == ["transformer_2"] and expert["requested"]["expert"] == "low"
