@@ -325,8 +325,9 @@ def cmd_tiny(args: argparse.Namespace) -> int:
         print(f"wrote tiny {family['label']} files for stable-diffusion.cpp: {written}, with its companions beside it")
     else:
         print(f"wrote a tiny {family['label']} pipeline to {written}")
+        what = "--frames 9 -o fox.mp4" if family.get("output") == "frames" else "-o fox.png"  # a clip, or an image
         print(f"  try: diffusion-engine generate --model {written} --prompt 'a fox' "
-              "--width 64 --height 64 --steps 4 -o fox.png")
+              f"--width 64 --height 64 --steps 4 {what}")
     return 0
 
 

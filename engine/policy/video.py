@@ -48,8 +48,8 @@ def video_spec(family: FamilySpec, checkpoint: Checkpoint | None) -> VideoSpec:
     """The checkpoint's clip rules; a family without any is refused (it renders images)."""
     spec = family.video_of(checkpoint)
     if spec is None or family.rendering.output != "frames":
-        raise EngineError(f"{family.label} renders images, not video; generate images with it "
-                          "(engine.images, no --frames)", code="wrong_output")
+        raise EngineError(f"{family.label} renders images, not video; generate images with it: drop frames "
+                          "and fps (--frames / --fps at the terminal)", code="wrong_output")
     return spec
 
 
@@ -58,10 +58,11 @@ def check_output(family: FamilySpec, output: str) -> None:
     if family.rendering.output == output:
         return
     if family.rendering.output == "frames":
-        raise EngineError(f"{family.label} renders video; generate with engine.videos.generate "
-                          "(the CLI writes an .mp4 with -o clip.mp4; POST /v1/videos)", code="wrong_output")
-    raise EngineError(f"{family.label} renders images, not video; generate with engine.images.generate "
-                      "(drop --frames / --fps)", code="wrong_output")
+        raise EngineError(f"{family.label} renders video: ask for a clip (POST /v1/videos, engine.videos."
+                          "generate, or an .mp4 output at the terminal: -o clip.mp4)", code="wrong_output")
+    raise EngineError(f"{family.label} renders images, not video: drop frames and fps (--frames / --fps at "
+                      "the terminal), or ask for images (POST /v1/images/generations, engine.images.generate)",
+                      code="wrong_output")
 
 
 def presets_text(spec: VideoSpec) -> str:
@@ -115,8 +116,11 @@ class SnappedFrames:
         return self.frames != self.asked_frames
 
     def note(self) -> str:
-        return (f"{self.asked_frames:g} frames at {self.fps} fps snapped to {self.frames} "
-                "(the frame lattice and range)" if self.snapped else "")
+        """What the seconds became: the frames at the fps, and where the lattice moved them."""
+        if self.snapped:
+            return (f"{self.asked_frames:g} frames at {self.fps} fps snapped to {self.frames} "
+                    "(the frame lattice and range)")
+        return f"{self.frames} frames at {self.fps} fps (on the frame lattice as asked)"
 
 
 def frames_for_seconds(family: FamilySpec, checkpoint: Checkpoint | None, seconds: float,

@@ -43,6 +43,7 @@ class Catalog:
                 "name": family.name, "label": family.label, "aliases": list(family.aliases),
                 "package": owner.package if owner else "?", "version": owner.version if owner else "",
                 "plugin": owner.name if owner else "?", "checkpoints": [c.name for c in family.checkpoints],
+                "output": family.rendering.output,  # images, or frames: a clip (what a face suggests writing)
             })
         return rows
 

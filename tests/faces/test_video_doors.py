@@ -1,0 +1,58 @@
+"""The small edges a first clip meets, at the door where each was found."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+
+
+def test_a_png_asked_of_a_video_model_is_refused_not_an_mp4_named_png(
+    tiny_pipeline: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "clip.png"
+    status = main(["generate", "--model", str(tiny_pipeline("wan")), "--prompt", "a fox", "--frames", "9",
+                   "--steps", "1", "-o", str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and "error[wrong_output]" in err and "-o clip.mp4" in err
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_tiny_save_of_a_video_family_suggests_a_clip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tiny", "save", "wan", str(tmp_path / "wan")]) == 0
+    hint = capsys.readouterr().out.splitlines()[-1]
+    assert "--frames 9 -o fox.mp4" in hint and "fox.png" not in hint
+    assert main(["tiny", "save", "sdxl", str(tmp_path / "sdxl")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("-o fox.png")
+
+
+def test_an_http_refusal_gives_the_requests_own_advice_not_only_flags() -> None:
+    """The wrong door's refusal names the fields and the routes (a client has no --frames)."""
+    from engine.contract.plugins import load_registry
+    from engine.errors import EngineError
+    from engine.policy.video import check_output
+
+    registry = load_registry()
+    with pytest.raises(EngineError) as images:
+        check_output(registry.family("sdxl"), "frames")
+    with pytest.raises(EngineError) as video:
+        check_output(registry.family("wan"), "images")
+    assert "drop frames and fps" in images.value.message and "POST /v1/images/generations" in images.value.message
+    assert "POST /v1/videos" in video.value.message
+
+
+def test_seconds_that_land_on_the_lattice_still_say_what_they_became() -> None:
+    """4 s at Wan TI2V's 24 fps is exactly 97 frames: the video object's ``snapped`` says so
+    (it was null, leaving a client to guess how 4 s was rendered)."""
+    from engine.contract.plugins import load_registry
+    from engine.policy.video import frames_for_seconds
+
+    wan = load_registry().family("wan")
+    exact = frames_for_seconds(wan, wan.checkpoint("wan2.2-ti2v-5b"), 4.0)
+    assert (exact.frames, exact.snapped) == (97, False) and exact.note() == "97 frames at 24 fps (on the frame lattice as asked)"
+    moved = frames_for_seconds(wan, wan.checkpoint("wan2.2-ti2v-5b"), 4.1)
+    assert moved.snapped and "snapped to" in moved.note()
