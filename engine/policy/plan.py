@@ -60,6 +60,8 @@ class ModelDefaults:
     width: int | None = None
     height: int | None = None
     steps: int | None = None
+    #: A video model's own clip length (a tiny pipeline's few frames, not its checkpoint's 121).
+    frames: int | None = None
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ class TorchPlanner:
             resolve_text_encoder_quant, family, hardware, request.text_encoder_quant,
             encoders_gb=model.sizes.text_encoders_gb, precast=model.precast_encoders,
         )
-        self.shape = request_shape(family, model.checkpoint, request, own_size(model.defaults))
+        self.shape = request_shape(family, model.checkpoint, request, own_size(model.defaults), model.defaults.frames)
         #: The scheme and name of the transformer as given (the fallback's).
         self.base_quant = model.prequantised_scheme
         self.base_name = "GGUF" if model.gguf_transformer_gb is not None else "dense"

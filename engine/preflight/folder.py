@@ -112,18 +112,18 @@ DEFAULTS_FILE = "diffusion_engine.json"
 
 
 def own_defaults(folder: Path) -> ModelDefaults:
-    """The folder's own ``{"defaults": {"width", "height", "steps"}}`` (a tiny pipeline's 64 px
-    and 4 steps), so a request that names no size, such as OpenAI's ``size="auto"``, gets
+    """The folder's own ``{"defaults": {"width", "height", "steps", "frames"}}`` (a tiny pipeline's
+    64 px, 4 steps and a short clip), so a request that names no size, such as OpenAI's ``size="auto"``, gets
     the model's own; a missing file is the table's defaults, a malformed one refused."""
     path = folder / DEFAULTS_FILE
     if not path.is_file():
         return ModelDefaults()
     given = read_json(path).get("defaults", {})
-    fields = ("width", "height", "steps")
+    fields = ("width", "height", "steps", "frames")
     if not isinstance(given, dict) or any(
         not isinstance(given.get(k, 1), int) or isinstance(given.get(k), bool) or given.get(k, 1) < 1 for k in fields
     ):
-        raise NotAPipeline(f"{path}: defaults must map width, height and steps to positive whole numbers",
+        raise NotAPipeline(f"{path}: defaults must map width, height, steps and frames to positive whole numbers",
                            code="corrupt_checkpoint")
     return ModelDefaults(**{k: given[k] for k in fields if k in given})
 

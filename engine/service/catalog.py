@@ -128,8 +128,10 @@ class Catalog:
         spec = self._registry.family(family)
         if not sdcpp:
             built = Path(self._registry.build_tiny_pipeline(spec, _new_folder(Path(folder))))
-            # Its own size and steps: a request that names none (OpenAI's size="auto") stays tiny.
-            (built / DEFAULTS_FILE).write_text(json.dumps({"defaults": TINY_DEFAULTS}) + "\n", encoding="utf-8")
+            # Its own size, steps and clip: a request that names none (OpenAI's size="auto", a
+            # videos.create with a prompt alone) stays tiny.
+            defaults = {**TINY_DEFAULTS, **_tiny_clip(spec)}
+            (built / DEFAULTS_FILE).write_text(json.dumps({"defaults": defaults}) + "\n", encoding="utf-8")
             return built
         if not spec.sdcpp.tiny_files:
             raise EngineError(f"{spec.label} has no tiny stable-diffusion.cpp files (its table's "
@@ -156,3 +158,11 @@ def _new_folder(folder: Path) -> Path:
         raise EngineError(f"{folder} already exists and is not an empty folder; give a new folder",
                           code="output_exists")
     return folder
+
+
+def _tiny_clip(spec: FamilySpec) -> dict[str, int]:
+    """A video family's tiny default clip: the shortest clip of more than one frame on its lattice."""
+    video = spec.video_of(None) if spec.rendering.output == "frames" else None
+    if video is None:
+        return {}
+    return {"frames": next(n for n in range(2, video.max_frames + 1) if video.in_range(n))}

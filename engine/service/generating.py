@@ -178,13 +178,16 @@ def _check_clip_request(body: GenerateBody) -> None:
 
 def _clip(source: ModelSource, body: GenerateBody, seconds: float | None) -> tuple[VideoShape, str]:
     """The clip ``body`` renders on ``source``'s checkpoint (``seconds`` snapped onto frames when
-    it gives none), and the snap's note."""
-    family, checkpoint = source.family, source.checkpoint
+    it gives none; what it leaves out, the model's own where its folder says: a tiny pipeline's
+    short clip, never its checkpoint's 121 frames), and the snap's note."""
+    family, checkpoint, own = source.family, source.checkpoint, source.defaults
     frames, note = body.frames, ""
     if frames is None and seconds is not None:
         snapped = frames_for_seconds(family, checkpoint, seconds, body.fps)
         frames, note = snapped.frames, snapped.note()
-    shape = video_shape(family, checkpoint, frames=frames, width=body.width, height=body.height, fps=body.fps)
+    sized = body.width is not None or body.height is not None
+    shape = video_shape(family, checkpoint, frames=frames or own.frames, fps=body.fps,  # the model's own clip first
+                        width=body.width if sized else own.width, height=body.height if sized else own.height)
     return shape, note
 
 

@@ -56,3 +56,23 @@ def test_seconds_that_land_on_the_lattice_still_say_what_they_became() -> None:
     assert (exact.frames, exact.snapped) == (97, False) and exact.note() == "97 frames at 24 fps (on the frame lattice as asked)"
     moved = frames_for_seconds(wan, wan.checkpoint("wan2.2-ti2v-5b"), 4.1)
     assert moved.snapped and "snapped to" in moved.note()
+
+
+@pytest.mark.slow
+def test_a_tiny_video_model_renders_a_tiny_clip_when_the_request_is_silent(
+    tmp_path: Path, cli_json: Callable[..., object],
+) -> None:
+    """``tiny save wan`` then a generate with no frames and no size: the model's own short clip at
+    64 px (was its checkpoint's 121 frames of 1280x704), from the CLI and from Python alike."""
+    from engine import Engine
+    from engine.requests import GenerateBody
+
+    assert main(["tiny", "save", "wan", str(tmp_path / "wan")]) == 0
+    report = cli_json("generate", "--model", str(tmp_path / "wan"), "--prompt", "a fox", "--steps", "1",
+                      "-o", str(tmp_path / "clip.mp4"))
+    assert (report["frames"], report["width"], report["height"]) == (5, 64, 64)  # type: ignore[index]
+    with Engine() as engine:
+        ticket = engine.videos.check_generate(GenerateBody(prompt="a fox", model=str(tmp_path / "wan")))
+        assert ticket.shape is not None and (ticket.shape.frames, ticket.shape.width) == (5, 64)
+        assert ticket.plan.to_dict()["estimate"] == engine.images.plan(
+            str(tmp_path / "wan")).to_dict()["estimate"]  # planned for its own clip too
