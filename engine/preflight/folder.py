@@ -18,6 +18,7 @@ from engine.errors import PreflightError
 from engine.contract.plugins import Registry
 from engine.policy.encoders import precast_encoders
 from engine.policy.plan import ModelDefaults
+from engine.preflight.folder_checkpoint import checkpoint_by_files, folder_layout
 from engine.preflight.headers import measured_sizes, sizes_by_scheme, tensor_storage
 from engine.preflight.quantised_folder import StoredMarker, judge_stored
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline
@@ -83,7 +84,8 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
         "pipeline",
         str(folder),
         spec,
-        spec.checkpoint_of_folder(folder.name, class_name),
+        checkpoint_by_files(spec, spec.checkpoint_of_folder(folder.name, class_name), class_name,
+                            folder_layout(folder, spec, components), folder.name),
         measured_sizes=sizes,
         scheme_gb=(sizes_by_scheme(denoiser_shapes, spec.quantisation.int8_dense_modules)
                    if denoiser_shapes and not quantised else None),

@@ -189,6 +189,9 @@ class GenerateBody(Body):
     negative_prompt: Prompt | None = None
     steps: Steps | None = None
     guidance: Guidance | None = None
+    #: A two-expert video model's guidance for its low-noise expert (the pipeline's
+    #: ``guidance_scale_2``); omitted: the checkpoint's. Refused for a model with one denoiser.
+    guidance_2: Guidance | None = None
     width: Side | None = None
     height: Side | None = None
     seed: Seed = 0

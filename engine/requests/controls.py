@@ -138,6 +138,8 @@ MODEL_CONTROLS: tuple[Control, ...] = (
 GENERATE_CONTROLS: tuple[Control, ...] = (
     Control("negative_prompt", "--negative-prompt", "what not to draw (families that take one)", GENERATE),
     Control("guidance", "--guidance", "guidance scale (default: the checkpoint's)", GENERATE, type=float),
+    Control("guidance_2", "--guidance-2", "a two-expert video model's low-noise guidance (the pipeline's "
+            "guidance_scale_2; default: the checkpoint's)", GENERATE, type=float, group="video"),
     Control("width", "--width", "pixels, a multiple of 16 (default: the pipeline's; 64 with --tiny)",
             GENERATE, type=int),
     Control("height", "--height", "pixels, a multiple of 16 (default: the pipeline's; 64 with --tiny)",

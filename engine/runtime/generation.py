@@ -129,6 +129,8 @@ class GenerateRequest:
     #: the fps the clip is stamped with (None: the checkpoint's). Images: both None.
     frames: int | None = None
     fps: int | None = None
+    #: A two-expert model's low-noise guidance (``guidance_scale_2``); None: the checkpoint's.
+    guidance_2: float | None = None
 
 
 class Generation:
@@ -372,6 +374,7 @@ def _clip_kwargs(request: GenerateRequest, checkpoint: Any, video: Any) -> dict[
     kwargs: dict[str, Any] = {
         "num_frames": request.frames or video.default_frames, "output_type": "pil", "num_videos_per_prompt": 1,
     }
-    if checkpoint.expert_guidance is not None:
-        kwargs["guidance_scale_2"] = checkpoint.expert_guidance
+    second = request.guidance_2 if request.guidance_2 is not None else checkpoint.expert_guidance
+    if second is not None:
+        kwargs["guidance_scale_2"] = second
     return kwargs

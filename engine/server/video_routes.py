@@ -53,6 +53,8 @@ class OpenAIVideoBody(Body):
     steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     guidance: Guidance | None = None
+    #: A two-expert model's low-noise guidance (``GenerateBody.guidance_2``).
+    guidance_2: Guidance | None = None
     negative_prompt: Prompt | None = None
 
     def dimensions(self) -> tuple[int | None, int | None]:
@@ -60,7 +62,8 @@ class OpenAIVideoBody(Body):
         return (int(match[1]), int(match[2])) if match else (None, None)
 
 
-_NUMBERS = {"seconds": float, "frames": int, "fps": int, "steps": int, "seed": int, "guidance": float}
+_NUMBERS = {"seconds": float, "frames": int, "fps": int, "steps": int, "seed": int, "guidance": float,
+            "guidance_2": float}
 
 
 async def read_video_form(request: Request) -> tuple[OpenAIVideoBody, bytes | None]:
@@ -183,7 +186,7 @@ def _video_request(engine: Engine, confined: Confined, form: OpenAIVideoBody, up
     width, height = form.dimensions()
     fields: dict[str, Any] = dict(
         prompt=form.prompt, model=confined.request_model(form.model), negative_prompt=form.negative_prompt,
-        steps=form.steps, guidance=form.guidance, frames=form.frames, fps=form.fps,
+        steps=form.steps, guidance=form.guidance, guidance_2=form.guidance_2, frames=form.frames, fps=form.fps,
         seed=secrets.randbelow(2**31) if form.seed is None else form.seed)
     uploads = {"image": upload} if upload is not None else None
     seconds = None if form.frames else form.seconds

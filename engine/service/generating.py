@@ -86,6 +86,10 @@ class GenerateChecks:
         if shape is None and family.rendering.output == "frames":  # the loaded model: its clip decided here
             shape, decided["note"] = _clip(target.ticket.source, body, seconds)
         check_references(family, checkpoint, sizes)
+        chosen = checkpoint or family.default_checkpoint
+        if body.guidance_2 is not None and chosen.expert_guidance is None:  # a two-expert checkpoint says its own
+            raise EngineError(f"guidance_2 is a two-expert model's low-noise guidance; {chosen.label} has one "
+                              "denoiser: drop guidance_2 (--guidance-2)", code="invalid_request")
         loras = self._loras(body, target, load)
         if shape is not None:
             body = body.model_copy(update={"frames": shape.frames, "fps": shape.fps, "width": shape.width,
@@ -277,5 +281,5 @@ def call_for(ticket: GenerateTicket) -> GenerateRequest:
         image=tuple(image) if isinstance(image, list) else image, mask_image=inputs.get("mask_image"),
         strength=body.strength, prompts=tuple(body.prompts or ()), seeds=tuple(body.seeds or ()),
         batch=body.batch, control_image=inputs.get("control_image"), control_preprocess=body.control_preprocess,
-        control_scale=body.control_scale, frames=body.frames, fps=body.fps,
+        control_scale=body.control_scale, frames=body.frames, fps=body.fps, guidance_2=body.guidance_2,
     )

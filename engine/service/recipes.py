@@ -38,6 +38,8 @@ def request_recipe(body: GenerateBody, session: Any) -> dict[str, object]:
         "prompt": body.prompt, "negative_prompt": body.negative_prompt, "seed": body.seed,
         "steps": body.steps or plan.default_steps,
         "guidance": checkpoint.default_guidance if body.guidance is None else body.guidance,
+        **({"guidance_2": checkpoint.expert_guidance if body.guidance_2 is None else body.guidance_2}
+           if checkpoint.expert_guidance is not None else {}),
         "image": body.image, "loras": [{"path": lo.path, "scale": lo.scale} for lo in body.loras or ()],
     }
 

@@ -76,3 +76,37 @@ def test_a_tiny_video_model_renders_a_tiny_clip_when_the_request_is_silent(
         assert ticket.shape is not None and (ticket.shape.frames, ticket.shape.width) == (5, 64)
         assert ticket.plan.to_dict()["estimate"] == engine.images.plan(
             str(tmp_path / "wan")).to_dict()["estimate"]  # planned for its own clip too
+
+
+@pytest.mark.slow
+def test_the_low_noise_experts_guidance_is_set_per_request_at_every_door(
+    tmp_path: Path, tiny_pipeline: Callable[[str], Path], cli_json: Callable[..., object],
+) -> None:
+    """Wan 2.2 A14B's ``guidance_scale_2``: the request's where it gives one (Python, the CLI's
+    --guidance-2, HTTP's guidance_2), the checkpoint's otherwise; refused for a one-denoiser model."""
+    from engine import Engine
+    from engine.contract.hookspecs import hookimpl
+    from engine.contract.plugins import load_registry
+    from engine.errors import EngineError
+    from engine.requests import GenerateBody
+    from families.wan.tiny import build_tiny_two_experts
+
+    seen: list[object] = []
+
+    class Spy:
+        @hookimpl
+        def engine_generate_kwargs(self, family: object, pipeline: object, kwargs: dict[str, object]) -> None:
+            seen.append(kwargs.get("guidance_scale_2"))
+
+    base = build_tiny_two_experts(tmp_path / "a14b")
+    registry = load_registry(plugins=[("spy", Spy())])
+    asked = {"prompt": "a fox", "model": str(base), "frames": 5, "steps": 2, "width": 64, "height": 64}
+    with Engine(registry=registry) as engine:
+        clip = engine.videos.generate(GenerateBody(**asked, guidance_2=2.5))
+        engine.videos.generate(GenerateBody(**asked))
+        with pytest.raises(EngineError, match="one denoiser") as refused:
+            engine.videos.check_generate(GenerateBody(**{**asked, "model": str(tiny_pipeline("wan"))}, guidance_2=2.5))
+    assert seen == [2.5, 3.0] and clip.recipe["guidance_2"] == 2.5 and refused.value.code == "invalid_request"
+    from engine.server.video_routes import OpenAIVideoBody
+
+    assert OpenAIVideoBody(prompt="x", guidance_2=2.5).guidance_2 == 2.5  # the HTTP form takes it too

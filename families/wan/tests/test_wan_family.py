@@ -101,3 +101,26 @@ def test_wan_refuses_fp16_compute_naming_why() -> None:
     with pytest.raises(PreflightError) as refused:
         table_plan("wan", "rtx4090", "wan2.2-ti2v-5b", dtype="fp16")
     assert refused.value.code == "fp16_unsafe" and "overflow" in refused.value.message
+
+
+@pytest.mark.slow
+def test_a_two_expert_folder_is_a14b_whatever_its_name(tmp_path: "Path") -> None:
+    """A local two-expert folder not named like the A14B repo is A14B by its files (its
+    transformer_2 and 16-channel VAE), as the trainer reads it: 1280x720 on its multiple of 16
+    and seconds at its 16 fps, where TI2V-5B (the name's fallback) refused 1280x720."""
+    from pathlib import Path
+
+    from engine.contract.plugins import load_registry
+    from engine.policy.video import frames_for_seconds, video_shape
+    from engine.preflight.model import resolve_model
+    from families.wan.tiny import build_tiny_pipeline, build_tiny_two_experts
+
+    registry = load_registry()
+    folder = build_tiny_two_experts(Path(str(tmp_path)) / "wan-mine")
+    source = resolve_model(registry, str(folder))
+    assert source.checkpoint is not None and source.checkpoint.name == "wan2.2-t2v-a14b"
+    shape = video_shape(source.family, source.checkpoint, frames=81, width=1280, height=720)
+    assert (shape.width, shape.height) == (1280, 720)
+    assert frames_for_seconds(source.family, source.checkpoint, 5.0).fps == 16
+    single = resolve_model(registry, str(build_tiny_pipeline(Path(str(tmp_path)) / "wan-other")))
+    assert single.checkpoint is not None and single.checkpoint.name == "wan2.2-ti2v-5b"  # one expert, 48 channels
