@@ -124,3 +124,19 @@ def test_a_two_expert_folder_is_a14b_whatever_its_name(tmp_path: "Path") -> None
     assert frames_for_seconds(source.family, source.checkpoint, 5.0).fps == 16
     single = resolve_model(registry, str(build_tiny_pipeline(Path(str(tmp_path)) / "wan-other")))
     assert single.checkpoint is not None and single.checkpoint.name == "wan2.2-ti2v-5b"  # one expert, 48 channels
+
+
+def test_wan_1_3b_plans_fp32_on_a_t4_where_its_denoiser_fits() -> None:
+    """No bf16 on a T4 and Wan refuses fp16: fp32, decided by the denoiser and VAE (5.7 GB of
+    fp32 DiT), not by the 22.8 GB fp32 UMT5 that runs once per prompt. TI2V-5B's fp32 denoiser
+    (about 20 GB) still does not fit the card, and is still refused."""
+    import pytest
+
+    from engine.errors import PreflightError
+    from tests.support import table_plan
+
+    small = table_plan("wan", "t4", "wan2.1-t2v-1.3b")
+    assert small.value("dtype") == "fp32" and "no native bf16" in small["dtype"].reason
+    with pytest.raises(PreflightError) as refused:
+        table_plan("wan", "t4", "wan2.2-ti2v-5b")
+    assert refused.value.code == "no_safe_dtype"
