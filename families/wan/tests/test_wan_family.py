@@ -140,3 +140,14 @@ def test_wan_1_3b_plans_fp32_on_a_t4_where_its_denoiser_fits() -> None:
     with pytest.raises(PreflightError) as refused:
         table_plan("wan", "t4", "wan2.2-ti2v-5b")
     assert refused.value.code == "no_safe_dtype"
+
+
+def test_the_a14b_offload_reason_carries_its_numbers() -> None:
+    """Why A14B streams on a 24 GB card, in numbers: both experts' 57.2 GB of weights, with the
+    overhead, against the card's budget (it said only "66.9 GB with overhead does not fit")."""
+    from tests.support import table_plan
+
+    plan = table_plan("wan", "rtx4090", "wan2.2-t2v-a14b")
+    reason = plan["memory_mode"].reason
+    assert plan.value("memory_mode") == "group_offload"
+    assert "57.2 GB of weights" in reason and "66.9 GB with overhead" in reason and "GB budget" in reason
