@@ -163,17 +163,20 @@ def plan_memory(
             f"so the {parts.denoiser_label} stays on the device for every step (streaming its blocks "
             "would move it every step)",
         ), estimate("model_offload")
-    # The numbers behind it: the part's own weights (both experts of a two-expert denoiser), the
-    # overhead, and the budget it is held against.
-    alone_weights = largest - (base if biggest == "text encoders" else overhead)
-    too_big = (f"even the {biggest} alone ({alone_weights:.1f} GB of weights, {largest:.1f} GB with overhead) "
+    mode, reason = _streamed(parts.quantised, biggest, largest, largest - (base if biggest == "text encoders"
+                                                                         else overhead), budget)
+    return auto(mode, reason), estimate(mode)
+
+
+def _streamed(quantised: bool, biggest: str, largest: float, weights: float, budget: float) -> tuple[str, str]:
+    """The mode when even the biggest part alone does not fit, and why in numbers: the part's own
+    weights (both experts of a two-expert denoiser), with the overhead, against the budget."""
+    too_big = (f"even the {biggest} alone ({weights:.1f} GB of weights, {largest:.1f} GB with overhead) "
                f"does not fit 0.85 x the {budget:.1f} GB budget")
-    if parts.quantised:
-        return auto(
-            "sequential_offload",
-            f"{too_big}; sequential offload (group offload's streams clash with torchao-quantised weights)",
-        ), estimate("sequential_offload")
-    return auto("group_offload", f"{too_big}; its blocks are streamed"), estimate("group_offload")
+    if quantised:
+        return "sequential_offload", f"{too_big}; sequential offload (group offload's streams clash with " \
+                                     "torchao-quantised weights)"
+    return "group_offload", f"{too_big}; its blocks are streamed"
 
 
 def base_overhead_gb(thresholds: MemoryThresholds) -> float:
