@@ -171,6 +171,8 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("empty_dataset", 400, "The dataset folder holds no images or clips."),
     ErrorCode("short_clips", 400, "Dataset clips are shorter than the training window (--frames at the family's "
               "fps); the message names them. Use fewer frames, longer clips, or --short-clips pad."),
+    ErrorCode("clips_not_supported", 400, "The dataset holds video clips, but the base's family renders images: "
+              "train a video family on clips, or give an image family images."),
     ErrorCode("no_second_expert", 400, "--expert names a high- or low-noise expert, but the base has one "
               "denoiser; drop --expert."),
     ErrorCode("dataset_in_use", 409, "A training run (here, or in another process sharing the runs folder) is "

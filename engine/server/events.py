@@ -61,12 +61,19 @@ def sse(event: str, data: dict[str, Any]) -> str:
 
 
 async def job_events(job: Job) -> AsyncIterator[str]:
-    """The job's events from now on, ending with its final state."""
+    """The job's events from now on, ending with its final state. A done job's stream always
+    holds ``running`` and its last ``step`` before ``done``, however fast it ran (the loop
+    reads the job's state when it is signalled, so quick steps may coalesce)."""
     sent: tuple[object, ...] = ()
     while True:
         seen = job.signal.version
         state, position, step, steps = job.state, job.position, job.step, job.steps
         if state in TERMINAL:
+            if state == "done":  # a job faster than this loop still shows it ran, to its last step
+                if sent[:1] != ("running",):
+                    yield sse("running", {"id": job.id, "step": 0, "steps": steps})
+                if steps and (not sent or sent[2] != step):
+                    yield sse("step", {"id": job.id, "step": step, "steps": steps})
             yield sse(state, job.to_dict())
             return
         now = (state, position, step, steps)

@@ -104,6 +104,9 @@ WAN = FamilySpec(
         ),
         Checkpoint(
             name="wan2.2-t2v-a14b", label="Wan 2.2 T2V-A14B", repo="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+            # The publisher's recipe (its model card and diffusers' example: 40 steps, guidance 4.0 for the
+            # high-noise expert, 3.0 for the low); the earlier system ran Wan 2.1's 50 / 5.0 here, a
+            # departure kept and listed in docs/architecture.md.
             default_steps=40, default_guidance=4.0, matches=("*wan2.2-t2v-a14b*", "*wan2_2-t2v-a14b*", "*t2v-a14b*"),
             sizes=ComponentSizes(transformer_gb=57.2, text_encoders_gb=_UMT5_GB, vae_gb=0.5),
             # transformer_2 takes the steps below the boundary (0.875 of the schedule) at its own guidance.

@@ -241,3 +241,25 @@ def test_the_training_stream_shows_the_run_s_steps(served: tuple[str, GatedEngin
     assert isinstance(steps[-1]["loss"], float) and isinstance(steps[-1]["lr"], float)
     assert seen[-1][1]["status"] == "completed"
     engine.training.wait(timeout=120)
+
+
+def test_a_job_faster_than_its_stream_still_shows_it_ran_to_its_last_step() -> None:
+    """The stream reads the job when it is signalled: a tiny job can finish before the stream
+    sees a step (a busy machine made the stream test fail so). Its stream still gives
+    ``running`` and the last ``step`` before ``done``, whatever the machine's load."""
+    import asyncio
+
+    from engine.requests import GenerateBody
+    from engine.server.events import job_events
+    from engine.server.job import Job
+
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(name="tiny-sdxl", key="/models/tiny-sdxl")  # the record to_dict reads, no model needed
+    done = Job("j-1-fast", GenerateBody(prompt="a fox"), None, model, state="done", step=2, steps=2)
+
+    async def collect() -> list[str]:
+        return [chunk async for chunk in job_events(done)]
+
+    names = [chunk.split("\n")[0].removeprefix("event: ") for chunk in asyncio.run(collect())]
+    assert names == ["running", "step", "done"]

@@ -342,3 +342,22 @@ def test_a_one_expert_dry_run_answers_json(clips: Path, tmp_path: Path, cli_json
                     "--runs-dir", str(tmp_path / "runs"))
     expert = plan["plan"]["expert"]  # type: ignore[index]
     assert expert["value"]["components"] == ["transformer_2"] and expert["requested"]["expert"] == "low"
+
+
+def test_an_image_family_refuses_a_folder_of_clips_before_anything_is_evicted(
+    tiny_pipeline: Callable[[str], Path], tmp_path: Path,
+) -> None:
+    """SDXL trains on images: a folder of clips is ``clips_not_supported`` at the check (it passed
+    the dry run and failed at step 0 with an unreadable image), the host's model left resident."""
+    from tests.support import HostModel
+
+    data = write_clip_dataset(tmp_path / "clips", clips=2, images=0)
+    engine = Engine(registry=REGISTRY, hardware=HARDWARE, runs_dir=tmp_path / "runs")
+    host = HostModel(engine)
+    config = {"base_model": str(tiny_pipeline("sdxl")), "dataset_dir": str(data), "resolution": 64,
+              "steps": 1, "device": "cpu"}
+    for attempt in (engine.training.plan, engine.training.start):
+        with pytest.raises(PreflightError) as refused:
+            attempt(config)
+        assert refused.value.code == "clips_not_supported" and "clip_000.mp4" in refused.value.message
+    assert host.evicted == 0 and engine.training.current is None

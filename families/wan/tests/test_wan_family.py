@@ -151,3 +151,16 @@ def test_the_a14b_offload_reason_carries_its_numbers() -> None:
     reason = plan["memory_mode"].reason
     assert plan.value("memory_mode") == "group_offload"
     assert "57.2 GB of weights" in reason and "66.9 GB with overhead" in reason and "GB budget" in reason
+
+
+def test_a14b_samples_by_its_publishers_recipe() -> None:
+    """40 steps, guidance 4.0 and 3.0 for the low-noise expert (the model card's), documented as a
+    departure from the earlier system's 50 / 5.0 in docs/architecture.md."""
+    from pathlib import Path
+
+    from engine.contract.plugins import load_registry
+
+    a14b = load_registry().family("wan").checkpoint("wan2.2-t2v-a14b")
+    assert a14b is not None and (a14b.default_steps, a14b.default_guidance, a14b.expert_guidance) == (40, 4.0, 3.0)
+    notes = (Path(__file__).resolve().parents[3] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert "Wan 2.2 T2V-A14B samples 40 steps at guidance 4.0" in notes and "50 / 5.0" in notes
