@@ -172,15 +172,15 @@ def _planned(
     objective = registry.training_objective(family)
     if objective is None:
         raise PreflightError(f"the {family.name} plugin provides no trainer", code="not_trainable")
+    window = clip_window(family, base.checkpoint, config)  # frames asked of an image family: refused first
     # Sized by the longest example: a clip's window where the dataset has clips.
-    clips = dataset is not None and any(item.is_clip for item in dataset.items)
+    named = [item.relative for item in dataset.items if item.is_clip] if dataset is not None else []
+    clips = bool(named)
     if clips and family.rendering.output != "frames":  # before anything is evicted, not at step 0
-        named = [item.relative for item in dataset.items if item.is_clip]
         raise PreflightError(
             f"{config.dataset_dir} holds {len(named)} video clip(s) ({', '.join(named[:3])}"
             f"{', ...' if len(named) > 3 else ''}), but {family.label} renders images: train a video family "
             "on clips, or give it a folder of images", code="clips_not_supported")
-    window = clip_window(family, base.checkpoint, config)
     expert = expert_choice(family, base, config)
     device = training_device(hardware, config.device, four_bit_base=family.training.base_precision_applies)
     memory = memory_request(registry, family, base, config, frames=window.frames if window and clips else 1)
