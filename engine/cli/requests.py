@@ -60,17 +60,18 @@ def validated(model: type[M], data: Mapping[str, object], flags: Mapping[str, st
 
 def plan_controls(args: argparse.Namespace) -> Any:
     """The :class:`~engine.requests.PlanControls` the flags ask for."""
-    given = {c.field: getattr(args, c.field) for c in PLAN_CONTROLS if getattr(args, c.field, None) is not None}
-    return validated(PlanControls, given)
+    return validated(PlanControls, _given(args, [c.field for c in PLAN_CONTROLS]))
+
+
+def _given(args: argparse.Namespace, fields: list[str]) -> dict[str, object]:
+    """The flags of ``fields`` the user gave (an absent one leaves the request's default)."""
+    return {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
 
 
 def plan_body(args: argparse.Namespace) -> Any:
     """``plan``'s request: its controls and the shape it plans for (``--width --height --count
     --frames``), validated as ``POST /v1/images/plan`` validates its body."""
-    fields = ("width", "height", "count", "frames")
-    given = {c.field: getattr(args, c.field) for c in PLAN_CONTROLS if getattr(args, c.field, None) is not None}
-    given.update({name: getattr(args, name) for name in fields if getattr(args, name, None) is not None})
-    return validated(PlanBody, given)
+    return validated(PlanBody, _given(args, [*(c.field for c in PLAN_CONTROLS), "width", "height", "count", "frames"]))
 
 
 def generate_body(args: argparse.Namespace, seed: int) -> GenerateBody:

@@ -74,8 +74,10 @@ class GenerateChecks:
         asked = (body, output, dict(uploads or {}), load, seconds)
         if output == "frames":
             _check_clip_request(body)
+        from engine.preflight.images import named_images
+
         inputs = _inputs(body, uploads or {})
-        sizes = tuple((name, _size(value, name)) for field, value in inputs for name, value in _named(value, field))
+        sizes = tuple((name, _size(one, name)) for field, value in inputs for name, one in named_images(value, field))
         decided: dict[str, Any] = {}
         target = self._target(body, output, load, seconds, decided)
         family, checkpoint = target.family, target.checkpoint
@@ -207,12 +209,6 @@ def _inputs(body: GenerateBody, uploads: Mapping[str, Any]) -> tuple[tuple[str, 
         raise EngineError(f"{', '.join(unknown)} is not an input image field; give {', '.join(IMAGE_FIELDS)}",
                           code="invalid_request")
     return tuple(inputs)
-
-
-def _named(value: Any, field: str) -> list[tuple[str, Any]]:
-    from engine.preflight.images import named_images
-
-    return named_images(value, field)
 
 
 def _size(value: Any, field: str) -> tuple[int, int]:

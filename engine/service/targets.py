@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine.errors import EngineError
-from engine.service.tickets import Target
+from engine.service.tickets import Target, model_name
 
 if TYPE_CHECKING:
     from engine.contract.types import Checkpoint, FamilySpec
@@ -26,12 +26,6 @@ __all__ = ["OPENAI_NAMES", "Target", "answers_to", "check_references", "means_lo
 
 #: OpenAI's own model names: they mean whatever model is loaded here.
 OPENAI_NAMES = re.compile(r"(dall-e-[23]|gpt-image-[\w.-]+|sora-[\w.-]+)", re.IGNORECASE)
-
-
-def model_name(source: ModelSource) -> str:
-    """A model's short name: its folder or file name, or (a hub id) the id itself."""
-    location = source.location.rstrip(os.sep)
-    return os.path.basename(location) if os.path.exists(location) else location
 
 
 def answers_to(source: ModelSource) -> set[str]:

@@ -98,8 +98,7 @@ class Target:
     @property
     def name(self) -> str:
         """What a job or a listing calls it: the folder's or file's name, else the checkpoint's."""
-        location = self.key.rstrip(os.sep)
-        return os.path.basename(location) if os.path.exists(location) else location
+        return model_name(self.ticket.source)
 
     @property
     def family(self) -> FamilySpec:
@@ -158,6 +157,12 @@ class GenerateTicket:
     def files_changed(self) -> bool:
         """Whether an input image or LoRA file it read was rewritten, replaced or removed since."""
         return stamp_files(path for path, _, _ in self.stamps) != self.stamps
+
+
+def model_name(source: ModelSource) -> str:
+    """A model's short name: its folder or file name, or (a hub id) the id itself."""
+    location = source.location.rstrip(os.sep)
+    return os.path.basename(location) if os.path.exists(location) else location
 
 
 def ticket_files(source: ModelSource, loras: tuple[LoraFile, ...], controlnet: str | None) -> list[str]:

@@ -94,7 +94,7 @@ def qwen_chat_tokenizer(special_tokens: list[str] | None = None, corpus: list[st
 
 def gemma_char_tokenizer(model_max_length: int = 256) -> Any:
     """A ``GemmaTokenizerFast`` over printable ASCII, one token per character (built with
-    ``tokenizers``, no files): what a Gemma-2-encoded family's tiny pipeline (Lumina 2, Sana) takes."""
+    ``tokenizers``, no files): what a Gemma-2-encoded family's tiny pipeline takes."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GemmaTokenizerFast
 
