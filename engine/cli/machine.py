@@ -163,8 +163,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.token is None and not is_loopback(args.host):
         print(f"warning: serving {args.host} beyond loopback without a token (--insecure-no-token)", file=sys.stderr)
     # Open event streams (SSE) never end by themselves: shutdown waits at most this long for them.
-    uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,
-                log_level="info", timeout_graceful_shutdown=5)
+    # Ctrl-C: the app's shutdown cancels its jobs, then the server raises the signal again
+    # (main's 130; ``uvicorn.run`` would swallow it and exit 0).
+    config = uvicorn.Config(create_app(engine, settings), host=args.host, port=args.port,
+                            log_level="info", timeout_graceful_shutdown=5)
+    with engine:
+        uvicorn.Server(config).run()
     return 0
 
 

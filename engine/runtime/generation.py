@@ -32,6 +32,7 @@ from engine.preflight.lora import LoraFile
 from engine.preflight.source import ModelSource
 from engine.runtime import batching, prompt_cache, text_encoders, workflows
 from engine.runtime.inputs import FittedInputs, ImageLike, fit_inputs, paste_unmasked, vae_dtype
+from engine.runtime.interrupt import cancel_points
 from engine.runtime.loading import Progress
 from engine.runtime.vae import apply_vae_tiling
 
@@ -162,8 +163,9 @@ class Generation:
         """The request's images: its workflow's pipeline (built over the loaded
         components), its inputs fitted, one generator per image, in chunks
         (halved on out-of-memory; see :mod:`engine.runtime.batching`).
-        ``cancel`` is honoured through ``progress`` (the caller's step callback
-        raises at the next step end: a torch step cannot be stopped midway)."""
+        ``cancel`` is honoured inside a step, before each block of the pipeline's models
+        runs (the tiled decode's too; :mod:`engine.runtime.interrupt`), and at each step's
+        end through ``progress`` (the caller's step callback raises)."""
         with self._lock:
             family = self.source.family
             control = request.control_image is not None
@@ -206,7 +208,8 @@ class Generation:
                 self._images += 1
                 if self._images > 1:
                     self._apply_compile(self._images)
-                images = self._run_batch(pipe, request, steps, effective, strength, fitted, items, progress)
+                with cancel_points(pipe, cancel):
+                    images = self._run_batch(pipe, request, steps, effective, strength, fitted, items, progress)
             finally:
                 self._active = None
             if images and family.rendering.output == "images":

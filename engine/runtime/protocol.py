@@ -50,7 +50,7 @@ class Session(Protocol):
     def generate(self, request: GenerateRequest, progress: Progress | None = None,
                  cancel: threading.Event | None = None) -> list[Image.Image]:
         """The request's images; ``cancel`` (set from any thread) stops the call as soon as
-        the runtime can: after the step for torch, at once for a worker process."""
+        the runtime can: before the next block for torch, at once for a worker process."""
 
     def set_loras(self, files: Sequence[LoraFile]) -> None:
         """Switch the LoRAs or their scales, or refuse what this runtime cannot apply."""

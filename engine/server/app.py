@@ -23,12 +23,16 @@ answers 202 with a job to follow (``GET``, ``DELETE``, SSE ``.../events``);
 the synchronous generate routes queue a job and wait for it, so concurrent
 clients queue rather than refuse each other; a full queue is 429 with
 ``Retry-After``. A waiting client that disconnects cancels its job (queued:
-it never runs; running: it stops at the next step).
+it never runs; running: it stops before the next block of its step). Shutting
+down (Ctrl-C) cancels every job and waits for the worker before the process ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
@@ -85,7 +89,16 @@ def guard_options(settings: ServerSettings, app: FastAPI | None = None) -> dict[
 
 def create_app(engine: Engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     """The app over ``engine``: its error bodies, the guard, the queue, and the routers."""
+    queue: JobQueue | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if queue is not None:  # shutting down (Ctrl-C): the running job stops inside its step
+            await asyncio.to_thread(queue.close)
+
     app = FastAPI(
+        lifespan=lifespan,
         title="diffusion-engine",
         version=__version__,
         description="Run diffusion image models and train LoRA adapters, the fastest way this machine allows.",

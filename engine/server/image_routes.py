@@ -59,7 +59,7 @@ def images_router(engine: Engine, confined: Confined, queue: JobQueue) -> APIRou
 
     @api.delete("/generate")
     def cancel_generate() -> dict[str, Any]:
-        """Stop the running generate after its current step (its caller gets code ``cancelled``);
+        """Stop the running generate before the next block of its step (its caller gets code ``cancelled``);
         the jobs queued behind it still run (``DELETE /v1/images/jobs/{id}`` cancels one job)."""
         return {"cancelled": engine.images.cancel()}
 

@@ -4,7 +4,7 @@
 with the job's JSON at once (see :mod:`engine.server.jobs` for its shape and
 states); ``GET /v1/images/jobs/{id}`` gives it again, with its images once
 done; ``DELETE /v1/images/jobs/{id}`` cancels it (a queued job never runs; a
-running one stops after its current step) and answers its JSON; ``GET
+running one stops before the next block of its step) and answers its JSON; ``GET
 /v1/images/jobs`` lists the queue and the kept jobs (newest first, without
 images). The event streams are in :mod:`engine.server.events`.
 
@@ -107,7 +107,7 @@ async def queue_full(_: Request, error: QueueFull) -> JSONResponse:
 
 
 async def _watch_disconnect(request: Request, queue: JobQueue, job: Job) -> None:
-    """Cancel ``job`` once its client has gone; the engine stops at its next step."""
+    """Cancel ``job`` once its client has gone; the engine stops before its next block."""
     while not job.finished_state:
         if await request.is_disconnected():
             queue.cancel(job.id)

@@ -113,6 +113,7 @@ class JobQueue:
         self._latest: Job | None = None
         self._times: collections.deque[float] = collections.deque(maxlen=TIMED_JOBS)
         self._worker: threading.Thread | None = None
+        self._closed = False  # by close(): no worker starts again
         #: The most jobs ever waiting at once (the bench reads it).
         self.max_depth = 0
         self._ids = itertools.count(1)
@@ -155,7 +156,7 @@ class JobQueue:
 
     def cancel(self, job_id: str) -> Job:
         """Cancel a queued job (it never runs) or a running one (the engine
-        stops it after its current step); a finished job is returned as it is."""
+        stops it before the next block of its current step); a finished job is returned as it is."""
         job = self.get(job_id)
         with self._lock:
             if job.state == "queued":
@@ -164,7 +165,7 @@ class JobQueue:
                 self._finish(job, "cancelled", Cancelled("the job was cancelled while queued; it never ran"))
                 self._renumber()
                 return job
-        job.cancel.set()  # a running job: the engine raises Cancelled at its next step
+        job.cancel.set()  # a running job: the engine raises Cancelled before its next block
         return job
 
     def status(self) -> dict[str, Any]:
@@ -202,19 +203,37 @@ class JobQueue:
         with self._lock:
             job.images = []
 
+    def close(self, timeout: float = 60.0) -> None:
+        """Cancel every job (the waiting ones never run; the running one stops before its next
+        block) and wait up to ``timeout`` seconds for the worker to end: a server shutting down
+        (Ctrl-C on ``serve``) then leaves no thread computing inside torch, which would abort
+        the interpreter as it exits."""
+        with self._lock:
+            self._closed = True
+            for job in list(self._waiting):
+                job.cancel.set()
+                self._finish(job, "cancelled", Cancelled("the server shut down before the job ran"))
+            self._waiting.clear()
+            running, worker = self._running, self._worker
+            self._lock.notify_all()
+        if running is not None:
+            running.cancel.set()
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
+
     # -- the worker -------------------------------------------------------------------
 
     def _start_worker(self) -> None:
-        if self._worker is None:
+        if self._worker is None and not self._closed:
             self._worker = threading.Thread(target=self._work, name="engine-generate-queue", daemon=True)
             self._worker.start()
 
     def _work(self) -> None:
         while True:
             with self._lock:
-                if not self._waiting:
+                if not self._waiting and not self._closed:
                     self._lock.wait(IDLE_WORKER_S)
-                if not self._waiting:  # idle: end, so a dropped app's engine can be freed; the next submit starts one
+                if not self._waiting or self._closed:  # idle: end, so a dropped app's engine can be freed; the next submit starts one
                     self._worker = None
                     return
                 job = self._next()

@@ -120,7 +120,7 @@ class Engine:
     # -- its life ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Unload the loaded model (a running generate stopped at its next step first)."""
+        """Unload the loaded model (a running generate stopped before its next block first)."""
         self.loaded.unload(cancel=True)
 
     def __enter__(self) -> Engine:

@@ -165,7 +165,7 @@ class Images:
         loaded LoRAs or their scales without reloading the base (``[]`` removes them; None keeps them).
         It holds the ``generating`` reservation throughout; concurrent generates queue on a lock.
         ``cancel``, set from any thread, stops the call with :class:`Cancelled` before it starts or
-        after the running step; :meth:`cancel` sets it."""
+        before the next block of the running step; :meth:`cancel` sets it."""
         ticket = self._checks.ticket(prompt, "images", loras, options)
         return self._loaded.run(ticket, progress, cancel)
 
@@ -174,7 +174,7 @@ class Images:
         return self._loaded.recipes(body, list(images))
 
     def cancel(self) -> bool:
-        """Stop the running generate after its current denoising step (it raises
+        """Stop the running generate before the next block of its step (it raises
         :class:`Cancelled` to its caller); False when none runs. Queued ones still run."""
         return self._loaded.cancel()
 

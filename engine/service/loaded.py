@@ -111,7 +111,7 @@ class LoadedModel:
         """Run a checked request on its model (loaded first when another is in): what the
         pipeline gave back (images, or one clip's frames). It holds the ``generating``
         reservation throughout; ``cancel``, set from any thread, stops it with
-        :class:`Cancelled` before it starts or after the running step."""
+        :class:`Cancelled` before it starts or before the next block of its step."""
         from engine.runtime.engines import fall_back_from
         from engine.runtime.sdcpp import SdcppFailed
         from engine.service.generating import MEDIUM, call_for
@@ -141,7 +141,7 @@ class LoadedModel:
                 self.keep_alive.touch(ticket.body.keep_alive)
 
     def cancel(self) -> bool:
-        """Stop the running generate after its current denoising step (it raises
+        """Stop the running generate before the next block of its step (it raises
         :class:`Cancelled` to its caller); False when none runs. Queued ones still run."""
         cancel = self._cancel
         if cancel is None:

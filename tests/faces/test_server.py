@@ -273,16 +273,18 @@ def test_an_empty_token_or_a_public_bind_without_one_refuses_to_start(tmp_path: 
 
 def test_serve_flags_reach_the_app_insecure_opt_out_and_body_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The app ``serve`` builds for a public host with ``--insecure-no-token``,
-    served here on loopback instead (uvicorn.run only hands it over)."""
+    served here on loopback instead (the uvicorn server only hands it over)."""
     import uvicorn
 
     from engine.cli import main
 
     handed: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **_: handed.update(app=app, host=host))
     monkeypatch.delenv("DIFFUSION_ENGINE_TOKEN", raising=False)
-    code = main(["serve", "--host", "192.0.2.1", "--insecure-no-token", "--max-body-mb", "0.001",
-                 "--outputs", str(tmp_path / "runs")])
+    with monkeypatch.context() as serving:
+        serving.setattr(uvicorn.Server, "run",
+                        lambda server, *_: handed.update(app=server.config.app, host=server.config.host))
+        code = main(["serve", "--host", "192.0.2.1", "--insecure-no-token", "--max-body-mb", "0.001",
+                     "--outputs", str(tmp_path / "runs")])
     assert code == 0 and handed["host"] == "192.0.2.1"
     with LiveServer(handed["app"]) as url:
         assert httpx.get(f"{url}/v1/families").status_code == 200  # no token: the operator opted out
