@@ -1,5 +1,6 @@
-"""A cancel frees the engine within a block, not a step: through Python, ``DELETE /v1/videos/{id}``
-on a real loopback server, and Ctrl-C on a ``serve`` process that is rendering.
+"""A running job: a cancel frees the engine within a block, not a step (through Python,
+``DELETE /v1/videos/{id}`` on a real loopback server, and Ctrl-C on a ``serve`` process that is
+rendering), and the status says the job is loading its model while it does.
 
 A step of a real video denoiser runs for minutes; these tests watch the tiny Wan's blocks run
 (forward hooks counting them) and assert that none runs after the cancel but the one under way."""
@@ -123,6 +124,7 @@ def test_a_cancel_stops_the_tiled_decode_between_its_blocks(loaded: Engine) -> N
 def served(tmp_path_factory: pytest.TempPathFactory, wan: Path) -> Iterator[tuple[str, Engine]]:
     models = tmp_path_factory.mktemp("cancel-models")
     shutil.copytree(wan, models / "tiny-wan")
+    shutil.copytree(wan, models / "other-wan")
     engine = Engine(registry=load_registry(), hardware=probe(verify=False))
     settings = ServerSettings(model_roots=(models,), output_roots=(tmp_path_factory.mktemp("cancel-out"),),
                               token=TOKEN)
@@ -166,6 +168,41 @@ def test_delete_of_a_running_video_frees_the_engine_for_the_next_job(served: tup
     finally:
         first.remove(), second.remove()
     assert httpx.get(f"{url}/v1/videos/{long_id[0]}", headers=AUTH).status_code == 404
+
+
+@pytest.mark.slow
+def test_the_status_says_loading_while_a_job_loads_its_model(served: tuple[str, Engine],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clip for a model not loaded: while its job loads that model, GET status names the load
+    and the running job (it said idle), then ready once the clip renders."""
+    from engine.runtime import engines
+
+    url, _ = served
+    entered, gate = threading.Event(), threading.Event()
+    start = engines.start_session
+
+    def paused(*args: Any, **kwargs: Any) -> Any:  # the load, held open while the test looks
+        entered.set()
+        assert gate.wait(60)
+        return start(*args, **kwargs)
+
+    monkeypatch.setattr(engines, "start_session", paused)
+    clip = httpx.post(f"{url}/v1/videos", json={"prompt": "a fox", "model": "other-wan", "frames": 5,
+                                                "size": "64x64", "steps": 1}, headers=AUTH, timeout=30).json()
+    try:
+        assert entered.wait(60)
+        status = httpx.get(f"{url}/v1/images/status", headers=AUTH).json()
+        assert (status["load_phase"], status["job"]) == ("loading", "loading")
+        assert status["generate"]["state"] == "running" and status["generate"]["id"] == clip["id"]
+    finally:
+        gate.set()
+    deadline, state = time.monotonic() + 120, clip
+    while state["status"] not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        state = httpx.get(f"{url}/v1/videos/{clip['id']}", headers=AUTH).json()
+    assert state["status"] == "completed"
+    assert httpx.get(f"{url}/v1/images/status", headers=AUTH).json()["load_phase"] == "ready"
+    httpx.post(f"{url}/v1/images/load", json={"model": "tiny-wan"}, headers=AUTH, timeout=120)
 
 
 @pytest.mark.slow
