@@ -11,6 +11,7 @@ component computes alike.
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any
 
@@ -45,7 +46,18 @@ def align_components(pipe: Any, denoisers: list[torch.nn.Module], plan: Any) -> 
 
 
 def _dtype_of(module: torch.nn.Module) -> torch.dtype:
-    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    """The dtype ``module`` computes in: a diffusers model's own answer (it passes over the
+    parts the model keeps in fp32, such as Wan's time embedder and norms, and reads a layerwise
+    cast's compute dtype), else the dtype of most of its floating weights. The first parameter's
+    dtype would be Wan's fp32 time embedder, and the bf16 blocks would get fp32 latents."""
+    declared = getattr(module, "dtype", None)
+    if isinstance(declared, torch.dtype):
+        return declared
+    weights: collections.Counter[torch.dtype] = collections.Counter()
+    for parameter in module.parameters():
+        if parameter.is_floating_point():
+            weights[parameter.dtype] += parameter.numel()
+    return weights.most_common(1)[0][0] if weights else torch.float32
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:

@@ -1,5 +1,6 @@
 """The wan plugin: the contract (its video run included), its table's specifics, both experts."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,46 @@ def test_two_experts_render_and_each_denoises(tmp_path: Path, engine_registry: R
         weight = getattr(pipe, name).blocks[0].attn1.to_q.weight
         assert isinstance(weight, TorchAOBaseTensor), f"{name} was not quantised"
     engine.images.unload()
+
+
+@pytest.mark.slow
+def test_wan_renders_in_bf16_on_the_cpu_as_the_plan_recommends(
+    tiny_pipeline: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The CPU plan says ``--speed default`` computes in bf16 here; Wan keeps its time embedder and
+    norms in fp32 beside bf16 blocks, and the latents were cast to the first (fp32) weight, so the
+    first step failed (``Input type (float) and bias type (BFloat16)``) with a traceback."""
+    import json
+
+    from engine.cli import main
+    from engine.runtime.video_files import read_mp4
+
+    out = tmp_path / "clip.mp4"
+    status = main(["generate", "--model", str(tiny_pipeline("wan")), "--prompt", "a fox", "--frames", "5",
+                   "--steps", "2", "--speed", "default", "-o", str(out)])
+    assert status == 0, capsys.readouterr().err[-2000:]
+    recipe = json.loads(out.with_suffix(".json").read_text())
+    assert (recipe["engaged"]["dtype"], recipe["engaged"]["vae_dtype"]) == ("bf16", "fp32")
+    frames, _ = read_mp4(out)
+    assert len(frames) == 5 and len(set(frames[0].getdata())) > 1  # a picture, not a flat frame
+
+
+def test_a_model_keeping_parts_in_fp32_takes_its_inputs_in_its_compute_dtype() -> None:
+    """The glue between components of different dtypes reads the dtype a diffusers model computes
+    in (passing over its keep-in-fp32 parts), not its first weight's."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from engine.runtime.mixed_precision import _dtype_of
+
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
+                                  in_channels=4, out_channels=4, text_dim=8, freq_dim=8, ffn_dim=16,
+                                  num_layers=1, rope_max_seq_len=32)
+    model.to(torch.bfloat16)
+    model.scale_shift_table.data = model.scale_shift_table.data.float()  # as from_pretrained keeps it
+    assert next(model.parameters()).dtype == torch.float32  # the first weight is a kept-fp32 one
+    assert _dtype_of(model) == torch.bfloat16
+    assert _dtype_of(torch.nn.Sequential(torch.nn.Linear(1, 1).float(), torch.nn.Linear(8, 8).half())) == torch.float16
 
 
 # -- the safeguards in the table, each with a test that fails when its entry goes ------------------
