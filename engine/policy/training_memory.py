@@ -7,7 +7,7 @@ out. The trainer runs in two phases, and the estimate is the larger:
 
 - **caching**: text encoders and VAE on the device to encode captions and
   images once (an nf4 base is already there: bitsandbytes quantises it on
-  the device at load);
+  the device at load; a base loaded after caching, a two-expert one's, is not);
 - **training**: the encoders are moved off; the frozen base in its
   precision (quantised on the host first, so never dense on the device),
   the LoRA parameters with their gradients and AdamW state, and the
@@ -111,6 +111,9 @@ class BaseFacts:
     source: str = "table"
     #: (name, shape) of the denoiser's tensors when its headers were read.
     shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: The trainer loads the base after the captions and latents are cached (a two-expert
+    #: base's experts): the caching phase never holds it, an nf4 one included.
+    loaded_after_caching: bool = False
 
 
 def lora_target_shapes(
@@ -180,7 +183,7 @@ def estimate_training_memory(
     overhead = thresholds.runtime_overhead_gb
     encoders = base.text_encoders_gb * weight_scale
     vae = base.vae_gb * weight_scale
-    on_device_while_caching = held if mode == "nf4" else 0.0
+    on_device_while_caching = held if mode == "nf4" and not base.loaded_after_caching else 0.0
     return TrainingMemoryEstimate(
         mode=mode,
         base_gb=held,

@@ -9,7 +9,7 @@ never re-decides anything.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -78,6 +78,13 @@ class TrainingPlan:
     def trained_components(self) -> tuple[str, ...]:
         """The pipeline components the LoRA goes on: the denoiser, or the expert(s) chosen."""
         return self.expert.value.components if self.expert is not None else (self.family.pipeline.denoiser,)
+
+    @property
+    def loaded_denoisers(self) -> tuple[str, ...]:
+        """The denoisers the run loads: those it trains, and a one-expert run's other expert only
+        when its samples need it (each clip is rendered by both)."""
+        return held_denoisers(self.family, self.expert.value if self.expert else None,
+                              samples=bool(self.config.sample_prompts))
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -183,7 +190,8 @@ def _planned(
             "on clips, or give it a folder of images", code="clips_not_supported")
     expert = expert_choice(family, base, config)
     device = training_device(hardware, config.device, four_bit_base=family.training.base_precision_applies)
-    memory = memory_request(registry, family, base, config, frames=window.frames if window and clips else 1)
+    memory = memory_request(registry, family, base, config, frames=window.frames if window and clips else 1,
+                            expert=expert.value if expert is not None else None)
     precision = (
         resolve_training_precision(
             registry, family, hardware, config.base_precision,
@@ -308,20 +316,39 @@ def _shape(config: TrainingConfig, frames: int | None = None) -> TrainingShape:
     )
 
 
+def held_denoisers(family: FamilySpec, expert: ExpertChoice | None, *, samples: bool) -> tuple[str, ...]:
+    """The denoisers a run holds: the one, or the experts trained (both when samples are rendered)."""
+    if expert is None:
+        return (family.pipeline.denoiser,)
+    return (family.pipeline.denoiser, *family.pipeline.experts) if samples else expert.components
+
+
 def memory_request(
     registry: Registry, family: FamilySpec, base: ModelSource, config: TrainingConfig, *, frames: int | None = None,
+    expert: ExpertChoice | None = None,
 ) -> MemoryRequest:
     """The estimate's inputs: the base's own header sizes where it has them; ``frames``: the
-    longest example's (a clip's window; 1 for images)."""
+    longest example's (a clip's window; 1 for images). A two-expert base's experts are loaded
+    after the captions are cached, and a one-expert run holds its expert alone (the other only
+    for samples): its share of the base's denoiser weights (the experts are alike in size)."""
     shape = _shape(config, frames)
     measured = base.measured_sizes
     if measured is not None and measured.transformer_gb > 0:
-        facts = BaseFacts(
+        request = MemoryRequest(BaseFacts(
             measured.transformer_gb, measured.text_encoders_gb, measured.vae_gb,
             source="file headers", shapes=base.denoiser_shapes,
-        )
-        return MemoryRequest(facts, shape)
-    return MemoryRequest.from_table(family, shape, registry.component_sizes(family, base.checkpoint))
+        ), shape)
+    else:
+        request = MemoryRequest.from_table(family, shape, registry.component_sizes(family, base.checkpoint))
+    if expert is None:
+        return request
+    every = 1 + len(family.pipeline.experts)
+    held = len(held_denoisers(family, expert, samples=bool(config.sample_prompts)))
+    facts = request.base
+    if held < every:
+        facts = replace(facts, dense_gb=facts.dense_gb * held / every,
+                        source=f"{facts.source}, the {expert.name}-noise expert alone")
+    return replace(request, base=replace(facts, loaded_after_caching=True))
 
 
 def _precision_check(

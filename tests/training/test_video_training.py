@@ -202,8 +202,49 @@ def test_a_two_expert_base_trains_either_expert_or_both_each_on_its_own_sigmas(
     pipe.load_lora_weights(outputs["lora"], adapter_name="high")
     pipe.load_lora_weights(outputs["lora_low_noise"], adapter_name="low", load_into_transformer_2=True)
     assert "low" in pipe.transformer_2.peft_config and "high" in pipe.transformer.peft_config
-    only_low, _ = _train(_plan(base, clips, steps=2, expert="low"), tmp_path / "low")
+    only_low, events = _train(_plan(base, clips, steps=2, expert="low", sample_prompts=["a square"],
+                                    sample_every=2, sample_steps=2), tmp_path / "low")
     assert set(only_low["outputs"]) == {"lora"}  # type: ignore[arg-type]
+    [samples] = [event["samples"] for event in events if event["type"] == "samples"]
+    assert len(read_mp4(Path(samples[0]["clip"]))[0]) == FRAMES  # type: ignore[index]  # both experts rendered it
+
+
+def test_a_one_expert_run_loads_its_expert_after_caching_and_the_other_only_for_samples(
+    clips: Path, two_experts: tuple[Path, Path, dict[str, str]],
+) -> None:
+    """The caching phase holds the encoders and the VAE alone; a ``--expert low`` run then loads
+    ``transformer_2`` and never the high-noise expert, unless its samples need both."""
+    from engine.training.trainer import _load_denoisers, _load_pipeline
+
+    base, _, _ = two_experts
+    plan = _plan(base, clips, steps=2, expert="low")
+    pipe = _load_pipeline(plan, torch.float32)
+    assert (pipe.transformer, pipe.transformer_2) == (None, None)  # while the captions are cached
+    _load_denoisers(plan, pipe, torch.float32)
+    assert pipe.transformer is None and isinstance(pipe.transformer_2, torch.nn.Module)
+    assert not any(p.requires_grad for p in pipe.transformer_2.parameters())
+    sampled = _plan(base, clips, steps=2, expert="low", sample_prompts=["a square"])
+    assert sampled.loaded_denoisers == ("transformer", "transformer_2")
+
+
+def test_an_a14b_one_expert_lora_fits_a_24_gb_card_at_480p(clips: Path, cli_json: Callable[..., object],
+                                                           tmp_path: Path) -> None:
+    """``--expert low`` holds one 14B expert, and the captions are cached before it is placed: it
+    fits a 4090 at 480p and 81 frames (it was refused in every precision, both experts' weights
+    counted and the caching phase sized with the 11.4 GB encoder beside them)."""
+    def dry_run(*extra: str) -> dict[str, object]:
+        answer = cli_json("train", "--base", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "--data", str(clips),
+                          "--hardware", "rtx4090", "--resolution", "480", "--frames", "81", "--short-clips", "pad",
+                          "--dry-run", "--runs-dir", str(tmp_path / "runs"), *extra)
+        return answer["plan"]["memory"]["estimate"]  # type: ignore[index,return-value]
+
+    low, both = dry_run("--expert", "low"), dry_run("--expert", "both")
+    assert low["base_source"] == "table, the low-noise expert alone" and low["peak_gb"] < 23.6
+    assert low["caching_peak_gb"] < 14  # the encoders and the VAE, no expert beside them
+    assert both["base_gb"] > low["base_gb"]  # both experts held when both train
+    alone = dry_run("--expert", "low", "--base-precision", "nf4")
+    sampled = dry_run("--expert", "low", "--base-precision", "nf4", "--sample-prompt", "a fox")
+    assert sampled["base_gb"] == pytest.approx(2 * alone["base_gb"], rel=0.01)  # samples render with both
 
 
 @pytest.mark.slow
