@@ -15,7 +15,9 @@ frame each): a bucket is (frames, width, height), so a clip and an image of
 one shape never share a batch.
 
 Aspect ratios past :data:`MAX_ASPECT` are cut to it (a 10:1 strip at 64 px
-would leave one latent row), and an image that must be enlarged more than
+would leave one latent row), a bucket that changes an image's aspect (a 3:2 clip
+trained at 2:1 where the sides' multiple is coarse beside the resolution) is named
+with the share it crops, and an image that must be enlarged more than
 :data:`UPSCALE_LIMIT` times to cover its bucket is trained anyway, with a
 warning naming it: both are in :attr:`BucketPlan.warnings`.
 """
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 MAX_ASPECT = 4.0
 #: Enlarging an image more than this to cover its bucket is warned (blurry training data).
 UPSCALE_LIMIT = 2.0
+#: A bucket that crops more than this share of a side changed the image's aspect: warned.
+RESHAPED_CROP = 0.1
 
 
 @dataclass(frozen=True)
@@ -148,10 +152,22 @@ def plan_buckets(
         if max(w / h, h / w) > MAX_ASPECT:
             warnings.append(f"{name} ({w}x{h}) is past the {MAX_ASPECT:g}:1 aspect limit and is cropped to "
                             f"{item.bucket[0]}x{item.bucket[1]}")
+        elif _reshaped(item):
+            cut, side = max((item.cropped[0] / item.resized[0], "width"), (item.cropped[1] / item.resized[1], "height"))
+            warnings.append(f"{name} ({w}x{h}, {w / h:.2f}:1) is trained at {item.bucket[0]}x{item.bucket[1]} "
+                            f"({item.bucket[0] / item.bucket[1]:.2f}:1), the nearest bucket with sides multiples of "
+                            f"{multiple} at this resolution: {cut:.0%} of its {side} is cropped (a higher "
+                            "--resolution keeps more of its shape)")
         if item.scale > UPSCALE_LIMIT and name not in warned:
             warnings.append(f"{name} ({w}x{h}) is enlarged {item.scale:.1f}x to {item.bucket[0]}x{item.bucket[1]} "
                             f"(over the {UPSCALE_LIMIT:g}x limit): use a larger image or a lower --resolution")
     return BucketPlan(resolution, multiple, buckets, tuple(fits), tuple(warnings))
+
+
+def _reshaped(item: Fit) -> bool:
+    """Whether the bucket changes the image's shape, not only rounds it: more than
+    :data:`RESHAPED_CROP` of a side is cut."""
+    return max(item.cropped[0] / item.resized[0], item.cropped[1] / item.resized[1]) > RESHAPED_CROP
 
 
 def epoch_batches(groups: Sequence[Sequence[int]], batch_size: int, permute: Callable[[int], list[int]]) -> list[list[int]]:

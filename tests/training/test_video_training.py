@@ -402,3 +402,17 @@ def test_an_image_family_refuses_a_folder_of_clips_before_anything_is_evicted(
             attempt(config)
         assert refused.value.code == "clips_not_supported" and "clip_000.mp4" in refused.value.message
     assert host.evicted == 0 and engine.training.current is None
+
+
+def test_a_bucket_that_changes_a_clips_aspect_is_named(tiny_pipeline: Callable[[str], Path], tmp_path: Path,
+                                                      cli_json: Callable[..., object]) -> None:
+    """A 3:2 clip trained at 64 px on TI2V's multiple of 32 lands in a 2:1 bucket: the dry run
+    names it and what the crop cuts (it said nothing); a square clip that fits its bucket is not named."""
+    (tmp_path / "clips").mkdir()
+    write_clip(tmp_path / "clips" / "wide.mp4", frames=9, size=(96, 64))
+    write_clip(tmp_path / "clips" / "square.mp4", frames=9, size=(64, 64), index=1)
+    plan = cli_json("train", "--base", str(tiny_pipeline("wan")), "--data", str(tmp_path / "clips"), "--dry-run",
+                    "--device", "cpu", "--resolution", str(SIZE), "--frames", str(FRAMES), "--steps", "1",
+                    "--runs-dir", str(tmp_path / "runs"))
+    [warning] = plan["plan"]["buckets"]["warnings"]  # type: ignore[index]
+    assert warning.startswith("wide.mp4 (96x64, 1.50:1) is trained at 64x32 (2.00:1)") and "of its height is cropped" in warning
