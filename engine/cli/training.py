@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -184,8 +185,9 @@ def _run_training(engine, config, as_json: bool, resume: str | None = None) -> i
     interrupts: list[int] = []
     old_handler = signal.signal(signal.SIGINT, lambda signum, frame: interrupts.append(signum))
     try:
-        engine.training.start(config, resume=resume)
+        started = engine.training.start(config, resume=resume)
         bar = None if as_json else progress_bar("training")
+        phases = _PhaseLines(str(started.get("base_model", "")), quiet=as_json)
         handled = 0
         while True:
             try:
@@ -195,11 +197,13 @@ def _run_training(engine, config, as_json: bool, resume: str | None = None) -> i
                 pass
             if len(interrupts) > handled:
                 handled = len(interrupts)
+                stopping = _stop(engine, now=handled > 1)
                 if handled == 1:
-                    print("\nstopping after this step and saving (Ctrl-C again: stop now, keep the last "
+                    print("\nstopping now: no step is trained yet" if stopping == "now" else
+                          "\nstopping after this step and saving (Ctrl-C again: stop now, keep the last "
                           "checkpoint)", file=sys.stderr)
-                _stop(engine, now=handled > 1)
             status = engine.training.status() or {}
+            phases.show(str(status.get("phase", "")))
             if bar is not None and status.get("step"):
                 bar(int(status["step"]), int(status["steps"]))  # type: ignore[call-overload]
     finally:
@@ -225,13 +229,36 @@ def _run_training(engine, config, as_json: bool, resume: str | None = None) -> i
     return 0 if record.status in ("completed", "stopped") else 1
 
 
-def _stop(engine, *, now: bool) -> None:  # type: ignore[no-untyped-def]
-    """Ask ``engine`` to stop its run; a run that finished meanwhile has nothing left to stop."""
+def _stop(engine, *, now: bool) -> str:  # type: ignore[no-untyped-def]
+    """Ask ``engine`` to stop its run: ``now`` or ``after_step`` (the engine's answer); a run that
+    finished meanwhile has nothing left to stop."""
     try:
-        engine.training.stop(save=True, now=now)
+        return str(engine.training.stop(save=True, now=now).get("stopping", "now" if now else "after_step"))
     except EngineError as exc:
         if exc.code != "not_training":
             raise
+        return "now"
+
+
+class _PhaseLines:
+    """A line on stderr as the run enters each phase before its first step (a 14B base loads
+    for minutes, and a silent terminal looks hung), with how long the one before took."""
+
+    WORDS = {"loading": "loading the base {base} (Ctrl-C stops at once: no step is trained yet)",
+             "caching": "encoding the dataset and its captions once",
+             "placing": "placing the base on the device in its precision"}
+
+    def __init__(self, base: str, *, quiet: bool) -> None:
+        self._base, self._quiet = base, quiet
+        self._phase, self._since = "", time.monotonic()
+
+    def show(self, phase: str) -> None:
+        if phase == self._phase or phase not in self.WORDS:
+            return
+        took = f" ({self._phase} took {time.monotonic() - self._since:.1f} s)" if self._phase in self.WORDS else ""
+        self._phase, self._since = phase, time.monotonic()
+        if not self._quiet:
+            print(f"training: {self.WORDS[phase].format(base=self._base)}{took}", file=sys.stderr)
 
 
 def cmd_runs(args: argparse.Namespace) -> int:

@@ -235,22 +235,25 @@ class Training:
         return dict(published) if published is not None else None
 
     def stop(self, *, save: bool = True, now: bool = False) -> dict[str, object]:
-        """Stop after the current step (or loading / caching phase), saving the LoRA unless ``save`` is False.
+        """Stop after the current step, saving the LoRA unless ``save`` is False; the answer's
+        ``stopping`` says ``now`` or ``after_step``.
 
         ``now``: do not wait for the step (a second Ctrl-C): the trainer is
         ended mid-step, the partial step is lost, and the run is stopped
-        with its last checkpoint as its output (``save`` does not apply). A run over
-        several machines still waiting for its nodes stops at once the same way:
-        nothing is trained yet, and its ranks wait where no request reaches them.
+        with its last checkpoint as its output (``save`` does not apply). A run
+        that has not trained a step yet (loading its base, caching its inputs,
+        or over several machines still waiting for its nodes) stops at once the
+        same way: there is nothing to save, and a 14B load would take minutes.
         """
         run = self._run
         if run is None or run.record.finished:
             raise EngineError("no training run is in progress", code="not_training")
-        if now or run.awaiting_nodes:
+        at_once = now or run.awaiting_nodes or run.record.status == "pending"
+        if at_once:
             self._halt.set()
         else:
             run.stop(save=save)
-        return self.status() or {}
+        return {**(self.status() or {}), "stopping": "now" if at_once else "after_step"}
 
     def cancel(self) -> dict[str, object]:
         """Stop the run at its next check (any phase) and keep no LoRA; its checkpoints stay."""

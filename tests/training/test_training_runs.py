@@ -86,6 +86,40 @@ def test_ctrl_c_stops_an_fp16_run_with_samples_after_the_step_and_saves_a_loadab
     assert_runs_show_and_rm(record, home=tmp_path)
 
 
+@pytest.mark.slow
+def test_ctrl_c_before_the_first_step_stops_at_once_and_the_phases_are_shown(
+    tiny_pipeline: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """``train`` says what it does before its first step (loading the base, caching the dataset:
+    minutes on a 14B base, and it printed nothing); a Ctrl-C then stops at once, nothing being
+    trained (it waited for the load and the caching to end)."""
+    data = write_dataset(tmp_path / "data", count=300)  # caching takes seconds, room to press Ctrl-C
+    out = tmp_path / "runs" / "run"
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "engine", "train", "--base", str(tiny_pipeline("sdxl")), "--data", str(data),
+         *TINY, "--steps", "100000", "--output", str(out), "--runs-dir", str(tmp_path / "runs")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    seen: list[str] = []
+    try:
+        assert cli.stderr is not None
+        for line in cli.stderr:
+            seen.append(line)
+            if line.startswith("training: encoding the dataset"):
+                os.killpg(cli.pid, signal.SIGINT)
+                break
+        stdout, rest = cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+    stderr = "".join(seen) + rest
+    assert cli.returncode == 130, stderr[-3000:]
+    assert f"training: loading the base {tiny_pipeline('sdxl')}" in stderr
+    assert "stopping now: no step is trained yet" in stderr and "Traceback" not in stderr
+    record = json.loads((out / RECORD_NAME).read_text(encoding="utf-8"))
+    assert record["status"] == "stopped" and record["step"] == 0
+
+
 def assert_runs_show_and_rm(record: dict[str, object], home: Path) -> None:
     """``runs show`` lists config, metrics, samples and files; ``runs rm`` deletes the folder.
 
