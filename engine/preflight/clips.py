@@ -30,8 +30,8 @@ from typing import Any
 
 from PIL import Image
 
-#: The clip containers a dataset may hold.
-CLIP_EXTENSIONS: tuple[str, ...] = (".mp4", ".mov", ".mkv", ".webm", ".m4v", ".avi")
+from engine.requests.references import CLIP_EXTENSIONS
+
 #: Header caps, checked before decoding: no training clip is an hour long or 100k frames.
 MAX_CLIP_FRAMES = 100_000
 MAX_CLIP_SECONDS = 3600.0

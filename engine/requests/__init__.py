@@ -71,6 +71,7 @@ from engine.requests.inference import InferenceRequest, LoraPlanInput
 from engine.requests.loras import LoraChoice, LoraLike, lora_choices, parse_lora_arg
 from engine.requests.references import (
     ALLOW_DOWNLOAD_ENV,
+    CLIP_EXTENSIONS,
     IMAGE_EXTENSIONS,
     RUN_ADAPTER_FILES,
     download_allowed,
@@ -84,7 +85,7 @@ from engine.requests.training import InvalidConfig, LossWeighting, Optimizer, Tr
 
 __all__ = [
     "KeepAliveSeconds",
-    "ALLOW_DOWNLOAD_ENV", "default_datasets_dir", "ALL_CONTROLS", "IMAGE_EXTENSIONS", "RUN_ADAPTER_FILES", "is_hub_id", "looks_like_path", "Body", "Control", "Count", "FIELD_FLAGS", "GENERATE_CONTROLS",
+    "ALLOW_DOWNLOAD_ENV", "default_datasets_dir", "ALL_CONTROLS", "CLIP_EXTENSIONS", "IMAGE_EXTENSIONS", "RUN_ADAPTER_FILES", "is_hub_id", "looks_like_path", "Body", "Control", "Count", "FIELD_FLAGS", "GENERATE_CONTROLS",
     "GenerateBody", "Guidance", "InferenceRequest", "InvalidConfig", "LoraChoice", "LoraLike", "LoraPlanInput", "LoadBody", "LoraBody", "Loras", "LossWeighting",
     "MAX_COUNT", "MAX_LORAS", "MAX_PLAN_STEPS", "MAX_SEED", "MAX_SIDE", "MAX_STEPS", "MIN_SIDE",
     "MODEL_CONTROLS", "MachineRequest", "Name", "Optimizer", "PLAN_CONTROLS", "PLAN_FIELDS", "PLAN_KEY_FLAGS",

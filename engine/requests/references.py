@@ -32,6 +32,8 @@ EMA_FILE = "pytorch_lora_weights_ema.safetensors"
 RUN_ADAPTER_FILES: tuple[str, ...] = (RUN_LORA_FILE, EMA_FILE)
 #: The image files a dataset folder is read for.
 IMAGE_EXTENSIONS: tuple[str, ...] = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+#: The clip containers a dataset may hold.
+CLIP_EXTENSIONS: tuple[str, ...] = (".mp4", ".mov", ".mkv", ".webm", ".m4v", ".avi")
 
 
 def looks_like_path(text: str) -> bool:
@@ -67,7 +69,7 @@ def download_allowed(flag: bool = False) -> bool:
 
 
 __all__ = [
-    "ALLOW_DOWNLOAD_ENV", "EMA_FILE", "IMAGE_EXTENSIONS", "LORA_COMPONENT_KEY", "RUN_ADAPTER_FILES", "RUN_LORA_FILE",
+    "ALLOW_DOWNLOAD_ENV", "CLIP_EXTENSIONS", "EMA_FILE", "IMAGE_EXTENSIONS", "LORA_COMPONENT_KEY", "RUN_ADAPTER_FILES", "RUN_LORA_FILE",
     "SECOND_EXPERT_FOLDER",
     "download_allowed", "download_allowed_by_env", "is_hub_id", "looks_like_path",
 ]

@@ -21,7 +21,7 @@ from fastapi.responses import FileResponse
 from engine.errors import EngineError
 from engine.places import within
 from engine import Engine
-from engine.requests import IMAGE_EXTENSIONS, RUN_ADAPTER_FILES
+from engine.requests import RUN_ADAPTER_FILES
 from engine.server.settings import ServerSettings
 
 #: The most entries one listing returns (per root, per kind).
@@ -39,10 +39,10 @@ def browse_router(engine: Engine, settings: ServerSettings) -> APIRouter:
 
     @api.get("/roots")
     def roots() -> dict[str, Any]:
-        """Models (pipeline folders, single files), datasets (folders of images) and LoRAs under the roots."""
+        """Models (pipeline folders, single files), datasets (folders of images and clips) and LoRAs under the roots."""
         return {
             "models": [entry for root in settings.model_roots for entry in listed_models(engine, Path(root))],
-            "datasets": [entry for root in settings.dataset_roots for entry in _datasets(Path(root))],
+            "datasets": [entry for root in settings.dataset_roots for entry in _datasets(engine, Path(root))],
             "loras": [entry for root in settings.lora_roots for entry in _loras(Path(root))],
         }
 
@@ -134,12 +134,11 @@ def _family(engine: Engine, path: Path) -> dict[str, str | None]:
         return {"family": None, "problem": f"{error.code}: {error.message}"}
 
 
-def _datasets(root: Path) -> list[dict[str, Any]]:
+def _datasets(engine: Engine, root: Path) -> list[dict[str, Any]]:
     found = []
     for path in _children(root):
         if path.is_dir():
-            images = sum(1 for p in _children(path) if p.suffix.lower() in IMAGE_EXTENSIONS)
-            found.append({"name": path.name, "path": os.path.realpath(path), "images": images})
+            found.append({"name": path.name, "path": os.path.realpath(path), **engine.datasets.counts(path)})
     return found
 
 

@@ -83,7 +83,7 @@ class DatasetLibrary:
     # -- reading ----------------------------------------------------------------------
 
     def datasets(self) -> list[dict[str, object]]:
-        """Each dataset folder: name, path, image count, captioned count, and the run using it."""
+        """Each dataset folder: name, path, image and clip counts, captioned count, and the run using it."""
         found: dict[str, dict[str, object]] = {}
         for root in self.roots:
             if not root.is_dir():
@@ -93,9 +93,10 @@ class DatasetLibrary:
                     continue
                 if entry.is_dir():
                     images = self._images(entry)
+                    clips = sum(1 for image in images if image["kind"] == "clip")
                     found[entry.name] = {
-                        "name": entry.name, "path": str(entry.resolve()), "images": len(images),
-                        "captioned": sum(1 for image in images if image["caption"]),
+                        "name": entry.name, "path": str(entry.resolve()), "images": len(images) - clips,
+                        "clips": clips, "captioned": sum(1 for image in images if image["caption"]),
                         "in_use_by": self._in_use(entry.resolve()),
                     }
         return list(found.values())
@@ -314,6 +315,14 @@ class DatasetLibrary:
 
 #: What a dataset holds: images and clips (an image trains as a one-frame clip on a video family).
 MEDIA_EXTENSIONS: tuple[str, ...] = (*IMAGE_EXTENSIONS, *CLIP_EXTENSIONS)
+
+
+def media_counts(folder: Path) -> dict[str, int]:
+    """The images and clips under ``folder`` as a run finds them (confined, by name; nothing decoded)."""
+    files, _, _ = confined_files(folder)
+    suffixes = [path.suffix.lower() for path in files]
+    return {"images": sum(suffix in IMAGE_EXTENSIONS for suffix in suffixes),
+            "clips": sum(suffix in CLIP_EXTENSIONS for suffix in suffixes)}
 
 
 def _is_clip(path: Path, suffix: str | None = None) -> bool:

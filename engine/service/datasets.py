@@ -39,8 +39,14 @@ class Datasets:
         return self.list(roots=roots)
 
     def list(self, *, roots: Roots = None) -> list[dict[str, object]]:
-        """Each dataset folder under the roots: name, path, images, captioned, ``in_use_by``."""
+        """Each dataset folder under the roots: name, path, images, clips, captioned, ``in_use_by``."""
         return self._library(roots).datasets()
+
+    def counts(self, folder: Path | str) -> dict[str, int]:
+        """The images and clips a run on ``folder`` would find (by name: nothing is decoded)."""
+        from engine.service.dataset_library import media_counts
+
+        return media_counts(Path(folder))
 
     def get(self, name: str, *, roots: Roots = None) -> dict[str, object]:
         """One dataset's images, each with the caption a run would train with and its source."""

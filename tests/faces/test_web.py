@@ -17,7 +17,7 @@ from engine.hardware.probe import probe
 from engine.contract.plugins import load_registry
 from engine.server.app import ServerSettings, create_app
 from engine.service.facade import Engine
-from engine.testing.datasets import write_dataset
+from engine.testing.datasets import write_clip, write_clip_dataset, write_dataset
 from tests.support import HostModel, LiveServer
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -61,6 +61,7 @@ def site(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str]
     shutil.copytree(tiny_pipeline("flux"), models / "tiny-flux")
     shutil.copytree(tiny_pipeline("wan"), models / "tiny-wan")
     write_dataset(datasets / "shapes", count=2, size=64)
+    write_clip_dataset(datasets / "moving", clips=2, images=1, frames=9)
     corrupt = write_dataset(datasets / "corrupt", count=2, size=64)
     (corrupt / "zero.png").write_bytes(b"")
     # This machine, as when idle: what the page offers must not hang on what another test holds
@@ -381,6 +382,40 @@ def choose_dataset(page: object, name: str, *, images: int) -> None:
     page.select_option("#train-base", label="tiny-sdxl (sdxl)")  # type: ignore[attr-defined]
     page.wait_for_selector(f"#train-dataset option[value$='{name}']", state="attached")  # type: ignore[attr-defined]
     page.select_option("#train-dataset", label=f"{name} ({images} images)")  # type: ignore[attr-defined]
+
+
+def test_clips_are_counted_framed_and_uploaded_from_the_page(
+    site: Site, open_page: Callable[..., Watched], tmp_path: Path
+) -> None:
+    """A folder of clips is "2 clips, 1 image" on the Train page (it said "0 images"), the
+    Frames field reaches the run's plan, and the Datasets picker takes an MP4 (it took images only)."""
+    watched = open_page()
+    page = signed_in(site, watched)
+    tab(page, "train")
+    pick(page, "#train-base", site.roots / "models" / "tiny-wan")
+    page.wait_for_selector("#train-dataset option[value$='moving']", state="attached")  # type: ignore[attr-defined]
+    page.select_option("#train-dataset", label="moving (2 clips, 1 image)")  # type: ignore[attr-defined]
+    page.fill("#train-resolution", "64")  # type: ignore[attr-defined]
+    page.fill("#train-frames", "5")  # type: ignore[attr-defined]
+    page.select_option("#train-device", "cpu")  # type: ignore[attr-defined]
+    with page.expect_request(lambda r: r.url.endswith("/v1/training/plan")) as asked:  # type: ignore[attr-defined]
+        page.click("#train-check")  # type: ignore[attr-defined]
+    assert asked.value.post_data_json["frames"] == 5
+    page.wait_for_selector("#train-verdict:not([hidden])")  # type: ignore[attr-defined]
+    verdict = page.inner_text("#train-verdict")  # type: ignore[attr-defined]
+    assert "2 clips, 1 image in" in verdict and "each clip trains as 5 frames at 24" in verdict
+    write_clip(tmp_path / "slide.mp4", frames=9, size=(64, 48))
+    tab(page, "datasets")
+    page.wait_for_selector("#ds-list button[data-dataset=moving]")  # type: ignore[attr-defined]
+    assert "2 clips, 1 image" in page.inner_text("#ds-list")  # type: ignore[attr-defined]
+    page.click("#ds-list button[data-dataset=moving]")  # type: ignore[attr-defined]
+    page.set_input_files("#ds-files", [str(tmp_path / "slide.mp4")])  # type: ignore[attr-defined]
+    page.click("#ds-upload button[type=submit]")  # type: ignore[attr-defined]
+    page.wait_for_selector('#ds-images figure[data-image="slide.mp4"]')  # type: ignore[attr-defined]
+    assert "s clip)" in page.inner_text('#ds-images figure[data-image="slide.mp4"]')  # type: ignore[attr-defined]
+    assert "3 clips, 1 image" in page.inner_text("#ds-state")  # type: ignore[attr-defined]
+    assert page.get_attribute("#ds-files", "accept").count("video/*") == 1  # type: ignore[attr-defined]
+    assert watched.errors == []
 
 
 def test_a_doomed_start_names_the_bad_file_and_evicts_nothing(site: Site, open_page: Callable[..., Watched]) -> None:

@@ -40,6 +40,15 @@ async function api(method, path, body) {
 }
 
 /** A path under a prefix, each part encoded (a run's file, a dataset's image). */
+const plural = (count, word) => `${count} ${word}${count === 1 ? "" : "s"}`;
+
+/** A dataset's contents as words: "2 clips, 1 image" (clips named only where there are some). */
+function mediaCount(dataset) {
+  const clips = dataset.clips || 0;
+  return [clips ? plural(clips, "clip") : null, dataset.images || !clips ? plural(dataset.images, "image") : null]
+    .filter(Boolean).join(", ");
+}
+
 function encodedPath(prefix, relative) { return `${prefix}/${relative.split("/").map(encodeURIComponent).join("/")}`; }
 
 /** A run's file as an object URL (the route needs the token, so a plain link cannot fetch it). */

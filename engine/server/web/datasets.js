@@ -1,11 +1,9 @@
-// diffusion-engine web page, part 4 of 7: the Datasets page (list, upload, caption, delete).
+// diffusion-engine web page, part 4 of 7: the Datasets page (list, upload, caption, delete): images and clips.
 // Captions are what a run trains with, written where the trainer reads them; a dataset a run is
 // using refuses every change (409 dataset_in_use), shown with its code like any other error.
 "use strict";
 
 const THUMBNAIL_PX = 256;
-
-const plural = (count, word) => `${count} ${word}${count === 1 ? "" : "s"}`;
 
 function datasetPath(name, ...rest) {
   return [`/v1/datasets/${encodeURIComponent(name)}`, ...rest].join("/");
@@ -16,7 +14,7 @@ async function loadDatasets() {
     const datasets = await api("GET", "/v1/datasets");
     $("#ds-list").replaceChildren(...(datasets.length ? datasets.map((d) => el("li", {},
       el("button", { type: "button", "data-dataset": d.name, text: d.name, onclick: () => openDataset(d.name) }),
-      " ", el("span", { class: "muted", text: `${plural(d.images, "image")}, ${d.captioned} captioned` }),
+      " ", el("span", { class: "muted", text: `${mediaCount(d)}, ${d.captioned} captioned` }),
       d.in_use_by ? el("span", { class: "bad", text: ` in use by run ${d.in_use_by}` }) : null,
     )) : [el("li", { class: "muted", text: "none yet: create one below" })]));
     if (state.dataset) await openDataset(state.dataset);
@@ -29,10 +27,11 @@ async function openDataset(name) {
     state.dataset = name;
     $("#ds-view").hidden = false;
     $("#ds-name").textContent = name;
-    $("#ds-state").textContent = plural(dataset.count, "image") + (dataset.in_use_by
+    const clips = dataset.images.filter((item) => item.kind === "clip").length;
+    $("#ds-state").textContent = mediaCount({ images: dataset.count - clips, clips }) + (dataset.in_use_by
       ? `; run ${dataset.in_use_by} is training on it: changes wait until it has finished` : "");
     $("#ds-images").replaceChildren(...(dataset.images.length ? dataset.images.map((image) => imageCard(name, image))
-      : [el("p", { class: "muted", text: "No images yet: upload some above." })]));
+      : [el("p", { class: "muted", text: "No images or clips yet: upload some above." })]));
   });
 }
 
@@ -56,7 +55,8 @@ function imageCard(name, image) {
     await loadDatasets();
   }) });
   return el("figure", { "data-image": image.image }, picture,
-    el("figcaption", {}, el("div", { text: `${image.image} (${image.width}x${image.height})` }),
+    el("figcaption", {}, el("div", { text: `${image.image} (${image.width}x${image.height}`
+      + (image.kind === "clip" ? `, a ${Number(image.seconds || 0).toFixed(1)} s clip)` : ")") }),
       image.problem ? el("div", { class: "bad", text: image.problem }) : null, caption, source,
       el("div", { class: "row" }, save, remove)));
 }
@@ -68,7 +68,7 @@ async function newDataset(event) {
   $("#ds-view").hidden = false;
   $("#ds-name").textContent = name;
   $("#ds-state").textContent = "new: it is created with its first upload";
-  $("#ds-images").replaceChildren(el("p", { class: "muted", text: "No images yet: upload some above." }));
+  $("#ds-images").replaceChildren(el("p", { class: "muted", text: "No images or clips yet: upload some above." }));
 }
 
 async function uploadImages(event) {

@@ -8,7 +8,7 @@ async function loadTrain() {
   await guarded(page, async () => {
     const found = await roots(true);
     fillSelect($("#train-base"), found.models.filter((m) => m.kind === "pipeline"), (m) => `${m.name} (${m.family || "unknown family"})`);
-    fillSelect($("#train-dataset"), found.datasets, (d) => `${d.name} (${d.images} images)`);
+    fillSelect($("#train-dataset"), found.datasets, (d) => `${d.name} (${mediaCount(d)})`);
     const info = await latestTrainingInfo();
     if (info) { state.trainInfo = info; precisionChoices(); }
   });
@@ -66,6 +66,8 @@ function trainingBody() {
   const body = { base_model: $("#train-base").value, dataset_dir: $("#train-dataset").value, steps: Number($("#train-steps").value),
     resolution: Number($("#train-resolution").value), lora_rank: Number($("#train-rank").value), device: $("#train-device").value,
     base_precision: precision ? precision.value : "auto" };
+  const frames = Number($("#train-frames").value);
+  if (frames) body.frames = frames;  // a clip window; left blank, the family's own
   const sample = $("#train-sample-prompt").value.trim();
   if (sample) Object.assign(body, { sample_prompts: [sample], sample_every: Number($("#train-sample-every").value),
     sample_steps: Number($("#train-sample-steps").value) });
@@ -82,7 +84,8 @@ async function dryRun() {
     el("h3", { text: "Memory" }),
     table(["part", "value"], Object.entries(estimate).map(([k, v]) => [k, v])),
     el("h3", { text: "Dataset" }),
-    el("p", { text: `${data.images} images in ${data.root}` }),
+    el("p", { text: `${mediaCount(data)} in ${data.root}` + (data.window
+      ? `; each clip trains as ${data.window.frames} frames at ${data.window.fps} fps` : "") }),
     data.warnings.length ? el("ul", {}, data.warnings.map((w) => el("li", { class: "muted", text: w }))) : el("p", { class: "muted", text: "no problems found" }),
     el("h3", { text: "Decisions" }), resolvedTable(plan.resolved));
   box.hidden = false;
