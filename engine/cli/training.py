@@ -150,6 +150,8 @@ def _print_training_plan(plan) -> None:  # type: ignore[no-untyped-def]
                ("base_precision", "weight_dtype", "compile", "gradient_checkpointing")]
     if plan.expert is not None:
         decided.append(("expert", plan.expert))
+    if plan.trained_base is not None:
+        decided.append(("base", plan.trained_base))
     if plan.levers is not None:
         decided += [(name, getattr(plan.levers, name)) for name in plan.levers.__dataclass_fields__]
     for name, resolved in decided:

@@ -123,6 +123,11 @@ class Checkpoint:
     #: The hub revision (branch, tag or commit) it is, where checkpoints share one repo's
     #: folders across revisions; None: the repo's default branch. (Plugin API 2.)
     revision: str | None = None
+    #: The checkpoint (its ``name``) LoRAs for this one are trained on, where that is another: a
+    #: step-distilled model's undistilled base (the full schedule and real CFG a trainer needs).
+    #: A training run asked for this checkpoint by hub id or name takes that one instead, and
+    #: says so; a local folder of it trains as given, with the same words. (Plugin API 2.)
+    trained_on: str | None = None
 
     @property
     def reference(self) -> str:

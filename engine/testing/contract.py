@@ -106,6 +106,11 @@ class FamilyContract:
             assert checkpoint.default_guidance >= 0
             # Checkpoints may share one repo (a subfolder or revision apart): each is named alone by its reference.
             assert family.checkpoint(checkpoint.reference) == checkpoint, checkpoint.reference
+            if checkpoint.trained_on:  # a distilled model's LoRAs train on a checkpoint of the table
+                target = family.checkpoint(checkpoint.trained_on)
+                assert target is not None and target.name == checkpoint.trained_on, (
+                    f"{checkpoint.name}: trained_on {checkpoint.trained_on!r} names no checkpoint of {family.name}")
+                assert target.trained_on is None, f"{target.name} trains on itself, not on a third checkpoint"
         assert family.training.dense_gb > 0
         assert family.lora.targets
         assert all(reason for _, reason in family.precision.fp16_unsafe), (

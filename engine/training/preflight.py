@@ -73,6 +73,9 @@ class TrainingPlan:
     window: ClipWindow | None = None
     #: A two-expert base's trained expert(s) (:mod:`engine.training.video_plan`); None: one denoiser.
     expert: Resolved[ExpertChoice] | None = None
+    #: The base trained on where it is not the one named (a distilled model's base), or the note
+    #: that a local distilled folder trains as given; None: the base named, nothing to say.
+    trained_base: Resolved[str] | None = None
 
     @property
     def trained_components(self) -> tuple[str, ...]:
@@ -107,6 +110,7 @@ class TrainingPlan:
                 "weight_dtype": self.weight_dtype.to_dict(),
                 "compile": self.compile.to_dict(),
                 "gradient_checkpointing": self.gradient_checkpointing.to_dict(),
+                **({"base": self.trained_base.to_dict()} if self.trained_base else {}),
                 **(self.levers.to_dict() if self.levers else {}),
             },
             "dataset": self.dataset.to_dict(),
@@ -174,7 +178,10 @@ def _planned(
     available = available or available_memory(hardware)
     hardware = available.apply(hardware)
     devices = rank_devices(config, hardware)  # --gpus N: N devices, each checked below
-    family, base = _family_and_base(registry, config, hardware, resolved, allow_download=allow_download, fetch=fetch)
+    family, base, trained_base = _family_and_base(registry, config, hardware, resolved,
+                                                  allow_download=allow_download, fetch=fetch)
+    if trained_base is not None and base.kind == "hub":  # the run, its record and config.toml name it
+        config = config.model_copy(update={"base_model": base.location})
     config = _anchored(config, base)
     objective = registry.training_objective(family)
     if objective is None:
@@ -233,6 +240,7 @@ def _planned(
         ),
         window=window,
         expert=expert,
+        trained_base=trained_base,
     )
 
 
@@ -254,9 +262,10 @@ def _resolved(registry: Registry, config: TrainingConfig) -> ModelSource | None:
 def _family_and_base(
     registry: Registry, config: TrainingConfig, hardware: HardwareProfile, resolved: ModelSource | None,
     *, allow_download: bool, fetch: bool,
-) -> tuple[FamilySpec, ModelSource]:
+) -> tuple[FamilySpec, ModelSource, Resolved[str] | None]:
     """The family (checked against the precision rules as soon as it is known, before the
-    base is resolved when the config names it) and the base, which must be a pipeline."""
+    base is resolved when the config names it), the base, which must be a pipeline, and the
+    decision that trains on another base than the one named (or None)."""
     family = registry.family(config.family) if config.family else None
     if family is not None:
         _precision_check(registry, family, config, hardware)
@@ -270,8 +279,26 @@ def _family_and_base(
             "needs a diffusers pipeline folder (with model_index.json) or a hub repo id",
             code="not_a_pipeline",
         )
+    base, trained_base = _trained_base(registry, family, base)
     _base_check(base, config.lora_targets or family.lora.targets, allow_download=allow_download, fetch=fetch)
-    return family, base
+    return family, base, trained_base
+
+
+def _trained_base(registry: Registry, family: FamilySpec, base: ModelSource) -> tuple[ModelSource, Resolved[str] | None]:
+    """The base a run trains on: a checkpoint whose LoRAs train on another (a step-distilled
+    model's undistilled base, by its table's ``trained_on``) is swapped for it when named by hub
+    id or name; a local folder of it trains as given. The decision and its reason, or None."""
+    asked = base.checkpoint
+    target = family.checkpoint(asked.trained_on) if asked is not None and asked.trained_on else None
+    if asked is None or target is None:
+        return base, None
+    why = (f"{asked.label} is step-distilled: its LoRAs train on {target.label} ({target.reference}), the "
+           "undistilled model with the full schedule and real guidance, and apply to "
+           f"{asked.label} as trained")
+    if base.kind != "hub":
+        return base, auto(base.location, f"trains on the folder as given, though {why}; pass --base "
+                          f"{target.reference} to train on that")
+    return resolve_model(registry, target.reference, family=family.name), auto(target.reference, why)
 
 
 def _ignored_precision(family: FamilySpec, asked: str) -> Resolved[str]:

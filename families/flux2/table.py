@@ -50,6 +50,8 @@ def _klein(params: str, sizes: ComponentSizes, *, base: bool, also: tuple[str, .
         sizes=sizes,
         reference_images=KLEIN_REFERENCES,
         min_image_side=MIN_IMAGE_SIDE,
+        # BFL: LoRAs train on the undistilled base and apply to the distilled model.
+        trained_on=None if base else f"flux.2-klein-base-{params}",
     )
 
 

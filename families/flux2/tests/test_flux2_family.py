@@ -410,3 +410,34 @@ def test_over_http_a_small_reference_is_refused_before_a_job_is_queued(
             assert httpx.get(f"{url}/v1/images/jobs").json()["jobs"] == []
     finally:
         engine.images.unload()
+
+
+@pytest.mark.slow
+def test_klein_trains_on_its_base_and_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``train --base FLUX.2-klein-4B`` (the 4-step distilled model) trains on klein Base 4B, as
+    the table's note says LoRAs do, and the plan names the swap (it trained the distilled model
+    silently); a local distilled folder trains as given, told how to train on the base; the base
+    itself is trained as named."""
+    import json
+
+    from engine.cli import main
+    from engine.testing.datasets import write_dataset
+    from families.flux2.tiny import build_tiny_pipeline
+
+    data = write_dataset(tmp_path / "data", count=2)
+
+    def dry_run(base: str, *extra: str) -> dict[str, object]:
+        status = main(["train", "--base", base, "--data", str(data), "--dry-run", "--json", "--runs-dir",
+                       str(tmp_path / "runs"), *extra])
+        out, err = capsys.readouterr()
+        assert status == 0, err
+        return json.loads(out)["plan"]  # type: ignore[no-any-return]
+
+    swapped = dry_run("black-forest-labs/FLUX.2-klein-4B", "--hardware", "rtx4090")
+    base = swapped["resolved"]["base"]  # type: ignore[index]
+    assert base["value"] == "black-forest-labs/FLUX.2-klein-base-4B" and "step-distilled" in base["reason"]
+    assert swapped["base"]["location"] == "black-forest-labs/FLUX.2-klein-base-4B"  # type: ignore[index]
+    assert "base" not in dry_run("black-forest-labs/FLUX.2-klein-base-4B", "--hardware", "rtx4090")["resolved"]  # type: ignore[operator]
+    folder = build_tiny_pipeline(tmp_path / "flux.2-klein-tiny")
+    local = dry_run(str(folder), "--device", "cpu", "--resolution", "64")["resolved"]["base"]  # type: ignore[index]
+    assert local["value"] == str(folder) and "--base black-forest-labs/FLUX.2-klein-base-4B" in local["reason"]
