@@ -27,7 +27,7 @@ runs everything else: :class:`~engine.runtime.session.InferenceSession`
 flags), :func:`~engine.training.trainer.run_training` (LoRA, base precision
 via ``place_base``, SDPA pinning, compile, the loop), the family's
 ``predict``. Two seams are replaced because they read a pipeline from disk:
-the session's ``_load_pipeline`` and the trainer's ``_load_pipeline`` /
+the session's ``_load_pipeline`` and the trainer's ``load_base`` /
 ``_cache_inputs``; the static-compile case replaces the trainer's
 ``_compiled`` (the engine always compiles with ``dynamic=True``).
 
@@ -1202,7 +1202,7 @@ def _trainer_seams(case: Case, bench: BenchModel) -> dict[str, Callable[..., Any
 
         return latents, conditioning, _Captions([[0]] * len(_plan.dataset.items), None)  # one prompt row
 
-    seams: dict[str, Callable[..., Any]] = {"_load_pipeline": load_pipeline, "cache_inputs": cache_inputs}
+    seams: dict[str, Callable[..., Any]] = {"load_base": load_pipeline, "cache_inputs": cache_inputs}
     if case.static_shapes:
         def compiled_static(_plan: Any, denoiser: torch.nn.Module) -> torch.nn.Module:
             regions = set(_plan.family.speed.compile_regions)

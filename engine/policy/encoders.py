@@ -19,9 +19,11 @@ it runs as layerwise fp8 and the record says fp8 is the effective mode.
 CPU, MPS and older cards, where the family's table denies it, or where the
 encoders are too small to be worth it.
 
-``text_encoder_memory`` (resident / streamed): whether the encoders stay
-beside the denoiser or are loaded, run and freed for every prompt, so the
-denoiser can stay resident on a card that cannot hold both.
+``text_encoder_memory`` (resident / streamed / host): whether the encoders stay
+beside the denoiser, are loaded, run and freed for every prompt, so the
+denoiser can stay resident on a card that cannot hold both, or stay in host
+memory and run on the CPU, where they do not fit the card even alone (a T4's
+fp32 UMT5, 22.8 GB, beside a 5.7 GB fp32 video denoiser).
 
 Pre-cast encoders: a text encoder downloaded already cast (a T5-XXL stored
 in ``float8_e4m3fn``, the file people fetch instead of the dense one) is
@@ -263,16 +265,22 @@ def resolve_text_encoder_memory(
     alone = Components(0.0, 0.0, parts.text_encoders_gb, 0.0)
     if requested == "resident":
         return explicit("resident", "the encoders stay loaded, as asked"), mode
-    if requested == "streamed":
+    one_pool = hardware.vendor == "cpu" or hardware.unified_memory
+    if requested in ("streamed", "host"):
+        if one_pool and requested == "host":
+            return explicit("resident", "one memory pool: the encoders are in host memory already",
+                            requested="host"), mode
         rest = plan_memory(without, hardware, "auto", thresholds)
         if mode[0].source == "explicit" and mode[0].value != "resident":
-            return explicit("resident", f"streamed encoders need the rest of the pipeline resident; "
-                            f"memory={mode[0].value} was asked", requested="streamed"), mode
+            return explicit("resident", f"{requested} encoders need the rest of the pipeline resident; "
+                            f"memory={mode[0].value} was asked", requested=requested), mode
         if rest[0].value != "resident":
-            return explicit("resident", f"streamed encoders need the rest of the pipeline resident, which "
-                            f"does not fit ({rest[0].reason})", requested="streamed"), mode
-        return explicit("streamed", f"loaded, run and freed for every prompt, as asked; the rest: {rest[0].reason}"), rest
-    if hardware.vendor == "cpu" or hardware.unified_memory:
+            return explicit("resident", f"{requested} encoders need the rest of the pipeline resident, which "
+                            f"does not fit ({rest[0].reason})", requested=requested), mode
+        done = ("loaded, run and freed for every prompt" if requested == "streamed"
+                else "kept in host memory and run on the CPU for every prompt")
+        return explicit(requested, f"{done}, as asked; the rest: {rest[0].reason}"), rest
+    if one_pool:
         return auto("resident", "one memory pool: freeing the encoders after each prompt gains nothing"), mode
     if mode[0].value == "resident":
         return auto("resident", "the whole pipeline fits resident"), mode
@@ -285,6 +293,14 @@ def resolve_text_encoder_memory(
             f"the encoders ({parts.text_encoders_gb:.1f} GB) do not fit beside the denoiser "
             f"({parts.transformer_gb:.1f} GB), which fits resident without them: they are loaded, "
             "run and freed for every prompt, and the denoiser is never offloaded",
+        ), rest
+    if rest[0].value == "resident":  # the encoders do not fit the card even alone: they stay on the host
+        return auto(
+            "host",
+            f"the encoders ({parts.text_encoders_gb:.1f} GB) do not fit the card even alone "
+            f"({thresholds.resident_fraction:g} x its {own[1].budget_gb:.1f} GB budget); they stay in host "
+            "memory and run on the CPU once per prompt, and the "
+            f"denoiser ({parts.transformer_gb:.1f} GB) stays resident on the card, never streamed",
         ), rest
     return auto("resident", f"streaming would not make the denoiser resident ({mode[0].value} either way)"), mode
 

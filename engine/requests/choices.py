@@ -24,7 +24,7 @@ SPEED_REQUESTS: tuple[str, ...] = ("auto", *SPEED_TIERS)
 STEP_CACHES: tuple[str, ...] = ("auto", "off", "fbcache")
 COMPILE_REQUESTS: tuple[str, ...] = ("auto", "on", "off")
 TEXT_ENCODER_QUANT_REQUESTS: tuple[str, ...] = ("auto", *ENCODER_SCHEMES)
-TEXT_ENCODER_MEMORY_REQUESTS: tuple[str, ...] = ("auto", "resident", "streamed")
+TEXT_ENCODER_MEMORY_REQUESTS: tuple[str, ...] = ("auto", "resident", "streamed", "host")
 VAE_TILING_REQUESTS: tuple[str, ...] = ("auto", "on", "off")
 #: Where a training run computes.
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")

@@ -106,8 +106,8 @@ PLAN_CONTROLS: tuple[Control, ...] = (
     Control("speed", "--speed", "speed tier", PLAN, "auto", SPEED_REQUESTS, plan_key="speed_tier"),
     Control("text_encoder_quant", "--text-encoder-quant", "text-encoder weights", PLAN, "auto",
             TEXT_ENCODER_QUANT_REQUESTS, plan_key="text_encoder_quant"),
-    Control("text_encoder_memory", "--text-encoder-memory", "text encoders kept resident, or streamed "
-            "(load, encode, free)", PLAN, "auto", TEXT_ENCODER_MEMORY_REQUESTS, plan_key="text_encoder_memory"),
+    Control("text_encoder_memory", "--text-encoder-memory", "text encoders kept resident, streamed "
+            "(load, encode, free), or on the host (run on the CPU)", PLAN, "auto", TEXT_ENCODER_MEMORY_REQUESTS, plan_key="text_encoder_memory"),
     Control("vae_tiling", "--vae-tiling", "decode in tiles (auto: above the size the plan names)", PLAN,
             "auto", VAE_TILING_REQUESTS, plan_key="vae_tiling"),
     Control("threads", "--threads", "CPU threads (default: the engine's choice)", PLAN, None,

@@ -223,6 +223,12 @@ class PipelineLoading:
                 if isinstance(component, torch.nn.Module) and name not in self.encoder_stream.names:
                     quantize.move_to(component, device, f"the {name}")
             return
+        if resident(plan) and plan.value("text_encoder_memory") == "host":
+            for name, component in pipe.components.items():
+                if isinstance(component, torch.nn.Module) and not name.startswith(text_encoders.ENCODER_PREFIX):
+                    quantize.move_to(component, device, f"the {name}")
+            text_encoders.keep_on_host(pipe, device)  # the encoders do not fit the card even alone
+            return
         if resident(plan):
             quantize.move_to(pipe, device, "the pipeline")
             return

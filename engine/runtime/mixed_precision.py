@@ -47,9 +47,9 @@ def align_components(pipe: Any, denoisers: list[torch.nn.Module], plan: Any) -> 
 
 def _dtype_of(module: torch.nn.Module) -> torch.dtype:
     """The dtype ``module`` computes in: a diffusers model's own answer (it passes over the
-    parts the model keeps in fp32, such as Wan's time embedder and norms, and reads a layerwise
+    parts the model keeps in fp32, such as a video DiT's time embedder and norms, and reads a layerwise
     cast's compute dtype), else the dtype of most of its floating weights. The first parameter's
-    dtype would be Wan's fp32 time embedder, and the bf16 blocks would get fp32 latents."""
+    dtype would be that fp32 time embedder's, and the bf16 blocks would get fp32 latents."""
     declared = getattr(module, "dtype", None)
     if isinstance(declared, torch.dtype):
         return declared

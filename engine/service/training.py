@@ -70,7 +70,7 @@ class Training:
             return {f.name: training_info(self._registry, f, hardware, device=device).to_dict()  # type: ignore[arg-type]
                     for f in self._registry.families.values()}
         from engine.preflight.model import resolve_model
-        from engine.training.preflight import memory_request
+        from engine.training.run_memory import memory_request
 
         config = TrainingConfig.from_data({"base_model": base_model, "dataset_dir": ".",
                                            **({"resolution": resolution} if resolution is not None else {})})

@@ -9,7 +9,7 @@ never re-decides anything.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,8 +26,9 @@ from engine.policy.training import (
     training_device,
     training_precision_preflight_error,
 )
-from engine.policy.training_memory import BaseFacts, TrainingMemoryEstimate, TrainingShape
+from engine.policy.training_memory import TrainingMemoryEstimate
 from engine.preflight.dataset import DatasetReport, discover_dataset
+from engine.training.run_memory import held_denoisers, memory_request, training_shape
 from engine.preflight.hub import weights_report
 from engine.preflight.model import ModelSource, hub_access_error, lora_target_error, resolve_model
 from engine.training.buckets import BucketPlan, plan_buckets
@@ -332,52 +333,6 @@ def _anchored(config: TrainingConfig, base: ModelSource) -> TrainingConfig:
     return config.model_copy(update=update)
 
 
-def _shape(config: TrainingConfig, frames: int | None = None) -> TrainingShape:
-    return TrainingShape(
-        frames=frames or config.frames or 1,
-        resolution=config.resolution,
-        batch_size=config.batch_size,
-        lora_rank=config.lora_rank,
-        gradient_checkpointing=config.gradient_checkpointing,
-        lora_targets=config.lora_targets,
-    )
-
-
-def held_denoisers(family: FamilySpec, expert: ExpertChoice | None, *, samples: bool) -> tuple[str, ...]:
-    """The denoisers a run holds: the one, or the experts trained (both when samples are rendered)."""
-    if expert is None:
-        return (family.pipeline.denoiser,)
-    return (family.pipeline.denoiser, *family.pipeline.experts) if samples else expert.components
-
-
-def memory_request(
-    registry: Registry, family: FamilySpec, base: ModelSource, config: TrainingConfig, *, frames: int | None = None,
-    expert: ExpertChoice | None = None,
-) -> MemoryRequest:
-    """The estimate's inputs: the base's own header sizes where it has them; ``frames``: the
-    longest example's (a clip's window; 1 for images). A two-expert base's experts are loaded
-    after the captions are cached, and a one-expert run holds its expert alone (the other only
-    for samples): its share of the base's denoiser weights (the experts are alike in size)."""
-    shape = _shape(config, frames)
-    measured = base.measured_sizes
-    if measured is not None and measured.transformer_gb > 0:
-        request = MemoryRequest(BaseFacts(
-            measured.transformer_gb, measured.text_encoders_gb, measured.vae_gb,
-            source="file headers", shapes=base.denoiser_shapes,
-        ), shape)
-    else:
-        request = MemoryRequest.from_table(family, shape, registry.component_sizes(family, base.checkpoint))
-    if expert is None:
-        return request
-    every = 1 + len(family.pipeline.experts)
-    held = len(held_denoisers(family, expert, samples=bool(config.sample_prompts)))
-    facts = request.base
-    if held < every:
-        facts = replace(facts, dense_gb=facts.dense_gb * held / every,
-                        source=f"{facts.source}, the {expert.name}-noise expert alone")
-    return replace(request, base=replace(facts, loaded_after_caching=True))
-
-
 def _precision_check(
     registry: Registry,
     family: FamilySpec,
@@ -400,7 +355,7 @@ def _precision_check(
     error = training_precision_preflight_error(
         registry, family, hardware, config.base_precision,
         base_repo=config.base_model, device=config.device, mixed_precision=config.mixed_precision,
-        memory=memory or MemoryRequest.from_table(family, _shape(config)),
+        memory=memory or MemoryRequest.from_table(family, training_shape(config)),
         resolved=mode or explicit_mode, rules_only=early and explicit_mode is None,
     )
     if error is not None and not (early and isinstance(error, InsufficientMemory)):

@@ -17,7 +17,6 @@ and syncs gradients, stops and the loss.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from engine.runtime import flags
 from engine.training.precision import check_this_machine, pinned_sdpa, place_base, rms_norm_patch
 from engine.training.buckets import epoch_batches
 from engine.training.captions import CaptionOptions
+from engine.training.base_loading import load_base, load_denoisers
 from engine.training.inputs import Captions, cache_inputs, prompt_row
 from engine.contract.plugins import Registry, load_registry
 from engine.training import levers
@@ -152,7 +152,7 @@ def _set_up(plan: TrainingPlan, emit: Emit, should_stop: StopCheck, registry: Re
     if plan.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     emit({"type": "phase", "phase": "loading", "message": f"loading {plan.base.location}"})
-    pipe = _load_pipeline(plan, dtype)
+    pipe = load_base(plan, dtype)
     _check_stop(should_stop)
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
@@ -163,7 +163,7 @@ def _set_up(plan: TrainingPlan, emit: Emit, should_stop: StopCheck, registry: Re
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module) and name not in plan.trained_components:
             component.to("cpu")  # the encoders are done: give their memory back
-    _load_denoisers(plan, pipe, dtype)
+    load_denoisers(plan, pipe, dtype)
     _check_stop(should_stop)
     trained = {name: getattr(pipe, name) for name in plan.trained_components}
     placement = None
@@ -289,72 +289,6 @@ def _grad_scaler(plan: TrainingPlan) -> torch.amp.GradScaler:
     overflow, and the LoRA silently turns NaN (a black image). Off (a no-op) otherwise."""
     fp16 = plan.weight_dtype.value == "fp16" or plan.config.mixed_precision == "fp16"
     return torch.amp.GradScaler(plan.device, enabled=fp16)
-
-
-def _load_pipeline(plan: TrainingPlan, dtype: torch.dtype) -> Any:
-    """The base pipeline, its processors built as the inference load builds them (an edit
-    model's without the video part torchvision would build: :mod:`engine.runtime.processors`)."""
-    import diffusers
-
-    from engine.runtime.processors import pipeline_processors
-
-    components: dict[str, Any] = dict(pipeline_processors(plan.base.location))
-    if plan.expert is not None:  # loaded after the captions are cached (_load_denoisers)
-        pipe = _pipeline_without(plan.base.location, (plan.family.pipeline.denoiser, *plan.family.pipeline.experts),
-                                 dtype, components)
-    else:
-        if plan.base_precision.value == "nf4":
-            components[plan.family.pipeline.denoiser] = _denoiser(plan, plan.family.pipeline.denoiser, dtype)
-        pipe = diffusers.DiffusionPipeline.from_pretrained(plan.base.location, dtype=dtype, **components)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _pipeline_without(location: str, left_out: tuple[str, ...], dtype: torch.dtype, given: dict[str, Any]) -> Any:
-    """The pipeline with the ``left_out`` components None and the rest loaded as diffusers loads
-    them, one by one from the index: its ``from_pretrained`` loads an optional component (Wan's
-    experts) even when it is passed None."""
-    import diffusers
-
-    index = diffusers.DiffusionPipeline.load_config(location)
-    parts = dict(given)
-    for name, entry in index.items():
-        if name.startswith("_") or name in parts:
-            continue
-        if not isinstance(entry, list):  # a pipeline setting (Wan's boundary_ratio)
-            parts[name] = entry
-            continue
-        library, class_name = entry
-        if name in left_out or class_name is None:
-            parts[name] = None
-            continue
-        loader = getattr(importlib.import_module(library), class_name)
-        options = {"dtype": dtype} if issubclass(loader, torch.nn.Module) else {}
-        parts[name] = loader.from_pretrained(location, subfolder=name, **options)
-    return getattr(diffusers, index["_class_name"])(**parts)
-
-
-def _denoiser(plan: TrainingPlan, name: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The base's denoiser ``name`` (an nf4 one quantised by bitsandbytes as it loads), frozen."""
-    import diffusers
-
-    config = diffusers.DiffusionPipeline.load_config(plan.base.location)
-    options: dict[str, Any] = {}
-    if plan.base_precision.value == "nf4":
-        from engine.runtime.quantize import nf4_config
-
-        options["quantization_config"] = nf4_config(dtype)
-    module: torch.nn.Module = getattr(diffusers, config[name][1]).from_pretrained(
-        plan.base.location, subfolder=name, dtype=dtype, **options)
-    return module.requires_grad_(False)
-
-
-def _load_denoisers(plan: TrainingPlan, pipe: Any, dtype: torch.dtype) -> None:
-    """A two-expert base's experts, once the encoders are off the device: those trained, and a
-    one-expert run's other expert only for its samples (never beside the encoders while caching)."""
-    if plan.expert is None:
-        return
-    pipe.register_modules(**{name: _denoiser(plan, name, dtype) for name in plan.loaded_denoisers})
 
 
 def _add_lora(plan: TrainingPlan, denoiser: torch.nn.Module, registry: Registry) -> str:

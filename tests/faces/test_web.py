@@ -143,7 +143,8 @@ def test_the_page_is_public_and_every_api_call_needs_the_token(site: Site) -> No
     auth = {"Authorization": f"Bearer {TOKEN}"}
     roots = httpx.get(f"{site.url}/v1/roots", headers=auth).json()
     assert sorted(m["family"] for m in roots["models"]) == ["flux", "sdxl", "wan"]
-    assert {d["name"]: d["images"] for d in roots["datasets"]} == {"corrupt": 3, "shapes": 2}
+    assert {d["name"]: (d["images"], d["clips"]) for d in roots["datasets"]} == {
+        "corrupt": (3, 0), "shapes": (2, 0), "moving": (1, 2)}
     # The dry run over HTTP: the plan a start would run, or its refusal, with nothing loaded or evicted.
     body = {"base_model": "tiny-sdxl", "dataset_dir": "shapes", "resolution": 64, "steps": 2, "device": "cpu"}
     dry = httpx.post(f"{site.url}/v1/training/plan", json=body, headers=auth, timeout=60)

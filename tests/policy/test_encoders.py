@@ -109,6 +109,33 @@ def test_streaming_is_refused_beside_an_offloaded_denoiser() -> None:
     assert asked.value("memory_mode") == "model_offload"
 
 
+def test_host_encoders_are_asked_for_on_a_card_and_mean_nothing_on_one_memory_pool() -> None:
+    """``text_encoder_memory=host`` on a card: the encoders counted off it and the rest planned
+    resident; on the CPU (one pool) it is resident, saying why."""
+    asked = table_plan("flux", "rtx4090", text_encoder_memory="host")
+    assert (asked.value("text_encoder_memory"), asked.value("memory_mode")) == ("host", "resident")
+    assert asked.estimate.resident_gb < table_plan("flux", "rtx4090", text_encoder_memory="resident").estimate.resident_gb
+    cpu = table_plan("sdxl", "cpu", text_encoder_memory="host")["text_encoder_memory"]
+    assert cpu.value == "resident" and cpu.overridden and "one memory pool" in cpu.reason
+
+
+def test_host_encoders_give_their_output_on_the_execution_device(tiny_pipeline: Callable[[str], Path]) -> None:
+    """The bridge keeps the weights on the host and hands the output to the device the rest runs
+    on, a transformers output kept its own class ("meta" stands in for the card here)."""
+    from diffusers import DiffusionPipeline
+
+    from engine.runtime.text_encoders import keep_on_host
+
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_pipeline("wan")))
+    assert keep_on_host(pipe, "meta") == ["text_encoder"]
+    output = pipe.text_encoder(torch.ones(1, 4, dtype=torch.long))
+    from transformers.utils import ModelOutput
+
+    assert isinstance(output, ModelOutput)  # its own class, not a plain dict
+    assert output.last_hidden_state.device.type == "meta"
+    assert next(pipe.text_encoder.parameters()).device.type == "cpu"
+
+
 def test_a_bad_encoder_request_is_refused_naming_the_field() -> None:
     from engine.errors import PreflightError
 

@@ -214,13 +214,13 @@ def test_a_one_expert_run_loads_its_expert_after_caching_and_the_other_only_for_
 ) -> None:
     """The caching phase holds the encoders and the VAE alone; a ``--expert low`` run then loads
     ``transformer_2`` and never the high-noise expert, unless its samples need both."""
-    from engine.training.trainer import _load_denoisers, _load_pipeline
+    from engine.training.base_loading import load_base, load_denoisers
 
     base, _, _ = two_experts
     plan = _plan(base, clips, steps=2, expert="low")
-    pipe = _load_pipeline(plan, torch.float32)
+    pipe = load_base(plan, torch.float32)
     assert (pipe.transformer, pipe.transformer_2) == (None, None)  # while the captions are cached
-    _load_denoisers(plan, pipe, torch.float32)
+    load_denoisers(plan, pipe, torch.float32)
     assert pipe.transformer is None and isinstance(pipe.transformer_2, torch.nn.Module)
     assert not any(p.requires_grad for p in pipe.transformer_2.parameters())
     sampled = _plan(base, clips, steps=2, expert="low", sample_prompts=["a square"])

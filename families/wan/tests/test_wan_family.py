@@ -169,8 +169,9 @@ def test_a_two_expert_folder_is_a14b_whatever_its_name(tmp_path: "Path") -> None
 
 def test_wan_1_3b_plans_fp32_on_a_t4_where_its_denoiser_fits() -> None:
     """No bf16 on a T4 and Wan refuses fp16: fp32, decided by the denoiser and VAE (5.7 GB of
-    fp32 DiT), not by the 22.8 GB fp32 UMT5 that runs once per prompt. TI2V-5B's fp32 denoiser
-    (about 20 GB) still does not fit the card, and is still refused."""
+    fp32 DiT), not by the 22.8 GB fp32 UMT5 that runs once per prompt, which stays on the host
+    (it streamed the whole pipeline block by block every step). TI2V-5B's fp32 denoiser (about
+    20 GB) still does not fit the card, and is still refused."""
     import pytest
 
     from engine.errors import PreflightError
@@ -178,6 +179,10 @@ def test_wan_1_3b_plans_fp32_on_a_t4_where_its_denoiser_fits() -> None:
 
     small = table_plan("wan", "t4", "wan2.1-t2v-1.3b")
     assert small.value("dtype") == "fp32" and "no native bf16" in small["dtype"].reason
+    # The encoder is placed on its own: on the host, run on the CPU per prompt; the denoiser resident.
+    assert (small.value("text_encoder_memory"), small.value("memory_mode")) == ("host", "resident")
+    assert "22.8 GB" in small["text_encoder_memory"].reason and "5.7 GB" in small["text_encoder_memory"].reason
+    assert small.estimate.resident_gb < small.estimate.budget_gb  # counted without the encoder
     with pytest.raises(PreflightError) as refused:
         table_plan("wan", "t4", "wan2.2-ti2v-5b")
     assert refused.value.code == "no_safe_dtype"
