@@ -163,13 +163,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.token is None and not is_loopback(args.host):
         print(f"warning: serving {args.host} beyond loopback without a token (--insecure-no-token)", file=sys.stderr)
     # Open event streams (SSE) never end by themselves: shutdown waits at most this long for them.
-    # Ctrl-C: the app's shutdown cancels its jobs, then the server raises the signal again
-    # (main's 130; ``uvicorn.run`` would swallow it and exit 0).
+    # Ctrl-C: the app's shutdown cancels its jobs, then this exits 130 (``uvicorn.run`` would
+    # swallow it and exit 0, and so would a server whose parent left SIGINT ignored).
     config = uvicorn.Config(create_app(engine, settings), host=args.host, port=args.port,
                             log_level="info", timeout_graceful_shutdown=5)
+    server = _interruptible_server(config)
     with engine:
-        uvicorn.Server(config).run()
+        server.run()
+    if server.interrupted:
+        raise KeyboardInterrupt
     return 0
+
+
+def _interruptible_server(config: Any) -> Any:
+    """uvicorn's server over ``config``, noting in ``interrupted`` whether a Ctrl-C stopped it."""
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        interrupted = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.interrupted = self.interrupted or sig == signal.SIGINT
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def check_port_free(host: str, port: int) -> None:

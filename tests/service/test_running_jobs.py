@@ -80,19 +80,26 @@ class Watched:
         self._handle.remove()
 
 
-@pytest.mark.slow
-def test_a_cancel_stops_inside_a_step_before_the_next_block(loaded: Engine) -> None:
-    pipe = loaded.images.session.pipeline  # type: ignore[union-attr]
-    blocks = pipe.transformer.blocks
+def cancelled_inside(engine: Engine, first_module: torch.nn.Module, later_module: torch.nn.Module,
+                     body: GenerateBody, match: str) -> tuple[Watched, Watched, list[int]]:
+    """Render ``body`` with a cancel arriving as ``first_module`` finishes, refused as ``match``
+    says: both modules' watches and the steps the render reported."""
     cancel = threading.Event()
-    first, second = Watched(blocks[0], then=cancel.set), Watched(blocks[1])
+    first, later = Watched(first_module, then=cancel.set), Watched(later_module)
     steps: list[int] = []
     try:
-        with pytest.raises(Cancelled, match=r"inside a step \(before transformer\.blocks\.1"):
-            loaded.videos.generate(GenerateBody(prompt="a fox", frames=9, steps=3),
-                                   progress=lambda done, _total: steps.append(done), cancel=cancel)
+        with pytest.raises(Cancelled, match=match):
+            engine.videos.generate(body, progress=lambda done, _total: steps.append(done), cancel=cancel)
     finally:
-        first.remove(), second.remove()
+        first.remove(), later.remove()
+    return first, later, steps
+
+
+@pytest.mark.slow
+def test_a_cancel_stops_inside_a_step_before_the_next_block(loaded: Engine) -> None:
+    blocks = loaded.images.session.pipeline.transformer.blocks  # type: ignore[union-attr]
+    first, second, steps = cancelled_inside(loaded, blocks[0], blocks[1], GenerateBody(prompt="a fox", frames=9, steps=3),
+                                            r"inside a step \(before transformer\.blocks\.1")
     assert (first.calls, second.calls, steps) == (1, 0, [])  # the first step stopped after its first block
     assert not any(block._forward_pre_hooks for block in blocks)  # the cancel checks went with the call
     clip = loaded.videos.generate(GenerateBody(prompt="a fox", frames=5, steps=1))  # the engine is free
@@ -107,15 +114,10 @@ def test_a_cancel_stops_the_tiled_decode_between_its_blocks(loaded: Engine) -> N
     pipe.vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32,
                            tile_sample_stride_height=16, tile_sample_stride_width=16)
     up = pipe.vae.decoder.up_blocks
-    cancel = threading.Event()
-    first, last = Watched(up[0], then=cancel.set), Watched(up[-1])
-    steps: list[int] = []
     try:
-        with pytest.raises(Cancelled, match=r"before vae\.decoder\.up_blocks\.1"):
-            loaded.videos.generate(GenerateBody(prompt="a fox", frames=5, steps=2),
-                                   progress=lambda done, _total: steps.append(done), cancel=cancel)
+        first, last, steps = cancelled_inside(loaded, up[0], up[-1], GenerateBody(prompt="a fox", frames=5, steps=2),
+                                              r"before vae\.decoder\.up_blocks\.1")
     finally:
-        first.remove(), last.remove()
         pipe.vae.disable_tiling()
     assert steps == [1, 2] and (first.calls, last.calls) == (1, 0)
 

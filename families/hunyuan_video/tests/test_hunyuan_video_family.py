@@ -43,13 +43,17 @@ def test_guidance_reaches_the_guider_and_progress_and_cancel_follow_the_steps(
     assert engine.images.session.pipeline.guider.guidance_scale == 3.5  # type: ignore[union-attr]
     assert steps == [(1, 2), (2, 2)]
     cancel = threading.Event()
+    reported: list[int] = []
 
     def stop_after_first(done: int, total: int) -> None:
+        reported.append(done)
         cancel.set()
 
-    with pytest.raises(Cancelled, match="after step 2 of 3"):  # set during step 1, seen at the next step end
+    # Set as step 1 ends: step 2 stops before its first block runs, not at its end.
+    with pytest.raises(Cancelled, match="inside a step"):
         engine.videos.generate("a fox", frames=5, width=64, height=64, steps=3, progress=stop_after_first,
                                cancel=cancel)
+    assert reported == [1]
     # The scheduler is its own again: a later call runs all its steps.
     steps.clear()
     engine.videos.generate("a fox", frames=5, width=64, height=64, steps=2, seed=1,
