@@ -113,6 +113,8 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("job_not_found", 404, "No generate job of this id (it finished long ago, or never was).", _SERVER),
     ErrorCode("not_ready", 409, "A video's content was asked for before its job completed (or after its files "
               "were dropped).", _SERVER),
+    ErrorCode("no_sound", 404, "A video's sound was asked for (variant=wav), but its model renders silent clips.",
+              _SERVER),
     ErrorCode("model_file_missing", 400, "A pipeline folder lacks a component its model_index.json lists."),
     ErrorCode("no_tiny_pipeline", 400, "The family provides no tiny pipeline builder."),
     # -- what the model is -----------------------------------------------------------------

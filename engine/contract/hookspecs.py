@@ -226,6 +226,21 @@ def engine_generate_kwargs(
 
 
 @hookspec(firstresult=True)
+def engine_pipeline_sound(family: FamilySpec, pipeline: object, result: object) -> list[Any] | None:
+    """The sound of each clip one pipeline call gave (plugin API 2), for a family whose
+    ``VideoSpec.audio`` is set.
+
+    :param result: the pipeline call's return value.
+    :return: one :class:`~engine.contract.sound.Sound` (or None) per clip, in the order of
+        ``engine_pipeline_output``'s; or None to let another plugin answer. The engine's
+        default reads ``result.audio`` (``(batch, channels, samples)``) at ``VideoSpec.audio_rate``,
+        else at the pipeline's ``vocoder.config.output_sampling_rate``.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
 def engine_pipeline_output(family: FamilySpec, pipeline: object, result: object) -> list[Any] | None:
     """What one pipeline call gave, one entry per prompt of the call.
 

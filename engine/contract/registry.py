@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 
 #: The hooks whose default answer is the runtime's (torch objects pass through them).
-RUNTIME_HOOKS = ("engine_lora_add", "engine_lora_state_dict", "engine_lora_load", "engine_pipeline_output")
+RUNTIME_HOOKS = ("engine_lora_add", "engine_lora_state_dict", "engine_lora_load", "engine_pipeline_output",
+                 "engine_pipeline_sound")
 
 
 @dataclass(frozen=True)

@@ -214,6 +214,7 @@ from engine.contract.family_sections import (  # noqa: E402
 )
 from engine.contract.video_spec import OUTPUT_KINDS as OUTPUT_KINDS, OutputKind as OutputKind, VideoSpec as VideoSpec
 from engine.contract.video_spec import CallShape as CallShape
+from engine.contract.sound import Sound as Sound  # noqa: E402
 from engine.contract.call_sections import PipelineLayout as PipelineLayout, Rendering as Rendering  # noqa: E402
 from engine.contract.call_sections import SpeedRules as SpeedRules  # noqa: E402
 from engine.contract.video_memory import VideoMemory as VideoMemory

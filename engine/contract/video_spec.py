@@ -60,8 +60,12 @@ class VideoSpec:
     max_frames: int = 121
     #: Sides are multiples of this (the VAE's stride x the patch).
     size_multiple: int = 16
-    #: Whether the clip carries sound (room for audio families; none yet).
+    #: Whether the clip carries sound: the pipeline renders an audio track beside the frames,
+    #: read per clip (``engine_pipeline_sound``) and muxed into the MP4 as AAC.
     audio: bool = False
+    #: The track's sample rate (its vocoder's output rate), which the contract kit checks the MP4
+    #: against; None: whatever the pipeline gives. (Plugin API 2.)
+    audio_rate: int | None = None
     #: What a clip holds at its peak (:class:`VideoMemory`); None: the plan's generic rule.
     memory: VideoMemory | None = None
     #: Frames a LoRA run trains each clip at when the request names none (on the lattice;

@@ -61,4 +61,16 @@ def pipeline_output(registry: Registry, family: FamilySpec, pipeline: Any, resul
     return list(answer)
 
 
-__all__ = ["lora_add", "lora_load", "lora_state_dict", "pipeline_output"]
+def pipeline_sound(registry: Registry, family: FamilySpec, video: Any, pipeline: Any, result: Any) -> list[Any]:
+    """Each clip's sound (one per clip; [] for a silent family or a call that gave none)."""
+    if video is None or not video.audio:
+        return []
+    answer = registry.answer("engine_pipeline_sound", family=family, pipeline=pipeline, result=result)
+    if answer is None:  # the default reads result.audio at the declared (else the vocoder's) rate
+        from engine.runtime.outputs import pipeline_sound as read
+
+        answer = read(result, pipeline, video.audio_rate)
+    return list(answer)
+
+
+__all__ = ["lora_add", "lora_load", "lora_state_dict", "pipeline_output", "pipeline_sound"]

@@ -34,6 +34,7 @@ from engine.runtime import batching, prompt_cache, text_encoders, workflows
 from engine.runtime.inputs import FittedInputs, ImageLike, fit_inputs, paste_unmasked, vae_dtype
 from engine.runtime.interrupt import cancel_points
 from engine.runtime.loading import Progress
+from engine.runtime.outputs import with_sound
 from engine.runtime.vae import apply_vae_tiling
 
 log = logging.getLogger(__name__)
@@ -271,7 +272,11 @@ class Generation:
             finally:
                 if stream is not None:
                     stream.after_call()
-            return family_hooks.pipeline_output(self.registry, self.source.family, pipe, result)  # engine_pipeline_output
+            family = self.source.family
+            outputs = family_hooks.pipeline_output(self.registry, family, pipe, result)  # engine_pipeline_output
+            sounds = family_hooks.pipeline_sound(self.registry, family, family.video_of(self.source.checkpoint),
+                                                 pipe, result)  # engine_pipeline_sound
+            return with_sound(outputs, sounds) if sounds else outputs
 
         def on_split(event: batching.SplitEvent) -> None:
             self.batch_events = [*self.batch_events[-19:], event.to_dict()]
@@ -373,9 +378,11 @@ def _call_shape(request: GenerateRequest, video: Any, width: int | None, height:
 
 def _clip_kwargs(request: GenerateRequest, checkpoint: Any, video: Any) -> dict[str, Any]:
     """A video call's own arguments: the frame count (checked on the lattice before the
-    call), PIL frames out, one clip per prompt, and a second expert's guidance."""
+    call), the fps where the pipeline takes one (``frame_rate``: an audio-video pipeline's also sets its sound's
+    length), PIL frames out, one clip per prompt, and a second expert's guidance."""
     kwargs: dict[str, Any] = {
-        "num_frames": request.frames or video.default_frames, "output_type": "pil", "num_videos_per_prompt": 1,
+        "num_frames": request.frames or video.default_frames, "frame_rate": float(request.fps or video.fps),
+        "output_type": "pil", "num_videos_per_prompt": 1,
     }
     second = request.guidance_2 if request.guidance_2 is not None else checkpoint.expert_guidance
     if second is not None:

@@ -1,4 +1,5 @@
-"""MP4 in and out through PyAV (its wheels carry ffmpeg): H.264, ``yuv420p``, any player plays it.
+"""MP4 in and out through PyAV (its wheels carry ffmpeg): H.264, ``yuv420p``, any player plays it,
+and a clip's sound as AAC beside it (or alone, as WAV).
 
 H.264 in 4:2:0 needs even sides; every size a video family takes is a multiple
 of 16, so no frame is ever cropped. A clip's frames are also offered as images
@@ -12,14 +13,19 @@ from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
+
+from engine.contract.sound import Sound
 
 #: The encoder's quality (x264's constant rate factor): visually lossless at 18.
 CRF = 18
 
 
-def write_mp4(frames: Sequence[Image.Image], fps: int, target: Path | io.BytesIO) -> Path | io.BytesIO:
-    """Encode ``frames`` at ``fps`` as H.264 MP4 into ``target`` (a path or a buffer)."""
+def write_mp4(frames: Sequence[Image.Image], fps: int, target: Path | io.BytesIO,
+              sound: Sound | None = None) -> Path | io.BytesIO:
+    """Encode ``frames`` at ``fps`` as H.264 MP4 into ``target`` (a path or a buffer), with
+    ``sound`` as an AAC track beside it (both start at zero: in sync)."""
     import av
 
     if not frames:
@@ -29,18 +35,60 @@ def write_mp4(frames: Sequence[Image.Image], fps: int, target: Path | io.BytesIO
         stream = container.add_stream("libx264", rate=Fraction(fps))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.options = {"crf": str(CRF)}
+        track = container.add_stream("aac", rate=sound.sample_rate, layout=_layout(sound)) if sound else None
         for frame in frames:
             picture = av.VideoFrame.from_image(frame.convert("RGB"))
             for packet in stream.encode(picture):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+        if track is not None and sound is not None:
+            audio = av.AudioFrame.from_ndarray(np.ascontiguousarray(sound.samples, dtype=np.float32),
+                                               format="fltp", layout=_layout(sound))
+            audio.sample_rate = sound.sample_rate
+            for packet in (*track.encode(audio), *track.encode()):
+                container.mux(packet)
     return target
 
 
-def mp4_bytes(frames: Sequence[Image.Image], fps: int) -> bytes:
+def _layout(sound: Sound) -> str:
+    if sound.channels not in (1, 2):
+        raise ValueError(f"an MP4 track here is mono or stereo (got {sound.channels} channels)")
+    return "mono" if sound.channels == 1 else "stereo"
+
+
+def mp4_bytes(frames: Sequence[Image.Image], fps: int, sound: Sound | None = None) -> bytes:
     buffer = io.BytesIO()
-    write_mp4(frames, fps, buffer)
+    write_mp4(frames, fps, buffer, sound)
+    return buffer.getvalue()
+
+
+def read_sound(source: Path | bytes) -> Sound | None:
+    """A clip's audio track, decoded (None: it has none)."""
+    import av
+
+    opened = io.BytesIO(source) if isinstance(source, bytes) else str(source)
+    with av.open(opened) as container:
+        if not container.streams.audio:
+            return None
+        stream = container.streams.audio[0]
+        chunks = [frame.to_ndarray() for frame in container.decode(stream)]
+        rate = int(stream.rate or stream.codec_context.sample_rate)
+    samples = np.concatenate(chunks, axis=1) if chunks else np.zeros((1, 0), dtype=np.float32)
+    return Sound(samples.astype(np.float32), rate)
+
+
+def wav_bytes(sound: Sound) -> bytes:
+    """The track alone as 16-bit PCM WAV (any player, any editor)."""
+    import wave
+
+    pcm = (np.clip(sound.samples, -1.0, 1.0) * 32767.0).round().astype("<i2")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(sound.channels)
+        out.setsampwidth(2)
+        out.setframerate(sound.sample_rate)
+        out.writeframes(pcm.T.tobytes())  # interleaved: one sample of each channel in turn
     return buffer.getvalue()
 
 

@@ -99,6 +99,11 @@ async def read_video_form(request: Request) -> tuple[OpenAIVideoBody, bytes | No
         raise RequestValidationError(exc.errors()) from None
 
 
+#: What ``GET /v1/videos/{id}/content?variant=`` serves, and each one's media type.
+VARIANTS = ("video", "thumbnail", "spritesheet", "wav")
+MEDIA_TYPES = {"mp4": "video/mp4", "wav": "audio/wav"}
+
+
 def video_object(job: Job) -> dict[str, Any]:
     """OpenAI's video object for a job, with the engine's shape fields beside it."""
     files = job.video or {}
@@ -114,7 +119,7 @@ def video_object(job: Job) -> dict[str, Any]:
         "remixed_from_video_id": None,
         "error": None if job.error is None else {"code": job.error.code, "message": job.error.message},
         "frames": shape.get("frames"), "fps": shape.get("fps"), "snapped": files.get("note") or None,
-        "step": job.step, "steps": job.steps,
+        "step": job.step, "steps": job.steps, "audio": files.get("audio"),
     }
 
 
@@ -142,16 +147,17 @@ def videos_router(engine: Engine, confined: Confined, queue: JobQueue) -> APIRou
     @api.get("/{video_id}/content", response_class=Response)
     def content(video_id: str, variant: str = "video") -> Response:
         job = _video_job(queue, video_id)
-        if variant not in ("video", "thumbnail", "spritesheet"):
-            raise EngineError(f"variant {variant!r} is not one of video, thumbnail, spritesheet",
-                              code="invalid_request")
+        if variant not in VARIANTS:
+            raise EngineError(f"variant {variant!r} is not one of {', '.join(VARIANTS)}", code="invalid_request")
         files = job.video or {}
         key = "mp4" if variant == "video" else variant
+        if key == "wav" and job.state == "done" and files.get("wav") is None:
+            raise EngineError(f"video {video_id} has no sound (its model renders silent clips); ask for variant=video", code="no_sound")
         if job.state != "done" or key not in files:
             raise EngineError(f"video {video_id} is {STATUS[job.state]}; its content is there once it is "
                               "completed (and until it is deleted or pushed out of the kept jobs)",
                               code="not_ready")
-        return Response(files[key], media_type="video/mp4" if key == "mp4" else "image/png")
+        return Response(files[key], media_type=MEDIA_TYPES.get(key, "image/png"))
 
     @api.delete("/{video_id}")
     def delete(video_id: str) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from engine.service.tickets import GenerateTicket, LoadTicket, Target
 if TYPE_CHECKING:
     from PIL import Image
 
+    from engine.contract.sound import Sound
     from engine.contract.types import Checkpoint, FamilySpec
     from engine.service.images import Images
     from engine.service.loaded import LoadedModel
@@ -43,16 +44,24 @@ class Video:
     frames: tuple[Image.Image, ...]
     shape: VideoShape
     recipe: dict[str, object]
+    #: The clip's sound (an audio-video family's track); None: a silent clip.
+    sound: Sound | None = None
 
     @property
     def fps(self) -> int:
         return self.shape.fps
 
     def mp4(self) -> bytes:
-        """The clip as H.264 MP4 bytes."""
+        """The clip as H.264 MP4 bytes, its sound as AAC beside the picture."""
         from engine.runtime.video_files import mp4_bytes
 
-        return mp4_bytes(self.frames, self.fps)
+        return mp4_bytes(self.frames, self.fps, self.sound)
+
+    def wav(self) -> bytes | None:
+        """The sound alone as WAV bytes; None for a silent clip."""
+        from engine.runtime.video_files import wav_bytes
+
+        return wav_bytes(self.sound) if self.sound is not None else None
 
     def thumbnail(self) -> Image.Image:
         from engine.runtime.video_files import thumbnail
@@ -60,11 +69,13 @@ class Video:
         return thumbnail(self.frames)
 
     def files(self) -> dict[str, object]:
-        """What a server keeps of a finished clip: the MP4, a thumbnail and a spritesheet (PNG), its shape."""
+        """What a server keeps of a finished clip: the MP4, a thumbnail and a spritesheet (PNG), its
+        shape, and its sound (what it is, and the track alone as WAV; None for a silent clip)."""
         from engine.runtime.video_files import png_bytes, spritesheet
 
         return {"mp4": self.mp4(), "thumbnail": png_bytes(self.thumbnail()),
-                "spritesheet": png_bytes(spritesheet(self.frames)), "shape": self.shape.to_dict()}
+                "spritesheet": png_bytes(spritesheet(self.frames)), "shape": self.shape.to_dict(),
+                "audio": self.sound.to_dict() if self.sound is not None else None, "wav": self.wav()}
 
     def save(self, path: str | Path) -> Path:
         """Write the MP4 at ``path`` and its recipe beside it (``clip.mp4`` -> ``clip.json``)."""
@@ -72,7 +83,7 @@ class Video:
 
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        write_mp4(self.frames, self.fps, target)
+        write_mp4(self.frames, self.fps, target, self.sound)
         recipe_path(target).write_text(json.dumps(self.recipe, indent=2, default=str) + "\n")
         return target
 
@@ -139,9 +150,10 @@ class Videos:
         clips = self._loaded.run(ticket, progress, cancel)
         session = self._loaded.session
         assert ticket.shape is not None and session is not None  # the frames door decided one; run loaded it
-        frames = tuple(clips[0])
+        frames, sound = tuple(clips[0]), getattr(clips[0], "sound", None)
         shape = _as_rendered(ticket.shape, frames) if frames else ticket.shape
-        return Video(frames=frames, shape=shape, recipe=_recipe(ticket.body, shape, session))
+        recipe = {**_recipe(ticket.body, shape, session), "audio": sound.to_dict() if sound is not None else None}
+        return Video(frames=frames, shape=shape, recipe=recipe, sound=sound)
 
     check_door = moved("Engine.videos.check_door()", "Engine.videos.check_generate()", "_check_door")
 

@@ -131,7 +131,29 @@ def _load_and_render(
     low, high = clip.frames[0].convert("L").getextrema()
     if low == high:
         raise AssertionError("the rendered clip's first frame is a single flat colour")
+    if spec.audio:
+        check_sound(spec, workdir / "clip.mp4", frames / fps)
     return engine, b"".join(_pixels(frame) for frame in clip.frames)
+
+
+#: How far a clip's sound may run from its picture's length: a pipeline's audio latents round
+#: the duration (a causal audio VAE drops a few mel frames), and AAC pads its last frame.
+SOUND_SLACK_S = 0.1
+
+
+def check_sound(spec: Any, mp4: Path, seconds: float) -> None:
+    """A sound family's MP4 carries an audio stream at its declared rate, as long as the picture."""
+    from engine.runtime.video_files import read_sound
+
+    sound = read_sound(mp4)
+    if sound is None:
+        raise AssertionError("the family declares sound (VideoSpec.audio), but its MP4 has no audio stream: "
+                             "the clip's track was dropped (engine_pipeline_sound)")
+    if spec.audio_rate is not None and sound.sample_rate != spec.audio_rate:
+        raise AssertionError(f"the MP4's sound is {sound.sample_rate} Hz, not the declared {spec.audio_rate}")
+    slack = max(SOUND_SLACK_S, 0.15 * seconds)
+    if abs(sound.seconds - seconds) > slack:
+        raise AssertionError(f"the sound lasts {sound.seconds:.3f} s against the picture's {seconds:.3f} s")
 
 
 def _train(registry: Registry, family: FamilySpec, folder: Path, workdir: Path, report: RunReport) -> Path:

@@ -1,0 +1,64 @@
+"""LTX-2: the family's data sheet. Pure data; no torch.
+
+Figures (bf16, decimal GB, FACTS.md): the 19B audio-video DiT 37.8, its Gemma-3-12B text
+encoder 24.4, the video VAE with the audio VAE and the vocoder 5.5 (counted as the VAE:
+all three decode). The video VAE compresses 32x in space and 8x in time (128 channels) and
+the DiT takes 1x1 patches: clips are 8k+1 frames at 24 fps (121 by default), sides multiples
+of 32. The pipeline renders a stereo track beside the frames, 24 kHz from its vocoder, as
+long as the clip: its ``frame_rate`` argument (the engine passes the request's fps) sets it.
+"""
+
+from engine.contract.types import (
+    Capabilities,
+    Checkpoint,
+    ComponentSizes,
+    FamilySpec,
+    LatentGeometry,
+    LoraLayout,
+    PipelineLayout,
+    PrecisionRules,
+    Rendering,
+    SpeedRules,
+    TrainingSpec,
+    VideoSpec,
+)
+
+#: The vocoder's output rate: the sound's sample rate in every clip.
+AUDIO_RATE = 24000
+
+CLIPS = VideoSpec(fps=24, default_frames=121, presets=((768, 512), (1216, 704), (704, 1216), (512, 768)),
+                  frame_step=8, frame_offset=1, min_frames=9, max_frames=257, size_multiple=32,
+                  audio=True, audio_rate=AUDIO_RATE)
+
+LTX2 = FamilySpec(
+    name="ltx2",
+    label="LTX-2",
+    aliases=("ltx-2", "ltx_2", "ltxv2"),
+    architecture="dit",
+    pipeline_class="LTX2Pipeline",
+    pipeline_class_names=("LTX2Pipeline",),
+    checkpoints=(
+        Checkpoint(name="ltx-2", label="LTX-2", repo="Lightricks/LTX-2", default_steps=40, default_guidance=4.0,
+                   matches=("*ltx-2*", "*ltx2*")),
+    ),
+    sizes=ComponentSizes(transformer_gb=37.8, text_encoders_gb=24.4, vae_gb=5.5),
+    capabilities=Capabilities(step_cache=True, attention_dispatcher=True, peft_adapters=True, regional_compile=True),
+    runtime_module="",
+    tiny_pipeline="families.ltx2.tiny:build_tiny_pipeline",
+    lora=LoraLayout(targets=("to_q", "to_k", "to_v", "to_out.0")),
+    training=TrainingSpec(dense_gb=37.8),
+    precision=PrecisionRules(
+        fp16_unsafe=(("denoiser", "LTX-2's DiT is bf16-native: under fp16 its activations overflow"),),
+    ),
+    rendering=Rendering(
+        output="frames",
+        video=CLIPS,
+        geometry=LatentGeometry(spatial_compression=32, patch_size=1, temporal_compression=8, latent_channels=128),
+    ),
+    pipeline=PipelineLayout(
+        workflows=(("txt2img", "LTX2Pipeline"),),
+        # LTX2Pipeline opens a cache context around each of its transformer passes.
+        cache_context_pipelines=("LTX2Pipeline",),
+    ),
+    speed=SpeedRules(compile_regions=("LTX2VideoTransformerBlock",)),
+)
