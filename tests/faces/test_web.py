@@ -60,6 +60,7 @@ def site(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str]
     shutil.copytree(tiny_pipeline("sdxl"), models / "tiny-sdxl")
     shutil.copytree(tiny_pipeline("flux"), models / "tiny-flux")
     shutil.copytree(tiny_pipeline("wan"), models / "tiny-wan")
+    shutil.copytree(tiny_pipeline("ltx2"), models / "tiny-ltx2")
     write_dataset(datasets / "shapes", count=2, size=64)
     write_clip_dataset(datasets / "moving", clips=2, images=1, frames=9)
     corrupt = write_dataset(datasets / "corrupt", count=2, size=64)
@@ -78,7 +79,9 @@ def site(tmp_path_factory: pytest.TempPathFactory, tiny_pipeline: Callable[[str]
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     with sync_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM))
+        # Clips with sound play without a click, as a user's click would let them.
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM),
+                                              args=["--autoplay-policy=no-user-gesture-required"])
         yield chromium
         chromium.close()
 
@@ -142,7 +145,7 @@ def test_the_page_is_public_and_every_api_call_needs_the_token(site: Site) -> No
         assert response.json()["error"]["code"] == "unauthorized"
     auth = {"Authorization": f"Bearer {TOKEN}"}
     roots = httpx.get(f"{site.url}/v1/roots", headers=auth).json()
-    assert sorted(m["family"] for m in roots["models"]) == ["flux", "sdxl", "wan"]
+    assert sorted(m["family"] for m in roots["models"]) == ["flux", "ltx2", "sdxl", "wan"]
     assert {d["name"]: (d["images"], d["clips"]) for d in roots["datasets"]} == {
         "corrupt": (3, 0), "shapes": (2, 0), "moving": (1, 2)}
     # The dry run over HTTP: the plan a start would run, or its refusal, with nothing loaded or evicted.
@@ -232,7 +235,7 @@ def test_render_a_clip_and_play_it_in_the_page(site: Site, open_page: Callable[.
     tab(page, "video")
     pick(page, "#vid-model", site.roots / "models" / "tiny-wan")
     listed = page.eval_on_selector_all("#vid-model option", "os => os.map(o => o.value)")  # type: ignore[attr-defined]
-    assert [Path(v).name for v in listed] == ["tiny-wan"]  # the image models are not offered here
+    assert sorted(Path(v).name for v in listed) == ["tiny-ltx2", "tiny-wan"]  # the image models are not offered here
     for name, value in (("frames", "9"), ("fps", "8"), ("size", "64x64"), ("steps", "2")):
         page.fill(f"#vid-{name}", value)  # type: ignore[attr-defined]
     page.click("#vid-go")  # type: ignore[attr-defined]
@@ -258,6 +261,32 @@ def test_render_a_clip_and_play_it_in_the_page(site: Site, open_page: Callable[.
         (int(box["x"]) + 2, int(box["y"]) + 2, int(box["x"] + box["width"]) - 2, int(box["y"] + box["height"] * 0.6)))
     low, high = shown.getextrema()
     assert high - low > 8, "the player shows a flat area, not the clip's frame"
+    assert watched.errors == []
+    site.engine.images.unload()
+
+
+@pytest.mark.slow
+def test_a_clip_with_sound_plays_its_sound_in_the_page(site: Site, open_page: Callable[..., Watched]) -> None:
+    """An LTX-2 clip: the player is not muted, the browser decodes its audio track while it plays,
+    the caption says what the sound is, and the WAV is offered beside the MP4 (the page muted
+    every clip and had nowhere to hear one)."""
+    watched = open_page()
+    page = signed_in(site, watched)
+    tab(page, "video")
+    pick(page, "#vid-model", site.roots / "models" / "tiny-ltx2")
+    for name, value in (("frames", "9"), ("size", "64x64"), ("steps", "2")):
+        page.fill(f"#vid-{name}", value)  # type: ignore[attr-defined]
+    page.click("#vid-go")  # type: ignore[attr-defined]
+    page.wait_for_selector("#vid-reel figure.result video")  # type: ignore[attr-defined]
+    heard = page.eval_on_selector("#vid-reel figure.result video", """v => new Promise((done) => {
+        v.addEventListener("error", () => done(["error", v.error && v.error.code]));
+        const listen = () => v.play().then(() => setTimeout(() => done([v.muted, v.webkitAudioDecodedByteCount]), 300),
+                                           (why) => done(["play refused", String(why)]));
+        if (v.readyState >= 2) listen(); else v.addEventListener("canplay", listen, { once: true });
+    })""")  # type: ignore[attr-defined]
+    assert heard[0] is False and heard[1] > 0, heard  # unmuted, and its audio decoded by the browser
+    caption = page.inner_text("#vid-reel figure.result figcaption")  # type: ignore[attr-defined]
+    assert "with sound (24 kHz, stereo)" in caption and "Download WAV" in caption
     assert watched.errors == []
     site.engine.images.unload()
 

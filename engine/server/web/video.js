@@ -43,13 +43,22 @@ async function renderVideo(event) {
     const clip = await api("GET", `/v1/videos/${encodeURIComponent(created.id)}`);
     const url = await blobUrl(`/v1/videos/${encodeURIComponent(created.id)}/content`);
     progress(bar, 1, 1, `done in ${job.seconds} s`);
-    const player = el("video", { src: url, controls: true, loop: true, muted: true, playsinline: true });
+    // A clip with sound plays it (the player starts unmuted); a silent one stays muted.
+    const sound = clip.audio;
+    const player = el("video", { src: url, controls: true, loop: true, muted: !sound, playsinline: true });
+    player.muted = !sound;
     const caption = `${clip.frames} frames, ${clip.size}, ${clip.fps} fps (${clip.seconds} s), seed ${body.seed}` +
+      (sound ? `, with sound (${sound.sample_rate / 1000} kHz, ${sound.channels === 2 ? "stereo" : "mono"})` : "") +
       (clip.snapped ? `; ${clip.snapped}` : "");
+    const links = [el("a", { href: url, download: `clip-seed${body.seed}.mp4`, text: "Download MP4" })];
+    if (sound) {
+      const wav = await blobUrl(`/v1/videos/${encodeURIComponent(created.id)}/content?variant=wav`);
+      links.push(" ", el("a", { href: wav, download: `clip-seed${body.seed}.wav`, text: "Download WAV" }));
+    }
     const reel = $("#vid-reel");
     $(".muted", reel)?.remove();
     reel.prepend(el("figure", { class: "result" }, player, el("figcaption", {}, el("div", { text: body.prompt }),
-      el("div", { class: "muted", text: caption }), el("a", { href: url, download: `clip-seed${body.seed}.mp4`, text: "Download MP4" }))));
+      el("div", { class: "muted", text: caption }), ...links)));
   });
   go.disabled = false;
 }
