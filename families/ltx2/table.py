@@ -56,9 +56,10 @@ LTX2 = FamilySpec(
         geometry=LatentGeometry(spatial_compression=32, patch_size=1, temporal_compression=8, latent_channels=128),
     ),
     pipeline=PipelineLayout(
-        workflows=(("txt2img", "LTX2Pipeline"),),
-        # LTX2Pipeline opens a cache context around each of its transformer passes.
-        cache_context_pipelines=("LTX2Pipeline",),
+        # Text to video, and image to video over the same components (the image is the first frame).
+        workflows=(("txt2img", "LTX2Pipeline"), ("img2vid", "LTX2ImageToVideoPipeline")),
+        # Both open a cache context around each of their transformer passes.
+        cache_context_pipelines=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
     ),
     speed=SpeedRules(compile_regions=("LTX2VideoTransformerBlock",)),
 )

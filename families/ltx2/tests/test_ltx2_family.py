@@ -94,6 +94,66 @@ def test_the_engine_clip_equals_plain_ltx2pipeline_and_fps_sets_the_sounds_lengt
 
 
 @pytest.mark.slow
+def test_image_to_video_starts_from_the_image_and_keeps_its_sound(ltx2: Path, engine_registry: Registry,
+                                                                  tmp_path: Path) -> None:
+    """``--image`` runs ``LTX2ImageToVideoPipeline`` over the loaded components: the clip
+    starts from the picture, and its sound is there too."""
+    from PIL import Image
+
+    from engine.hardware.probe import probe
+    from engine.requests import GenerateBody
+    from engine.service.facade import Engine
+
+    red = tmp_path / "red.png"
+    Image.new("RGB", (64, 64), (240, 20, 20)).save(red)
+    with Engine(registry=engine_registry, hardware=probe(verify=False)) as engine:
+        asked = {"prompt": "a fox", "model": str(ltx2), **_tiny_clip()}
+        text = engine.videos.generate(GenerateBody(**asked))  # type: ignore[arg-type]
+        image = engine.videos.generate(GenerateBody(**asked, image=str(red)))  # type: ignore[arg-type]
+        built = {type(pipe).__name__ for pipe in engine.images.session._workflow_pipes.values()}  # type: ignore[union-attr]
+    assert "LTX2ImageToVideoPipeline" in built
+    assert image.recipe["image"] == str(red) and len(image.frames) == TINY_FRAMES
+    assert image.frames[0].tobytes() != text.frames[0].tobytes() and image.sound is not None
+
+
+@pytest.mark.slow
+def test_a_lora_changes_the_clips_picture_and_sound_and_scale_zero_is_the_base(
+    ltx2: Path, engine_registry: Registry, tmp_path: Path,
+) -> None:
+    """A peft LoRA on the DiT's attention (its video and audio streams alike) through the
+    engine's LoRA door: the picture and the sound both move; at scale 0 the clip is the base's."""
+    import torch
+    from diffusers import LTX2VideoTransformer3DModel
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from engine.hardware.probe import probe
+    from engine.requests import GenerateBody
+    from engine.service.facade import Engine
+
+    transformer = LTX2VideoTransformer3DModel.from_pretrained(str(ltx2), subfolder="transformer")
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                                       target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    torch.manual_seed(1)
+    for name, parameter in transformer.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.5)
+    from diffusers import LTX2Pipeline
+
+    lora = tmp_path / "lora"
+    LTX2Pipeline.save_lora_weights(lora, transformer_lora_layers=get_peft_model_state_dict(transformer))
+    with Engine(registry=engine_registry, hardware=probe(verify=False)) as engine:
+        asked = {"prompt": "a fox", "model": str(ltx2), **_tiny_clip()}
+        base = engine.videos.generate(GenerateBody(**asked))  # type: ignore[arg-type]
+        moved = engine.videos.generate(GenerateBody(**asked), loras=[f"{lora}:1.0"])  # type: ignore[arg-type]
+        zero = engine.videos.generate(GenerateBody(**asked), loras=[f"{lora}:0.0"])  # type: ignore[arg-type]
+    assert base.sound is not None and moved.sound is not None and zero.sound is not None
+    assert [f.tobytes() for f in moved.frames] != [f.tobytes() for f in base.frames]
+    assert not np.allclose(moved.sound.samples, base.sound.samples, atol=1e-4)
+    assert [f.tobytes() for f in zero.frames] == [f.tobytes() for f in base.frames]
+    assert np.allclose(zero.sound.samples, base.sound.samples, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_engine_pipeline_sound_a_family_that_drops_its_sound_fails_the_kit(engine_registry: Registry, ltx2: Path, tmp_path: Path) -> None:
     """A plugin declaring sound whose output loses the track is caught by the kit's model check."""
     from engine.contract.hookspecs import hookimpl
