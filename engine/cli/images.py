@@ -233,12 +233,14 @@ def report_clip(args: argparse.Namespace, path: Path, clip: Any, seed: int, time
     recipe = path.with_suffix(".json")
     if args.json:
         print(json.dumps({"video": str(path), "recipe": str(recipe), "seed": seed, **clip.shape.to_dict(),
-                          **{k: round(v, 3) for k, v in times.items()}, "overridden": overridden},
-                         indent=2, default=str))
+                          "audio": clip.recipe.get("audio"), **{k: round(v, 3) for k, v in times.items()},
+                          "overridden": overridden}, indent=2, default=str))
         return 0
     shape = clip.shape
+    sound = clip.sound
+    heard = f", with {sound.seconds:.2f} s of {sound.sample_rate / 1000:g} kHz sound" if sound is not None else ""
     print(f"wrote {path} ({shape.frames} frames, {shape.width}x{shape.height}, {shape.fps} fps, "
-          f"{shape.seconds:.2f} s) and its recipe {recipe}")
+          f"{shape.seconds:.2f} s{heard}) and its recipe {recipe}")
     print(f"seed {seed}; start-up {times['startup_s']:.2f} s, load {times['load_s']:.2f} s, "
           f"generate {times['generate_s']:.2f} s")
     return 0
