@@ -35,6 +35,13 @@ CASES = [pytest.param(family, None, id=family) for family in FAMILIES] + [
 PROMPT, STEPS, SEED = "a lighthouse at dusk", 2, 11
 
 
+def clip_frames(family: str) -> int:
+    """The family's shortest clip of more than one latent frame (5 on 4k+1, 9 on 8k+1)."""
+    from engine.testing.run import kit_frames
+
+    return kit_frames(REGISTRY.family(family).video_of(None))
+
+
 def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> list[np.ndarray]:
     """Plain diffusers: the folder's own pipeline class, fp32 on the CPU, one seeded CPU generator."""
     import diffusers
@@ -50,7 +57,7 @@ def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> l
     if spec.pipeline.guidance_kwarg == "true_cfg_scale":  # true CFG runs with a negative prompt: its model card's " "
         call["negative_prompt"] = " "
     if spec.rendering.output == "frames":
-        result = pipe(**call, num_frames=5, output_type="pil")
+        result = pipe(**call, num_frames=clip_frames(family), output_type="pil")
         return [np.asarray(frame) for frame in result.frames[0]]
     return [np.asarray(pipe(**call).images[0])]
 
@@ -72,7 +79,8 @@ def test_an_off_tier_image_equals_plain_diffusers_pixel_for_pixel(
         assert plan["speed_tier"]["value"] == "off", plan["speed_tier"]
         assert plan["transformer_quant"]["value"] in (None, "none")
         if spec.rendering.output == "frames":
-            clip = engine.videos.generate(PROMPT, frames=5, steps=STEPS, seed=SEED, guidance=guidance, **size)
+            clip = engine.videos.generate(PROMPT, frames=clip_frames(family), steps=STEPS, seed=SEED, guidance=guidance,
+                                          **size)
             ours = [np.asarray(frame) for frame in clip.frames]
         else:
             ours = [np.asarray(image) for image in engine.images.generate(
