@@ -55,12 +55,13 @@ browser:
 # trainer children they start), or OpenMP threads oversubscribe the cores and spin-wait
 # (measured on 2 cores: 7 min 25 s with torch's default threads, 6 min 8 s with one).
 test: $(STAMP) browser
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile $(PYTEST_ARGS)
 
+# PYTEST_ARGS: more pytest flags for either (`make test PYTEST_ARGS=--durations=30` lists the slowest).
 # The fast loop: every test not marked slow (a test over a few seconds on two cores is marked
 # `slow`), file by file over the two cores as `make test` runs them. `make test` stays the whole suite (CI).
 check: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/info_latency.py
