@@ -98,11 +98,12 @@ def cancelled_inside(engine: Engine, first_module: torch.nn.Module, later_module
 @pytest.mark.slow
 def test_a_cancel_stops_inside_a_step_before_the_next_block(loaded: Engine) -> None:
     blocks = loaded.images.session.pipeline.transformer.blocks  # type: ignore[union-attr]
-    first, second, steps = cancelled_inside(loaded, blocks[0], blocks[1], GenerateBody(prompt="a fox", frames=9, steps=3),
+    body = GenerateBody(prompt="a fox", frames=9, steps=3, width=64, height=64)
+    first, second, steps = cancelled_inside(loaded, blocks[0], blocks[1], body,
                                             r"inside a step \(before transformer\.blocks\.1")
     assert (first.calls, second.calls, steps) == (1, 0, [])  # the first step stopped after its first block
     assert not any(block._forward_pre_hooks for block in blocks)  # the cancel checks went with the call
-    clip = loaded.videos.generate(GenerateBody(prompt="a fox", frames=5, steps=1))  # the engine is free
+    clip = loaded.videos.generate(GenerateBody(prompt="a fox", frames=5, steps=1, width=64, height=64))  # free
     assert len(clip.frames) == 5
 
 
@@ -115,7 +116,8 @@ def test_a_cancel_stops_the_tiled_decode_between_its_blocks(loaded: Engine) -> N
                            tile_sample_stride_height=16, tile_sample_stride_width=16)
     up = pipe.vae.decoder.up_blocks
     try:
-        first, last, steps = cancelled_inside(loaded, up[0], up[-1], GenerateBody(prompt="a fox", frames=5, steps=2),
+        body = GenerateBody(prompt="a fox", frames=5, steps=2, width=64, height=64)
+        first, last, steps = cancelled_inside(loaded, up[0], up[-1], body,
                                               r"before vae\.decoder\.up_blocks\.1")
     finally:
         pipe.vae.disable_tiling()

@@ -93,7 +93,7 @@ def test_wan_renders_in_bf16_on_the_cpu_as_the_plan_recommends(
 
     out = tmp_path / "clip.mp4"
     status = main(["generate", "--model", str(tiny_pipeline("wan")), "--prompt", "a fox", "--frames", "5",
-                   "--steps", "2", "--speed", "default", "-o", str(out)])
+                   "--width", "64", "--height", "64", "--steps", "2", "--speed", "default", "-o", str(out)])
     assert status == 0, capsys.readouterr().err[-2000:]
     recipe = json.loads(out.with_suffix(".json").read_text())
     assert (recipe["engaged"]["dtype"], recipe["engaged"]["vae_dtype"]) == ("bf16", "fp32")
