@@ -123,6 +123,10 @@ class Checkpoint:
     #: The hub revision (branch, tag or commit) it is, where checkpoints share one repo's
     #: folders across revisions; None: the repo's default branch. (Plugin API 2.)
     revision: str | None = None
+    #: The sigma schedule a distilled checkpoint was trained to sample (eight, say),
+    #: passed as the pipeline's ``sigmas``; its length is the step count, and a request for another
+    #: count is refused at the check. Empty: the scheduler's own schedule. (Plugin API 2.)
+    sigmas: tuple[float, ...] = ()
     #: The checkpoint (its ``name``) LoRAs for this one are trained on, where that is another: a
     #: step-distilled model's undistilled base (the full schedule and real CFG a trainer needs).
     #: A training run asked for this checkpoint by hub id or name takes that one instead, and

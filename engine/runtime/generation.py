@@ -326,6 +326,7 @@ class Generation:
             "num_images_per_prompt": 1,
             "generator": batching.generators([item.seed for item in chunk]),
             family.pipeline.guidance_kwarg: guidance,
+            "sigmas": _schedule(checkpoint),
         }
         width, height = (fitted.width, fitted.height) if fitted.image is not None else (request.width, request.height)
         if not (width or height) and self.plan.default_size is not None:
@@ -365,6 +366,12 @@ class Generation:
         kwargs = {k: v for k, v in kwargs.items() if k in accepted or k == "callback_on_step_end"}
         shape = _call_shape(request, family.video_of(checkpoint), width, height, len(chunk))
         return self.registry.generate_kwargs(family, pipe, kwargs, shape)  # engine_generate_kwargs
+
+
+def _schedule(checkpoint: Any) -> list[float] | None:
+    """A distilled checkpoint's own sigmas (their count is the step count, checked before the
+    call); None: the scheduler's schedule."""
+    return list(checkpoint.sigmas) or None
 
 
 def _call_shape(request: GenerateRequest, video: Any, width: int | None, height: int | None,

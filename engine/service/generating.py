@@ -35,6 +35,7 @@ from engine.service.targets import check_references, means_loaded
 from engine.service.tickets import GenerateTicket, LoadTicket, Target, stamp_files
 
 if TYPE_CHECKING:
+    from engine.contract.types import Checkpoint
     from engine.preflight.lora import LoraFile
     from engine.preflight.source import ModelSource
     from engine.runtime.generation import GenerateRequest
@@ -88,10 +89,7 @@ class GenerateChecks:
         if shape is None and family.rendering.output == "frames":  # the loaded model: its clip decided here
             shape, decided["note"] = _clip(target.ticket.source, body, seconds)
         check_references(family, checkpoint, sizes)
-        chosen = checkpoint or family.default_checkpoint
-        if body.guidance_2 is not None and chosen.expert_guidance is None:  # a two-expert checkpoint says its own
-            raise EngineError(f"guidance_2 is a two-expert model's low-noise guidance; {chosen.label} has one "
-                              "denoiser: drop guidance_2 (--guidance-2)", code="invalid_request")
+        _check_sampling(checkpoint or family.default_checkpoint, body)
         loras = self._loras(body, target, load)
         if shape is not None:
             body = body.model_copy(update={"frames": shape.frames, "fps": shape.fps, "width": shape.width,
@@ -170,6 +168,17 @@ class GenerateChecks:
 
             check_loras(self._loaded.registry, target.ticket.source, files)  # before that model evicts another
         return files
+
+
+def _check_sampling(chosen: Checkpoint, body: GenerateBody) -> None:
+    """Refuse sampling settings the checkpoint cannot take: a second expert's guidance on a
+    one-denoiser model, a step count off a distilled checkpoint's own schedule."""
+    if body.guidance_2 is not None and chosen.expert_guidance is None:  # a two-expert checkpoint says its own
+        raise EngineError(f"guidance_2 is a two-expert model's low-noise guidance; {chosen.label} has one "
+                          "denoiser: drop guidance_2 (--guidance-2)", code="invalid_request")
+    if chosen.sigmas and body.steps not in (None, len(chosen.sigmas)):
+        raise EngineError(f"steps={body.steps}: {chosen.label} samples the {len(chosen.sigmas)} sigmas it was "
+                          f"distilled on; ask for {len(chosen.sigmas)} steps or leave steps out", code="invalid_request")
 
 
 def _check_clip_request(body: GenerateBody) -> None:

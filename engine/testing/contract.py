@@ -106,6 +106,10 @@ class FamilyContract:
             assert checkpoint.default_guidance >= 0
             # Checkpoints may share one repo (a subfolder or revision apart): each is named alone by its reference.
             assert family.checkpoint(checkpoint.reference) == checkpoint, checkpoint.reference
+            if checkpoint.sigmas:  # a fixed schedule: one sigma a step, from pure noise down
+                assert len(checkpoint.sigmas) == checkpoint.default_steps, (
+                    f"{checkpoint.name}: {len(checkpoint.sigmas)} sigmas for {checkpoint.default_steps} default steps")
+                assert list(checkpoint.sigmas) == sorted(checkpoint.sigmas, reverse=True), checkpoint.name
             if checkpoint.trained_on:  # a distilled model's LoRAs train on a checkpoint of the table
                 target = family.checkpoint(checkpoint.trained_on)
                 assert target is not None and target.name == checkpoint.trained_on, (

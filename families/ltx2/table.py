@@ -4,7 +4,8 @@ Figures (bf16, decimal GB, FACTS.md): the 19B audio-video DiT 37.8, its Gemma-3-
 encoder 24.4, the video VAE with the audio VAE and the vocoder 5.5 (counted as the VAE:
 all three decode). The video VAE compresses 32x in space and 8x in time (128 channels) and
 the DiT takes 1x1 patches: clips are 8k+1 frames at 24 fps (121 by default), sides multiples
-of 32. The pipeline renders a stereo track beside the frames, 24 kHz from its vocoder, as
+of 32; dev samples 40 steps at guidance 4.0, the distilled checkpoint its 8 sigmas at 1.0. The
+pipeline renders a stereo track beside the frames, 24 kHz from its vocoder, as
 long as the clip: its ``frame_rate`` argument (the engine passes the request's fps) sets it.
 """
 
@@ -25,6 +26,8 @@ from engine.contract.types import (
 
 #: The vocoder's output rate: the sound's sample rate in every clip.
 AUDIO_RATE = 24000
+#: The schedule the distilled checkpoints sample, from pure noise (diffusers' ``ltx2/utils.py``).
+DISTILLED_SIGMAS = (1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875)
 
 CLIPS = VideoSpec(fps=24, default_frames=121, presets=((768, 512), (1216, 704), (704, 1216), (512, 768)),
                   frame_step=8, frame_offset=1, min_frames=9, max_frames=257, size_multiple=32,
@@ -40,6 +43,10 @@ LTX2 = FamilySpec(
     checkpoints=(
         Checkpoint(name="ltx-2", label="LTX-2", repo="Lightricks/LTX-2", default_steps=40, default_guidance=4.0,
                    matches=("*ltx-2*", "*ltx2*")),
+        # Distilled: eight steps on its own sigma schedule, no classifier-free guidance.
+        Checkpoint(name="ltx-2.3-distilled", label="LTX-2.3 Distilled", repo="diffusers/LTX-2.3-Distilled-Diffusers",
+                   default_steps=8, default_guidance=1.0, sigmas=DISTILLED_SIGMAS,
+                   matches=("*ltx-2*distilled*", "*ltx2*distilled*")),
     ),
     sizes=ComponentSizes(transformer_gb=37.8, text_encoders_gb=24.4, vae_gb=5.5),
     capabilities=Capabilities(step_cache=True, attention_dispatcher=True, peft_adapters=True, regional_compile=True),

@@ -94,6 +94,43 @@ def test_the_engine_clip_equals_plain_ltx2pipeline_and_fps_sets_the_sounds_lengt
 
 
 @pytest.mark.slow
+def test_the_distilled_checkpoint_samples_its_own_sigmas_and_refuses_other_step_counts(
+    engine_registry: Registry, tmp_path: Path,
+) -> None:
+    """LTX-2.3 Distilled: eight steps on its distilled sigmas at guidance 1.0, as plain
+    ``LTX2Pipeline`` given those sigmas renders it; another step count is refused at the check,
+    before anything is evicted."""
+    import torch
+    from diffusers import LTX2Pipeline
+
+    from engine.errors import EngineError
+    from engine.hardware.probe import probe
+    from engine.requests import GenerateBody
+    from engine.service.facade import Engine
+    from families.ltx2.table import DISTILLED_SIGMAS
+    from families.ltx2.tiny import build_tiny_pipeline
+    from tests.support import HostModel
+
+    folder = build_tiny_pipeline(tmp_path / "ltx-2.3-distilled-tiny")
+    with Engine(registry=engine_registry, hardware=probe(verify=False)) as engine:
+        host = HostModel(engine)
+        asked = {"prompt": "a fox", "model": str(folder), **_tiny_clip()}
+        asked.pop("steps")
+        with pytest.raises(EngineError) as refused:
+            engine.videos.check_generate(GenerateBody(**asked, steps=4))  # type: ignore[arg-type]
+        assert refused.value.code == "invalid_request" and "8 sigmas it was distilled on" in refused.value.message
+        assert host.evicted == 0 and engine.images.session is None
+        steps: list[int] = []
+        clip = engine.videos.generate(GenerateBody(**asked), progress=lambda done, _t: steps.append(done))  # type: ignore[arg-type]
+        assert clip.recipe["checkpoint"] == "ltx-2.3-distilled" and steps[-1] == 8
+    plain = LTX2Pipeline.from_pretrained(str(folder))(
+        prompt="a fox", height=64, width=64, num_frames=TINY_FRAMES, frame_rate=24.0, num_inference_steps=8,
+        sigmas=list(DISTILLED_SIGMAS), guidance_scale=1.0, generator=torch.Generator("cpu").manual_seed(3),
+        output_type="pil")
+    assert [f.tobytes() for f in clip.frames] == [f.convert("RGB").tobytes() for f in plain.frames[0]]
+
+
+@pytest.mark.slow
 def test_image_to_video_starts_from_the_image_and_keeps_its_sound(ltx2: Path, engine_registry: Registry,
                                                                   tmp_path: Path) -> None:
     """``--image`` runs ``LTX2ImageToVideoPipeline`` over the loaded components: the clip
