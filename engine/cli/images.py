@@ -233,7 +233,7 @@ def report_clip(args: argparse.Namespace, path: Path, clip: Any, seed: int, time
     recipe = path.with_suffix(".json")
     if args.json:
         print(json.dumps({"video": str(path), "recipe": str(recipe), "seed": seed, **clip.shape.to_dict(),
-                          "audio": clip.recipe.get("audio"), **{k: round(v, 3) for k, v in times.items()},
+                          "audio": clip.audio, **{k: round(v, 3) for k, v in times.items()},
                           "overridden": overridden}, indent=2, default=str))
         return 0
     shape = clip.shape

@@ -218,16 +218,14 @@ class PipelineLoading:
         """Place the pipeline per the memory mode; failures raise :class:`PlacementFailed`."""
         device = plan.device
         mode = plan.value("memory_mode")
-        if resident(plan) and self.encoder_stream is not None:
+        host = plan.value("text_encoder_memory") == "host"  # the encoders do not fit the card even alone
+        if resident(plan) and (self.encoder_stream is not None or host):
+            waiting = self.encoder_stream.names if self.encoder_stream is not None else text_encoders.encoder_names(pipe)
             for name, component in pipe.components.items():  # the encoders wait on the host
-                if isinstance(component, torch.nn.Module) and name not in self.encoder_stream.names:
+                if isinstance(component, torch.nn.Module) and name not in waiting:
                     quantize.move_to(component, device, f"the {name}")
-            return
-        if resident(plan) and plan.value("text_encoder_memory") == "host":
-            for name, component in pipe.components.items():
-                if isinstance(component, torch.nn.Module) and not name.startswith(text_encoders.ENCODER_PREFIX):
-                    quantize.move_to(component, device, f"the {name}")
-            text_encoders.keep_on_host(pipe, device)  # the encoders do not fit the card even alone
+            if host:
+                text_encoders.keep_on_host(pipe, device)
             return
         if resident(plan):
             quantize.move_to(pipe, device, "the pipeline")

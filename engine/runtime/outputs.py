@@ -10,6 +10,7 @@ the clip (:class:`Clip`, still a list of frames).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,7 @@ class Clip(list):  # type: ignore[type-arg]
 def with_sound(clips: list[Any], sounds: list[Sound | None]) -> list[Any]:
     """Each clip's frames as a :class:`Clip` carrying its sound, in order."""
     paired = []
-    for frames, sound in zip(clips, [*sounds, *[None] * (len(clips) - len(sounds))]):
+    for frames, sound in itertools.zip_longest(clips, sounds[:len(clips)]):
         clip = Clip(frames)
         clip.sound = sound
         paired.append(clip)

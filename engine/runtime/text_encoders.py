@@ -312,33 +312,18 @@ def keep_on_host(pipe: Any, device: str) -> list[str]:
     """``text_encoder_memory=host``: the encoders stay in host memory and run on the CPU while the
     rest computes on ``device``. A pipeline that hands an encoder its token ids on the execution
     device, or uses its output there without moving it, still works: each encoder takes its
-    inputs on the host and gives its outputs back on ``device``. The encoders' names."""
+    inputs on the host and gives its outputs back on ``device`` (accelerate's ``send_to_device``
+    walks the nested arguments and keeps a model output its own class). The encoders' names."""
+    from accelerate.utils import send_to_device
+
     names = encoder_names(pipe)
     for name in names:
         encoder = getattr(pipe, name)
         quantize.move_to(encoder, "cpu", f"the text encoder {name}")
-        encoder.register_forward_pre_hook(_inputs_to("cpu"), with_kwargs=True)
-        encoder.register_forward_hook(lambda _module, _args, output: _moved(output, device))
+        encoder.register_forward_pre_hook(lambda _module, args, kwargs: send_to_device((args, kwargs), "cpu"),
+                                          with_kwargs=True)
+        encoder.register_forward_hook(lambda _module, _args, output: send_to_device(output, device))
     return names
-
-
-def _inputs_to(device: str) -> Callable[..., tuple[tuple[Any, ...], dict[str, Any]]]:
-    def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return _moved(args, device), _moved(kwargs, device)
-    return hook
-
-
-def _moved(value: Any, device: str) -> Any:
-    """``value`` with every tensor in it on ``device``: tuples, lists and mappings (a transformers
-    model output, kept its own class) walked through."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_moved(item, device) for item in value)
-    if isinstance(value, dict):
-        moved = {key: _moved(item, device) for key, item in value.items()}
-        return type(value)(**moved) if type(value) is not dict else moved
-    return value
 
 
 def load_encoder(root: str, name: str, entry: tuple[str, str], dtype: torch.dtype) -> torch.nn.Module:

@@ -35,7 +35,8 @@ def write_mp4(frames: Sequence[Image.Image], fps: int, target: Path | io.BytesIO
         stream = container.add_stream("libx264", rate=Fraction(fps))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.options = {"crf": str(CRF)}
-        track = container.add_stream("aac", rate=sound.sample_rate, layout=_layout(sound)) if sound else None
+        layout = _layout(sound) if sound is not None else ""
+        track = container.add_stream("aac", rate=sound.sample_rate, layout=layout) if sound is not None else None
         for frame in frames:
             picture = av.VideoFrame.from_image(frame.convert("RGB"))
             for packet in stream.encode(picture):
@@ -44,7 +45,7 @@ def write_mp4(frames: Sequence[Image.Image], fps: int, target: Path | io.BytesIO
             container.mux(packet)
         if track is not None and sound is not None:
             audio = av.AudioFrame.from_ndarray(np.ascontiguousarray(sound.samples, dtype=np.float32),
-                                               format="fltp", layout=_layout(sound))
+                                               format="fltp", layout=layout)
             audio.sample_rate = sound.sample_rate
             for packet in (*track.encode(audio), *track.encode()):
                 container.mux(packet)

@@ -51,6 +51,11 @@ class Video:
     def fps(self) -> int:
         return self.shape.fps
 
+    @property
+    def audio(self) -> dict[str, object] | None:
+        """What the sound is (rate, channels, seconds), as records carry it; None for a silent clip."""
+        return self.sound.to_dict() if self.sound is not None else None
+
     def mp4(self) -> bytes:
         """The clip as H.264 MP4 bytes, its sound as AAC beside the picture."""
         from engine.runtime.video_files import mp4_bytes
@@ -75,7 +80,7 @@ class Video:
 
         return {"mp4": self.mp4(), "thumbnail": png_bytes(self.thumbnail()),
                 "spritesheet": png_bytes(spritesheet(self.frames)), "shape": self.shape.to_dict(),
-                "audio": self.sound.to_dict() if self.sound is not None else None, "wav": self.wav()}
+                "audio": self.audio, "wav": self.wav()}
 
     def save(self, path: str | Path) -> Path:
         """Write the MP4 at ``path`` and its recipe beside it (``clip.mp4`` -> ``clip.json``)."""
@@ -152,8 +157,7 @@ class Videos:
         assert ticket.shape is not None and session is not None  # the frames door decided one; run loaded it
         frames, sound = tuple(clips[0]), getattr(clips[0], "sound", None)
         shape = _as_rendered(ticket.shape, frames) if frames else ticket.shape
-        recipe = {**_recipe(ticket.body, shape, session), "audio": sound.to_dict() if sound is not None else None}
-        return Video(frames=frames, shape=shape, recipe=recipe, sound=sound)
+        return Video(frames=frames, shape=shape, recipe=_recipe(ticket.body, shape, session, sound), sound=sound)
 
     check_door = moved("Engine.videos.check_door()", "Engine.videos.check_generate()", "_check_door")
 
@@ -173,8 +177,10 @@ def _as_rendered(shape: VideoShape, frames: Sequence[Any]) -> VideoShape:
     return dataclasses.replace(shape, frames=len(frames), width=frames[0].width, height=frames[0].height)
 
 
-def _recipe(body: GenerateBody, shape: VideoShape, session: Any) -> dict[str, object]:
-    """What replays the clip: the request as run (with every default filled) and what engaged."""
+def _recipe(body: GenerateBody, shape: VideoShape, session: Any, sound: Sound | None) -> dict[str, object]:
+    """What replays the clip: the request as run (with every default filled) and what engaged,
+    and what its sound is (None for a silent clip)."""
     from engine.service.recipes import loaded_recipe, request_recipe
 
-    return {"kind": "video", **request_recipe(body, session), **shape.to_dict(), **loaded_recipe(session)}
+    return {"kind": "video", **request_recipe(body, session), **shape.to_dict(), **loaded_recipe(session),
+            "audio": sound.to_dict() if sound is not None else None}

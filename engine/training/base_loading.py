@@ -29,7 +29,8 @@ def load_base(plan: TrainingPlan, dtype: torch.dtype) -> Any:
                                  dtype, components)
     else:
         if plan.base_precision.value == "nf4":
-            components[plan.family.pipeline.denoiser] = _denoiser(plan, plan.family.pipeline.denoiser, dtype)
+            index = diffusers.DiffusionPipeline.load_config(plan.base.location)
+            components[plan.family.pipeline.denoiser] = _denoiser(plan, plan.family.pipeline.denoiser, dtype, index)
         pipe = diffusers.DiffusionPipeline.from_pretrained(plan.base.location, dtype=dtype, **components)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -59,17 +60,17 @@ def _pipeline_without(location: str, left_out: tuple[str, ...], dtype: torch.dty
     return getattr(diffusers, index["_class_name"])(**parts)
 
 
-def _denoiser(plan: TrainingPlan, name: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The base's denoiser ``name`` (an nf4 one quantised by bitsandbytes as it loads), frozen."""
+def _denoiser(plan: TrainingPlan, name: str, dtype: torch.dtype, index: dict[str, Any]) -> torch.nn.Module:
+    """The base's denoiser ``name`` (its class from the pipeline's ``index``; an nf4 one quantised
+    by bitsandbytes as it loads), frozen."""
     import diffusers
 
-    config = diffusers.DiffusionPipeline.load_config(plan.base.location)
     options: dict[str, Any] = {}
     if plan.base_precision.value == "nf4":
         from engine.runtime.quantize import nf4_config
 
         options["quantization_config"] = nf4_config(dtype)
-    module: torch.nn.Module = getattr(diffusers, config[name][1]).from_pretrained(
+    module: torch.nn.Module = getattr(diffusers, index[name][1]).from_pretrained(
         plan.base.location, subfolder=name, dtype=dtype, **options)
     return module.requires_grad_(False)
 
@@ -79,7 +80,10 @@ def load_denoisers(plan: TrainingPlan, pipe: Any, dtype: torch.dtype) -> None:
     one-expert run's other expert only for its samples (never beside the encoders while caching)."""
     if plan.expert is None:
         return
-    pipe.register_modules(**{name: _denoiser(plan, name, dtype) for name in plan.loaded_denoisers})
+    import diffusers
+
+    index = diffusers.DiffusionPipeline.load_config(plan.base.location)  # once for every expert
+    pipe.register_modules(**{name: _denoiser(plan, name, dtype, index) for name in plan.loaded_denoisers})
 
 
 __all__ = ["load_base", "load_denoisers"]
