@@ -472,7 +472,8 @@ def test_train_watch_the_charts_stop_and_get_the_lora(site: Site, open_page: Cal
     page.fill("#train-resolution", "64")  # type: ignore[attr-defined]
     page.fill("#train-rank", "2")  # type: ignore[attr-defined]
     page.select_option("#train-device", "cpu")  # type: ignore[attr-defined]
-    assert page.locator("#train-precision input[disabled]").count() >= 5  # every other mode shown disabled, with its reason  # type: ignore[attr-defined]
+    # every other mode shown disabled, with its reason, once the Device's answer has come back
+    page.wait_for_function("document.querySelectorAll('#train-precision input[disabled]').length >= 5")  # type: ignore[attr-defined]
     page.click("#train-check")  # type: ignore[attr-defined]
     page.wait_for_selector("#train-verdict:not([hidden]) table")  # type: ignore[attr-defined]
     assert "2 images" in page.inner_text("#train-verdict")  # type: ignore[attr-defined]
