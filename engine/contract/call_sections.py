@@ -47,6 +47,10 @@ class PipelineLayout:
     #: Pipeline classes whose call opens a cache context around the denoiser
     #: (First-Block-Cache needs one); None when undeclared.
     cache_context_pipelines: tuple[str, ...] | None = None
+    #: Components of the family's repos that none of its workflows calls (a
+    #: transformer partition of a workflow the engine does not serve): never required of a
+    #: folder, sized or loaded.
+    unused_components: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,14 @@ class VideoSpec:
     #: The track's sample rate (its vocoder's output rate), which the contract kit checks the MP4
     #: against; None: whatever the pipeline gives. (Plugin API 2.)
     audio_rate: int | None = None
+    #: Latent frames each ``frame_step`` of frames becomes (1 for most video VAEs; one that
+    #: encodes 17 frames into 5 latents has 5) ... (Plugin API 2.)
+    latents_per_step: int = 1
+    #: ... and the latent frames of the ``frame_offset`` frames (None: 1 where there are any).
+    first_latents: int | None = None
+    #: The model renders at ``fps`` alone (its pipeline takes no frame rate, and its sound is
+    #: timed to it): a request for another fps is refused before anything loads. (Plugin API 2.)
+    fixed_fps: bool = False
     #: What a clip holds at its peak (:class:`VideoMemory`); None: the plan's generic rule.
     memory: VideoMemory | None = None
     #: Frames a LoRA run trains each clip at when the request names none (on the lattice;
@@ -115,5 +123,6 @@ class VideoSpec:
         return min(self.nearest(frames), key=lambda value: (abs(value - frames), value))
 
     def latent_frames(self, frames: int) -> int:
-        """Latent frames of a clip of ``frames``: the first, then one per ``frame_step``."""
-        return (frames - self.frame_offset) // self.frame_step + (1 if self.frame_offset else 0)
+        """Latent frames of a clip of ``frames``: the first, then ``latents_per_step`` per ``frame_step``."""
+        first = self.first_latents if self.first_latents is not None else (1 if self.frame_offset else 0)
+        return (frames - self.frame_offset) // self.frame_step * self.latents_per_step + first

@@ -81,6 +81,9 @@ def video_shape(family: FamilySpec, checkpoint: Checkpoint | None, *, frames: in
                if not spec.on_lattice(count) else f"its clips run {spec.min_frames} to {spec.max_frames} long")
         raise InvalidVideoShape(f"frames={count}: {label} cannot render that clip ({why}); "
                                 f"the nearest valid counts are {nearest}")
+    if spec.fixed_fps and fps is not None and fps != spec.fps:
+        raise InvalidVideoShape(f"fps={fps}: {label} renders at {spec.fps} fps only (its pipeline takes no frame "
+                                f"rate, and its sound is timed to it); drop fps (--fps) or pass {spec.fps}")
     default_w, default_h = spec.default_size
     w = width or (default_w if height is None else _other_side(height, spec, default_w, default_h))
     h = height or (default_h if width is None else _other_side(width, spec, default_h, default_w))

@@ -19,6 +19,7 @@ from engine.contract.plugins import Registry
 from engine.policy.encoders import precast_encoders
 from engine.policy.plan import ModelDefaults
 from engine.preflight.folder_checkpoint import checkpoint_by_files, folder_layout
+from engine.preflight.pipeline_index import MODULAR_INDEX, index_file, parse_index
 from engine.preflight.headers import measured_sizes, sizes_by_scheme, tensor_storage
 from engine.preflight.quantised_folder import StoredMarker, judge_stored
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline
@@ -26,14 +27,16 @@ from engine.contract.types import FamilySpec
 
 
 def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None) -> ModelSource:
-    """``folder`` (which has a ``model_index.json``) as a ``pipeline`` source;
-    refuses a family that disagrees, or a missing or weightless component."""
-    index = read_json(folder / "model_index.json")
-    class_name = str(index.get("_class_name", ""))
+    """``folder`` (which has a ``model_index.json`` or a ``modular_model_index.json``) as a
+    ``pipeline`` source; refuses a family that disagrees, or a missing or weightless component."""
+    path = index_file(folder)
+    assert path is not None, "called on a pipeline folder"
+    index = parse_index(read_json(path), modular=path.name == MODULAR_INDEX)
+    class_name = index.class_name
     own = registry.family_for_pipeline_class(class_name)
     if forced is not None and own is not None and own.name != forced.name:
         raise PreflightError(
-            f"{folder} is a {own.label} pipeline ({class_name} in its model_index.json), not "
+            f"{folder} is a {own.label} pipeline ({class_name} in its {path.name}), not "
             f"{forced.label}; drop the family or pass family={own.name}",
             code="family_mismatch",
         )
@@ -41,18 +44,17 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
     if spec is None:
         known = sorted(c for f in registry.families.values() for c in f.pipeline_class_names)
         raise NotAPipeline(
-            f"{folder}/model_index.json names pipeline class {class_name!r}, which no installed "
+            f"{path} names pipeline class {class_name!r}, which no installed "
             f"family plugin handles (known: {', '.join(known)}); give family=NAME or install its plugin",
             code="family_unknown",
         )
-    components = {
-        name: value for name, value in index.items()
-        if not name.startswith("_") and isinstance(value, list) and value and value[0]
-    }
+    # What the engine's workflows never call (a partition of a workflow it does not serve) may be left out of a download.
+    components = {name: value for name, value in index.components.items()
+                  if name not in spec.pipeline.unused_components}
     missing = [name for name in components if not (folder / name).is_dir()]
     if missing:
         raise ModelNotFound(
-            f"{folder} is missing {', '.join(missing)} (listed in its model_index.json); "
+            f"{folder} is missing {', '.join(missing)} (listed in its {path.name}); "
             "the pipeline folder is incomplete: copy or download it again",
             code="model_file_missing",
         )
@@ -73,7 +75,7 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
             f"{folder / spec.pipeline.denoiser} has no config.json; the pipeline folder is incomplete",
             code="model_file_missing",
         )
-    marker = stored_marker(folder, spec, index)  # written by `diffusion-engine quantize`, judged here
+    marker = stored_marker(folder, spec, index.entries)  # written by `diffusion-engine quantize`, judged here
     quantised = marker is not None or spec.is_prequantised(folder.name) or "quantization_config" in (
         read_json(denoiser_config) if denoiser_config.is_file() else {}
     )

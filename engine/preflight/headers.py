@@ -43,17 +43,23 @@ def measured_sizes(
     for name in components:
         files = sorted((folder / name).glob("*.safetensors"))
         shapes = tensor_shapes(files)  # every component: a truncated file fails here
-        if not (name in (spec.pipeline.denoiser, "vae") or name.startswith("text_encoder")):
+        if not (name == spec.pipeline.denoiser or decodes(name) or name.startswith("text_encoder")):
             continue
         if not files:
             complete = False
             continue
         if name == spec.pipeline.denoiser:
             denoiser = shapes
-        part = "denoiser" if name == spec.pipeline.denoiser else "vae" if name == "vae" else "text"
+        part = "denoiser" if name == spec.pipeline.denoiser else "vae" if decodes(name) else "text"
         totals[part] += dense_gb(shapes)
     sizes = ComponentSizes(totals["denoiser"], totals["text"], totals["vae"]) if complete else None
     return sizes, denoiser
+
+
+def decodes(component: str) -> bool:
+    """Whether a pipeline component is counted with the VAE: the VAE, an audio VAE beside it
+    (``audio_vae``) and a vocoder all decode what the denoiser made."""
+    return component in ("vae", "vocoder") or component.endswith("_vae")
 
 
 def sizes_by_scheme(shapes: Shapes, dense_modules: Sequence[str] = ()) -> dict[str, float]:

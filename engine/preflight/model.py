@@ -41,6 +41,7 @@ from engine.errors import EngineError, PreflightError
 from engine.contract.plugins import Registry
 from engine.contract.types import Checkpoint
 from engine.preflight.folder import pipeline_source
+from engine.preflight.pipeline_index import is_pipeline_folder
 from engine.preflight.hub import hub_access_error, hub_offline
 from engine.preflight.single_file import single_file_source
 from engine.preflight.source import ModelKind, ModelNotFound, ModelSource, NotAPipeline, unknown_family
@@ -86,7 +87,7 @@ def resolve_model(
     if path.is_file():
         return single_file_source(registry, path, forced, base)
     if path.is_dir():
-        if (path / "model_index.json").is_file():
+        if is_pipeline_folder(path):
             return pipeline_source(registry, path, forced)
         singles = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.gguf"))
         if len(singles) == 1:

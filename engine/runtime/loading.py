@@ -42,6 +42,8 @@ from engine.runtime.quantize import (
     quantize_on_host_then_place,
 )
 from engine.runtime.whole_file import load_whole_file
+from engine.runtime.modular import load_modular
+from engine.preflight.pipeline_index import modular_index
 from engine.preflight.quantised_folder import STORED_SCHEMES, read_marker
 from engine.runtime.prequantised import load_quantised
 
@@ -201,6 +203,10 @@ class PipelineLoading:
                     str(root), diffusers.DiffusionPipeline.load_config(root),
                     TORCH_DTYPES[str(self.plan.value("text_encoder_dtype", self.plan.value("dtype")))],
                 ))
+            index = modular_index(Path(str(root)))
+            if index is not None:  # a modular pipeline: its blocks and a ComponentsManager
+                return load_modular(Path(str(root)), index, source.family,
+                                    component_dtypes(source.family, self.plan, lambda: index.entries))
             components.update(pipeline_processors(str(root)))  # built here: see runtime.processors
             return diffusers.DiffusionPipeline.from_pretrained(
                 root, dtype=component_dtypes(source.family, self.plan, lambda: diffusers.DiffusionPipeline.load_config(root)),

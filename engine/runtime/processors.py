@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import stored
+from engine.preflight.pipeline_index import MODULAR_INDEX, index_file, parse_index
 
 #: The sub-processor a still-image pipeline never calls.
 VIDEO_PART = "video_processor"
@@ -24,16 +25,17 @@ VIDEO_PART = "video_processor"
 
 def processor_entries(folder: Path) -> dict[str, str]:
     """The folder's transformers processor components, name -> class name (none
-    where ``model_index.json`` is missing or unreadable: the loader reports that)."""
+    where its index is missing or unreadable: the loader reports that)."""
+    path = index_file(folder)
     try:
-        entries = stored.read_json(folder / "model_index.json")
+        entries = stored.read_json(path) if path is not None else None
     except (OSError, ValueError):
         return {}
     if not isinstance(entries, dict):
         return {}
-    return {name: str(entry[1]) for name, entry in entries.items()
-            if isinstance(entry, list) and len(entry) == 2 and entry[0] == "transformers"
-            and str(entry[1]).endswith("Processor")}
+    index = parse_index(entries, modular=path is not None and path.name == MODULAR_INDEX)
+    return {name: class_name for name, (library, class_name) in index.components.items()
+            if library == "transformers" and class_name.endswith("Processor")}
 
 
 def build_processor(path: Path, class_name: str) -> Any:
@@ -74,7 +76,7 @@ def pipeline_processors(root: str) -> dict[str, Any]:
     """Each processor of a local pipeline folder, built here, for diffusers'
     ``from_pretrained`` to take as given components (a hub id: none, diffusers builds them)."""
     folder = Path(root)
-    if not (folder / "model_index.json").is_file():
+    if index_file(folder) is None:
         return {}
     return {name: build_processor(folder / name, class_name)
             for name, class_name in processor_entries(folder).items()}

@@ -71,8 +71,8 @@ def workflow_pipeline(
     """The pipeline of class ``class_name`` over ``loaded``'s components and
     ``extra`` ones (a ControlNet), cached per class, placed as ``placement``
     (the plan's memory mode and device) says: see :func:`follow_offload`."""
-    if class_name is None or type(loaded).__name__ == class_name:
-        return loaded
+    if class_name is None or class_name in (type(loaded).__name__, getattr(loaded, "modular_class", None)):
+        return loaded  # a modular pipeline serves its workflows itself, picked by the inputs given
     if class_name not in cache:
         import diffusers
 

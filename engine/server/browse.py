@@ -115,7 +115,7 @@ def listed_models(engine: Engine, root: Path) -> list[dict[str, Any]]:
     """The pipeline folders and single files in ``root``: name, real path, kind, family, when made."""
     found = []
     for path in _children(root):
-        if path.is_dir() and (path / "model_index.json").is_file():
+        if engine.catalog.is_pipeline_folder(path):
             kind = "pipeline"
         elif path.is_file() and path.suffix.lower() in WEIGHT_SUFFIXES:
             kind = "single_file"

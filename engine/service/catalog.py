@@ -101,6 +101,13 @@ class Catalog:
         return {c.name: clip_fit(self._registry, family, c, hardware, available).to_dict()
                 for c in family.checkpoints}
 
+    @staticmethod
+    def is_pipeline_folder(path: Path) -> bool:
+        """Whether ``path`` is a diffusers pipeline folder (a classic or a modular index)."""
+        from engine.preflight.pipeline_index import is_pipeline_folder
+
+        return is_pipeline_folder(path)
+
     def check_model(self, reference: str, *, family: str | None = None,
                     base: str | None = None) -> dict[str, object]:
         """What a model reference resolves to, the same for every command and face.

@@ -200,9 +200,13 @@ class FamilyContract:
             assert family.runtime_module, "a trainable family names its runtime_module"
 
     def test_engine_build_tiny_pipeline(self, registry: Registry, family: FamilySpec, tiny_folder: Path) -> None:
-        """The tiny pipeline is a real diffusers folder of this family's class."""
+        """The tiny pipeline is a real diffusers folder of this family's class (a modular one's too)."""
+        from engine.preflight.pipeline_index import index_file
+
         folder = tiny_folder
-        index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
+        path = index_file(folder)
+        assert path is not None, f"{folder} has no model_index.json (nor a modular_model_index.json)"
+        index = json.loads(path.read_text(encoding="utf-8"))
         assert index["_class_name"] in family.pipeline_class_names
         if self.checkpoint_name:
             wanted = family.pipeline_class_of(family.checkpoint(self.checkpoint_name))
@@ -243,13 +247,12 @@ class FamilyContract:
         self, registry: Registry, family: FamilySpec, tiny_folder: Path
     ) -> None:
         """What the table declares about its classes is what the classes do."""
-        import diffusers
-
         from engine.runtime.capabilities import verify
-        from engine.runtime.processors import pipeline_processors
+        from engine.runtime.modular import open_pipeline
 
-        # Its processors as the engine builds them (an edit model's without torchvision's video part).
-        pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_folder, **pipeline_processors(str(tiny_folder)))
+        # As the engine holds it: processors built as it builds them (an edit model's without
+        # torchvision's video part), a modular pipeline behind its runner.
+        pipe = open_pipeline(tiny_folder, family)
         wrong = [
             f"{c.name}: declared {c.declared}, the class says {c.verified} ({c.detail})"
             for c in verify(family, pipe, registry.compile_regions(family)).values()
