@@ -188,6 +188,8 @@ def test_engine_pipeline_output_reads_frames_or_images_and_a_plugin_may_answer()
     ("wan", {"count": 2}, "invalid_request"),                  # one clip per call
     ("wan", {"image": "/no/such/first.png"}, "invalid_image"),  # image to video without its image
     ("sdxl", {"frames": 9}, "wrong_output"),                   # frames asked of an image model
+    ("minimax_h3", {"fps": 30}, "invalid_video_shape"),        # a model that renders at 24 fps only
+    ("minimax_h3", {"frames": 121}, "invalid_video_shape"),    # off its 17k+5 lattice (a modular pipeline)
 ])
 def test_a_doomed_video_request_evicts_nothing(tiny_pipeline: Callable[[str], Path], model: str,
                                                fields: dict[str, object], code: str) -> None:
@@ -197,7 +199,7 @@ def test_a_doomed_video_request_evicts_nothing(tiny_pipeline: Callable[[str], Pa
 
     engine = Engine(registry=load_registry(), hardware=probe(verify=False))
     host = HostModel(engine)
-    door = engine.videos if model == "wan" else engine.images  # a clip file asked of the model
+    door = engine.images if model == "sdxl" else engine.videos  # a clip file asked of the model
     with pytest.raises(EngineError) as refused:
         door.check_generate(GenerateBody(prompt="a fox", model=str(tiny_pipeline(model)), **fields))
     assert refused.value.code == code, refused.value

@@ -108,12 +108,16 @@ def test_a_folder_missing_a_component_is_refused_and_the_reference_partition_is_
     h3: Path, engine_registry: Registry, tmp_path: Path,
 ) -> None:
     """The preflight reads the modular index as a classic one: a component it lists and the folder
-    lacks is refused by name before anything loads; ``transformer_ref`` (the references
+    lacks is refused by name before anything is evicted; ``transformer_ref`` (the references
     workflow's partition, another 61.7 GB) is never required."""
     import shutil
 
     from engine.errors import EngineError
+    from engine.hardware.probe import probe
     from engine.preflight.model import resolve_model
+    from engine.requests import GenerateBody
+    from engine.service.facade import Engine
+    from tests.support import HostModel
 
     folder = tmp_path / "minimax-h3"
     shutil.copytree(h3, folder)
@@ -125,22 +129,9 @@ def test_a_folder_missing_a_component_is_refused_and_the_reference_partition_is_
     assert source.family.name == "minimax_h3" and source.kind == "pipeline"
     assert source.measured_sizes is not None and source.measured_sizes.vae_gb > 0  # the audio VAE counted too
     shutil.rmtree(folder / "audio_vae")
-    with pytest.raises(EngineError) as refused:
-        resolve_model(engine_registry, folder)
-    assert refused.value.code == "model_file_missing" and "audio_vae" in refused.value.message
-
-
-def test_another_fps_is_refused_before_anything_loads(h3: Path, engine_registry: Registry) -> None:
-    """It renders at 24 fps only (its sound is timed to it): 30 is refused at the check."""
-    from engine.errors import EngineError
-    from engine.hardware.probe import probe
-    from engine.requests import GenerateBody
-    from engine.service.facade import Engine
-    from tests.support import HostModel
-
     with Engine(registry=engine_registry, hardware=probe(verify=False)) as engine:
         host = HostModel(engine)
         with pytest.raises(EngineError) as refused:
-            engine.videos.check_generate(GenerateBody(prompt="a fox", model=str(h3), fps=30, **_tiny_clip()))  # type: ignore[arg-type]
-        assert "24 fps only" in refused.value.message
+            engine.videos.check_generate(GenerateBody(prompt="a fox", model=str(folder), **_tiny_clip()))  # type: ignore[arg-type]
         assert host.evicted == 0 and engine.images.session is None
+    assert refused.value.code == "model_file_missing" and "audio_vae" in refused.value.message
