@@ -38,6 +38,19 @@ class FamilyRuntime(Protocol):
         """The denoiser's prediction (calls ``denoiser``, the trainer's peft-wrapped module)."""
 
 
+class SoundRuntime(Protocol):
+    """What a family that trains a clip's sound (``TrainingSpec.sound``) adds to :class:`FamilyRuntime`."""
+
+    def encode_sound(self, pipe: Any, samples: Any) -> Any:
+        """One track's normalised latents (no batch axis) for ``samples`` [channels, n] in [-1, 1] at the
+        family's ``VideoSpec.audio_rate``, as the pipeline's audio VAE makes them."""
+
+    def predict_with_sound(self, pipe: Any, denoiser: Any, noisy_latents: Any, noisy_sound: Any, timesteps: Any,
+                           sound_timesteps: Any, conditioning: Mapping[str, Any]) -> tuple[Any, Any]:
+        """Both velocities (``noise - x0``, the picture's and the sound's) for a batch noised at sigmas
+        ``timesteps`` (picture) and ``sound_timesteps`` (sound)."""
+
+
 #: Function -> its parameters, for the functions every trainable family defines.
 REQUIRED: Mapping[str, tuple[str, ...]] = {
     "encode_prompts": ("pipe", "prompts", "device", "dtype"),
@@ -52,8 +65,12 @@ OPTIONAL: Mapping[str, tuple[str, ...]] = {
     "encode_prompt_inputs": ("pipe", "inputs", "device"),
     "probe_conditioning": ("config", "text_tokens", "dtype"),
     "probe_pipeline": ("model",),
+    # A clip's sound trained beside its picture (TrainingSpec.sound): its latents, and both velocities.
+    "encode_sound": ("pipe", "samples"),
+    "predict_with_sound": ("pipe", "denoiser", "noisy_latents", "noisy_sound", "timesteps", "sound_timesteps",
+                           "conditioning"),
 }
-PAIRS: tuple[tuple[str, str], ...] = (("prompt_inputs", "encode_prompt_inputs"),)
+PAIRS: tuple[tuple[str, str], ...] = (("prompt_inputs", "encode_prompt_inputs"), ("encode_sound", "predict_with_sound"))
 
 
 def _takes(function: Any, arguments: tuple[str, ...]) -> bool:
@@ -79,8 +96,11 @@ def runtime_problems(module: ModuleType | Any, *, flow_matching: bool = True) ->
     for first, second in PAIRS:
         if hasattr(module, first) != hasattr(module, second):
             have, lack = (first, second) if hasattr(module, first) else (second, first)
-            problems.append(f"it has {have} but not {lack} (the prompt cache needs both)")
+            problems.append(f"it has {have} but not {lack} (the {_FEATURES[first]} needs both)")
     return problems
+
+
+_FEATURES = {"prompt_inputs": "prompt cache", "encode_sound": "sound training"}
 
 
 def load_runtime(family: Any, *, flow_matching: bool | None = None) -> ModuleType:
@@ -98,6 +118,10 @@ def load_runtime(family: Any, *, flow_matching: bool | None = None) -> ModuleTyp
         objective = family.training.objective
         flow_matching = objective is None or objective.prediction == "flow_matching"
     problems = runtime_problems(module, flow_matching=flow_matching)
+    training = getattr(family, "training", None)
+    if getattr(training, "sound", None) is not None and not hasattr(module, "encode_sound"):
+        problems.append("its table trains sound (TrainingSpec.sound) but it has no encode_sound(pipe, samples) "
+                        "and predict_with_sound(...)")
     if problems:
         raise PluginError(
             f"{family.name}'s runtime module {name} breaks the FamilyRuntime contract "
@@ -107,4 +131,4 @@ def load_runtime(family: Any, *, flow_matching: bool | None = None) -> ModuleTyp
     return module
 
 
-__all__ = ["FamilyRuntime", "OPTIONAL", "REQUIRED", "load_runtime", "runtime_problems"]
+__all__ = ["FamilyRuntime", "OPTIONAL", "REQUIRED", "SoundRuntime", "load_runtime", "runtime_problems"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from engine.contract.video_spec import OUTPUT_KINDS as OUTPUT_KINDS, OutputKind as OutputKind, VideoSpec as VideoSpec
 
 if TYPE_CHECKING:  # annotations only: engine.contract.types imports this module
-    from engine.contract.training_types import TrainingDefaults, TrainingMemoryFigures, TrainingObjective
+    from engine.contract.training_types import SoundTraining, TrainingDefaults, TrainingMemoryFigures, TrainingObjective
     from engine.contract.types import Purpose, QuantDeny
 
 
@@ -274,6 +274,8 @@ class TrainingSpec:
     requires_bf16: bool = False
     #: How the training-memory tool builds the denoiser to derive ``memory`` (None: it cannot).
     probe: MemoryProbe | None = None
+    #: How a clip's sound is trained beside its picture (None: the picture alone). (Plugin API 2.)
+    sound: SoundTraining | None = None
 
 
 #: The pipeline components fp16 safety is stated for.

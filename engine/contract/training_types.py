@@ -52,6 +52,27 @@ class TrainingObjective:
 
 
 @dataclass(frozen=True)
+class SoundTraining:
+    """How the trainer trains a clip's sound beside its picture (an audio-video family).
+
+    The clip's track, resampled to the family's ``VideoSpec.audio_rate`` and ``channels``,
+    is encoded once by the runtime module's ``encode_sound`` and noised beside the picture's
+    latents at the same drawn time, shifted by ``flow_shift`` (a model that samples its sound
+    on another schedule: shift 3.0 beside its picture's 12.0, say); its velocity comes from
+    the runtime's ``predict_with_sound``. The step's loss is the picture's plus
+    ``loss_weight`` times the sound's, each reported (``loss_video``, ``loss_sound``); a
+    clip with no sound trains the picture alone. (Plugin API 2.)
+    """
+
+    #: The sound's own flow shift (None: the picture's).
+    flow_shift: float | None = None
+    #: The sound loss's weight in the step's loss.
+    loss_weight: float = 1.0
+    #: Channels trained (2: stereo).
+    channels: int = 2
+
+
+@dataclass(frozen=True)
 class LoraTargetShape:
     """One kind of Linear a LoRA adapts: its name suffix, shape and how many
     the full-size denoiser holds (``to_q``, 3072 -> 3072, x 57)."""

@@ -159,6 +159,7 @@ from engine.contract.training_types import (  # noqa: E402  (re-exported: plugin
     TrainingDefaults as TrainingDefaults,
     TrainingMemoryFigures as TrainingMemoryFigures,
     TrainingObjective as TrainingObjective,
+    SoundTraining as SoundTraining,
 )
 
 

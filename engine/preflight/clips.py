@@ -19,6 +19,11 @@ clip shorter than the window is refused (``short_clips="refuse"``) or padded
 by holding its last frame (``"pad"``); a longer one is cut, with a note. The
 display rotation (a phone's portrait clip) is applied to every frame, and the
 clip's size is its upright size.
+
+Where the run trains a clip's sound beside its picture (an audio-video family), the
+window's sound is read too: the clip's first audio track from its start, resampled to the
+family's rate and channels, as long as the window (silence pads a shorter track); a clip
+with no audio stream trains the picture alone, and the dataset report names it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from engine.requests.references import CLIP_EXTENSIONS
@@ -46,13 +52,23 @@ class ClipWindow:
     frames: int
     fps: float
     short: str = "refuse"
+    #: The rate a run trains each clip's sound at (its family's), None: the picture alone.
+    sound_rate: int | None = None
+    #: The channels it trains (the family's: 2 for stereo).
+    sound_channels: int = 2
 
     @property
     def seconds(self) -> float:
         return self.frames / self.fps
 
+    @property
+    def sound_samples(self) -> int:
+        """Samples per channel of the window's sound (0 where the run trains none)."""
+        return round(self.seconds * self.sound_rate) if self.sound_rate else 0
+
     def to_dict(self) -> dict[str, object]:
-        return {"frames": self.frames, "fps": self.fps, "short_clips": self.short}
+        return {"frames": self.frames, "fps": self.fps, "short_clips": self.short,
+                "sound_rate": self.sound_rate}
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,8 @@ class ClipInfo:
     variable_rate: bool = False
     #: Frames the window samples from the clip's own (before padding).
     window_frames: int = 0
+    #: Whether the clip has a sound track (an audio stream).
+    sound: bool = False
 
 
 class ClipProblem(Exception):
@@ -90,11 +108,18 @@ def probe_clip(path: Path, max_pixels: int, window: ClipWindow | None = None) ->
             stream = container.streams.video[0]
             _check_header(stream, container, max_pixels)
             limit = window.seconds + 1.0 / window.fps if window is not None else None
+            sound = bool(container.streams.audio)
             times, rotation, size = _decode(container, stream, limit)
     except ClipProblem:
         raise
     except (av.error.FFmpegError, ValueError, IndexError, UnicodeDecodeError) as exc:
         raise ClipProblem(f"cannot be decoded as a video ({str(exc).strip()[:200]})") from None
+    if sound and window is not None and window.sound_rate:
+        try:  # what the trainer will read of its sound, read now: a broken track fails before any eviction
+            read_window_sound(path, window)
+        except (av.error.FFmpegError, ValueError, IndexError) as exc:
+            raise ClipProblem(f"its sound cannot be decoded ({str(exc).strip()[:200]}); remove the track "
+                              "or the clip") from None
     if not times:
         raise ClipProblem("no frames (a zero-length clip)")
     rate = _rate(stream, times)
@@ -104,6 +129,7 @@ def probe_clip(path: Path, max_pixels: int, window: ClipWindow | None = None) ->
         size=upright, frames=len(times), seconds=seconds, fps=rate, rotation=rotation,
         variable_rate=_variable(times),
         window_frames=min(window.frames, _samples(seconds, window.fps)) if window is not None else 0,
+        sound=sound,
     )
 
 
@@ -205,6 +231,38 @@ def read_window(path: Path, window: ClipWindow) -> list[Image.Image]:
     return picked
 
 
+def read_window_sound(path: Path, window: ClipWindow) -> np.ndarray | None:
+    """The window's sound as the run trains it: ``(window.sound_channels, window.sound_samples)``
+    float32 in [-1, 1], resampled to ``window.sound_rate`` (PyAV's resampler: libswresample) from the
+    clip's start, a track shorter than the window padded with silence; None where the clip has no
+    sound or the run trains none."""
+    import av
+
+    if not window.sound_rate:
+        return None
+    wanted = window.sound_samples
+    layout = "stereo" if window.sound_channels == 2 else "mono"
+    resampler = av.AudioResampler(format="fltp", layout=layout, rate=window.sound_rate)
+    chunks: list[np.ndarray] = []
+    taken = 0
+    with av.open(str(path)) as container:
+        if not container.streams.audio:
+            return None
+        for frame in container.decode(container.streams.audio[0]):
+            for out in resampler.resample(frame):
+                chunks.append(out.to_ndarray())
+                taken += chunks[-1].shape[1]
+            if taken >= wanted:
+                break
+        else:
+            chunks += [out.to_ndarray() for out in resampler.resample(None)]  # what the resampler holds back
+    samples = np.concatenate(chunks, axis=1) if chunks else np.zeros((window.sound_channels, 0), np.float32)
+    track: np.ndarray = np.zeros((window.sound_channels, wanted), dtype=np.float32)
+    kept = min(wanted, samples.shape[1])
+    track[:, :kept] = np.clip(samples[:, :kept], -1.0, 1.0)
+    return track
+
+
 def first_frame(path: Path) -> Image.Image:
     """The clip's first frame, upright (the dataset manager's thumbnail)."""
     return read_window(path, ClipWindow(frames=1, fps=1.0))[0]
@@ -234,4 +292,4 @@ def _upright(frame: Any) -> Image.Image:
 
 
 __all__ = ["CLIP_EXTENSIONS", "ClipInfo", "ClipProblem", "ClipWindow", "clip_header", "first_frame", "probe_clip",
-           "read_window"]
+           "read_window", "read_window_sound"]

@@ -90,6 +90,8 @@ class DatasetReport:
     cut: tuple[tuple[str, str], ...] = ()
     padded: tuple[tuple[str, str], ...] = ()
     variable_rate: tuple[str, ...] = ()
+    #: Clips with no sound, where the run trains a clip's sound: they train the picture alone.
+    silent: tuple[str, ...] = ()
 
     @property
     def clips(self) -> int:
@@ -104,6 +106,7 @@ class DatasetReport:
             "cut": [{"file": f, "note": n} for f, n in self.cut],
             "padded": [{"file": f, "note": n} for f, n in self.padded],
             "variable_rate": list(self.variable_rate),
+            "silent": list(self.silent),
             "uncaptioned": list(self.uncaptioned),
             "skipped": [{"file": f, "reason": r} for f, r in self.skipped],
             "small": [{"file": f, "size": s} for f, s in self.small],
@@ -130,6 +133,9 @@ class DatasetReport:
         if self.variable_rate:
             lines.append(f"{len(self.variable_rate)} clip(s) have a variable frame rate and are sampled by their "
                          f"timestamps: {_names(self.variable_rate)}")
+        if self.silent:
+            lines.append(f"{len(self.silent)} clip(s) have no sound and train the picture alone: "
+                         f"{_names(self.silent)}")
         return lines
 
 
@@ -204,7 +210,7 @@ def discover_dataset(
             f"no images or clips in {root} (looked for {', '.join(IMAGE_EXTENSIONS + CLIP_EXTENSIONS)})",
             code="empty_dataset",
         )
-    cut, padded = _judged(items, window)
+    cut, padded, silent = _judged(items, window)
     small = _small_images(items, resolution)
     if small and strict:
         raise DatasetError(
@@ -222,7 +228,7 @@ def discover_dataset(
         missing_images=tuple(sorted(name for name in captions if name not in found)),
         resolution=resolution,
         window=window if any(item.is_clip for item in items) else None,  # judged only where clips are
-        cut=cut, padded=padded,
+        cut=cut, padded=padded, silent=silent,
         variable_rate=tuple(item.relative for item in items if item.clip is not None and item.clip.variable_rate),
     )
 
@@ -242,10 +248,11 @@ def _decode(
 
 def _judged(
     items: list[DatasetItem], window: ClipWindow | None,
-) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
-    """Clips cut to the window and clips padded to it; short clips refused unless the window pads."""
+) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """Clips cut to the window, clips padded to it, and the clips with no sound where the run
+    trains a clip's sound; short clips refused unless the window pads."""
     if window is None:
-        return (), ()
+        return (), (), ()
     cut, short = [], []
     for item in items:
         clip = item.clip
@@ -264,7 +271,8 @@ def _judged(
             short,
             code="short_clips",
         )
-    return tuple(cut), tuple(short)
+    silent = tuple(item.relative for item in items if item.clip is not None and not item.clip.sound)
+    return tuple(cut), tuple(short), silent if window.sound_rate else ()
 
 
 def _small_images(items: list[DatasetItem], resolution: int | None) -> tuple[tuple[str, str], ...]:

@@ -199,8 +199,24 @@ def _config_root(source: ModelSource) -> str:
 def _pipeline_class(root: str) -> type:
     import diffusers
 
-    index = diffusers.DiffusionPipeline.load_config(root)
-    return getattr(diffusers, str(index["_class_name"]))
+    return getattr(diffusers, str(_index(root)["_class_name"]))
+
+
+def _index(root: str) -> dict[str, Any]:
+    """The pipeline's index, classic or modular (its components as ``[library, class]``), from a
+    local folder or the hub's cache."""
+    from pathlib import Path
+
+    from engine.preflight.pipeline_index import MODULAR_INDEX, index_file, parse_index
+    from engine.stored import read_json
+
+    path = index_file(Path(root))
+    if path is None:
+        import diffusers
+
+        return dict(diffusers.DiffusionPipeline.load_config(root))
+    index = parse_index(read_json(path), modular=path.name == MODULAR_INDEX)
+    return {"_class_name": index.class_name, **index.components}
 
 
 class _Skeleton:
@@ -208,10 +224,8 @@ class _Skeleton:
     tree and shapes, no weights and no memory."""
 
     def __init__(self, root: str) -> None:
-        import diffusers
-
         self.root = root
-        self.index = diffusers.DiffusionPipeline.load_config(root)
+        self.index = _index(root)
         self._built: dict[str, torch.nn.Module | None] = {}
 
     def unet_config(self) -> Any:

@@ -18,6 +18,7 @@ which components the folder holds and its config values (a canvas size, say).
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -58,7 +59,7 @@ def load_modular(folder: Path, index: PipelineIndex, family: FamilySpec, dtypes:
         loaded[name] = spec.load(pretrained_model_name_or_path=str(folder), subfolder=name, variant=None,
                                  revision=None, local_files_only=True, **extra)
     pipe.update_components(**loaded)
-    return ModularRun(pipe, manager)
+    return runner_class(pipeline_cls)(pipe, manager)
 
 
 def open_pipeline(folder: Path, family: FamilySpec, dtypes: Any = torch.float32) -> Any:
@@ -79,6 +80,17 @@ def _dtype_of(dtypes: Any, name: str) -> torch.dtype:
     if isinstance(dtypes, dict):
         return dtypes.get(name, dtypes["default"])
     return dtypes
+
+
+@cache
+def runner_class(pipeline_cls: type) -> type[ModularRun]:
+    """:class:`ModularRun` with the modular pipeline's LoRA loader mixins (its class-level
+    ``lora_state_dict`` and ``save_lora_weights``, which the LoRA check and the trainer's
+    export call on the pipeline's type)."""
+    from diffusers.loaders.lora_base import LoraBaseMixin
+
+    mixins = tuple(base for base in pipeline_cls.__bases__ if issubclass(base, LoraBaseMixin))
+    return type(f"{pipeline_cls.__name__}Run", (ModularRun, *mixins), {"__module__": __name__})
 
 
 class ModularRun:

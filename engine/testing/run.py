@@ -163,13 +163,18 @@ def _train(registry: Registry, family: FamilySpec, folder: Path, workdir: Path, 
     from engine.training.preflight import preflight_training
     from engine.training.trainer import run_training
 
-    video = family.rendering.output == "frames"  # a video family trains on real clips (and an image) at the kit's length
-    data = write_clip_dataset(workdir / "data", clips=2, images=1) if video else write_dataset(workdir / "data", count=2)
+    spec = family.video_of(registry_checkpoint(registry, folder)) if family.rendering.output == "frames" else None
+    if spec is not None:  # a video family trains on real clips (and an image) at the kit's length, with sound where it trains it
+        heard = family.training is not None and family.training.sound is not None
+        data = write_clip_dataset(workdir / "data", clips=2, images=1, frames=max(9, kit_frames(spec)), fps=spec.fps,
+                                  tone_hz=440.0 if heard else None)
+    else:
+        data = write_dataset(workdir / "data", count=2)
     config = TrainingConfig.from_data({
         "base_model": str(folder), "family": family.name, "dataset_dir": str(data),
         "resolution": 64, "steps": 2, "lora_rank": 4, "learning_rate": KIT_LEARNING_RATE,
         "device": "cpu", "compile": "off", "mixed_precision": "no",
-        **({"frames": kit_frames(family.video_of(registry_checkpoint(registry, folder)))} if video else {}),
+        **({"frames": kit_frames(spec)} if spec is not None else {}),
     })
     plan = preflight_training(registry, config, probe(verify=False))
     result = run_training(plan, workdir / "lora", report.train_events.append, lambda: None, registry=registry)

@@ -9,6 +9,7 @@ holds loaded (those it trains; a one-expert run's other expert only for its samp
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,8 +22,14 @@ def load_base(plan: TrainingPlan, dtype: torch.dtype) -> Any:
     model's without the video part torchvision would build: :mod:`engine.runtime.processors`)."""
     import diffusers
 
+    from engine.preflight.pipeline_index import modular_index
+    from engine.runtime.modular import open_pipeline
     from engine.runtime.processors import pipeline_processors
 
+    if modular_index(Path(plan.base.location)) is not None:  # its blocks over a ComponentsManager
+        pipe = open_pipeline(Path(plan.base.location), plan.family, dtype)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
     components: dict[str, Any] = dict(pipeline_processors(plan.base.location))
     if plan.expert is not None:  # loaded after the captions are cached (load_denoisers)
         pipe = _pipeline_without(plan.base.location, (plan.family.pipeline.denoiser, *plan.family.pipeline.experts),

@@ -35,6 +35,7 @@ from engine.training.precision import check_this_machine, pinned_sdpa, place_bas
 from engine.training.buckets import epoch_batches
 from engine.training.captions import CaptionOptions
 from engine.training.base_loading import load_base, load_denoisers
+from engine.training import sound
 from engine.training.inputs import Captions, cache_inputs, prompt_row
 from engine.contract.plugins import Registry, load_registry
 from engine.training import levers
@@ -139,6 +140,8 @@ class _Run:
     noise_schedule: Any
     generator: torch.Generator
     scaler: torch.amp.GradScaler
+    #: Each clip's sound, where the family trains it beside the picture.
+    sound: sound.SoundInputs | None = None
     order: list[list[int]] = field(default_factory=list)
 
 
@@ -160,6 +163,7 @@ def _set_up(plan: TrainingPlan, emit: Emit, should_stop: StopCheck, registry: Re
     emit({"type": "phase", "phase": "caching", "message": "encoding images and captions",
           "dataset": plan.dataset.to_dict(), "buckets": plan.buckets.to_dict() if plan.buckets else None})
     latents, conditioning, captions = cache_inputs(plan, pipe, runtime, device, dtype, lambda: _check_stop(should_stop))
+    sounds = sound.cache_sounds(plan, pipe, runtime, device, dtype, lambda: _check_stop(should_stop))
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module) and name not in plan.trained_components:
             component.to("cpu")  # the encoders are done: give their memory back
@@ -192,7 +196,7 @@ def _set_up(plan: TrainingPlan, emit: Emit, should_stop: StopCheck, registry: Re
         ema=levers.LoraEma(params, chosen.ema.value) if chosen.ema.value is not None else None,
         noise_schedule=runtime.training_scheduler(pipe) if plan.objective.prediction != "flow_matching" else None,
         generator=torch.Generator().manual_seed(config.seed),
-        scaler=_grad_scaler(plan),
+        scaler=_grad_scaler(plan), sound=sounds,
     )
     emit({"type": "started", "steps": plan.steps, "lora_adapter": added, "trainable_params": sum(p.numel() for p in params),
           "quantised_layers": placement.layers if placement is not None else 0,
@@ -207,6 +211,7 @@ def _optimizer_step(plan: TrainingPlan, run: _Run, step: int, replicas: Replicas
     options = CaptionOptions.from_config(config)
     started = time.perf_counter()
     total_loss, seen, per_step = 0.0, 0, config.batch_size * replicas.world  # the global batch
+    part_losses: dict[str, float] = {}
     for micro in range(config.grad_accumulation):
         if not run.order:
             run.order = epoch_batches(run.groups, per_step,
@@ -222,13 +227,15 @@ def _optimizer_step(plan: TrainingPlan, run: _Run, step: int, replicas: Replicas
         noisy, timesteps, target = _noise(plan, x0, run.noise_schedule, draws, chosen.flow_shift.value,
                                           plan.expert.value.sigma_range() if plan.expert else (0.0, 1.0))
         with replicas.no_sync(run.forward, last=micro == config.grad_accumulation - 1):
-            prediction = run.runtime.predict(run.pipe, run.forward, noisy, timesteps, cond)
-            loss = levers.weighted_mse(prediction, target, str(chosen.loss_weighting.value),
-                                       plan.objective.prediction, timesteps, run.noise_schedule) * weight
+            loss, parts = _loss(plan, run, noisy, timesteps, target, cond, [image for _, image in shard], draws)
+            loss = loss * weight
             replicas.backward(run.scaler.scale(loss / config.grad_accumulation))
         total_loss += loss.item() / replicas.world / config.grad_accumulation
+        for name, value in parts.items():  # each modality's loss, where the run trains more than one
+            part_losses[name] = part_losses.get(name, 0.0) + value * weight / replicas.world / config.grad_accumulation
         seen += len(batch)
     total_loss = replicas.total(total_loss)  # the global batch's mean, the same on every rank
+    part_losses = sound.reported({name: replicas.total(value) for name, value in part_losses.items()})
     if not math.isfinite(total_loss):
         raise NonFiniteLoss(step, total_loss, output_dir)  # before the optimizer touches the LoRA
     run.scaler.unscale_(run.optimizer)  # clip and report the true gradient, not the scaled one
@@ -241,12 +248,23 @@ def _optimizer_step(plan: TrainingPlan, run: _Run, step: int, replicas: Replicas
     run.optimizer.zero_grad(set_to_none=True)
     elapsed = time.perf_counter() - started
     return {
-        "type": "progress", "step": step, "steps": plan.steps, "loss": total_loss,
+        "type": "progress", "step": step, "steps": plan.steps, "loss": total_loss, **part_losses,
         "lr": run.schedule.get_last_lr()[0], "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
         "samples_per_s": seen / elapsed,
         "peak_memory_gb": _peak_memory_gb(plan.device),
         "loss_scale": run.scaler.get_scale() if run.scaler.is_enabled() else None,
     }
+
+
+def _loss(plan: TrainingPlan, run: _Run, noisy: torch.Tensor, timesteps: torch.Tensor, target: torch.Tensor,
+          cond: dict[str, torch.Tensor], images: list[int], draws: list[torch.Generator],
+          ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The micro-batch's loss, and each modality's where a clip's sound trains beside its picture."""
+    weighting, kind = str(run.chosen.loss_weighting.value), plan.objective.prediction
+    if run.sound is not None:
+        return sound.step_loss(run, run.sound, (noisy, timesteps, target), cond, images, draws, (weighting, kind))
+    prediction = run.runtime.predict(run.pipe, run.forward, noisy, timesteps, cond)
+    return levers.weighted_mse(prediction, target, weighting, kind, timesteps, run.noise_schedule), {}
 
 
 def _finish(

@@ -90,7 +90,10 @@ def clip_window(family: FamilySpec, checkpoint: Checkpoint | None, config: Train
                if not spec.on_lattice(frames) else f"its clips run {spec.min_frames} to {spec.max_frames} frames")
         raise PreflightError(f"frames={frames}: {label} cannot train on that clip ({why}); the nearest valid "
                              f"counts are {nearest}", code="invalid_video_shape")
-    return ClipWindow(frames=frames, fps=float(spec.fps), short=config.short_clips)
+    sound = family.training.sound if family.training is not None else None
+    return ClipWindow(frames=frames, fps=float(spec.fps), short=config.short_clips,
+                      sound_rate=spec.audio_rate if sound is not None else None,
+                      sound_channels=sound.channels if sound is not None else 2)
 
 
 def expert_choice(family: FamilySpec, base: ModelSource, config: TrainingConfig) -> Resolved[ExpertChoice] | None:

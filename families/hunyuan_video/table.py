@@ -62,7 +62,10 @@ HUNYUAN_VIDEO = FamilySpec(
     ),
     lora=LoraLayout(
         targets=("to_q", "to_k", "to_v", "to_out.0"),
-        key_markers=("double_blocks", "img_attn_qkv", "txt_attn_qkv", "token_refiner"),
+        # Its text refiner sits under the context embedder (diffusers) or txt_in (the original); MiniMax-H3's,
+        # also a ``token_refiner``, sits on the transformer itself.
+        key_markers=("double_blocks", "img_attn_qkv", "txt_attn_qkv", "context_embedder.token_refiner",
+                     "individual_token_refiner"),
     ),
     training=TrainingSpec(dense_gb=16.6),
     precision=PrecisionRules(

@@ -5,7 +5,8 @@ Figures (bf16, decimal GB, FACTS.md): the audio-video DiT 66.3, its Qwen3-VL tex
 exists only as diffusers' ``MiniMaxH3ModularPipeline``: blocks over a ``ComponentsManager``,
 one packed sequence of text, video and audio rows denoised at once (two flow schedulers,
 shift 12 for video and 3 for audio, stepped inside one transformer call). The checkpoint is
-guidance-distilled: 30 steps, one forward pass each, no negative prompt. It renders at 24 fps
+guidance-distilled: 30 steps, one forward pass each, no negative prompt. Its LoRAs train on
+clips with their sound (both streams noised and predicted in one pass, a loss each). It renders at 24 fps
 only, 17k+5 frames (124 to 345: 5 to 14.4 s; the pipeline snaps a count up to the lattice),
 sides multiples of 32, with a 32 kHz stereo track as long as the clip.
 
@@ -24,7 +25,10 @@ from engine.contract.types import (
     PipelineLayout,
     PrecisionRules,
     Rendering,
+    SoundTraining,
     SpeedRules,
+    TrainingDefaults,
+    TrainingObjective,
     TrainingSpec,
     VideoSpec,
 )
@@ -53,10 +57,19 @@ MINIMAX_H3 = FamilySpec(
     ),
     sizes=ComponentSizes(transformer_gb=66.3, text_encoders_gb=66.8, vae_gb=11.1),
     capabilities=Capabilities(step_cache=True, attention_dispatcher=True, peft_adapters=True, regional_compile=True),
-    runtime_module="",
+    runtime_module="families.minimax_h3.runtime",
     tiny_pipeline="families.minimax_h3.tiny:build_tiny_pipeline",
-    lora=LoraLayout(targets=("to_q", "to_k", "to_v", "to_out.0")),
-    training=TrainingSpec(dense_gb=66.3),
+    # Its text refiner is the transformer's own ``token_refiner`` (HunyuanVideo's is the context embedder's).
+    lora=LoraLayout(targets=("to_q", "to_k", "to_v", "to_out.0"), key_markers=("transformer.token_refiner.",)),
+    training=TrainingSpec(
+        dense_gb=66.3,
+        requires_bf16=True,  # bf16-native: fp16 overflows (PrecisionRules below)
+        objective=TrainingObjective(prediction="flow_matching", timestep_sampling="uniform"),
+        # Trained on the schedules it samples: the picture's sigmas shifted by 12, the sound's by 3.
+        defaults=TrainingDefaults(learning_rate=1e-4, warmup_steps=0, flow_shift=12.0,
+                                  source="MiniMax-H3's own schedulers: video shift 12.0, audio 3.0"),
+        sound=SoundTraining(flow_shift=3.0, loss_weight=1.0, channels=2),
+    ),
     precision=PrecisionRules(
         fp16_unsafe=(("denoiser", "MiniMax-H3's DiT is bf16-native: under fp16 its activations overflow"),),
     ),

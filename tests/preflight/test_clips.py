@@ -165,3 +165,46 @@ def test_an_avi_clip_is_read_as_the_earlier_system_read_it(tmp_path: Path) -> No
     found = discover_dataset(folder)
     assert [(item.relative, item.caption, item.clip is not None) for item in found.items] == [("walk.avi", "a walk", True)]
     assert not found.skipped
+
+
+def test_the_windows_sound_is_resampled_to_the_familys_rate_and_cut_or_padded_to_the_window(tmp_path: Path) -> None:
+    """A camera's 44.1 kHz track read at 32 kHz stereo for the window's length: a longer track
+    cut, a shorter one padded with silence (a padded picture's window), a silent clip None."""
+    import numpy as np
+
+    from engine.preflight.clips import read_window_sound
+    from engine.testing.datasets import CLIP_SOUND_RATE
+
+    toned = write_clip(tmp_path / "tone.mp4", frames=48, fps=24, tone_hz=440.0)
+    silent = write_clip(tmp_path / "quiet.mp4", frames=48, fps=24)
+    short = ClipWindow(frames=24, fps=24.0, sound_rate=32000)
+    track = read_window_sound(toned, short)
+    assert track is not None and track.shape == (2, 32000) and track.dtype == np.float32
+    assert 0.1 < float(np.abs(track).max()) <= 1.0
+    heard = np.abs(np.fft.rfft(track[0]))
+    assert abs(int(heard.argmax()) - 440) <= 2  # the tone's pitch survives the resampling (1 Hz bins: 1 s)
+    long = ClipWindow(frames=72, fps=24.0, short="pad", sound_rate=32000)
+    padded = read_window_sound(toned, long)
+    assert padded is not None and padded.shape == (2, 96000)
+    assert float(np.abs(padded[:, 66000:]).max()) == 0.0 and float(np.abs(padded[:, :60000]).max()) > 0.1
+    assert read_window_sound(silent, short) is None
+    assert read_window_sound(toned, ClipWindow(frames=24, fps=24.0)) is None  # the run trains no sound
+    assert probe_clip(toned, BIG, short).sound and not probe_clip(silent, BIG, short).sound
+    assert CLIP_SOUND_RATE == 44100
+
+
+def test_a_clip_whose_sound_cannot_be_decoded_is_named_before_the_run(tmp_path: Path) -> None:
+    """Where the run trains sound, the probe reads the window's track too: a broken one is refused by name."""
+    data = tmp_path / "data"
+    data.mkdir()
+    clip = write_clip(data / "tone.mp4", frames=48, fps=24, tone_hz=440.0)
+    raw = bytearray(clip.read_bytes())
+    at = raw.find(bytes([0x05, 0x80, 0x80, 0x80]), raw.find(b"esds")) + 5  # the AAC decoder's own config
+    assert at > 5
+    raw[at:at + 2] = b"\xff\xff"  # an audio object type no decoder knows
+    clip.write_bytes(bytes(raw))
+    window = ClipWindow(frames=24, fps=24.0, sound_rate=32000)
+    with pytest.raises(DatasetError) as refused:
+        discover_dataset(data, window=window)
+    assert "tone.mp4: its sound cannot be decoded" in refused.value.message
+    assert discover_dataset(data, window=ClipWindow(frames=24, fps=24.0)).items  # a run that trains no sound reads it
