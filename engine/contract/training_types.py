@@ -70,6 +70,9 @@ class SoundTraining:
     loss_weight: float = 1.0
     #: Channels trained (2: stereo).
     channels: int = 2
+    #: The rate a clip's sound is read at for training (the audio VAE's input rate, where its
+    #: encoder reads another rate than the vocoder writes); None: ``VideoSpec.audio_rate``.
+    sample_rate: int | None = None
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ def clip_window(family: FamilySpec, checkpoint: Checkpoint | None, config: Train
                              f"counts are {nearest}", code="invalid_video_shape")
     sound = family.training.sound if family.training is not None else None
     return ClipWindow(frames=frames, fps=float(spec.fps), short=config.short_clips,
-                      sound_rate=spec.audio_rate if sound is not None else None,
+                      sound_rate=(sound.sample_rate or spec.audio_rate) if sound is not None else None,
                       sound_channels=sound.channels if sound is not None else 2)
 
 

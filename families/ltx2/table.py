@@ -7,6 +7,8 @@ the DiT takes 1x1 patches: clips are 8k+1 frames at 24 fps (121 by default), sid
 of 32; dev samples 40 steps at guidance 4.0, the distilled checkpoint its 8 sigmas at 1.0. The
 pipeline renders a stereo track beside the frames, 24 kHz from its vocoder, as
 long as the clip: its ``frame_rate`` argument (the engine passes the request's fps) sets it.
+Its LoRAs train on clips with their sound (read at the audio VAE's 16 kHz) and on stills as
+one-frame clips (``families.ltx2.runtime``).
 """
 
 from engine.contract.types import (
@@ -19,7 +21,10 @@ from engine.contract.types import (
     PipelineLayout,
     PrecisionRules,
     Rendering,
+    SoundTraining,
     SpeedRules,
+    TrainingDefaults,
+    TrainingObjective,
     TrainingSpec,
     VideoSpec,
 )
@@ -50,10 +55,21 @@ LTX2 = FamilySpec(
     ),
     sizes=ComponentSizes(transformer_gb=37.8, text_encoders_gb=24.4, vae_gb=5.5),
     capabilities=Capabilities(step_cache=True, attention_dispatcher=True, peft_adapters=True, regional_compile=True),
-    runtime_module="",
+    runtime_module="families.ltx2.runtime",
     tiny_pipeline="families.ltx2.tiny:build_tiny_pipeline",
     lora=LoraLayout(targets=("to_q", "to_k", "to_v", "to_out.0")),
-    training=TrainingSpec(dense_gb=37.8),
+    training=TrainingSpec(
+        dense_gb=37.8,
+        requires_bf16=True,  # bf16-native: fp16 overflows (PrecisionRules below)
+        objective=TrainingObjective(prediction="flow_matching", timestep_sampling="logit_normal"),
+        # Trained on the sigmas it samples: its scheduler shifts by the token count (0.95 at 1024
+        # tokens to 2.05 at 4096, exponential).
+        defaults=TrainingDefaults(learning_rate=1e-4, warmup_steps=0, flow_shift_auto=True, base_shift=0.95,
+                                  max_shift=2.05, base_seq_len=1024, max_seq_len=4096,
+                                  source="LTX2Pipeline's scheduler (dynamic shift 0.95-2.05 over 1024-4096 tokens)"),
+        # The sound on the picture's schedule, read at the audio VAE's 16 kHz (its vocoder writes 24 kHz).
+        sound=SoundTraining(sample_rate=16000),
+    ),
     precision=PrecisionRules(
         fp16_unsafe=(("denoiser", "LTX-2's DiT is bf16-native: under fp16 its activations overflow"),),
     ),

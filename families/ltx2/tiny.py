@@ -2,7 +2,8 @@
 
 A ``diffusers.LTX2Pipeline`` of the family's real classes: the ``LTX2VideoTransformer3DModel``
 (two audio-video blocks), the ``AutoencoderKLLTX2Video`` (one level: 2x in space and time, 4
-channels), the ``AutoencoderKLLTX2Audio`` (mel spectrograms at 16 kHz, hop 160), the
+channels), the ``AutoencoderKLLTX2Audio`` (mel spectrograms at 16 kHz, hop 160, 4x in time
+and mel as the real one, so a clip's sound encodes to the latents the DiT reads), the
 ``LTX2Vocoder`` (its upsampling a hop x 1.5: 24 kHz stereo, as the real one gives), the
 ``LTX2TextConnectors`` and a ``Gemma3ForConditionalGeneration`` text encoder with a
 character-level ``GemmaTokenizerFast`` built with ``tokenizers``. A 2-step, 9-frame, 64 px
@@ -83,7 +84,7 @@ def build_tiny_pipeline(path: pathlib.Path) -> pathlib.Path:
     )
     torch.manual_seed(_SEED)
     audio_vae = AutoencoderKLLTX2Audio(
-        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        base_channels=4, output_channels=2, ch_mult=(1, 2, 4), num_res_blocks=1, attn_resolutions=None, in_channels=2,
         resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
         mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8,
     )

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from engine.contract.plugins import load_registry
 from engine.hardware.probe import probe
@@ -69,36 +68,13 @@ def test_each_step_reports_the_pictures_loss_and_the_sounds_where_one_was_heard(
 
 
 def test_under_fixed_noise_the_lora_predicts_the_clips_picture_and_sound_better(trained: tuple) -> None:
-    """The training clip, noised once with fixed noise at sigma 0.5 (its sound on its own
-    schedule), is predicted closer to the truth with the LoRA than by the base, both streams."""
-    from engine.contract.family_runtime import load_runtime
-    from engine.runtime.modular import open_pipeline
-    from engine.training.inputs import load_clip
-    from engine.training.buckets import fit
-    from engine.preflight.clips import read_window_sound
+    """The training clip, noised once with fixed noise at sigma 0.5, is predicted closer to the
+    truth with the LoRA than by the base, both streams."""
+    from engine.testing.sound_training import base_and_trained
 
     plan, folder, _ = trained
-    runtime = load_runtime(plan.family)
-    pipe = open_pipeline(Path(plan.base.location), plan.family)
-    clip = next(item for item in plan.dataset.items if item.relative == "tone.mp4")
-    assert plan.window is not None
-    x0 = runtime.encode_images(pipe, load_clip(clip.image, fit(clip.size, (64, 64)), plan.window))
-    s0 = runtime.encode_sound(pipe, torch.from_numpy(read_window_sound(clip.image, plan.window)))[None]
-    cond = runtime.encode_prompts(pipe, ["a tone"], torch.device("cpu"), torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    noise, sound_noise = torch.randn(x0.shape, generator=generator), torch.randn(s0.shape, generator=generator)
-    sigma = torch.tensor([0.5])
-    noisy, noisy_sound = 0.5 * x0 + 0.5 * noise, 0.5 * s0 + 0.5 * sound_noise
-
-    def errors() -> tuple[float, float]:
-        with torch.no_grad():
-            video, sound = runtime.predict_with_sound(pipe, pipe.transformer, noisy, noisy_sound, sigma, sigma, cond)
-        return (float((video - (noise - x0)).pow(2).mean()), float((sound - (sound_noise - s0)).pow(2).mean()))
-
-    base_video, base_sound = errors()
-    pipe.load_lora_weights(str(folder / "pytorch_lora_weights.safetensors"), adapter_name="trained")
-    video, sound = errors()
-    assert video < 0.9 * base_video and sound < 0.8 * base_sound, (base_video, video, base_sound, sound)
+    base, lora = base_and_trained(plan, folder / "pytorch_lora_weights.safetensors", "tone.mp4", "a tone")
+    assert lora.picture < 0.9 * base.picture and lora.sound < 0.8 * base.sound, (base, lora)
 
 
 @pytest.mark.slow
