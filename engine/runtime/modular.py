@@ -105,6 +105,13 @@ class ModularRun:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipe, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A component set on the runner is the pipeline's (and its manager's): ``update_components``."""
+        if not name.startswith("_") and name in self._pipe.component_names:
+            self._pipe.update_components(**{name: value})
+        else:
+            object.__setattr__(self, name, value)
+
     @property
     def modular_class(self) -> str:
         """The modular pipeline's class name: the one a family's workflows name."""

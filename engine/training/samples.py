@@ -48,18 +48,20 @@ def write_samples(plan: Any, pipe: Any, denoiser: torch.nn.Module, output_dir: P
 
 
 def _save(plan: Any, output: Any, name: Path) -> dict[str, object]:
-    """An image as PNG; a clip as MP4 at the family's fps, with its first frame as a PNG beside it
-    (what the run page and the charts' viewers show)."""
+    """An image as PNG; a clip as MP4 at the family's fps (with its sound, where the pipeline
+    renders one), its first frame as a PNG beside it (what the run page and the charts' viewers show)."""
     if plan.window is None:
         path = name.with_suffix(".png")
         output.images[0].save(path)
         return {"path": str(path)}
-    from engine.runtime.outputs import clip_frames
+    from engine.runtime.outputs import clip_frames, pipeline_sound
     from engine.runtime.video_files import write_mp4
 
     frames = clip_frames(output.frames[0])
     clip = name.with_suffix(".mp4")
-    write_mp4(frames, round(plan.window.fps), clip)
+    video = plan.family.video_of(plan.base.checkpoint)
+    sounds = pipeline_sound(output, None, video.audio_rate) if video is not None and video.audio else []
+    write_mp4(frames, round(plan.window.fps), clip, sounds[0] if sounds else None)
     still = name.with_suffix(".png")
     frames[0].save(still)
     return {"path": str(still), "clip": str(clip), "frames": len(frames)}
@@ -77,6 +79,6 @@ def _call_kwargs(plan: Any, pipe: Any, prompt: str, seed: int) -> dict[str, Any]
         plan.family.pipeline.guidance_kwarg: checkpoint.default_guidance,
     }
     if plan.window is not None:  # a short clip of the window's length, as frames of PIL images
-        kwargs.update(num_frames=plan.window.frames, output_type="pil")
+        kwargs.update(num_frames=plan.window.frames, output_type="pil", frame_rate=plan.window.fps)
     accepted = inspect.signature(pipe.__call__).parameters
     return {k: v for k, v in kwargs.items() if k in accepted}

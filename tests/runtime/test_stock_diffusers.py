@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine.contract.plugins import load_registry
+from engine.preflight.pipeline_index import MODULAR_INDEX
 from engine.hardware.probe import probe
 from engine.service.facade import Engine
 
@@ -47,9 +48,11 @@ def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> l
     import diffusers
 
     spec = REGISTRY.family(family)
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folder)
     call: dict[str, Any] = {"prompt": PROMPT, "num_inference_steps": STEPS,
                             "generator": torch.Generator("cpu").manual_seed(SEED), **size}
+    if (folder / MODULAR_INDEX).is_file():  # a modular pipeline: its blocks, called as diffusers documents
+        return stock_modular(folder, call, clip_frames(family))
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder)
     if spec.pipeline.guidance_kwarg == "guider.guidance_scale":  # a diffusers guider holds it
         pipe.guider = pipe.guider.new(guidance_scale=guidance)
     else:
@@ -60,6 +63,24 @@ def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> l
         result = pipe(**call, num_frames=clip_frames(family), output_type="pil")
         return [np.asarray(frame) for frame in result.frames[0]]
     return [np.asarray(pipe(**call).images[0])]
+
+
+def stock_modular(folder: Path, call: dict[str, Any], frames: int) -> list[np.ndarray]:
+    """A modular pipeline as its docs load it (``ModularPipeline.from_pretrained``, then
+    ``load_components``), its processor built without torchvision as the engine builds it
+    (transformers builds the video part only with torchvision). A guidance-distilled pipeline
+    takes no guidance."""
+    import diffusers
+
+    from engine.runtime.processors import build_processor, processor_entries
+
+    pipe = diffusers.ModularPipeline.from_pretrained(str(folder))
+    processors = processor_entries(folder)
+    pipe.load_components(names=[name for name in pipe.pretrained_component_names
+                                if (folder / name).is_dir() and name not in processors])
+    pipe.update_components(**{name: build_processor(folder / name, class_name) for name, class_name in processors.items()})
+    videos = pipe(**call, num_frames=frames, output_type="pil", output="videos")
+    return [np.asarray(frame) for frame in videos[0]]
 
 
 @pytest.mark.slow

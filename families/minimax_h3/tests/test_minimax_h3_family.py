@@ -91,6 +91,9 @@ def test_the_engine_clip_equals_plain_modular_pipeline_loaded_from_the_folder_al
         held = engine.images.session._pipe  # type: ignore[union-attr]
         assert type(held._pipe).__name__ == "MiniMaxH3ModularPipeline"
         assert {name for name in held.components} >= {"transformer", "vae", "audio_vae", "text_encoder"}
+        swapped = type(held.scheduler)(shift=5.0)
+        held.scheduler = swapped  # a component set on the runner is the pipeline's
+        assert held._pipe.scheduler is swapped and held.scheduler is swapped
     assert steps[-1] == 1  # its scheduler's grid has `steps` points: 2 of them are 1 transformer pass
     plain = ModularPipeline.from_pretrained(str(h3), components_manager=ComponentsManager())
     plain.load_components(names=["transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "scheduler",
@@ -135,3 +138,64 @@ def test_a_folder_missing_a_component_is_refused_and_the_reference_partition_is_
             engine.videos.check_generate(GenerateBody(prompt="a fox", model=str(folder), **_tiny_clip()))  # type: ignore[arg-type]
         assert host.evicted == 0 and engine.images.session is None
     assert refused.value.code == "model_file_missing" and "audio_vae" in refused.value.message
+
+
+@pytest.mark.slow
+def test_an_image_is_its_first_keyframe(h3: Path, engine_registry: Registry, tmp_path: Path) -> None:
+    """``--image`` runs the modular pipeline's keyframe workflow (the blocks pick it from the
+    input): the clip differs from text alone and keeps its sound."""
+    from PIL import Image
+
+    from engine.hardware.probe import probe
+    from engine.requests import GenerateBody
+    from engine.service.facade import Engine
+
+    red = tmp_path / "red.png"
+    Image.new("RGB", (64, 64), (240, 20, 20)).save(red)
+    with Engine(registry=engine_registry, hardware=probe(verify=False)) as engine:
+        asked = {"prompt": "a fox", "model": str(h3), **_tiny_clip()}
+        text = engine.videos.generate(GenerateBody(**asked))  # type: ignore[arg-type]
+        image = engine.videos.generate(GenerateBody(**asked, image=str(red)))  # type: ignore[arg-type]
+    assert image.recipe["image"] == str(red) and len(image.frames) == TINY_FRAMES
+    assert [f.tobytes() for f in image.frames] != [f.tobytes() for f in text.frames]
+    assert image.sound is not None and image.sound.sample_rate == AUDIO_RATE
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_openai_client_downloads_a_clip_with_its_sound(h3: Path, tmp_path: Path) -> None:
+    """The official client against a loopback server: the video object says the sound, the MP4
+    carries it, and the WAV variant serves it alone."""
+    import shutil
+    import time
+
+    import httpx
+    from openai import OpenAI
+
+    from engine.contract.plugins import load_registry
+    from engine.hardware.probe import probe
+    from engine.server.app import ServerSettings, create_app
+    from engine.service.facade import Engine
+    from tests.support import LiveServer
+
+    models = tmp_path / "models"
+    shutil.copytree(h3, models / "tiny-h3")
+    settings = ServerSettings(model_roots=(models,), output_roots=(tmp_path / "out",), token="h3-token")
+    (tmp_path / "out").mkdir()
+    with Engine(registry=load_registry(), hardware=probe(verify=False)) as engine, \
+            LiveServer(create_app(engine, settings)) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="h3-token", max_retries=0, timeout=120)
+        video = client.videos.create(prompt="rain on a roof", model="tiny-h3", size="64x64",  # type: ignore[arg-type]
+                                     extra_body={"frames": TINY_FRAMES, "steps": 2, "seed": 3})
+        deadline = time.monotonic() + 120
+        while video.status not in ("completed", "failed") and time.monotonic() < deadline:
+            time.sleep(0.2)
+            video = client.videos.retrieve(video.id)
+        assert video.status == "completed", video
+        assert video.model_extra["audio"]["sample_rate"] == AUDIO_RATE  # type: ignore[index]
+        mp4 = client.videos.download_content(video.id).content
+        wav = httpx.get(f"{url}/v1/videos/{video.id}/content", params={"variant": "wav"},
+                        headers={"Authorization": "Bearer h3-token"})
+    sound = read_sound(mp4)
+    assert sound is not None and sound.sample_rate == AUDIO_RATE and len(read_mp4(mp4)[0]) == TINY_FRAMES
+    assert wav.headers["content-type"] == "audio/wav" and wav.content[:4] == b"RIFF"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engine.contract.plugins import load_registry
 from engine.hardware.probe import probe
@@ -38,6 +39,7 @@ def trained(tiny_pipeline: Callable[[str], Path], tmp_path_factory: pytest.TempP
     config = TrainingConfig.from_data({
         "base_model": str(tiny_pipeline("minimax_h3")), "dataset_dir": str(data), "resolution": 64, "lora_rank": 8,
         "learning_rate": 2e-2, "warmup_steps": 0, "device": "cpu", "seed": 7, "steps": STEPS,
+        "save_every": STEPS // 2, "sample_prompts": ["a tone"], "sample_every": STEPS, "sample_steps": 2,
     })
     plan = preflight_training(REGISTRY, config, probe(verify=False))
     folder = tmp_path_factory.mktemp("h3-run") / "out"
@@ -47,6 +49,7 @@ def trained(tiny_pipeline: Callable[[str], Path], tmp_path_factory: pytest.TempP
     return plan, folder, events
 
 
+@pytest.mark.slow
 def test_the_window_trains_the_sound_and_the_report_names_the_silent_clip(trained: tuple) -> None:
     plan, _, _ = trained
     window = plan.window
@@ -55,6 +58,7 @@ def test_the_window_trains_the_sound_and_the_report_names_the_silent_clip(traine
     assert "1 clip(s) have no sound and train the picture alone: quiet.mp4" in plan.dataset.warnings()
 
 
+@pytest.mark.slow
 def test_each_step_reports_the_pictures_loss_and_the_sounds_where_one_was_heard(trained: tuple) -> None:
     _, _, events = trained
     steps = [e for e in events if e["type"] == "progress"]
@@ -67,6 +71,36 @@ def test_each_step_reports_the_pictures_loss_and_the_sounds_where_one_was_heard(
     assert sum(e["loss_sound"] for e in last) < 0.8 * sum(e["loss_sound"] for e in first)
 
 
+@pytest.mark.slow
+def test_a_resume_continues_bit_for_bit_with_the_sound_drawn_as_before(trained: tuple, tmp_path: Path) -> None:
+    """Resumed from the half-way checkpoint, the run ends on the same LoRA: the sound's noise and
+    times come from each example's own generator, as the picture's do."""
+    from safetensors.torch import load_file
+
+    plan, folder, _ = trained
+    [checkpoint] = [p for p in (folder / "checkpoints").iterdir() if p.name.endswith(f"{STEPS // 2:08d}")]
+    resumed = preflight_training(REGISTRY, plan.config.model_copy(update={"resume_from": checkpoint}),
+                                 probe(verify=False))
+    end = run_training(resumed, tmp_path / "resumed", lambda _event: None, lambda: None, registry=REGISTRY)
+    whole, again = load_file(str(folder / "pytorch_lora_weights.safetensors")), load_file(end["outputs"]["lora"])
+    assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
+
+
+@pytest.mark.slow
+def test_samples_are_mp4_clips_with_their_sound(trained: tuple) -> None:
+    from engine.runtime.video_files import read_mp4, read_sound
+
+    _, _, events = trained
+    [samples] = [e for e in events if e["type"] == "samples"]
+    [sample] = samples["samples"]  # type: ignore[misc]
+    frames, fps = read_mp4(Path(sample["clip"]))
+    sound = read_sound(Path(sample["clip"]))
+    assert len(frames) == TINY_FRAMES and round(fps) == 24
+    assert sound is not None and (sound.sample_rate, sound.channels) == (AUDIO_RATE, 2)
+    assert abs(sound.seconds - TINY_FRAMES / 24) < 0.1
+
+
+@pytest.mark.slow
 def test_under_fixed_noise_the_lora_predicts_the_clips_picture_and_sound_better(trained: tuple) -> None:
     """The training clip, noised once with fixed noise at sigma 0.5, is predicted closer to the
     truth with the LoRA than by the base, both streams."""
