@@ -4,13 +4,15 @@ A run's per-step loss is drawn at a new sigma each step; this holds the draw sti
 window (picture and sound, read and encoded as the run read them) noised once with a fixed
 generator at one sigma each, and the family runtime's ``predict_with_sound`` asked for both
 velocities, by the base and then with the run's LoRA. A LoRA that learned the clip predicts
-both closer to the truth. Used by the sound families' training tests.
+both closer to the truth. And the check that a LoRA moves a generated clip's picture and sound
+(scale 0 the base's). Used by the sound families' tests.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,3 +59,23 @@ def base_and_trained(plan: TrainingPlan, lora: Path, clip: str, prompt: str, sig
     base = errors()
     pipe.load_lora_weights(str(lora), adapter_name="trained")
     return base, errors()
+
+
+def check_lora_moves_clip(registry: Any, asked: dict[str, Any], lora: Path) -> None:
+    """Through the engine's LoRA door: ``lora`` at scale 1 moves the clip ``asked`` renders, its
+    picture and its sound; at scale 0 the clip is the base's, frame for frame and sample for sample."""
+    import numpy as np
+
+    from engine.hardware.probe import probe
+    from engine.requests import GenerateBody
+    from engine.service.facade import Engine
+
+    with Engine(registry=registry, hardware=probe(verify=False)) as engine:
+        base = engine.videos.generate(GenerateBody(**asked))
+        moved = engine.videos.generate(GenerateBody(**asked), loras=[f"{lora}:1.0"])
+        zero = engine.videos.generate(GenerateBody(**asked), loras=[f"{lora}:0.0"])
+    assert base.sound is not None and moved.sound is not None and zero.sound is not None, "a clip lost its sound"
+    assert [f.tobytes() for f in moved.frames] != [f.tobytes() for f in base.frames], "the LoRA left the picture"
+    assert not np.allclose(moved.sound.samples, base.sound.samples, atol=1e-4), "the LoRA left the sound"
+    assert [f.tobytes() for f in zero.frames] == [f.tobytes() for f in base.frames], "scale 0 moved the picture"
+    assert np.allclose(zero.sound.samples, base.sound.samples, atol=1e-6), "scale 0 moved the sound"

@@ -163,9 +163,7 @@ def test_a_lora_changes_the_clips_picture_and_sound_and_scale_zero_is_the_base(
     from diffusers import LTX2VideoTransformer3DModel
     from peft import LoraConfig, get_peft_model_state_dict
 
-    from engine.hardware.probe import probe
-    from engine.requests import GenerateBody
-    from engine.service.facade import Engine
+    from engine.testing.sound_training import check_lora_moves_clip
 
     transformer = LTX2VideoTransformer3DModel.from_pretrained(str(ltx2), subfolder="transformer")
     transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
@@ -178,16 +176,7 @@ def test_a_lora_changes_the_clips_picture_and_sound_and_scale_zero_is_the_base(
 
     lora = tmp_path / "lora"
     LTX2Pipeline.save_lora_weights(lora, transformer_lora_layers=get_peft_model_state_dict(transformer))
-    with Engine(registry=engine_registry, hardware=probe(verify=False)) as engine:
-        asked = {"prompt": "a fox", "model": str(ltx2), **_tiny_clip()}
-        base = engine.videos.generate(GenerateBody(**asked))  # type: ignore[arg-type]
-        moved = engine.videos.generate(GenerateBody(**asked), loras=[f"{lora}:1.0"])  # type: ignore[arg-type]
-        zero = engine.videos.generate(GenerateBody(**asked), loras=[f"{lora}:0.0"])  # type: ignore[arg-type]
-    assert base.sound is not None and moved.sound is not None and zero.sound is not None
-    assert [f.tobytes() for f in moved.frames] != [f.tobytes() for f in base.frames]
-    assert not np.allclose(moved.sound.samples, base.sound.samples, atol=1e-4)
-    assert [f.tobytes() for f in zero.frames] == [f.tobytes() for f in base.frames]
-    assert np.allclose(zero.sound.samples, base.sound.samples, atol=1e-6)
+    check_lora_moves_clip(engine_registry, {"prompt": "a fox", "model": str(ltx2), **_tiny_clip()}, lora)
 
 
 @pytest.mark.slow

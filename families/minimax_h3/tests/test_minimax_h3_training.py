@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -115,22 +114,12 @@ def test_under_fixed_noise_the_lora_predicts_the_clips_picture_and_sound_better(
 def test_the_saved_lora_moves_a_generated_clips_picture_and_sound(trained: tuple) -> None:
     """The engine's LoRA door on the modular pipeline: the picture and the sound both move; at
     scale 0 the clip is the base's."""
-    from engine.requests import GenerateBody
-    from engine.service.facade import Engine
+    from engine.testing.sound_training import check_lora_moves_clip
 
     plan, folder, _ = trained
-    lora = folder / "pytorch_lora_weights.safetensors"
     asked = {"prompt": "a tone", "model": plan.base.location, "frames": TINY_FRAMES, "width": 64, "height": 64,
              "steps": 3, "seed": 3}
-    with Engine(registry=REGISTRY, hardware=probe(verify=False)) as engine:
-        base = engine.videos.generate(GenerateBody(**asked))  # type: ignore[arg-type]
-        moved = engine.videos.generate(GenerateBody(**asked), loras=[f"{lora}:1.0"])  # type: ignore[arg-type]
-        zero = engine.videos.generate(GenerateBody(**asked), loras=[f"{lora}:0.0"])  # type: ignore[arg-type]
-    assert base.sound is not None and moved.sound is not None and zero.sound is not None
-    assert [f.tobytes() for f in moved.frames] != [f.tobytes() for f in base.frames]
-    assert not np.allclose(moved.sound.samples, base.sound.samples, atol=1e-4)
-    assert [f.tobytes() for f in zero.frames] == [f.tobytes() for f in base.frames]
-    assert np.allclose(zero.sound.samples, base.sound.samples, atol=1e-6)
+    check_lora_moves_clip(REGISTRY, asked, folder / "pytorch_lora_weights.safetensors")
 
 
 def test_a_clip_whose_sound_is_broken_is_refused_before_anything_is_evicted(
