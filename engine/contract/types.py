@@ -132,6 +132,9 @@ class Checkpoint:
     #: A training run asked for this checkpoint by hub id or name takes that one instead, and
     #: says so; a local folder of it trains as given, with the same words. (Plugin API 2.)
     trained_on: str | None = None
+    #: Settings its pipeline folders' index holds (``(("is_distilled", True),)``): a local folder
+    #: whose index says otherwise is not this checkpoint, whatever its name. (Plugin API 2.)
+    index_settings: tuple[tuple[str, object], ...] = ()
 
     @property
     def reference(self) -> str:

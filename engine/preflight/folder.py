@@ -87,7 +87,7 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
         str(folder),
         spec,
         checkpoint_by_files(spec, spec.checkpoint_of_folder(folder.name, class_name), class_name,
-                            folder_layout(folder, spec, components), folder.name),
+                            folder_layout(folder, spec, components, index.entries), folder.name),
         measured_sizes=sizes,
         scheme_gb=(sizes_by_scheme(denoiser_shapes, spec.quantisation.int8_dense_modules)
                    if denoiser_shapes and not quantised else None),

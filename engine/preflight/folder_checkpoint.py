@@ -9,7 +9,9 @@ index and the configs (no weight read):
 - the two-expert layout (a second denoiser listed): a checkpoint with a low-noise expert's
   guidance (``Checkpoint.expert_guidance``) is one;
 - the VAE's latent channels against the checkpoint's geometry (``latent_channels``, where the
-  table gives it).
+  table gives it);
+- the index's pipeline settings against the checkpoint's (``Checkpoint.index_settings``: a
+  distilled checkpoint's ``is_distilled``).
 
 Among the checkpoints of the folder's pipeline class that agree with every fact, the one its
 name matches best; none agreeing: the name's (the table may not know this layout).
@@ -18,7 +20,7 @@ name matches best; none agreeing: the name's (the table may not know this layout
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import stored
@@ -32,10 +34,14 @@ class FolderLayout:
     two_experts: bool
     #: The VAE's latent channels from its config (``z_dim`` / ``latent_channels``); None: unsaid.
     latent_channels: int | None
+    #: The index's pipeline settings (its entries that name no component: ``is_distilled``, say).
+    settings: Mapping[str, object] = field(default_factory=dict)
 
 
-def folder_layout(folder: Path, spec: FamilySpec, components: Mapping[str, object]) -> FolderLayout:
-    """The folder's layout from its index (``components``: the listed, non-null ones) and VAE config."""
+def folder_layout(folder: Path, spec: FamilySpec, components: Mapping[str, object],
+                  entries: Mapping[str, object] | None = None) -> FolderLayout:
+    """The folder's layout from its index (``components``: the listed, non-null ones; ``entries``:
+    all of it, its pipeline settings among them) and VAE config."""
     experts = [name for name in spec.pipeline.experts if name in components]
     channels = None
     config = folder / "vae" / "config.json"
@@ -46,7 +52,9 @@ def folder_layout(folder: Path, spec: FamilySpec, components: Mapping[str, objec
             data = {}
         value = data.get("z_dim", data.get("latent_channels")) if isinstance(data, dict) else None
         channels = value if isinstance(value, int) and not isinstance(value, bool) else None
-    return FolderLayout(two_experts=bool(experts), latent_channels=channels)
+    settings = {key: value for key, value in (entries or {}).items()
+                if not key.startswith("_") and not isinstance(value, list)}
+    return FolderLayout(two_experts=bool(experts), latent_channels=channels, settings=settings)
 
 
 def agrees(spec: FamilySpec, checkpoint: Checkpoint, layout: FolderLayout) -> bool:
@@ -54,7 +62,9 @@ def agrees(spec: FamilySpec, checkpoint: Checkpoint, layout: FolderLayout) -> bo
     if spec.pipeline.experts and layout.two_experts != (checkpoint.expert_guidance is not None):
         return False
     wanted = spec.geometry_of(checkpoint).latent_channels
-    return not (wanted and layout.latent_channels and wanted != layout.latent_channels)
+    if wanted and layout.latent_channels and wanted != layout.latent_channels:
+        return False
+    return all(layout.settings.get(key, value) == value for key, value in checkpoint.index_settings)
 
 
 def checkpoint_by_files(spec: FamilySpec, named: Checkpoint | None, class_name: str,
