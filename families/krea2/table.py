@@ -14,11 +14,9 @@ from engine.contract.types import (
     Checkpoint,
     ComponentSizes,
     FamilySpec,
-    LatentGeometry,
     LoraLayout,
     PipelineLayout,
     PrecisionRules,
-    Rendering,
     SpeedRules,
     TrainingDefaults,
     TrainingObjective,
@@ -66,7 +64,7 @@ KREA2 = FamilySpec(
     precision=PrecisionRules(
         fp16_unsafe=(("denoiser", "Krea 2 is bf16-native: under fp16 its activations overflow"),),
     ),
-    rendering=Rendering(geometry=LatentGeometry(latent_channels=16)),
-    pipeline=PipelineLayout(),
+    # Its call opens no cache context around the transformer (and the transformer has no cache hooks).
+    pipeline=PipelineLayout(cache_context_pipelines=()),
     speed=SpeedRules(compile_regions=("Krea2TransformerBlock",)),
 )
