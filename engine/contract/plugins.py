@@ -104,7 +104,7 @@ def load_registry(
         pm=pm,
         strict=env.get(STRICT_ENV, "") not in ("", "0", "false"),
         errors=[],
-        packages={TABLE_PLUGIN_NAME: ("diffusion-engine", _version("diffusion-engine"))},
+        packages={TABLE_PLUGIN_NAME: (BUILT_IN_PACKAGE, _version(BUILT_IN_PACKAGE))},
     )
     blocked = {b.strip() for b in env.get(BLOCK_ENV, "").split(",") if b.strip()}
     if entry_points:
@@ -182,6 +182,48 @@ DERIVED = {"side_multiple": register_row(
     "rendering.geometry: VAE stride x patch)", kind="plugin")}
 
 
+class FamilyShadowed(UserWarning):
+    """An installed plugin serves a family the engine also builds in: the plugin's is used."""
+
+
+#: The distribution whose entry points are the engine's own families.
+BUILT_IN_PACKAGE = "diffusion-engine"
+
+
+def _shadowing(loading: _Loading, families: dict[str, FamilySpec], owners: dict[str, str],
+               claimed: dict[str, str], key: str, spec: FamilySpec, owner: str) -> bool:
+    """Two plugins claim ``key``. An installed plugin's family wins over the engine's built-in family
+    of the same name (it was installed to serve it, and written before the engine had one: it
+    keeps working across the release that adds the built-in), with a :class:`FamilyShadowed`
+    warning naming both; True where ``spec`` goes on registering, False where it is the built-in
+    left out. Two installed plugins (or two built-ins) claiming one name, and a family claiming
+    another's name as its alias, stay a :class:`FamilyConflict`."""
+    holder = claimed[key]
+    packages = {name: loading.packages.get(name, ("?", ""))[0] for name in (holder, owner)}
+    ours = {name: packages[name] == BUILT_IN_PACKAGE for name in (holder, owner)}
+    held = next(name for name, by in owners.items() if by == holder and key in _keys(families[name]))
+    if ours[holder] == ours[owner] or _keys(families[held])[0] != _keys(spec)[0]:  # an alias squatted: no
+        raise FamilyConflict(
+            f"family {key!r} is claimed by two plugins: {packages[holder]} (plugin {holder!r}) and "
+            f"{packages[owner]} (plugin {owner!r}); uninstall one or block it with {BLOCK_ENV}"
+        )
+    plugin, builtin = (owner, holder) if ours[holder] else (holder, owner)
+    warnings.warn(FamilyShadowed(
+        f"family {key!r}: the installed plugin {plugin!r} ({packages[plugin]}) is used in place of the engine's "
+        f"built-in {builtin!r}; to use the built-in, block the plugin with {BLOCK_ENV}={plugin}"), stacklevel=2)
+    if not ours[holder]:
+        return False
+    for name in [name for name, by in owners.items() if by == holder and key in _keys(families[name])]:
+        for gone in _keys(families.pop(name)):
+            claimed.pop(gone, None)
+        owners.pop(name)
+    return True
+
+
+def _keys(spec: FamilySpec) -> list[str]:
+    return [key.lower().replace("-", "_") for key in (spec.name, *spec.aliases)]
+
+
 def _collect_families(loading: _Loading) -> tuple[dict[str, FamilySpec], dict[str, str]]:
     families: dict[str, FamilySpec] = {}
     owners: dict[str, str] = {}  # family name -> plugin name
@@ -196,13 +238,8 @@ def _collect_families(loading: _Loading) -> tuple[dict[str, FamilySpec], dict[st
                 raise PluginError(f"{_pkg} registered {spec!r}, which is not a FamilySpec")
             for key in (spec.name, *spec.aliases):
                 key = key.lower().replace("-", "_")
-                if key in claimed:
-                    first = loading.packages.get(claimed[key], ("?", ""))[0]
-                    raise FamilyConflict(
-                        f"family {key!r} is claimed by two plugins: {first} "
-                        f"(plugin {claimed[key]!r}) and {_pkg} (plugin {_owner!r}); "
-                        f"uninstall one or block it with {BLOCK_ENV}"
-                    )
+                if key in claimed and not _shadowing(loading, families, owners, claimed, key, spec, _owner):
+                    return  # a built-in family an installed plugin already serves
             _check_runtime_module(spec, _pkg)
             for field in spec.rendering.derived_declarations():
                 deprecate(DERIVED[field], stacklevel=3)  # told once per process, as every row's warning is

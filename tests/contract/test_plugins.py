@@ -18,7 +18,7 @@ from engine.contract.types import FamilySpec
 from families.flux.table import FLUX
 from tests.support import example_installed, run_cli, write_distribution
 
-BUILTINS = {"flux", "flux2", "qwen_image", "zimage", "sdxl", "wan", "hunyuan_video", "ltx2", "minimax_h3", "krea2"}
+BUILTINS = {"flux", "flux2", "qwen_image", "zimage", "sdxl", "wan", "hunyuan_video", "ltx2", "minimax_h3", "krea2", "lumina2"}
 #: The families every registry here has: the built-ins, and the worked example
 #: where it is installed (``make install`` installs it, as CI does).
 INSTALLED = BUILTINS | ({"sd3"} if example_installed() else set())
@@ -98,12 +98,24 @@ def test_block_list_skips_entry_points_by_name_or_package(site: Path) -> None:
     assert registry.errors == ()
 
 
-def test_two_plugins_claiming_one_family_name_both_packages(site: Path) -> None:
+def test_two_installed_plugins_claiming_one_family_name_both_packages(site: Path) -> None:
     write_distribution(site, "flux-again", {"flux_again": "flux_again"}, {"flux_again": SECOND_FLUX})
+    write_distribution(site, "flux-thrice", {"flux_thrice": "flux_thrice"}, {"flux_thrice": SECOND_FLUX})
     with pytest.raises(FamilyConflict) as raised:
         load_registry()
     message = raised.value.message
-    assert "'flux'" in message and "diffusion-engine" in message and "flux-again" in message
+    assert "'flux'" in message and "flux-again" in message and "flux-thrice" in message
+
+
+def test_an_installed_plugin_serving_a_built_in_familys_name_is_used_with_a_warning(site: Path) -> None:
+    """Installed on purpose: its family serves in place of the engine's (blocking it brings the built-in back)."""
+    from engine.contract.plugins import FamilyShadowed
+
+    write_distribution(site, "flux-again", {"flux_again": "flux_again"}, {"flux_again": SECOND_FLUX})
+    with pytest.warns(FamilyShadowed, match="'flux'.*flux_again.*flux-again"):
+        registry = load_registry()
+    assert registry.family("flux").aliases == () and registry.errors == ()
+    assert load_registry(env={BLOCK_ENV: "flux-again"}).family("flux").aliases  # the built-in again
 
 
 def test_alias_collision_is_a_conflict_too() -> None:
@@ -229,3 +241,20 @@ def test_every_field_of_the_plugin_data_classes_has_a_doc_line() -> None:
         f"no doc line for {', '.join(missing)}: give each a #: comment in engine/contract/types.py, "
         "then run python -m engine.testing.fieldref --write"
     )
+
+
+@pytest.mark.filterwarnings("ignore::engine.deprecation.PluginDeprecationWarning")  # API 1: its loose fields warn
+def test_an_installed_plugin_keeps_serving_a_family_the_engine_now_builds_in() -> None:
+    """A Lumina 2 plugin written before the engine had one: its family is used, with a warning
+    that names both and how to get the built-in back; the built-in serves when nothing claims it."""
+    import importlib
+
+    from engine.contract.plugins import FamilyShadowed
+
+    outside = importlib.import_module("tests.plugins.lumina_family")
+    with pytest.warns(FamilyShadowed, match="'lumina2'.*in place of the engine's built-in") as said:
+        registry = load_registry(plugins=[("outside-lumina", outside)])
+    assert registry.family("lumina2") is outside.LUMINA2
+    assert "DIFFUSION_ENGINE_BLOCK_PLUGINS=outside-lumina" in str(said[0].message)
+    assert not [e for e in registry.errors if "lumina" in e.plugin]
+    assert load_registry().family("lumina2").label == "Lumina 2"  # the built-in, unclaimed

@@ -59,6 +59,9 @@ def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> l
         call[spec.pipeline.guidance_kwarg] = guidance
     if spec.pipeline.guidance_kwarg == "true_cfg_scale":  # true CFG runs with a negative prompt: its model card's " "
         call["negative_prompt"] = " "
+    # The call arguments the family's plugin says its model is sampled with (Lumina 2's guidance
+    # truncation), as documented: the same for plain diffusers as for the engine.
+    call = REGISTRY.generate_kwargs(spec, pipe, call)
     if spec.rendering.output == "frames":
         result = pipe(**call, num_frames=clip_frames(family), output_type="pil")
         return [np.asarray(frame) for frame in result.frames[0]]
