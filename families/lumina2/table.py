@@ -31,7 +31,7 @@ LUMINA2 = FamilySpec(
     aliases=("lumina-2", "lumina_2", "lumina-image-2", "lumina-image-2.0"),
     architecture="dit",
     pipeline_class=PIPELINE_CLASS,
-    pipeline_class_names=(PIPELINE_CLASS, "Lumina2Text2ImgPipeline"),
+    pipeline_class_names=(PIPELINE_CLASS,),
     checkpoints=(
         Checkpoint(name="lumina-image-2.0", label="Lumina-Image 2.0", repo="Alpha-VLLM/Lumina-Image-2.0",
                    default_steps=50, default_guidance=4.0, matches=("*lumina-image-2*", "*lumina2*", "*lumina-2*")),
