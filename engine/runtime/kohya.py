@@ -97,7 +97,8 @@ def diffusers_from_kohya(
     family: FamilySpec, kohya: Mapping[str, torch.Tensor], linears: Mapping[str, int]
 ) -> dict[str, torch.Tensor] | None:
     """A kohya / ComfyUI LoRA of ``family`` in peft keys (``<module>.lora_A.weight``), or None
-    when it names no module of the family's ``kohya_map`` (diffusers' own converters read it).
+    when it names no module of the family's ``kohya_map`` and not every module it names is the
+    model's own (diffusers' own converters read it).
 
     The inverse of :func:`kohya_state_dict`, with the widths taken from the model
     (``linears``: every Linear of the denoiser and its out features), never assumed: a
@@ -113,7 +114,7 @@ def diffusers_from_kohya(
     targets = [(_template(rule.target), rule) for rule in rules]
     underscored = {name.replace(".", "_"): name for name in linears}
     converted: dict[str, torch.Tensor] = {}
-    fused_seen = False
+    fused_seen, all_found = False, bool(modules)
     for module in modules:
         down, up = kohya[f"{prefix}{module}{down_key}"], kohya.get(f"{prefix}{module}.lora_up.weight")
         if up is None:
@@ -131,13 +132,17 @@ def diffusers_from_kohya(
         widths = [linears.get(source) for source in sources]
         if any(w is None for w in widths) or sum(widths) != up.shape[0]:  # type: ignore[arg-type]
             converted[f"{prefix}{module}.lora_A.weight"], converted[f"{prefix}{module}.lora_B.weight"] = down, up
+            all_found = False
             continue
         offset = 0
         for source, width in zip(sources, widths, strict=True):
             converted[f"{source}{_A}"] = down * scale
             converted[f"{source}{_B}"] = up[offset:offset + width]  # type: ignore[operator]
             offset += width  # type: ignore[operator]
-    return converted if fused_seen else None
+    # Read here where a fused module needed the model's widths, or where every module is one of the
+    # model's own under its underscored name (a family whose kohya names are its diffusers names, which
+    # diffusers' converter for it may not read); else diffusers' converters read the file.
+    return converted if fused_seen or all_found else None
 
 
 def _put(kohya: dict[str, torch.Tensor], name: str, down: torch.Tensor, up: torch.Tensor, alpha: float) -> None:

@@ -129,11 +129,11 @@ class LoraSet:
             self.pipe.set_adapters(self._slots, adapter_weights=weights)
 
     def _loadable(self, file: LoraFile) -> str | dict[str, torch.Tensor]:
-        """What ``load_lora_weights`` takes for ``file``: its path, or, for a kohya file with
-        fused modules, the state split with this model's widths (diffusers assumes the
-        full-size model's)."""
-        if self.family is None or not self.family.lora.kohya_map or not any(
-                key.startswith("lora_unet_") for key in file.keys):
+        """What ``load_lora_weights`` takes for ``file``: its path, or, for a kohya file the
+        engine reads itself (fused modules split with this model's widths, where diffusers
+        assumes the full-size model's; or every module the model's own by its underscored
+        name), the state in diffusers' keys."""
+        if self.family is None or not any(key.startswith("lora_unet_") for key in file.keys):
             return str(file.path)
         state = converted_state_dict(type(self.pipe), file, family=self.family,
                                      denoiser=getattr(self.pipe, self.family.pipeline.denoiser))

@@ -39,11 +39,12 @@ def converted_state_dict(
     ``pipeline_cls.lora_state_dict`` exactly as ``load_lora_weights`` does; a kohya file
     of ``family`` with fused modules is split with ``denoiser``'s own widths first
     (:func:`engine.runtime.kohya.diffusers_from_kohya`: diffusers' converter assumes
-    the full-size model's)."""
+    the full-size model's), and one whose every module is the denoiser's own by its
+    underscored name is read so (a family whose diffusers converter reads no kohya keys)."""
     from safetensors.torch import load_file
 
     state = load_file(str(file.path))
-    if family is not None and denoiser is not None and family.lora.kohya_map:
+    if family is not None and denoiser is not None and any(key.startswith("lora_unet_") for key in state):
         from engine.runtime.kohya import diffusers_from_kohya
 
         linears = {name: int(getattr(getattr(m, "base_layer", m), "out_features"))

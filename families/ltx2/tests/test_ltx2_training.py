@@ -27,10 +27,10 @@ REGISTRY = load_registry()
 STEPS = 24
 
 
-def _train(base: Path, data: Path, folder: Path, steps: int) -> tuple[TrainingPlan, list[dict[str, object]]]:
+def _train(base: Path, data: Path, folder: Path, steps: int, **extra: object) -> tuple[TrainingPlan, list[dict[str, object]]]:
     config = TrainingConfig.from_data({
         "base_model": str(base), "dataset_dir": str(data), "resolution": 64, "frames": TINY_FRAMES, "lora_rank": 8,
-        "learning_rate": 2e-2, "warmup_steps": 0, "device": "cpu", "seed": 7, "steps": steps,
+        "learning_rate": 2e-2, "warmup_steps": 0, "device": "cpu", "seed": 7, "steps": steps, **extra,
     })
     plan = preflight_training(REGISTRY, config, probe(verify=False))
     events: list[dict[str, object]] = []
@@ -46,7 +46,7 @@ def trained(tiny_pipeline: Callable[[str], Path], tmp_path_factory: pytest.TempP
     write_clip(data / "tone.mp4", frames=12, fps=24, tone_hz=440.0).with_suffix(".txt").write_text("a tone")
     write_clip(data / "quiet.mp4", frames=12, fps=24, index=1).with_suffix(".txt").write_text("quiet")
     folder = tmp_path_factory.mktemp("ltx2-run") / "out"
-    plan, events = _train(tiny_pipeline("ltx2"), data, folder, STEPS)
+    plan, events = _train(tiny_pipeline("ltx2"), data, folder, STEPS, export_kohya=True)
     return plan, folder, events
 
 
@@ -92,3 +92,30 @@ def test_stills_train_as_one_frame_clips_with_their_sound_made_up(tiny_pipeline:
     steps = [e for e in events if e["type"] == "progress"]
     assert plan.dataset.clips == 0 and len(steps) == 2
     assert all("loss_video" in e and "loss_sound" not in e for e in steps)
+
+
+@pytest.mark.slow
+def test_the_kohya_export_names_the_original_modules_and_loads_as_the_diffusers_file(trained: tuple) -> None:
+    """``export_kohya``: ``lora_unet_<module>`` with LTX-2's original module names (its attention
+    modules keep them in diffusers: diffusers' own LTX-2 converter renames none of them), read
+    back by the engine's LoRA door into the same clip, picture and sound, as the diffusers file."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from engine.hardware.probe import probe
+    from engine.requests import GenerateBody
+    from engine.service.facade import Engine
+
+    plan, folder, _ = trained
+    kohya = load_file(str(folder / "lora_kohya.safetensors"))
+    modules = {key.split(".")[0] for key in kohya}
+    assert modules and all(m.startswith("lora_unet_transformer_blocks_") for m in modules)
+    assert any("_audio_attn1_to_q" in m for m in modules) and any("_attn1_to_q" in m for m in modules)
+    asked = {"prompt": "a tone", "model": plan.base.location, "frames": TINY_FRAMES, "width": 64, "height": 64,
+             "steps": 2, "seed": 3, "guidance": 1.0}
+    with Engine(registry=REGISTRY, hardware=probe(verify=False)) as engine:
+        ours = engine.videos.generate(GenerateBody(**asked), loras=[f"{folder / 'pytorch_lora_weights.safetensors'}:1.0"])  # type: ignore[arg-type]
+        theirs = engine.videos.generate(GenerateBody(**asked), loras=[f"{folder / 'lora_kohya.safetensors'}:1.0"])  # type: ignore[arg-type]
+    assert [f.tobytes() for f in ours.frames] == [f.tobytes() for f in theirs.frames]
+    assert ours.sound is not None and theirs.sound is not None
+    assert np.allclose(ours.sound.samples, theirs.sound.samples, atol=1e-5)
