@@ -15,8 +15,9 @@ import pathlib
 
 import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline, Krea2Transformer2DModel
-from transformers import Qwen3VLConfig, Qwen3VLModel
+from transformers import Qwen3VLModel
 
+from engine.testing.tiny_qwen3_vl import SPECIAL_TOKENS, qwen3_vl_config
 from engine.testing.tiny_tokenizers import qwen_chat_tokenizer
 
 __all__ = ["TINY_RESOLUTION", "build_tiny_pipeline", "build_tiny_turbo_pipeline"]
@@ -26,8 +27,6 @@ _SEED = 0
 _TEXT_DIM = 16
 #: The encoder layers the tiny pipeline taps (its config's ``text_encoder_select_layers``).
 _TAPS = (2, 4)
-_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                   "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 _CORPUS = [
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
     "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n",
@@ -36,24 +35,11 @@ _CORPUS = [
 
 
 def _text_encoder(tokenizer: object) -> Qwen3VLModel:
-    ids = tokenizer.convert_tokens_to_ids  # type: ignore[attr-defined]
-    config = Qwen3VLConfig(
-        text_config={"vocab_size": len(tokenizer), "hidden_size": _TEXT_DIM, "intermediate_size": 32,  # type: ignore[arg-type]
-                     "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
-                     "max_position_embeddings": 2048, "pad_token_id": ids("<|endoftext|>"),
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [1, 1, 2],
-                                         "mrope_interleaved": True}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                       "out_hidden_size": _TEXT_DIM, "patch_size": 16, "spatial_merge_size": 2,
-                       "temporal_patch_size": 2, "num_position_embeddings": 64, "deepstack_visual_indexes": []},
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-    )
-    return Qwen3VLModel(config).eval()
+    return Qwen3VLModel(qwen3_vl_config(tokenizer, _TEXT_DIM, 4)).eval()
 
 
 def _pipeline(distilled: bool) -> Krea2Pipeline:
-    tokenizer = qwen_chat_tokenizer(_SPECIAL_TOKENS, _CORPUS)
+    tokenizer = qwen_chat_tokenizer(SPECIAL_TOKENS, _CORPUS)
     torch.manual_seed(_SEED)
     text_encoder = _text_encoder(tokenizer)
     torch.manual_seed(_SEED)

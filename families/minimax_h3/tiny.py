@@ -24,10 +24,11 @@ from diffusers import (
     MiniMaxH3Scheduler,
     MiniMaxH3Transformer3DModel,
 )
-from transformers import Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+from transformers import Qwen2VLImageProcessor, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
 from engine.preflight.pipeline_index import MODULAR_INDEX
 from engine.runtime.processors import without_video
+from engine.testing.tiny_qwen3_vl import SPECIAL_TOKENS, qwen3_vl_config
 from engine.testing.tiny_tokenizers import qwen_chat_tokenizer
 
 __all__ = ["TINY_FRAMES", "TINY_RESOLUTION", "build_tiny_pipeline"]
@@ -37,32 +38,17 @@ TINY_RESOLUTION: int = 64
 TINY_FRAMES: int = 124
 _SEED = 0
 _TEXT_DIM = 16
-_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                   "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 _CORPUS = ["a red fox runs through the snow", "a cat", "<Picture 1>: "]
 #: Where the published repo's index says each component comes from.
 _PUBLISHED = "MiniMaxAI/MiniMax-H3"
 
 
 def _text_encoder(tokenizer: object) -> Qwen3VLForConditionalGeneration:
-    ids = tokenizer.convert_tokens_to_ids  # type: ignore[attr-defined]
-    config = Qwen3VLConfig(
-        text_config={"vocab_size": len(tokenizer), "hidden_size": _TEXT_DIM, "intermediate_size": 32,  # type: ignore[arg-type]
-                     "num_hidden_layers": 51, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
-                     "max_position_embeddings": 2048, "pad_token_id": ids("<|endoftext|>"),
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [1, 1, 2],
-                                         "mrope_interleaved": True}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                       "out_hidden_size": _TEXT_DIM, "patch_size": 16, "spatial_merge_size": 2,
-                       "temporal_patch_size": 2, "num_position_embeddings": 64, "deepstack_visual_indexes": []},
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-    )
-    return Qwen3VLForConditionalGeneration(config).eval()
+    return Qwen3VLForConditionalGeneration(qwen3_vl_config(tokenizer, _TEXT_DIM, 51)).eval()
 
 
 def _components() -> dict[str, object]:
-    tokenizer = qwen_chat_tokenizer(_SPECIAL_TOKENS, _CORPUS)
+    tokenizer = qwen_chat_tokenizer(SPECIAL_TOKENS, _CORPUS)
     torch.manual_seed(_SEED)
     text_encoder = _text_encoder(tokenizer)
     torch.manual_seed(_SEED)
