@@ -277,6 +277,12 @@ class TrainingSpec:
     #: How a clip's sound is trained beside its picture (None: the picture alone). (Plugin API 2.)
     sound: SoundTraining | None = None
 
+    def __post_init__(self) -> None:
+        prediction = self.objective.prediction if self.objective is not None else None
+        if self.sound is not None and prediction != "flow_matching":
+            raise ValueError("TrainingSpec.sound noises a clip's sound on a flow-matching schedule beside its "
+                             f"picture: the objective must predict flow_matching, not {prediction}")
+
 
 #: The pipeline components fp16 safety is stated for.
 COMPONENTS: tuple[str, ...] = ("denoiser", "text_encoders", "vae")
