@@ -190,6 +190,7 @@ def _run_training(engine, config, as_json: bool, resume: str | None = None) -> i
         started = engine.training.start(config, resume=resume)
         bar = None if as_json else progress_bar("training")
         phases = _PhaseLines(str(started.get("base_model", "")), quiet=as_json)
+        phases.show("loading")  # every run loads its base first: said now, not when a poll happens to see it
         handled = 0
         while True:
             try:
