@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -25,6 +27,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["DIFFUSION_ENGINE_HOME"] = tempfile.mkdtemp(prefix="diffusion-engine-test-home-")
 # The user's keys (the compile cache's signing key) live apart from the data folder, as a user's do.
 os.environ["DIFFUSION_ENGINE_KEYS"] = tempfile.mkdtemp(prefix="diffusion-engine-test-keys-")
+
+
+def _remove_made(folders: tuple[str, ...], maker: int) -> None:
+    """... and go with the process that made them (each xdist worker makes its own), not with
+    a forked child that inherited the exit hook."""
+    if os.getpid() == maker:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+atexit.register(_remove_made, (os.environ["DIFFUSION_ENGINE_HOME"], os.environ["DIFFUSION_ENGINE_KEYS"]), os.getpid())
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -105,3 +118,12 @@ def fixed_machine(monkeypatch: pytest.MonkeyPatch) -> None:
 
     profile = hardware_probe.probe(verify=False)
     monkeypatch.setattr(hardware_probe, "probe", lambda verify=None: profile)
+
+
+@pytest.fixture(scope="session")
+def sdcpp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """FLUX.1 as stable-diffusion.cpp reads it, written once per worker: the GGUF transformer
+    with the real-shape ``ae.safetensors`` and ``clip_l.safetensors`` (400 MB) beside it."""
+    from families.flux.sdcpp_files import write_tiny
+
+    return write_tiny(tmp_path_factory.mktemp("flux-sdcpp"), gguf=True)["diffusion_model_path"]

@@ -38,12 +38,13 @@ MLP_RATIO = 4
 
 
 def write_tiny(folder: str | Path, *, gguf: bool = False, width: int = WIDTH,
-               double_blocks: int = 1, single_blocks: int = 1) -> dict[str, Path]:
+               double_blocks: int = 1, single_blocks: int = 1, companions: bool = True) -> dict[str, Path]:
     """Write the transformer, ``ae.safetensors`` and ``clip_l.safetensors`` into ``folder``.
 
     Returns the files by the binding's argument names (``diffusion_model_path``,
     ``vae_path``, ``clip_l_path``). ``width``/``*_blocks`` grow the transformer
-    (the benchmark runs a real-width slice of FLUX.1)."""
+    (the benchmark runs a real-width slice of FLUX.1); ``companions=False`` writes the
+    transformer alone (the two companions are real-shape: 400 MB)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -53,6 +54,8 @@ def write_tiny(folder: str | Path, *, gguf: bool = False, width: int = WIDTH,
         _save_gguf(tensors, model)
     else:
         _save_safetensors(tensors, model)
+    if not companions:
+        return {"diffusion_model_path": model}
     vae = folder / "ae.safetensors"
     clip = folder / "clip_l.safetensors"
     if not vae.exists():

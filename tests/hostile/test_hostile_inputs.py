@@ -127,7 +127,7 @@ def gguf_companions(w: World, flux: Path) -> None:
     outside the roots; and a good GGUF with a base of another width (the tiny diffusers FLUX)."""
     from families.flux.sdcpp_files import write_tiny
 
-    good = write_tiny(w.outside / "flux-files", gguf=True)
+    good = write_tiny(w.outside / "flux-files", gguf=True, companions=False)  # broken companions below
     small = w.outside / "small.safetensors"
     save_file({"weight": torch.zeros(4, 4)}, str(small))
     for name in ("ae-empty", "ae-cut", "ae-bomb", "clip-passwd", "clip-out", "wide"):

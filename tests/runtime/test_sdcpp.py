@@ -25,19 +25,11 @@ from engine import Engine
 from engine.errors import Cancelled, EngineError
 from engine.hardware.presets import preset
 from engine.policy.plan import InferenceRequest
-from families.flux.sdcpp_files import write_tiny
 from tests.support import HostModel
 
 SMALL = {"width": 64, "height": 64, "steps": 2}  # the smallest side a request takes (MIN_SIDE)
 #: This machine may multiply bf16 natively (then auto keeps torch, measured faster): ask for sd.cpp.
 SDCPP = InferenceRequest(engine="sdcpp")
-
-
-@pytest.fixture(scope="module")
-def sdcpp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The GGUF transformer with ``ae.safetensors`` and ``clip_l.safetensors`` beside it."""
-    files = write_tiny(tmp_path_factory.mktemp("flux-sdcpp"), gguf=True)
-    return files["diffusion_model_path"]
 
 
 def cpu(**changes: object) -> object:
@@ -229,7 +221,7 @@ def test_a_file_the_library_refuses_falls_back_to_diffusers_with_the_reason(
 
     base = tiny_pipeline("flux")
     model = write_single_file(base, "transformer", tmp_path / "m" / "flux-tiny.safetensors")
-    shutil.copy(sdcpp_model.parent / "ae.safetensors", model.parent / "ae.safetensors")
+    os.link(sdcpp_model.parent / "ae.safetensors", model.parent / "ae.safetensors")  # read, never written
     save_file({"text_model.final_layer_norm.weight": np.ones(8, np.float16)}, str(model.parent / "clip_l.safetensors"))
     fast = Engine(hardware=cpu()).images.plan(str(model), base=str(base))["engine"]  # a tiny base: fp32 fits
     assert fast.value == "diffusers" and "fp32 fits" in fast.reason and "1.85x" in fast.reason

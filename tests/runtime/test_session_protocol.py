@@ -37,14 +37,12 @@ def test_each_runtime_has_every_method_with_the_protocols_parameters(runtime: ty
 
 
 @pytest.mark.slow
-def test_a_loaded_session_of_either_runtime_is_a_session(tiny_pipeline: Callable[[str], Path], tmp_path: Path) -> None:
+def test_a_loaded_session_of_either_runtime_is_a_session(tiny_pipeline: Callable[[str], Path], sdcpp_model: Path) -> None:
     from engine.policy.plan import InferenceRequest
-    from families.flux.sdcpp_files import write_tiny
 
     engine = Engine()
     engine.images.load(str(tiny_pipeline("sdxl")))
     assert isinstance(engine.images.session, InferenceSession) and isinstance(engine.images.session, Session)
-    gguf = write_tiny(tmp_path, gguf=True)["diffusion_model_path"]
-    engine.images.load(str(gguf), request=InferenceRequest(engine="sdcpp"))
+    engine.images.load(str(sdcpp_model), request=InferenceRequest(engine="sdcpp"))
     assert isinstance(engine.images.session, SdcppSession) and isinstance(engine.images.session, Session)
     engine.images.unload()
