@@ -81,8 +81,12 @@ class Registry:
         )
 
     def family_for_model_id(self, model_id: str) -> FamilySpec | None:
-        """The family whose checkpoint patterns match a repo id or folder name."""
-        return next((f for f in self.families.values() if f.matches_id(model_id)), None)
+        """The family whose checkpoint patterns match a repo id or folder name; the most specific
+        pattern wins across families as within one (``Model-2.1`` is not the family of ``Model``,
+        whose ``*model*`` matches it too); on a tie, the first registered."""
+        scores = [(max(c.match_score(model_id) for c in f.checkpoints), f) for f in self.families.values()]
+        best = max((score for score, _ in scores), default=0)
+        return next((f for score, f in scores if best and score == best), None)
 
     # -- one typed method per hook -----------------------------------------
 
