@@ -81,6 +81,10 @@ class Rendering:
     side_multiple: int | None = None
     #: Elements the VAE decoder holds live per output pixel at its peak; 0: unknown.
     vae_decode_per_pixel: float = 0.0
+    #: The model reads and writes RGBA (a four-channel VAE): an input image keeps its alpha, and
+    #: the images come back RGBA (saved as PNG with their alpha). False: RGB, an input's alpha
+    #: flattened away. (Plugin API 2.)
+    alpha: bool = False
 
     @property
     def sides(self) -> int:

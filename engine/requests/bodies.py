@@ -169,8 +169,9 @@ class LoadBody(_Shaped):
     controlnet: PathText | None = None
 
 
-#: The most input images one edit takes (a multi-image edit checkpoint's own limit applies first).
-MAX_INPUT_IMAGES = 6
+#: The most input images one edit takes (a multi-image edit checkpoint's own limit applies first:
+#: its table's ``reference_images``, at most this; the most a built-in family takes is ten).
+MAX_INPUT_IMAGES = 16
 
 #: The longest keep-alive, in seconds (a week): ``serve --keep-alive`` and a request's ``keep_alive``.
 MAX_KEEP_ALIVE_S = 7 * 24 * 3600

@@ -186,6 +186,7 @@ class Generation:
             fitted = fit_inputs(
                 picture, request.mask_image, width=request.width, height=request.height,
                 multiple=video.size_multiple if video is not None else family.rendering.sides, dtype=vae_dtype(pipe),
+                alpha=family.rendering.alpha,
             )
             if control:
                 fitted = dataclasses.replace(fitted, control=True)

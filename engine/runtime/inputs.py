@@ -41,15 +41,17 @@ class FittedInputs:
 
     width: int
     height: int
-    #: ``(1, 3, H, W)`` in [0, 1], the VAE's dtype; None for text-to-image.
+    #: ``(1, 3, H, W)`` in [0, 1] (4 channels for a model that reads alpha), the VAE's dtype;
+    #: None for text-to-image.
     image: torch.Tensor | None = None
     #: One-channel mask, white where the image is redrawn.
     mask: Image.Image | None = None
-    #: The fitted input as RGB, kept to paste the unmasked pixels back.
+    #: The fitted input as RGB (RGBA for a model that reads alpha), kept to paste the unmasked
+    #: pixels back.
     original: Image.Image | None = None
     #: ``image`` is a ControlNet's control map, not an image to redraw.
     control: bool = False
-    #: A multi-image edit's further input images as RGB at their own size: the pipeline sizes
+    #: A multi-image edit's further input images (RGB, or RGBA as above) at their own size: the pipeline sizes
     #: its references itself (to about a megapixel), so fitting them to the output box first
     #: would only lose detail, or leave a side under what its processor takes.
     references: tuple[Image.Image, ...] = ()
@@ -115,8 +117,12 @@ def fit_inputs(
     height: int | None,
     multiple: int,
     dtype: torch.dtype,
+    alpha: bool = False,
 ) -> FittedInputs:
-    """The request's image (and mask) fitted to one size; see the module doc."""
+    """The request's image (and mask) fitted to one size; see the module doc. ``alpha``: the
+    model reads RGBA (its table's ``Rendering.alpha``), so the images keep their alpha (an
+    image without one is opaque); otherwise the alpha is dropped."""
+    mode = "RGBA" if alpha else "RGB"
     if image is None:
         if mask is not None:
             raise InvalidImage("mask_image was given without image; inpainting needs both")
@@ -124,10 +130,10 @@ def fit_inputs(
     if isinstance(image, (list, tuple)):  # a multi-image edit: the first leads, the rest ride along
         if mask is not None:
             raise InvalidImage("mask_image takes one image; give one image to inpaint")
-        first = fit_inputs(image[0], None, width=width, height=height, multiple=multiple, dtype=dtype)
-        references = [read_image(value, f"image[{index}]").convert("RGB") for index, value in enumerate(image[1:], 1)]
+        first = fit_inputs(image[0], None, width=width, height=height, multiple=multiple, dtype=dtype, alpha=alpha)
+        references = [read_image(value, f"image[{index}]").convert(mode) for index, value in enumerate(image[1:], 1)]
         return dataclasses.replace(first, references=tuple(references))
-    picture = read_image(image, "image").convert("RGB")
+    picture = read_image(image, "image").convert(mode)
     fit_w, fit_h = fitted_size(picture.size, (width, height), multiple, "image")
     picture = _resized(picture, fit_w, fit_h)
     pixels = torch.from_numpy(np.asarray(picture, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
@@ -151,7 +157,7 @@ def paste_unmasked(result: Image.Image, original: Image.Image, mask: Image.Image
     input back, as inpainting front ends do, keeps those pixels exactly.
     """
     keep = Image.eval(mask, lambda v: 255 if v < 128 else 0)
-    composed = result.convert("RGB").copy()
+    composed = result.convert(original.mode).copy()
     composed.paste(original, (0, 0), keep)
     return composed
 

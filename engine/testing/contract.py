@@ -93,6 +93,8 @@ class FamilyContract:
         assert not [e for e in registry.errors if self.family_name in e.plugin]
 
     def test_table_is_well_formed(self, family: FamilySpec) -> None:
+        from engine.requests.bodies import MAX_INPUT_IMAGES
+
         assert family.name == self.family_name
         assert family.label and family.pipeline_class
         assert family.pipeline_class in family.pipeline_class_names
@@ -110,6 +112,10 @@ class FamilyContract:
                 assert len(checkpoint.sigmas) == checkpoint.default_steps, (
                     f"{checkpoint.name}: {len(checkpoint.sigmas)} sigmas for {checkpoint.default_steps} default steps")
                 assert list(checkpoint.sigmas) == sorted(checkpoint.sigmas, reverse=True), checkpoint.name
+            # An edit's images reach it through the request, which takes at most MAX_INPUT_IMAGES.
+            assert 1 <= checkpoint.reference_images <= MAX_INPUT_IMAGES, (
+                f"{checkpoint.name}: reference_images {checkpoint.reference_images} is outside 1-{MAX_INPUT_IMAGES}, "
+                "what a request's image list takes")
             if checkpoint.trained_on:  # a distilled model's LoRAs train on a checkpoint of the table
                 target = family.checkpoint(checkpoint.trained_on)
                 assert target is not None and target.name == checkpoint.trained_on, (
