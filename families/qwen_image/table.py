@@ -145,8 +145,9 @@ QWEN_IMAGE = FamilySpec(
             "to_add_out",
         ),
         # LoRA keys: the dual-stream MLP and modulation names (diffusers, kohya
-        # and ComfyUI spell them alike).
-        key_markers=("img_mlp", "txt_mlp", "img_mod", "txt_mod"),
+        # and ComfyUI spell them alike); the image MLP by its ``net`` (Qwen-Image 2.1's
+        # SwiGLU is an ``img_mlp`` too).
+        key_markers=("img_mlp.net", "img_mlp_net", "txt_mlp", "img_mod", "txt_mod"),
     ),
     training=TrainingSpec(
         # How engine.testing.memory_figures builds the denoiser (real widths, reduced depths).
