@@ -174,3 +174,39 @@ def test_a_folder_of_any_name_is_qwen_image21_by_its_pipeline_class(engine_regis
     mine = tmp_path / "my-model"
     shutil.copytree(folder, mine, copy_function=os.link)  # read only: linked, not copied
     assert resolve_model(engine_registry, mine).family.name == "qwen_image21"
+
+
+@pytest.mark.slow
+def test_an_edit_over_openais_edits_api_comes_back_with_its_alpha(folder: Path, tmp_path: Path) -> None:
+    """OpenAI's ``/v1/images/edits`` with an RGBA cutout and an RGB scene (``image[]`` twice):
+    the PNG that comes back is RGBA with the alpha the model drew (not flattened to opaque)."""
+    import base64
+    import io
+
+    import httpx
+
+    from engine.hardware.probe import probe
+    from engine.server.app import ServerSettings, create_app
+    from engine.service.facade import Engine
+    from tests.support import LiveServer
+
+    cutout = Image.new("RGBA", (64, 64), (255, 0, 0, 0))
+    cutout.paste((0, 255, 0, 255), (16, 16, 48, 48))
+    uploads = []
+    for name, picture in (("cutout.png", cutout), ("scene.png", Image.new("RGB", (96, 64), (0, 0, 255)))):
+        buffer = io.BytesIO()
+        picture.save(buffer, format="PNG")
+        uploads.append(("image[]", (name, buffer.getvalue(), "image/png")))
+    engine = Engine(hardware=probe(verify=False))
+    engine.images.load(str(folder))
+    try:
+        with LiveServer(create_app(engine, ServerSettings(model_roots=(folder.parent,)))) as url:
+            answer = httpx.post(f"{url}/v1/images/edits", files=uploads, timeout=120,
+                                data={"prompt": "put the cutout in the scene", "size": "64x64",
+                                      "response_format": "b64_json"})
+    finally:
+        engine.images.unload()
+    assert answer.status_code == 200, answer.text
+    served = Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))
+    assert served.mode == "RGBA" and served.size == (64, 64)
+    assert np.asarray(served)[..., 3].min() < 255  # the model's own alpha, not an opaque flattening
