@@ -8,6 +8,8 @@ vision tokens the config names (:data:`SPECIAL_TOKENS`).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 #: The tokenizer's special tokens: the pad first, then the chat and vision tokens the config names.
@@ -33,3 +35,14 @@ def qwen3_vl_config(tokenizer: Any, hidden: int, layers: int) -> Any:
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
     )
+
+
+def write_video_processor_config(processor_folder: Path) -> None:
+    """The video processor's config beside a saved ``Qwen3VLProcessor``, as the real repos ship
+    it: transformers builds that part only with torchvision, so a processor saved without it
+    (:func:`engine.runtime.processors.without_video`) writes none."""
+    (Path(processor_folder) / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor", "patch_size": 16,
+        "temporal_patch_size": 2, "merge_size": 2, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+        "do_normalize": True, "do_convert_rgb": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }, indent=2), encoding="utf-8")

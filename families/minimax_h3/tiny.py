@@ -28,7 +28,7 @@ from transformers import Qwen2VLImageProcessor, Qwen3VLForConditionalGeneration,
 
 from engine.preflight.pipeline_index import MODULAR_INDEX
 from engine.runtime.processors import without_video
-from engine.testing.tiny_qwen3_vl import SPECIAL_TOKENS, qwen3_vl_config
+from engine.testing.tiny_qwen3_vl import SPECIAL_TOKENS, qwen3_vl_config, write_video_processor_config
 from engine.testing.tiny_tokenizers import qwen_chat_tokenizer
 
 __all__ = ["TINY_FRAMES", "TINY_RESOLUTION", "build_tiny_pipeline"]
@@ -89,10 +89,5 @@ def build_tiny_pipeline(path: pathlib.Path) -> pathlib.Path:
         if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], dict):
             entry[2]["pretrained_model_name_or_path"] = _PUBLISHED  # as a download's index says
     index_path.write_text(json.dumps(index, indent=2), encoding="utf-8")
-    # The video processor's config, as the real repo ships it (transformers builds that part with torchvision).
-    (path / "processor" / "video_preprocessor_config.json").write_text(json.dumps({
-        "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor", "patch_size": 16,
-        "temporal_patch_size": 2, "merge_size": 2, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
-        "do_normalize": True, "do_convert_rgb": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    }, indent=2), encoding="utf-8")
+    write_video_processor_config(path / "processor")  # as the real repo ships it
     return path

@@ -10,7 +10,6 @@ of two narrow layers with its vision tower (an edit's references are read by it)
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import torch
@@ -18,7 +17,7 @@ from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler,
 from transformers import Qwen2VLImageProcessor, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
 from engine.runtime.processors import without_video
-from engine.testing.tiny_qwen3_vl import SPECIAL_TOKENS, qwen3_vl_config
+from engine.testing.tiny_qwen3_vl import SPECIAL_TOKENS, qwen3_vl_config, write_video_processor_config
 from engine.testing.tiny_tokenizers import qwen_chat_tokenizer
 
 __all__ = ["TINY_RESOLUTION", "build_tiny_pipeline"]
@@ -64,10 +63,5 @@ def build_tiny_pipeline(path: pathlib.Path) -> pathlib.Path:
     """Write a tiny ``QwenImage21Pipeline`` to ``path``."""
     path = pathlib.Path(path)
     QwenImage21Pipeline(**_components()).save_pretrained(path)
-    # The video processor's config, as the real repo ships it (transformers builds that part with torchvision).
-    (path / "processor" / "video_preprocessor_config.json").write_text(json.dumps({
-        "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor", "patch_size": 16,
-        "temporal_patch_size": 2, "merge_size": 2, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
-        "do_normalize": True, "do_convert_rgb": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    }, indent=2), encoding="utf-8")
+    write_video_processor_config(path / "processor")  # as the real repo ships it
     return path
