@@ -47,12 +47,16 @@ def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> l
     """Plain diffusers: the folder's own pipeline class, fp32 on the CPU, one seeded CPU generator."""
     import diffusers
 
+    from engine.runtime.processors import pipeline_processors
+
     spec = REGISTRY.family(family)
     call: dict[str, Any] = {"prompt": PROMPT, "num_inference_steps": STEPS,
                             "generator": torch.Generator("cpu").manual_seed(SEED), **size}
     if (folder / MODULAR_INDEX).is_file():  # a modular pipeline: its blocks, called as diffusers documents
         return stock_modular(folder, call, clip_frames(family))
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folder)
+    # A vision-language processor built without torchvision, as the engine builds it (stock
+    # transformers builds its video part only with torchvision; the image calls are its own).
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, **pipeline_processors(str(folder)))
     if spec.pipeline.guidance_kwarg == "guider.guidance_scale":  # a diffusers guider holds it
         pipe.guider = pipe.guider.new(guidance_scale=guidance)
     else:
