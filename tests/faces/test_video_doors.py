@@ -74,8 +74,10 @@ def test_a_tiny_video_model_renders_a_tiny_clip_when_the_request_is_silent(
     with Engine() as engine:
         ticket = engine.videos.check_generate(GenerateBody(prompt="a fox", model=str(tmp_path / "wan")))
         assert ticket.shape is not None and (ticket.shape.frames, ticket.shape.width) == (5, 64)
-        assert ticket.plan.to_dict()["estimate"] == engine.images.plan(
-            str(tmp_path / "wan")).to_dict()["estimate"]  # planned for its own clip too
+        # Planned for its own clip too: the same estimate, but for the budget (this machine's free
+        # memory, read at each plan, moves between the two).
+        ours, theirs = (dict(p.to_dict()["estimate"]) for p in (ticket.plan, engine.images.plan(str(tmp_path / "wan"))))
+        assert ours.pop("budget_gb") == pytest.approx(theirs.pop("budget_gb"), abs=0.5) and ours == theirs
 
 
 @pytest.mark.slow

@@ -227,8 +227,10 @@ def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(
     tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    # Long steps (30 micro-batches each), so the second Ctrl-C lands mid-step.
-    (tmp_path / "slow.toml").write_text("grad_accumulation = 30\n", encoding="utf-8")
+    # Long steps (120 micro-batches each), so the second Ctrl-C lands mid-step 0.3 s after the
+    # first (30 took under 0.3 s on an idle 2-core machine: the step ended, and the run stopped
+    # gracefully with that step's LoRA).
+    (tmp_path / "slow.toml").write_text("grad_accumulation = 120\n", encoding="utf-8")
     cli = subprocess.Popen(
         [sys.executable, "-m", "engine", "train", "--config", str(tmp_path / "slow.toml"),
          "--base", str(tiny_pipeline("sdxl")), "--data", str(dataset),
