@@ -19,7 +19,7 @@ from engine.contract.plugins import Registry
 from engine.policy.encoders import precast_encoders
 from engine.policy.plan import ModelDefaults
 from engine.preflight.folder_checkpoint import checkpoint_by_files, folder_layout
-from engine.preflight.pipeline_index import MODULAR_INDEX, index_file, parse_index
+from engine.preflight.pipeline_index import index_file, parse_index
 from engine.preflight.headers import measured_sizes, sizes_by_scheme, tensor_storage
 from engine.preflight.quantised_folder import StoredMarker, judge_stored
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline
@@ -31,7 +31,7 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
     ``pipeline`` source; refuses a family that disagrees, or a missing or weightless component."""
     path = index_file(folder)
     assert path is not None, "called on a pipeline folder"
-    index = parse_index(read_json(path), modular=path.name == MODULAR_INDEX)
+    index = parse_index(read_json(path), path.name)
     class_name = index.class_name
     own = registry.family_for_pipeline_class(class_name)
     if forced is not None and own is not None and own.name != forced.name:

@@ -208,15 +208,13 @@ def _index(root: str) -> dict[str, Any]:
     local folder or the hub's cache."""
     from pathlib import Path
 
-    from engine.preflight.pipeline_index import MODULAR_INDEX, index_file, parse_index
-    from engine.stored import read_json
+    from engine.preflight.pipeline_index import read_index
 
-    path = index_file(Path(root))
-    if path is None:
+    index = read_index(Path(root))
+    if index is None:
         import diffusers
 
         return dict(diffusers.DiffusionPipeline.load_config(root))
-    index = parse_index(read_json(path), modular=path.name == MODULAR_INDEX)
     return {"_class_name": index.class_name, **index.components}
 
 

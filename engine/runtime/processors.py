@@ -16,8 +16,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from engine import stored
-from engine.preflight.pipeline_index import MODULAR_INDEX, index_file, parse_index
+from engine.preflight.pipeline_index import index_file, read_index
 
 #: The sub-processor a still-image pipeline never calls.
 VIDEO_PART = "video_processor"
@@ -26,14 +25,12 @@ VIDEO_PART = "video_processor"
 def processor_entries(folder: Path) -> dict[str, str]:
     """The folder's transformers processor components, name -> class name (none
     where its index is missing or unreadable: the loader reports that)."""
-    path = index_file(folder)
     try:
-        entries = stored.read_json(path) if path is not None else None
+        index = read_index(folder)
     except (OSError, ValueError):
         return {}
-    if not isinstance(entries, dict):
+    if index is None:
         return {}
-    index = parse_index(entries, modular=path is not None and path.name == MODULAR_INDEX)
     return {name: class_name for name, (library, class_name) in index.components.items()
             if library == "transformers" and class_name.endswith("Processor")}
 
