@@ -62,8 +62,12 @@ def cache_sounds(plan: TrainingPlan, pipe: Any, runtime: ModuleType, device: tor
         between()
         samples = read_window_sound(item.image, window) if item.is_clip else None
         tracks.append(None if samples is None else encoded(samples))
-    silence = encoded(torch.zeros(window.sound_channels, window.sound_samples))
-    return SoundInputs(tracks, torch.zeros_like(silence), spec)
+    # A silent item's latents are zeros of a track's shape: a heard one's (every window is as
+    # long), else silence encoded once for its shape (stills and silent clips alone).
+    shaped = next((track for track in tracks if track is not None), None)
+    if shaped is None:
+        shaped = encoded(torch.zeros(window.sound_channels, window.sound_samples))
+    return SoundInputs(tracks, torch.zeros_like(shaped), spec)
 
 
 def noised(inputs: SoundInputs, images: list[int], draws: list[torch.Generator], sigmas: torch.Tensor,
