@@ -79,13 +79,13 @@ def stock_modular(folder: Path, call: dict[str, Any], frames: int) -> list[np.nd
     takes no guidance."""
     import diffusers
 
-    from engine.runtime.processors import build_processor, processor_entries
+    from engine.runtime.processors import pipeline_processors
 
     pipe = diffusers.ModularPipeline.from_pretrained(str(folder))
-    processors = processor_entries(folder)
+    processors = pipeline_processors(str(folder))
     pipe.load_components(names=[name for name in pipe.pretrained_component_names
                                 if (folder / name).is_dir() and name not in processors])
-    pipe.update_components(**{name: build_processor(folder / name, class_name) for name, class_name in processors.items()})
+    pipe.update_components(**processors)
     videos = pipe(**call, num_frames=frames, output_type="pil", output="videos")
     return [np.asarray(frame) for frame in videos[0]]
 
