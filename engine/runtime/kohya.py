@@ -19,7 +19,7 @@ use it, and the runtime never imports the trainer.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,13 @@ import torch
 from engine.contract.types import FamilySpec
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
+#: What a kohya / ComfyUI LoRA's denoiser keys start with (``lora_unet_<module>``).
+KOHYA_PREFIX = "lora_unet_"
+
+
+def is_kohya(keys: Iterable[str]) -> bool:
+    """Whether a LoRA's ``keys`` are in the kohya layout (any names a denoiser module so)."""
+    return any(key.startswith(KOHYA_PREFIX) for key in keys)
 
 #: The out features of a module of the denoiser (for parts the run did not adapt).
 OutFeatures = Callable[[str], int]
@@ -66,13 +73,13 @@ def kohya_state_dict(
     for module in modules:
         hit = next(((n, m) for n, rule in enumerate(rules) if (m := rule.match(module))), None)
         if hit is None:
-            _put(kohya, "lora_unet_" + module.replace(".", "_"), state[module + _A], state[module + _B], alpha)
+            _put(kohya, KOHYA_PREFIX + module.replace(".", "_"), state[module + _A], state[module + _B], alpha)
             continue
         rule_index, (position, block) = hit
         groups.setdefault((rule_index, block), {})[position] = module
     for (rule_index, block), parts in groups.items():
         rule = rules[rule_index]
-        name = "lora_unet_" + rule.target.replace("{i}", block)
+        name = KOHYA_PREFIX + rule.target.replace("{i}", block)
         if len(rule.sources) == 1:
             module = parts[0]
             _put(kohya, name, state[module + _A], state[module + _B], alpha)
@@ -109,7 +116,7 @@ def diffusers_from_kohya(
     caller's match check names it.
     """
     rules = [_Rule(target, sources) for target, sources in family.lora.kohya_map]
-    prefix, down_key = "lora_unet_", ".lora_down.weight"
+    prefix, down_key = KOHYA_PREFIX, ".lora_down.weight"
     modules = sorted(k[len(prefix):-len(down_key)] for k in kohya if k.startswith(prefix) and k.endswith(down_key))
     targets = [(_template(rule.target), rule) for rule in rules]
     underscored = {name.replace(".", "_"): name for name in linears}

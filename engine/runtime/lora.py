@@ -27,6 +27,7 @@ from engine.runtime import family_hooks
 from engine.errors import EngineError
 from engine.contract.plugins import Registry
 from engine.preflight.lora import LoraFile
+from engine.runtime.kohya import is_kohya
 from engine.runtime.lora_check import converted_state_dict
 from engine.runtime.quantize import first_line
 from engine.contract.types import FamilySpec
@@ -133,7 +134,7 @@ class LoraSet:
         engine reads itself (fused modules split with this model's widths, where diffusers
         assumes the full-size model's; or every module the model's own by its underscored
         name), the state in diffusers' keys."""
-        if self.family is None or not any(key.startswith("lora_unet_") for key in file.keys):
+        if self.family is None or not is_kohya(file.keys):
             return str(file.path)
         state = converted_state_dict(type(self.pipe), file, family=self.family,
                                      denoiser=getattr(self.pipe, self.family.pipeline.denoiser))

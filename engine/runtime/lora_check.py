@@ -43,10 +43,10 @@ def converted_state_dict(
     underscored name is read so (a family whose diffusers converter reads no kohya keys)."""
     from safetensors.torch import load_file
 
-    state = load_file(str(file.path))
-    if family is not None and denoiser is not None and any(key.startswith("lora_unet_") for key in state):
-        from engine.runtime.kohya import diffusers_from_kohya
+    from engine.runtime.kohya import diffusers_from_kohya, is_kohya
 
+    state = load_file(str(file.path))
+    if family is not None and denoiser is not None and is_kohya(state):
         linears = {name: int(getattr(getattr(m, "base_layer", m), "out_features"))
                    for name, m in denoiser.named_modules()
                    if hasattr(getattr(m, "base_layer", m), "out_features") and "lora_" not in name}
