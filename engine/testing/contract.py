@@ -207,17 +207,16 @@ class FamilyContract:
 
     def test_engine_build_tiny_pipeline(self, registry: Registry, family: FamilySpec, tiny_folder: Path) -> None:
         """The tiny pipeline is a real diffusers folder of this family's class (a modular one's too)."""
-        from engine.preflight.pipeline_index import index_file
+        from engine.preflight.pipeline_index import read_index
 
         folder = tiny_folder
-        path = index_file(folder)
-        assert path is not None, f"{folder} has no model_index.json (nor a modular_model_index.json)"
-        index = json.loads(path.read_text(encoding="utf-8"))
-        assert index["_class_name"] in family.pipeline_class_names
+        index = read_index(folder)
+        assert index is not None, f"{folder} has no model_index.json (nor a modular_model_index.json)"
+        assert index.class_name in family.pipeline_class_names
         if self.checkpoint_name:
             wanted = family.pipeline_class_of(family.checkpoint(self.checkpoint_name))
-            assert index["_class_name"] == wanted, f"{self.checkpoint_name}'s tiny pipeline is not a {wanted}"
-        assert registry.family_for_pipeline_class(index["_class_name"]) == family
+            assert index.class_name == wanted, f"{self.checkpoint_name}'s tiny pipeline is not a {wanted}"
+        assert registry.family_for_pipeline_class(index.class_name) == family
         weights = list(folder.glob("*/*.safetensors"))
         assert weights, "weights are saved as safetensors"
         assert sum(w.stat().st_size for w in weights) < 100e6, "tiny means tiny"
