@@ -79,7 +79,9 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
     quantised = marker is not None or spec.is_prequantised(folder.name) or "quantization_config" in (
         read_json(denoiser_config) if denoiser_config.is_file() else {}
     )
-    sizes, denoiser_shapes = measured_sizes(folder, spec, components)
+    sizes, shapes_of = measured_sizes(folder, spec, components)
+    denoiser_shapes = shapes_of.get(spec.pipeline.denoiser, [])
+    every_denoiser = [shape for shapes in shapes_of.values() for shape in shapes]
     if marker is not None and marker.dense_gb is not None and sizes is not None:
         sizes = dataclasses.replace(sizes, transformer_gb=marker.dense_gb)  # sized as its scheme
     return ModelSource(
@@ -89,7 +91,7 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
         checkpoint_by_files(spec, spec.checkpoint_of_folder(folder.name, class_name), class_name,
                             folder_layout(folder, spec, components, index.entries), folder.name),
         measured_sizes=sizes,
-        scheme_gb=(sizes_by_scheme(denoiser_shapes, spec.quantisation.int8_dense_modules)
+        scheme_gb=(sizes_by_scheme(every_denoiser, spec.quantisation.int8_dense_modules)
                    if denoiser_shapes and not quantised else None),
         prequantised_scheme=marker.scheme if marker is not None else "nf4" if quantised else None,
         denoiser_shapes=tuple(denoiser_shapes),

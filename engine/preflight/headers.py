@@ -34,26 +34,27 @@ _DTYPE_BYTES = {
 
 def measured_sizes(
     folder: Path, spec: FamilySpec, components: dict[str, list[str]]
-) -> tuple[ComponentSizes | None, Shapes]:
-    """bf16 GB per part from the safetensors headers (None if a part has none),
-    and the denoiser's tensor shapes, so its headers are read once."""
+) -> tuple[ComponentSizes | None, dict[str, Shapes]]:
+    """bf16 GB per part from the safetensors headers (None if a part has none), the denoiser's
+    counting every expert beside it (a two-expert model's pair, a conditional and an
+    unconditional transformer), and each denoiser's tensor shapes, so its headers are read once."""
     totals = {"denoiser": 0.0, "text": 0.0, "vae": 0.0}
-    denoiser: Shapes = []
+    denoisers: dict[str, Shapes] = {}
     complete = True
     for name in components:
         files = sorted((folder / name).glob("*.safetensors"))
         shapes = tensor_shapes(files)  # every component: a truncated file fails here
-        if not (name == spec.pipeline.denoiser or decodes(name) or name.startswith("text_encoder")):
+        if not (name in spec.denoisers or decodes(name) or name.startswith("text_encoder")):
             continue
         if not files:
             complete = False
             continue
-        if name == spec.pipeline.denoiser:
-            denoiser = shapes
-        part = "denoiser" if name == spec.pipeline.denoiser else "vae" if decodes(name) else "text"
+        if name in spec.denoisers:
+            denoisers[name] = shapes
+        part = "denoiser" if name in spec.denoisers else "vae" if decodes(name) else "text"
         totals[part] += dense_gb(shapes)
     sizes = ComponentSizes(totals["denoiser"], totals["text"], totals["vae"]) if complete else None
-    return sizes, denoiser
+    return sizes, denoisers
 
 
 def decodes(component: str) -> bool:

@@ -39,6 +39,20 @@ def test_measured_sizes_come_from_the_safetensors_headers(tiny_pipeline: Callabl
     assert 0 < sizes.text_encoders_gb < sizes.transformer_gb and sizes.vae_gb > 0
 
 
+def test_a_two_expert_folder_is_measured_with_both_experts(tmp_path: Path) -> None:
+    """Wan 2.2's pair: the denoiser's GB (and its GB under each scheme) count ``transformer_2``
+    too, as the table's 57.2 GB does; it counted the high-noise expert alone, half the weights."""
+    from engine.preflight.headers import dense_gb, tensor_shapes
+    from families.wan.tiny import build_tiny_two_experts
+
+    folder = build_tiny_two_experts(tmp_path / "wan22")
+    source = resolve_model(REGISTRY, folder)
+    each = [dense_gb(tensor_shapes(sorted((folder / name).glob("*.safetensors"))))
+            for name in ("transformer", "transformer_2")]
+    assert source.measured_sizes is not None and source.measured_sizes.transformer_gb == pytest.approx(sum(each))
+    assert source.scheme_gb is not None and source.scheme_gb["int8"] > each[0]
+
+
 def test_plan_facts_carry_table_and_measured_sizes(tiny_pipeline: Callable[[str], Path]) -> None:
     facts = resolve_model(REGISTRY, tiny_pipeline("sdxl")).facts(REGISTRY)
     assert facts.table_sizes.transformer_gb == 5.1
