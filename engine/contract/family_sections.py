@@ -27,6 +27,25 @@ def _pairs(value: object) -> tuple[tuple[str, object], ...]:
 
 
 @dataclass(frozen=True)
+class StoredLayout:
+    """A layout a publisher stores the family's denoiser in, other than diffusers': a repo whose
+    fused attention diffusers' ``from_pretrained`` would leave random-initialised (it drops the
+    keys it does not know). The preflight recognises it from the denoiser's safetensors headers
+    (a tensor name ending ``marker``); the loader builds each denoiser on ``meta`` and loads the
+    state dict ``convert`` returns, strictly: every parameter given, none left over.
+    """
+
+    #: How the plan and the status name it (``fp8_fused_qkv``).
+    name: str
+    #: The end of a tensor name only this layout has (``.attention.qkv.weight``).
+    marker: str
+    #: ``module:function`` taking the stored state dict and giving diffusers' (torch code).
+    convert: str
+    #: What the conversion does, for the status record ("split ... dequantised ...").
+    note: str
+
+
+@dataclass(frozen=True)
 class QuantRules:
     """How the family's weights may be quantised, and what each scheme costs it."""
 
@@ -59,6 +78,9 @@ class QuantRules:
     prequantised_patterns: tuple[str, ...] = ()
     #: The dense base to use when a pre-quantised repo matches no checkpoint.
     default_dense_base: str = ""
+    #: Layouts a publisher stores the denoiser in that diffusers' ``from_pretrained`` would
+    #: load wrong (plugin API 2, additive): converted on load, recognised from the headers.
+    stored_layouts: tuple[StoredLayout, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("factors", "inference_factors", "deny_lifted_by"):

@@ -215,6 +215,7 @@ from engine.contract.family_sections import (  # noqa: E402
     MemoryProbe as MemoryProbe,
     PrecisionRules as PrecisionRules,
     QuantRules as QuantRules,
+    StoredLayout as StoredLayout,
     SdcppCompanion as SdcppCompanion,
     SdcppSupport as SdcppSupport,
     SingleFileLayout as SingleFileLayout,

@@ -22,6 +22,7 @@ from engine.preflight.folder_checkpoint import checkpoint_by_files, folder_layou
 from engine.preflight.pipeline_index import index_file, parse_index
 from engine.preflight.headers import measured_sizes, sizes_by_scheme, tensor_storage
 from engine.preflight.quantised_folder import StoredMarker, judge_stored
+from engine.preflight.stored_layouts import layout_of_names
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline
 from engine.contract.types import FamilySpec
 
@@ -51,30 +52,8 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
     # What the engine's workflows never call (a partition of a workflow it does not serve) may be left out of a download.
     components = {name: value for name, value in index.components.items()
                   if name not in spec.pipeline.unused_components}
-    missing = [name for name in components if not (folder / name).is_dir()]
-    if missing:
-        raise ModelNotFound(
-            f"{folder} is missing {', '.join(missing)} (listed in its {path.name}); "
-            "the pipeline folder is incomplete: copy or download it again",
-            code="model_file_missing",
-        )
-    weightless = [
-        name for name in components
-        if (folder / name / "config.json").is_file()
-        and not any(next((folder / name).glob(p), None) for p in ("*.safetensors", "*.bin"))
-    ]
-    if weightless:
-        raise ModelNotFound(
-            f"{folder} has no weights in {', '.join(weightless)} (a config.json but no "
-            ".safetensors or .bin file); the pipeline folder is incomplete",
-            code="model_file_missing",
-        )
+    _check_complete(folder, spec, components, path.name)
     denoiser_config = folder / spec.pipeline.denoiser / "config.json"
-    if spec.pipeline.denoiser in components and not denoiser_config.is_file():
-        raise ModelNotFound(
-            f"{folder / spec.pipeline.denoiser} has no config.json; the pipeline folder is incomplete",
-            code="model_file_missing",
-        )
     marker = stored_marker(folder, spec, index.entries)  # written by `diffusion-engine quantize`, judged here
     quantised = marker is not None or spec.is_prequantised(folder.name) or "quantization_config" in (
         read_json(denoiser_config) if denoiser_config.is_file() else {}
@@ -100,7 +79,37 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
             for name in components if name.startswith("text_encoder")
         }),
         defaults=own_defaults(folder),
+        stored_layout=layout_of_names(spec, (name for shapes in shapes_of.values() for name, _ in shapes)),
     )
+
+
+def _check_complete(folder: Path, spec: FamilySpec, components: dict[str, list[str]], index_name: str) -> None:
+    """Refuse a folder missing a component its index lists, one with no weights, or a denoiser
+    without its config: an incomplete copy, named with what is missing."""
+    missing = [name for name in components if not (folder / name).is_dir()]
+    if missing:
+        raise ModelNotFound(
+            f"{folder} is missing {', '.join(missing)} (listed in its {index_name}); "
+            "the pipeline folder is incomplete: copy or download it again",
+            code="model_file_missing",
+        )
+    weightless = [
+        name for name in components
+        if (folder / name / "config.json").is_file()
+        and not any(next((folder / name).glob(p), None) for p in ("*.safetensors", "*.bin"))
+    ]
+    if weightless:
+        raise ModelNotFound(
+            f"{folder} has no weights in {', '.join(weightless)} (a config.json but no "
+            ".safetensors or .bin file); the pipeline folder is incomplete",
+            code="model_file_missing",
+        )
+    denoiser_config = folder / spec.pipeline.denoiser / "config.json"
+    if spec.pipeline.denoiser in components and not denoiser_config.is_file():
+        raise ModelNotFound(
+            f"{folder / spec.pipeline.denoiser} has no config.json; the pipeline folder is incomplete",
+            code="model_file_missing",
+        )
 
 
 def stored_marker(folder: Path, spec: FamilySpec, index: dict[str, object]) -> StoredMarker | None:

@@ -14,6 +14,7 @@ from typing import Literal
 
 from engine.errors import EngineError
 from engine.contract.plugins import Registry
+from engine.contract.types import StoredLayout
 from engine.policy.encoders import PrecastEncoders
 from engine.policy.plan import ModelDefaults, ModelFacts
 from engine.preflight.model_errors import ModelNotFound, NotAPipeline  # noqa: F401 - their home before, re-exported
@@ -49,6 +50,8 @@ class ModelSource:
     precast_encoders: PrecastEncoders | None = None
     #: A pipeline folder's own size and steps (its ``diffusion_engine.json``).
     defaults: ModelDefaults = ModelDefaults()
+    #: The publisher's layout a denoiser is stored in, converted on load (from its headers).
+    stored_layout: StoredLayout | None = None
 
     def facts(self, registry: Registry) -> ModelFacts:
         return ModelFacts(
@@ -71,6 +74,8 @@ class ModelSource:
             "family": self.family.name,
             "checkpoint": self.checkpoint.name if self.checkpoint else None,
             "base": self.base,
+            "stored_layout": ({"name": self.stored_layout.name, "converted": self.stored_layout.note}
+                              if self.stored_layout is not None else None),
         }
 
 

@@ -1,0 +1,1 @@
+"""The Ideogram 4 family plugin (``Ideogram4Pipeline``: a conditional and an unconditional transformer)."""
