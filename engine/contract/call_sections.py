@@ -27,6 +27,23 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class BorrowedComponent:
+    """A component the family's repos name in their index without shipping it (HiDream's
+    Llama-3.1 encoder: gated, so the repo leaves it to the user), and the repo the engine takes it
+    from (plugin API 2, additive). A folder that holds the component is used as it is; one that
+    lacks it gets it from ``repo`` (found in the hub cache, or downloaded with consent), or is
+    refused before anything is evicted, naming what is missing and from where.
+    """
+
+    #: The pipeline component (``text_encoder_4``, ``tokenizer_4``).
+    component: str
+    #: The hub repo holding it at its root (an ungated mirror).
+    repo: str
+    #: Its bf16 GB, counted with the text encoders where a folder lacks it (0 for a tokenizer).
+    gb: float = 0.0
+
+
+@dataclass(frozen=True)
 class PipelineLayout:
     """How the family's diffusers pipeline is put together and called."""
 
@@ -51,6 +68,8 @@ class PipelineLayout:
     #: transformer partition of a workflow the engine does not serve): never required of a
     #: folder, sized or loaded.
     unused_components: tuple[str, ...] = ()
+    #: Components the family's repos name without shipping, and where the engine takes them.
+    borrowed: tuple[BorrowedComponent, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,7 @@ from engine.contract.video_spec import OUTPUT_KINDS as OUTPUT_KINDS, OutputKind 
 from engine.contract.video_spec import CallShape as CallShape
 from engine.contract.sound import Sound as Sound  # noqa: E402
 from engine.contract.call_sections import PipelineLayout as PipelineLayout, Rendering as Rendering  # noqa: E402
+from engine.contract.call_sections import BorrowedComponent as BorrowedComponent  # noqa: E402
 from engine.contract.call_sections import SpeedRules as SpeedRules  # noqa: E402
 from engine.contract.video_memory import VideoMemory as VideoMemory
 

@@ -20,11 +20,12 @@ from engine.policy.encoders import precast_encoders
 from engine.policy.plan import ModelDefaults
 from engine.preflight.folder_checkpoint import checkpoint_by_files, folder_layout
 from engine.preflight.pipeline_index import index_file, parse_index
-from engine.preflight.headers import measured_sizes, sizes_by_scheme, tensor_storage
+from engine.preflight.headers import Shapes, measured_sizes, sizes_by_scheme, tensor_storage
 from engine.preflight.quantised_folder import StoredMarker, judge_stored
+from engine.preflight.borrowed import borrowed_gb, lacking
 from engine.preflight.stored_layouts import layout_of_names
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline
-from engine.contract.types import FamilySpec
+from engine.contract.types import BorrowedComponent, ComponentSizes, FamilySpec
 
 
 def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None) -> ModelSource:
@@ -50,19 +51,18 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
             code="family_unknown",
         )
     # What the engine's workflows never call (a partition of a workflow it does not serve) may be left out of a download.
+    borrowed = lacking(spec, folder)  # taken from the family's named repos (their access checked with the hub's)
     components = {name: value for name, value in index.components.items()
-                  if name not in spec.pipeline.unused_components}
+                  if name not in spec.pipeline.unused_components and name not in {b.component for b in borrowed}}
     _check_complete(folder, spec, components, path.name)
     denoiser_config = folder / spec.pipeline.denoiser / "config.json"
     marker = stored_marker(folder, spec, index.entries)  # written by `diffusion-engine quantize`, judged here
     quantised = marker is not None or spec.is_prequantised(folder.name) or "quantization_config" in (
         read_json(denoiser_config) if denoiser_config.is_file() else {}
     )
-    sizes, shapes_of = measured_sizes(folder, spec, components)
+    sizes, shapes_of = _measured(folder, spec, components, marker, borrowed)
     denoiser_shapes = shapes_of.get(spec.pipeline.denoiser, [])
     every_denoiser = [shape for shapes in shapes_of.values() for shape in shapes]
-    if marker is not None and marker.dense_gb is not None and sizes is not None:
-        sizes = dataclasses.replace(sizes, transformer_gb=marker.dense_gb)  # sized as its scheme
     return ModelSource(
         "pipeline",
         str(folder),
@@ -79,8 +79,21 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
             for name in components if name.startswith("text_encoder")
         }),
         defaults=own_defaults(folder),
+        borrowed=borrowed,
         stored_layout=layout_of_names(spec, (name for shapes in shapes_of.values() for name, _ in shapes)),
     )
+
+
+def _measured(folder: Path, spec: FamilySpec, components: dict[str, list[str]], marker: StoredMarker | None,
+              borrowed: tuple[BorrowedComponent, ...]) -> tuple[ComponentSizes | None, dict[str, Shapes]]:
+    """The folder's sizes from its headers (and each denoiser's shapes): a stored denoiser sized
+    as its scheme's dense model, the components it lacks and borrows counted with its encoders."""
+    sizes, shapes_of = measured_sizes(folder, spec, components)
+    if marker is not None and marker.dense_gb is not None and sizes is not None:
+        sizes = dataclasses.replace(sizes, transformer_gb=marker.dense_gb)
+    if borrowed and sizes is not None:
+        sizes = dataclasses.replace(sizes, text_encoders_gb=sizes.text_encoders_gb + borrowed_gb(borrowed))
+    return sizes, shapes_of
 
 
 def _check_complete(folder: Path, spec: FamilySpec, components: dict[str, list[str]], index_name: str) -> None:

@@ -44,6 +44,7 @@ from engine.preflight.folder import pipeline_source
 from engine.preflight.pipeline_index import is_pipeline_folder
 from engine.preflight.hub import hub_access_error, hub_offline
 from engine.preflight.single_file import single_file_source
+from engine.preflight.borrowed import lacking
 from engine.preflight.source import ModelKind, ModelNotFound, ModelSource, NotAPipeline, unknown_family
 from engine.requests.references import is_hub_id, looks_like_path
 
@@ -120,7 +121,7 @@ def resolve_model(
         raise unknown_family(registry, text)
     return ModelSource(
         "hub", text, spec, named if named is not None and named in spec.checkpoints else spec.checkpoint(text),
-        prequantised_scheme="nf4" if spec.is_prequantised(text) else None,
+        prequantised_scheme="nf4" if spec.is_prequantised(text) else None, borrowed=lacking(spec, None),
     )
 
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 from engine.errors import EngineError
 from engine.contract.plugins import Registry
-from engine.contract.types import StoredLayout
+from engine.contract.types import BorrowedComponent, StoredLayout
 from engine.policy.encoders import PrecastEncoders
 from engine.policy.plan import ModelDefaults, ModelFacts
 from engine.preflight.model_errors import ModelNotFound, NotAPipeline  # noqa: F401 - their home before, re-exported
@@ -52,6 +52,8 @@ class ModelSource:
     defaults: ModelDefaults = ModelDefaults()
     #: The publisher's layout a denoiser is stored in, converted on load (from its headers).
     stored_layout: StoredLayout | None = None
+    #: Components the repo names without shipping, taken from the family's named repos.
+    borrowed: tuple[BorrowedComponent, ...] = ()
 
     def facts(self, registry: Registry) -> ModelFacts:
         return ModelFacts(
@@ -74,6 +76,7 @@ class ModelSource:
             "family": self.family.name,
             "checkpoint": self.checkpoint.name if self.checkpoint else None,
             "base": self.base,
+            "borrowed": {b.component: b.repo for b in self.borrowed} or None,
             "stored_layout": ({"name": self.stored_layout.name, "converted": self.stored_layout.note}
                               if self.stored_layout is not None else None),
         }

@@ -204,6 +204,12 @@ class PipelineLoading:
                     str(root), diffusers.DiffusionPipeline.load_config(root),
                     TORCH_DTYPES[str(self.plan.value("text_encoder_dtype", self.plan.value("dtype")))],
                 ))
+            if source.borrowed:  # named by the repo, not shipped: from the family's repos
+                from engine.runtime.borrowed import borrowed_components
+
+                components.update(borrowed_components(source, diffusers.DiffusionPipeline.load_config(root),
+                                                      TORCH_DTYPES[str(self.plan.value("text_encoder_dtype",
+                                                                                       self.plan.value("dtype")))]))
             index = modular_index(Path(str(root)))
             if index is not None:  # a modular pipeline: its blocks and a ComponentsManager
                 return load_modular(Path(str(root)), index, source.family,

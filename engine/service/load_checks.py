@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from engine.contract.plugins import Registry
 from engine.errors import EngineError
 from engine.policy.inference import Plan, plan_inference
+from engine.preflight.borrowed import borrowed_access_error
 from engine.preflight.hub import diffusers_refusal, weights_report
 from engine.preflight.lora import plan_input as lora_plan_input
 from engine.preflight.lora import read_loras
@@ -46,7 +47,8 @@ class LoadChecks:
 
         model, base, family, switching = asked
         source = resolve_model(self._registry, model, family=family, base=base)
-        refusal = diffusers_refusal(source, base_given=base is not None, allow_download=self._allow_download())
+        refusal = diffusers_refusal(source, base_given=base is not None, allow_download=self._allow_download()) or (
+            borrowed_access_error(source, allow_download=self._allow_download()))
         # LoRAs and a ControlNet run on diffusers only: with either, no sd.cpp path could take the model.
         diffusers_only = bool(loras) or controlnet is not None
         if refusal is not None and (diffusers_only or source.kind not in source.family.sdcpp.kinds):

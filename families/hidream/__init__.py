@@ -1,0 +1,1 @@
+"""The HiDream-I1 family plugin (``HiDreamImagePipeline``: four text encoders, a mixture-of-experts DiT)."""
