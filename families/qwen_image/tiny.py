@@ -89,7 +89,7 @@ def _build_tokenizer() -> Qwen2Tokenizer:
     return qwen_chat_tokenizer(_SPECIAL_TOKENS, _TOKENIZER_CORPUS, _CHAT_TEMPLATE)
 
 
-def _build_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
+def _build_text_encoder(tokenizer: Qwen2Tokenizer, layers: int = 2) -> Qwen2_5_VLForConditionalGeneration:
     head_dim = _TEXT_HIDDEN // _TEXT_HEADS
     assert sum(_MROPE_SECTION) * 2 == head_dim, "mrope_section must sum to head_dim / 2"
     ids = tokenizer.convert_tokens_to_ids
@@ -98,7 +98,7 @@ def _build_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGe
             "vocab_size": len(tokenizer),
             "hidden_size": _TEXT_HIDDEN,
             "intermediate_size": 64,
-            "num_hidden_layers": 2,
+            "num_hidden_layers": layers,
             "num_attention_heads": _TEXT_HEADS,
             "num_key_value_heads": _TEXT_HEADS,
             "max_position_embeddings": 2048,
