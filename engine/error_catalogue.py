@@ -117,7 +117,7 @@ _ROWS: tuple[ErrorCode, ...] = (
               _SERVER),
     ErrorCode("model_file_missing", 400, "A pipeline folder lacks a component its model_index.json lists."),
     ErrorCode("component_missing", 400, "A pipeline folder lacks a component its family's repos name without "
-              "shipping (HiDream's Llama encoder), and the repo the family takes it from is not in the hub "
+              "shipping (a gated encoder), and the repo the family takes it from is not in the hub "
               "cache while the hub is offline."),
     ErrorCode("no_tiny_pipeline", 400, "The family provides no tiny pipeline builder."),
     # -- what the model is -----------------------------------------------------------------

@@ -76,7 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"  {name:<19} {str(resolved.value):<18} {how}: {resolved.reason}")
     for kind, sizes in plan.sizes.items():
         print(f"  sizes ({kind}): {plan.denoiser_label} {sizes.transformer_gb:.3g} GB, text encoders "
-              f"{sizes.text_encoders_gb:.3g} GB, VAE {sizes.vae_gb:.3g} GB")
+              f"{sizes.text_encoders_gb:.3g} GB, VAE {sizes.vae_gb:.3g} GB" + (f" ({sizes.source})" if sizes.source else ""))
     estimate = plan.estimate
     controlnet = estimate.components.controlnet_gb
     print(f"  memory: {estimate.resident_gb:.1f} GB resident, {estimate.peak_gb:.1f} GB peak, "

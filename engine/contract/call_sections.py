@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class BorrowedComponent:
-    """A component the family's repos name in their index without shipping it (HiDream's
-    Llama-3.1 encoder: gated, so the repo leaves it to the user), and the repo the engine takes it
+    """A component the family's repos name in their index without shipping it (a gated
+    encoder the publisher leaves to the user), and the repo the engine takes it
     from (plugin API 2, additive). A folder that holds the component is used as it is; one that
     lacks it gets it from ``repo`` (found in the hub cache, or downloaded with consent), or is
     refused before anything is evicted, naming what is missing and from where.
@@ -70,6 +70,10 @@ class PipelineLayout:
     unused_components: tuple[str, ...] = ()
     #: Components the family's repos name without shipping, and where the engine takes them.
     borrowed: tuple[BorrowedComponent, ...] = ()
+    #: A modular pipeline's steps that run only where the folder holds their component:
+    #: ``(step, component)`` pairs (a prompt upsampler). Where it is absent the step
+    #: is left out of the blocks and the prompt is encoded as given.
+    optional_steps: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,9 @@ class ComponentSizes:
     transformer_gb: float
     text_encoders_gb: float
     vae_gb: float
+    #: Where the figures come from, where a plan should say it (plugin API 2, additive): a
+    #: model whose sizes are not published is sized from its configs ("" : the family's table).
+    source: str = ""
 
     @property
     def total_gb(self) -> float:

@@ -1,7 +1,7 @@
 """Components a family's repos name without shipping, and where they come from.
 
-HiDream-I1's repos list a Llama-3.1 encoder in their ``model_index.json`` without its files
-(Llama is gated, so the publisher leaves it to the user); diffusers then fails at load, after a
+Some repos list an encoder in their ``model_index.json`` without its files (a gated model
+the publisher leaves to the user); diffusers then fails at load, after a
 resident model was evicted. The family names an ungated repo holding each such component
 (``PipelineLayout.borrowed``): a folder that has the component uses its own, one that lacks it
 takes it from that repo, which must be in the hub cache, or downloadable with consent, before

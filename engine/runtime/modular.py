@@ -43,6 +43,9 @@ def load_modular(folder: Path, index: PipelineIndex, family: FamilySpec, dtypes:
     pipeline_cls = getattr(diffusers, index.class_name)  # one of the family's classes: the preflight said so
     manager = ComponentsManager()
     blocks = getattr(diffusers, pipeline_cls.default_blocks_name)()
+    for step, component in family.pipeline.optional_steps:  # a step whose component the folder lacks
+        if component not in index.components and step in blocks.sub_blocks:
+            blocks.sub_blocks.pop(step)
     configs = {name: value for name, value in index.entries.items()
                if not name.startswith("_") and name not in index.components}
     pipe = pipeline_cls(blocks=blocks, components_manager=manager, modular_config_dict=configs)

@@ -40,7 +40,7 @@ def build_processor(path: Path, class_name: str) -> Any:
     needs a library this environment lacks."""
     import transformers
 
-    cls = getattr(transformers, class_name)
+    cls = getattr(transformers, _concrete(path, class_name))
     try:
         return cls.from_pretrained(path)
     except ImportError as exc:
@@ -50,6 +50,25 @@ def build_processor(path: Path, class_name: str) -> Any:
             return without_video(cls).from_pretrained(path)  # type: ignore[attr-defined]
         except Exception:  # noqa: BLE001 - the library's own first error says what is missing
             raise exc from None
+
+
+def _concrete(path: Path, class_name: str) -> str:
+    """The processor class to build: ``class_name``, or where that is ``AutoProcessor`` (a
+    modular block's type hint) the class the folder's ``processor_config.json`` names, where
+    it is a transformers processor (else ``AutoProcessor`` itself, as given)."""
+    import transformers
+
+    if class_name != "AutoProcessor":
+        return class_name
+    from engine import stored
+
+    try:
+        named = stored.read_json(Path(path) / "processor_config.json").get("processor_class")
+    except (OSError, ValueError, AttributeError):
+        return class_name
+    if isinstance(named, str) and named.endswith("Processor") and hasattr(transformers, named):
+        return named
+    return class_name
 
 
 @cache

@@ -18,7 +18,7 @@ from engine.contract.types import FamilySpec
 from families.flux.table import FLUX
 from tests.support import example_installed, run_cli, write_distribution
 
-BUILTINS = {"flux", "flux2", "qwen_image", "zimage", "sdxl", "wan", "hunyuan_video", "ltx2", "minimax_h3", "krea2", "lumina2", "qwen_image21", "ideogram4", "hidream", "hunyuan_image"}
+BUILTINS = {"flux", "flux2", "qwen_image", "zimage", "sdxl", "wan", "hunyuan_video", "ltx2", "minimax_h3", "krea2", "lumina2", "qwen_image21", "ideogram4", "hidream", "hunyuan_image", "flux3"}
 #: The families every registry here has: the built-ins, and the worked example
 #: where it is installed (``make install`` installs it, as CI does).
 INSTALLED = BUILTINS | ({"sd3"} if example_installed() else set())

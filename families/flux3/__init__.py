@@ -1,0 +1,1 @@
+"""The FLUX.3 family plugin (``Flux3ModularPipeline``, ``Flux3DistilledModularPipeline``: modular only)."""
