@@ -25,14 +25,15 @@ def lumina(tiny_pipeline: Callable[[str], Path]) -> Path:
     return tiny_pipeline("lumina2")
 
 
-def test_lumina2_plans_on_the_cards_people_use_and_is_never_bare_lumina(engine_registry: Registry) -> None:
-    """10.6 GB of bf16 weights: resident on a 4090, bf16 on an H100; the name "lumina" alone is
-    not this family (Lumina-Next is another model)."""
+@pytest.mark.parametrize("card", ["rtx4090", "l40s", "h100", "b200"])
+def test_lumina2_plans_on_the_cards_people_use_and_is_never_bare_lumina(engine_registry: Registry, card: str) -> None:
+    """10.6 GB of bf16 weights: dense, bf16 and resident on every card people run it on; the
+    name "lumina" alone is not this family (Lumina-Next is another model)."""
     from engine.errors import EngineError
     from tests.support import table_plan
 
-    assert table_plan("lumina2", "rtx4090").value("memory_mode") == "resident"
-    assert table_plan("lumina2", "h100").value("dtype") == "bf16"
+    plan = table_plan("lumina2", card)
+    assert (plan.value("dtype"), plan.value("memory_mode"), plan.value("transformer_quant")) == ("bf16", "resident", None)
     assert engine_registry.family("lumina-image-2").name == "lumina2"
     with pytest.raises(EngineError):
         engine_registry.family("lumina")
@@ -63,3 +64,38 @@ def test_the_cli_image_equals_plain_lumina2pipeline_with_the_model_cards_truncat
     ours = np.asarray(Image.open(out).convert("RGB"))
     assert np.array_equal(ours, plain(cfg_trunc_ratio=CFG_TRUNC_RATIO))
     assert not np.array_equal(ours, plain())
+
+
+@pytest.mark.slow
+def test_a_lora_trains_moves_the_image_and_reloads_from_its_comfyui_export(
+    engine_registry: Registry, lumina: Path, tmp_path: Path,
+) -> None:
+    """Four steps on two images: the LoRA moves the image, scale 0 is the base, and the kohya
+    file ComfyUI reads (``lora_unet_`` + the transformer's module names) gives the same image."""
+    from safetensors.torch import load_file
+
+    from engine.hardware.probe import probe
+    from engine.requests.training import TrainingConfig
+    from engine.service.facade import Engine
+    from engine.testing.datasets import write_dataset
+    from engine.training.preflight import preflight_training
+    from engine.training.trainer import run_training
+
+    data = write_dataset(tmp_path / "data", count=2, size=64)
+    config = TrainingConfig.from_data({"base_model": str(lumina), "dataset_dir": str(data), "resolution": 64,
+                                       "steps": 4, "lora_rank": 4, "learning_rate": 5e-2, "device": "cpu", "seed": 1,
+                                       "export_kohya": True})
+    plan = preflight_training(engine_registry, config, probe(verify=False))
+    end = run_training(plan, tmp_path / "run", lambda _event: None, lambda: None, registry=engine_registry)
+    assert end["type"] == "completed", end
+    lora, kohya = tmp_path / "run" / "pytorch_lora_weights.safetensors", tmp_path / "run" / "lora_kohya.safetensors"
+    modules = {key.split(".")[0] for key in load_file(str(kohya))}
+    assert modules and all(m.startswith("lora_unet_") and "_attn_to_" in m for m in modules)
+    asked = {"width": 64, "height": 64, "steps": 2, "seed": 5}
+    with Engine(registry=engine_registry, hardware=probe(verify=False)) as engine:
+        engine.images.load(str(lumina))
+        images = [engine.images.generate("a red fox", loras=loras, **asked)[0]
+                  for loras in ([], [f"{lora}:1.0"], [f"{lora}:0.0"], [f"{kohya}:1.0"])]
+    base, moved, zero, comfy = (np.asarray(image).astype(int) for image in images)
+    assert np.abs(moved - base).max() > 8
+    assert np.abs(zero - base).max() <= 1 and np.abs(comfy - moved).max() <= 1
