@@ -56,6 +56,10 @@ class LoadChecks:
         lora_files = tuple(read_loras(lora_choices(loras)))
         if controlnet is not None:
             controlnet = check_controlnet(source.family, controlnet)
+        if source.stored_layout is not None:  # converted on meta from the headers: never loaded wrong
+            from engine.runtime.stored_layouts import check_stored_layout
+
+            check_stored_layout(source)
         if lora_files:
             from engine.runtime.lora_check import check_loras
 

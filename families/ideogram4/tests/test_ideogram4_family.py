@@ -123,11 +123,12 @@ def test_the_fp8_repo_loads_split_and_draws_the_dense_models_image(
     assert not torch.equal(plain.layers[0].attention.to_q.weight, held.layers[0].attention.to_q.weight)
 
 
-def test_an_fp8_repo_its_conversion_cannot_cover_is_refused_naming_what_is_missing(
+def test_an_fp8_repo_its_conversion_cannot_cover_is_refused_before_anything_is_evicted(
     engine_registry: Registry, fp8_pair: tuple[Path, Path], tmp_path: Path,
 ) -> None:
-    """A copy whose second block lost its output projection: refused, naming the parameter the
-    conversion left unset, never loaded with it random-initialised."""
+    """A copy whose second block lost its output projection: the conversion, run on ``meta``
+    tensors from the headers, leaves ``to_out.0`` unset, so the load is refused naming it while
+    the resident model stays; it is never loaded random-initialised."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -135,15 +136,17 @@ def test_an_fp8_repo_its_conversion_cannot_cover_is_refused_naming_what_is_missi
     from engine.errors import EngineError
     from engine.service.facade import Engine
 
-    _, fp8 = fp8_pair
+    dense, fp8 = fp8_pair
     broken = tmp_path / "ideogram-4-fp8"
     shutil.copytree(fp8, broken)
     file = next((broken / "transformer").glob("*.safetensors"))
     save_file({k: v for k, v in load_file(str(file)).items() if not k.startswith("layers.1.attention.o.")}, str(file))
     with Engine(registry=engine_registry) as engine:
+        engine.images.load(str(dense))
+        resident = engine.images.session
         with pytest.raises(EngineError) as refused:
             engine.images.load(str(broken))
-        assert engine.images.session is None
+        assert engine.images.session is resident
     assert refused.value.code == "load_failed"
     assert "layers.1.attention.to_out.0.weight" in refused.value.message, refused.value.message
 
