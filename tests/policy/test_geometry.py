@@ -32,11 +32,15 @@ def test_the_default_geometry_is_the_dits_and_every_built_in_family_keeps_it() -
     assert geometry.image_tokens(1024) == 4096 and geometry.image_tokens(1024, 512) == 2048
     assert geometry.latent_side(1024) == 128
     images = [f for f in REGISTRY.families.values() if f.rendering.output == "images"]
-    own = {"flux2", "qwen_image21"}  # their VAEs say their own
+    own = {"flux2", "qwen_image21", "ideogram4", "flux3", "hunyuan_image"}  # their VAEs say their own
     assert images and {(f.rendering.geometry.spatial_compression, f.rendering.geometry.patch_size)
-                       for f in images if f.name != "qwen_image21"} == {(8, 2)}
+                       for f in images if f.name not in ("qwen_image21", "hunyuan_image")} == {(8, 2)}
     assert {f.rendering.geometry for f in images if f.name not in own} == {geometry}
-    assert REGISTRY.family("flux2").rendering.geometry.latent_channels == 32  # FLUX.2's VAE says its own channels
+    for name in ("flux2", "ideogram4", "flux3"):  # FLUX.2's VAE says its own channels
+        assert REGISTRY.family(name).rendering.geometry.latent_channels == 32
+    # HunyuanImage 2.1's 32x VAE, read unpatched: a token is 32 px, a quarter of a DiT's tokens.
+    hunyuan = REGISTRY.family("hunyuan_image").rendering
+    assert (hunyuan.geometry.token_pixels, hunyuan.sides, hunyuan.geometry.image_tokens(1024)) == (32, 32, 1024)
     # Qwen-Image 2.1's 16x VAE, read unpatched: a token is 16 px as for the DiTs, its sides multiples of 32.
     qwen21 = REGISTRY.family("qwen_image21").rendering
     assert (qwen21.geometry.token_pixels, qwen21.sides, qwen21.geometry.image_tokens(1024)) == (16, 32, 4096)
