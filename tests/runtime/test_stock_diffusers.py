@@ -53,7 +53,7 @@ def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> l
     call: dict[str, Any] = {"prompt": PROMPT, "num_inference_steps": STEPS,
                             "generator": torch.Generator("cpu").manual_seed(SEED), **size}
     if (folder / MODULAR_INDEX).is_file():  # a modular pipeline: its blocks, called as diffusers documents
-        return stock_modular(folder, call, clip_frames(family))
+        return stock_modular(folder, spec, call, guidance)
     # A vision-language processor built without torchvision, as the engine builds it (stock
     # transformers builds its video part only with torchvision; the image calls are its own).
     pipe = diffusers.DiffusionPipeline.from_pretrained(folder, **pipeline_processors(str(folder)))
@@ -72,22 +72,32 @@ def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> l
     return [np.asarray(pipe(**call).images[0])]
 
 
-def stock_modular(folder: Path, call: dict[str, Any], frames: int) -> list[np.ndarray]:
+def stock_modular(folder: Path, spec: Any, call: dict[str, Any], guidance: float) -> list[np.ndarray]:
     """A modular pipeline as its docs load it (``ModularPipeline.from_pretrained``, then
     ``load_components``), its processor built without torchvision as the engine builds it
-    (transformers builds the video part only with torchvision). A guidance-distilled pipeline
-    takes no guidance."""
+    (transformers builds the video part only with torchvision), a step whose component the
+    folder does not ship popped as its docs say (FLUX.3's prompt upsampler), the guidance on its
+    guider where it has one (a guidance-distilled pipeline takes none)."""
     import diffusers
 
     from engine.runtime.processors import pipeline_processors
 
     pipe = diffusers.ModularPipeline.from_pretrained(str(folder))
+    blocks = pipe.blocks
+    popped = [blocks.sub_blocks.pop(step) for step, component in spec.pipeline.optional_steps
+              if not (folder / component).is_dir()]
+    if popped:  # the pipeline built again from its blocks without them
+        pipe = blocks.init_pipeline(str(folder))
     processors = pipeline_processors(str(folder))
     pipe.load_components(names=[name for name in pipe.pretrained_component_names
                                 if (folder / name).is_dir() and name not in processors])
     pipe.update_components(**processors)
-    videos = pipe(**call, num_frames=frames, output_type="pil", output="videos")
-    return [np.asarray(frame) for frame in videos[0]]
+    if spec.pipeline.guidance_kwarg == "guider.guidance_scale" and getattr(pipe, "guider", None) is not None:
+        pipe.update_components(guider=pipe.guider.new(guidance_scale=guidance))
+    if spec.rendering.output == "frames":
+        videos = pipe(**call, num_frames=clip_frames(spec.name), output_type="pil", output="videos")
+        return [np.asarray(frame) for frame in videos[0]]
+    return [np.asarray(pipe(**call, output="images")[0])]
 
 
 @pytest.mark.slow
