@@ -123,6 +123,8 @@ _ROWS: tuple[ErrorCode, ...] = (
     # -- what the model is -----------------------------------------------------------------
     ErrorCode("not_a_pipeline", 400, "A folder that is neither a diffusers pipeline nor a single-file "
               "checkpoint, or a training base that is not a pipeline."),
+    ErrorCode("unsupported_format", 400, "A single file holds quantised codes in a publisher's layout the engine "
+              "does not read yet (int8 or packed 4-bit tensors): it is never loaded as if its codes were weights."),
     ErrorCode("corrupt_checkpoint", 400, "A weights file is truncated or its header is broken "
               "(an interrupted download)."),
     ErrorCode("corrupt_quantised_model", 400, "A folder stored pre-quantised by `diffusion-engine quantize` does "

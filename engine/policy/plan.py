@@ -87,6 +87,8 @@ class ModelFacts:
     sdcpp: SdcppFiles = SdcppFiles(refusal="no model file was given")
     #: The folder's own size and steps where a request is silent (:class:`ModelDefaults`).
     defaults: ModelDefaults = ModelDefaults()
+    #: A single file its publisher stored quantised (``fp8_scaled``), from its header.
+    stored_format: str | None = None
 
     @property
     def sizes(self) -> ComponentSizes:

@@ -44,6 +44,7 @@ from engine.policy.plan import ModelFacts, Plan, requested_by_control
 from engine.policy.quant import lift_denials, lifted_denials, resolve_quant_request
 from engine.policy.resolved import Resolved, auto, explicit, with_requests
 from engine.policy.scheme_choice import MemoryPlan, choose_transformer_scheme
+from engine.policy.stored_formats import kept_as_stored, stored_format_choice
 from engine.policy.schemes import HOST_QUANTISED, transformer_gb
 from engine.policy.speed import (
     StepCacheThresholds,
@@ -187,8 +188,6 @@ class TorchPlanner:
 
     def memory_apart(self, dtype: str) -> MemoryPlan | None:
         """The ``auto`` memory plan of the denoiser and VAE alone (the text encoders placed apart)."""
-        import dataclasses
-
         try:
             return plan_memory(dataclasses.replace(self.components(dtype, None), text_encoders_gb=0.0),
                                self.hardware, "auto", self.thresholds(dtype))
@@ -205,11 +204,13 @@ class TorchPlanner:
             family_label=self.family.label, dtype=dtype.value,
             lifted=lifted_denials(self.deny_reasons, self.family, self.hardware),
         )
+        self.base_quant, quant = stored_format_choice(self.model.stored_format, self.base_quant, quant, self.hardware, dtype.value)
         choice = choose_transformer_scheme(
             quant, prequantised=self.base_quant, base=self.memory(dtype.value, self.base_quant),
             base_name=self.base_name, tier=self.request.speed,
             memory_for=lambda scheme: self.memory(dtype.value, scheme), label=self.family.pipeline.denoiser_label,
         )
+        choice = kept_as_stored(choice, self.model.stored_format, self.base_quant)  # a publisher's fp8 file, kept
         if choice.memory is None:
             raise self.does_not_fit(dtype.value)
         encoder_memory, chosen = self.encoders_memory(dtype.value, choice.quant.value, choice.memory)

@@ -94,6 +94,12 @@ def tensor_storage(files: list[Path]) -> list[tuple[str, str, int, int]]:
     return found
 
 
+def tensor_layout(file: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of every tensor in ``file``, from its header."""
+    return [(name, str(info.get("dtype")), tuple(int(d) for d in info.get("shape", [])))  # type: ignore[union-attr,attr-defined]
+            for name, info in _safetensors_header(file).items()]
+
+
 def read_safetensors_header(file: Path) -> tuple[dict[str, dict[str, object]], int]:
     """The tensor entries of a complete safetensors file and where its data starts
     (:func:`read_safetensors_file` gives its ``__metadata__`` too)."""

@@ -22,9 +22,10 @@ from engine.preflight.headers import (
     check_same_model,
     gguf_shapes,
     sizes_by_scheme,
-    tensor_shapes,
+    tensor_layout,
     whole_pipeline_sizes,
 )
+from engine.preflight.upstream_files import UpstreamFormat, is_format_tensor, upstream_format
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline, unknown_family
 from engine.requests.references import is_hub_id
 from engine.contract.types import Checkpoint, ComponentSizes, FamilySpec
@@ -42,7 +43,7 @@ def single_file_source(
             f"{file} is neither .safetensors nor .gguf; point at a pipeline folder or a "
             "single-file checkpoint"
         )
-    shapes = gguf_shapes(file) if suffix == ".gguf" else tensor_shapes([file])  # the one header read
+    shapes, upstream = _read_file(file, suffix)
     keys = tuple(name for name, _ in shapes)
     spec = forced or family_from_keys(registry, keys) or registry.family_for_model_id(file.name)
     if spec is None:
@@ -79,8 +80,18 @@ def single_file_source(
         "single_file", str(file), spec, checkpoint, base=base_id,
         measured_sizes=ComponentSizes(dense_gb(shapes), others.text_encoders_gb, others.vae_gb),
         scheme_gb=sizes_by_scheme(shapes, spec.quantisation.int8_dense_modules),
-        denoiser_shapes=tuple(shapes),
+        denoiser_shapes=tuple(shapes), upstream_format=upstream.name if upstream else None,
     )
+
+
+def _read_file(file: Path, suffix: str) -> tuple[Shapes, UpstreamFormat | None]:
+    """The file's tensor shapes (the one header read; a format's own tensors left out) and the
+    format its publisher stored it in (a ComfyUI fp8 file, checked scale by scale), if any."""
+    if suffix == ".gguf":
+        return gguf_shapes(file), None
+    layout = tensor_layout(file)
+    upstream = upstream_format(file, layout)
+    return [(name, shape) for name, _, shape in layout if not is_format_tensor(name)], upstream
 
 
 def whole_file_source(

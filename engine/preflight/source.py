@@ -54,6 +54,8 @@ class ModelSource:
     stored_layout: StoredLayout | None = None
     #: Components the repo names without shipping, taken from the family's named repos.
     borrowed: tuple[BorrowedComponent, ...] = ()
+    #: A single file's publisher's quantised format (``fp8_scaled``), from its header.
+    upstream_format: str | None = None
 
     def facts(self, registry: Registry) -> ModelFacts:
         return ModelFacts(
@@ -67,6 +69,7 @@ class ModelSource:
             precast_encoders=self.precast_encoders,
             sdcpp=sdcpp_files(self.family, self.kind, self.location),
             defaults=self.defaults,
+            stored_format=self.upstream_format,
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -76,6 +79,7 @@ class ModelSource:
             "family": self.family.name,
             "checkpoint": self.checkpoint.name if self.checkpoint else None,
             "base": self.base,
+            "stored_format": self.upstream_format,
             "borrowed": {b.component: b.repo for b in self.borrowed} or None,
             "stored_layout": ({"name": self.stored_layout.name, "converted": self.stored_layout.note}
                               if self.stored_layout is not None else None),

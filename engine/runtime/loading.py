@@ -191,8 +191,13 @@ class PipelineLoading:
                 extra: dict[str, Any] = {}
                 if source.kind == "gguf":
                     extra["quantization_config"] = diffusers.GGUFQuantizationConfig(compute_dtype=dtype)
+                weights: Any = source.location
+                if source.upstream_format is not None:  # stored fp8 by its publisher: scaled back first
+                    from engine.runtime.upstream_files import dequantised
+
+                    weights = dequantised(Path(source.location), dtype)
                 components[denoiser_name] = denoiser_cls.from_single_file(
-                    source.location, config=root, subfolder=denoiser_name, dtype=dtype, **extra
+                    weights, config=root, subfolder=denoiser_name, dtype=dtype, **extra
                 )
             elif scheme == "nf4":
                 components[denoiser_name] = denoiser_cls.from_pretrained(

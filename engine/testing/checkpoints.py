@@ -34,6 +34,32 @@ def write_single_file(pipeline_dir: Path, denoiser: str, target: Path) -> Path:
     return target
 
 
+def write_fp8_scaled(pipeline_dir: Path, denoiser: str, target: Path, dense: Path | None = None) -> Path:
+    """``target``: the denoiser as ComfyUI's ``fp8_scaled`` files lay it out: every 2-D weight of
+    its blocks in float8_e4m3fn with a scalar ``scale_weight`` (its absolute maximum over 448) and
+    the empty ``scaled_fp8`` marker; the rest as stored. ``dense``: the same model as a dense file
+    (each of those weights rounded through its scale), so the two hold one model."""
+    from safetensors.torch import save_file
+
+    state = denoiser_state_dict(pipeline_dir, denoiser)
+    stored: dict[str, torch.Tensor] = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
+    held: dict[str, torch.Tensor] = {}
+    for name, weight in state.items():
+        if not (name.endswith(".weight") and weight.ndim == 2 and "blocks" in name):
+            stored[name] = held[name] = weight
+            continue
+        scale = weight.abs().amax().clamp(min=1e-12).float() / torch.finfo(torch.float8_e4m3fn).max
+        codes = (weight.float() / scale).to(torch.float8_e4m3fn)
+        stored[name], stored[name.removesuffix(".weight") + ".scale_weight"] = codes, scale
+        held[name] = (codes.float() * scale).to(weight.dtype)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_file(stored, str(target))
+    if dense is not None:
+        dense.parent.mkdir(parents=True, exist_ok=True)
+        save_file(held, str(dense))
+    return target
+
+
 def write_gguf(pipeline_dir: Path, denoiser: str, target: Path, arch: str = "diffusion") -> Path:
     """A GGUF of the denoiser (see :func:`engine.testing.gguf_files.write_gguf_arrays`)."""
     from engine.testing.gguf_files import write_gguf_arrays
