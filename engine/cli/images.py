@@ -77,6 +77,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for kind, sizes in plan.sizes.items():
         print(f"  sizes ({kind}): {plan.denoiser_label} {sizes.transformer_gb:.3g} GB, text encoders "
               f"{sizes.text_encoders_gb:.3g} GB, VAE {sizes.vae_gb:.3g} GB" + (f" ({sizes.source})" if sizes.source else ""))
+    if plan.lora_sampling is not None:
+        print(f"  sampling: {plan.default_steps} steps; {plan.lora_sampling.reason}")
     estimate = plan.estimate
     controlnet = estimate.components.controlnet_gb
     print(f"  memory: {estimate.resident_gb:.1f} GB resident, {estimate.peak_gb:.1f} GB peak, "

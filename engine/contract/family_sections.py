@@ -165,6 +165,24 @@ class SdcppSupport:
 
 
 @dataclass(frozen=True)
+class FewStepLora:
+    """A step-distillation LoRA the family's users download (Lightning, lightx2v, Turbo, DMD),
+    told by its file name, and the sampling it was distilled for (plugin API 2, additive).
+    Loading one sets its steps and guidance where the request says none, with the reason in
+    the plan; a LoRA that says its own (``sampling`` in its metadata) wins over the table."""
+
+    #: How the plan names it ("Lightning, 4 steps").
+    name: str
+    #: A glob over the file's name, lower-cased (``*lightning*4step*``).
+    pattern: str
+    steps: int
+    guidance: float
+    #: The expert it lands on where that is not the denoiser (a two-expert model's low-noise half:
+    #: ``transformer_2``), for a pair published as two files.
+    component: str | None = None
+
+
+@dataclass(frozen=True)
 class LoraLayout:
     """Which modules a LoRA adapts, and how its keys are spelled outside diffusers."""
 
@@ -178,6 +196,8 @@ class LoraLayout:
     #: checkpoint's layout differs: ``(kohya module, (diffusers modules...))``
     #: with ``{i}`` for a block index; several modules are fused in order.
     kohya_map: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    #: The step-distillation LoRAs its users download, told by their file names.
+    few_step: tuple[FewStepLora, ...] = ()
 
 
 @dataclass(frozen=True)

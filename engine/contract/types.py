@@ -212,6 +212,7 @@ class Capabilities:
 # The sections of a FamilySpec live in their own module; named from here as ever.
 from engine.contract.family_sections import (  # noqa: E402
     COMPONENTS as COMPONENTS,
+    FewStepLora as FewStepLora,
     FusionSite as FusionSite,
     LatentGeometry as LatentGeometry,
     LoraLayout as LoraLayout,

@@ -111,6 +111,8 @@ class Plan:
     attention_install: str | None
     default_steps: int
     fallback: Plan | None = None
+    #: The steps and guidance a few-step LoRA sets where the request says none, with why.
+    lora_sampling: Any = None
     #: (width, height) where a request gives none and the model has its own (None: the pipeline's).
     default_size: tuple[int, int] | None = None
     sizes: Mapping[str, ComponentSizes] = field(default_factory=dict)
@@ -162,6 +164,7 @@ class Plan:
             "attention_install": self.attention_install,
             "sizes": {k: dataclasses.asdict(v) for k, v in self.sizes.items()},
             "fallback": self.fallback.to_dict() if self.fallback else None,
+            "lora_sampling": self.lora_sampling.to_dict() if self.lora_sampling is not None else None,
             "sdcpp": self.sdcpp.to_dict() if self.sdcpp else None,
             "available_memory": self.available.to_dict() if self.available else None,
         }

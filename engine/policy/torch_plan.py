@@ -315,8 +315,8 @@ class TorchPlanner:
     @property
     def steps(self) -> int:
         """Steps per image: the request's, the checkpoint's default, or :data:`FALLBACK_STEPS`."""
-        checkpoint, own = self.model.checkpoint, self.model.defaults.steps
-        return self.request.steps or own or (checkpoint.default_steps if checkpoint else FALLBACK_STEPS)
+        checkpoint, own, lora = self.model.checkpoint, self.model.defaults.steps, self.request.loras.sampling
+        return self.request.steps or (lora.steps if lora else None) or own or (checkpoint.default_steps if checkpoint else FALLBACK_STEPS)
 
     def controls(
         self, dtype: Resolved[str], scheme: Resolved[str | None], memory: MemoryPlan,
@@ -380,7 +380,7 @@ class TorchPlanner:
             step_cache_threshold=speed.threshold,
             compile_fullgraph=speed.fullgraph,
             attention_install=speed.attention_install,
-            default_steps=self.steps,
+            default_steps=self.steps, lora_sampling=self.request.loras.sampling,
             fallback=fallback,
             default_size=own_size(model.defaults),
             sizes=MappingProxyType(sizes),

@@ -11,6 +11,8 @@ module of the model is checked against the model's own module tree by
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -55,6 +57,8 @@ class LoraFile:
     #: The pipeline component it adapts where that is not the family's denoiser (a second
     #: expert's LoRA names it in its metadata); None: the denoiser.
     component: str | None = None
+    #: (steps, guidance) it says it samples at (``sampling`` in its metadata: a few-step LoRA).
+    sampling: tuple[int | None, float | None] | None = None
 
     @property
     def name(self) -> str:
@@ -99,7 +103,41 @@ def read_lora(choice: LoraChoice) -> LoraFile:
         rank=max(ranks),
         params=sum(math.prod(s) for s in lora_shapes.values()),
         component=_component(metadata),
+        sampling=_sampling(path, metadata),
     )
+
+
+#: A LoRA's own word on how it samples: ``{"steps": 4, "guidance": 1.0}`` in its metadata.
+SAMPLING_KEY = "sampling"
+
+
+def _sampling(path: Path, metadata: dict[str, str]) -> tuple[int | None, float | None] | None:
+    """The (steps, guidance) its metadata says, each checked; refused where malformed."""
+    if SAMPLING_KEY not in metadata:
+        return None
+    try:
+        said = json.loads(metadata[SAMPLING_KEY])
+    except ValueError:
+        said = None
+    steps, guidance = (said.get("steps"), said.get("guidance")) if isinstance(said, dict) else (0, "")
+    if not ((steps is None or (isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= 1000))
+            and (guidance is None or (isinstance(guidance, (int, float)) and not isinstance(guidance, bool)
+                                      and 0 <= guidance <= 100))):
+        raise PreflightError(f"{path}: its metadata's {SAMPLING_KEY!r} must be a JSON object of steps (1-1000) and "
+                             "guidance (0-100); remove or fix it", code="invalid_lora")
+    return steps, float(guidance) if guidance is not None else None
+
+
+def with_family(family: FamilySpec, files: Sequence[LoraFile]) -> tuple[LoraFile, ...]:
+    """``files`` with the expert each lands on where its metadata names none and the family's
+    few-step table does (the low-noise half of a two-expert pair, published as its own file)."""
+    from engine.policy.lora_sampling import table_entry
+
+    placed = []
+    for file in files:
+        entry = table_entry(family, file.path) if file.component is None else None
+        placed.append(dataclasses.replace(file, component=entry.component) if entry and entry.component else file)
+    return tuple(placed)
 
 
 def _component(metadata: dict[str, str]) -> str | None:
@@ -154,13 +192,18 @@ def mismatch_error(
     )
 
 
-def plan_input(files: Sequence[LoraFile], *, switching: bool = False) -> LoraPlanInput:
-    """What the torch-free planner needs to know about ``files``."""
+def plan_input(files: Sequence[LoraFile], *, switching: bool = False,
+               family: FamilySpec | None = None) -> LoraPlanInput:
+    """What the torch-free planner needs to know about ``files`` (``family``: whose few-step
+    table names them, for the sampling they set)."""
+    from engine.policy.lora_sampling import sampling_of
+
     return LoraPlanInput(
         count=len(files),
         max_rank=max((f.rank for f in files), default=0),
         params=sum(f.params for f in files),
         switching=switching,
+        sampling=sampling_of(family, files) if family is not None else None,
     )
 
 

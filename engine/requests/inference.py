@@ -8,6 +8,7 @@ planner sees them (counted and sized from their headers).
 
 from __future__ import annotations
 
+from typing import Any
 from dataclasses import dataclass
 
 
@@ -22,6 +23,9 @@ class LoraPlanInput:
     params: int = 0
     #: The caller will change LoRAs or scales on the loaded pipeline.
     switching: bool = False
+    #: The steps and guidance a few-step LoRA among them samples at (an
+    #: ``engine.policy.lora_sampling.LoraSampling``), with the reason; None: the checkpoint's.
+    sampling: Any = None
 
 
 @dataclass(frozen=True)

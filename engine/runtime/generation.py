@@ -26,12 +26,14 @@ from PIL import Image
 from engine.runtime import family_hooks
 from engine.errors import EngineError
 from engine.contract.plugins import Registry
-from engine.contract.video_spec import CallShape
+from engine.policy.lora_sampling import sampling_of
 from engine.policy.plan import Plan
 from engine.preflight.lora import LoraFile
 from engine.preflight.source import ModelSource
 from engine.runtime import batching, prompt_cache, text_encoders, workflows
 from engine.runtime.inputs import FittedInputs, ImageLike, fit_inputs, paste_unmasked, vae_dtype
+from engine.runtime.call_arguments import call_shape, clip_kwargs, guidance_of, schedule_of
+from engine.runtime.guiders import set_component_guidance
 from engine.runtime.interrupt import cancel_points
 from engine.runtime.loading import Progress
 from engine.runtime.outputs import with_sound
@@ -80,20 +82,6 @@ def _stepping(pipe: Any, call: dict[str, Any]) -> Iterator[None]:
         yield
     finally:
         del scheduler.step  # the class's own method again
-
-
-def set_component_guidance(pipe: Any, spelling: str, guidance: float) -> None:
-    """Guidance held by a pipeline component (``guider.guidance_scale``: a diffusers guider),
-    set for the next call: the guider is replaced by a copy with the new scale."""
-    name, attribute = spelling.split(".", 1)
-    component = getattr(pipe, name, None)
-    if component is None and guidance <= 1:  # a distilled checkpoint without a guider, and none asked
-        return
-    if component is None or not hasattr(component, "new"):
-        raise EngineError(f"the pipeline has no {name} guider to take its guidance ({spelling})",
-                          code="invalid_request")
-    if getattr(component, attribute, None) != guidance:
-        setattr(pipe, name, component.new(**{attribute: guidance}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +180,9 @@ class Generation:
             )
             if control:
                 fitted = dataclasses.replace(fitted, control=True)
-            steps = request.steps or self.plan.default_steps
+            sampling = self._lora_sampling(request)  # a few-step LoRA's steps and guidance, where asked none
+            steps = request.steps or (sampling.steps if sampling is not None and sampling.steps else None) \
+                or self.plan.default_steps
             strength = workflows.strength_of(pipe, request.strength) if workflow != "txt2img" else None
             effective = workflows.effective_steps(steps, strength)
             if effective < 1:
@@ -315,13 +305,19 @@ class Generation:
         change while loaded, so they are walked once per load, not per batch."""
         return prompt_cache.encoder_identity(self._root())
 
+    def _lora_sampling(self, request: GenerateRequest) -> Any:
+        """The sampling the call's LoRAs set (the request's, else those applied)."""
+        applied = self.loras.applied if self.loras is not None else ()
+        return sampling_of(self.source.family, request.loras if request.loras is not None else applied)
+
     def _call_kwargs(
         self, pipe: Any, request: GenerateRequest, steps: int, chunk: Sequence[batching.BatchItem],
         fitted: FittedInputs, strength: float | None,
     ) -> dict[str, Any]:
         family = self.source.family
         checkpoint = self.source.checkpoint or family.default_checkpoint
-        guidance = checkpoint.default_guidance if request.guidance is None else request.guidance
+        sampling = self._lora_sampling(request)
+        guidance = guidance_of(request, checkpoint, sampling)
         accepted = inspect.signature(pipe.__call__).parameters
         kwargs: dict[str, Any] = {
             "prompt": [item.prompt for item in chunk],
@@ -329,7 +325,7 @@ class Generation:
             "num_images_per_prompt": 1,
             "generator": batching.generators([item.seed for item in chunk]),
             family.pipeline.guidance_kwarg: guidance,
-            "sigmas": _schedule(checkpoint),
+            "sigmas": schedule_of(checkpoint),
         }
         width, height = (fitted.width, fitted.height) if fitted.image is not None else (request.width, request.height)
         if not (width or height) and self.plan.default_size is not None:
@@ -358,7 +354,7 @@ class Generation:
         if request.control_scale is not None:
             kwargs["controlnet_conditioning_scale"] = request.control_scale
         if family.rendering.output == "frames":
-            kwargs.update(_clip_kwargs(request, checkpoint, family.video_of(checkpoint)))
+            kwargs.update(clip_kwargs(request, checkpoint, family.video_of(checkpoint), sampling))
         negative = request.negative_prompt
         if negative is None and family.pipeline.guidance_kwarg == "true_cfg_scale" and guidance > 1:
             negative = " "  # true CFG runs only with a negative prompt
@@ -367,34 +363,5 @@ class Generation:
         if "." in family.pipeline.guidance_kwarg:  # held by a component (a guider), not passed to the call
             set_component_guidance(pipe, family.pipeline.guidance_kwarg, guidance)
         kwargs = {k: v for k, v in kwargs.items() if k in accepted or k == "callback_on_step_end"}
-        shape = _call_shape(request, family.video_of(checkpoint), width, height, len(chunk))
+        shape = call_shape(request, family.video_of(checkpoint), width, height, len(chunk))
         return self.registry.generate_kwargs(family, pipe, kwargs, shape)  # engine_generate_kwargs
-
-
-def _schedule(checkpoint: Any) -> list[float] | None:
-    """A distilled checkpoint's own sigmas (their count is the step count, checked before the
-    call); None: the scheduler's schedule."""
-    return list(checkpoint.sigmas) or None
-
-
-def _call_shape(request: GenerateRequest, video: Any, width: int | None, height: int | None,
-                count: int) -> CallShape:
-    """The request's shape as the call renders it: a clip's frames and fps (the checkpoint's
-    fps where the request gave none), the size, the images in this call."""
-    fps = request.fps or (video.fps if video is not None else None)
-    return CallShape(width=width or None, height=height or None, count=count,
-                     frames=request.frames if video is not None else None, fps=fps)
-
-
-def _clip_kwargs(request: GenerateRequest, checkpoint: Any, video: Any) -> dict[str, Any]:
-    """A video call's own arguments: the frame count (checked on the lattice before the
-    call), the fps where the pipeline takes one (``frame_rate``: an audio-video pipeline's also sets its sound's
-    length), PIL frames out, one clip per prompt, and a second expert's guidance."""
-    kwargs: dict[str, Any] = {
-        "num_frames": request.frames or video.default_frames, "frame_rate": float(request.fps or video.fps),
-        "output_type": "pil", "num_videos_per_prompt": 1,
-    }
-    second = request.guidance_2 if request.guidance_2 is not None else checkpoint.expert_guidance
-    if second is not None:
-        kwargs["guidance_scale_2"] = second
-    return kwargs

@@ -159,10 +159,11 @@ class GenerateChecks:
         loads its model with its LoRAs keeps those)."""
         if body.loras is None or load is not None:
             return None
-        from engine.preflight.lora import read_loras
+        from engine.preflight.lora import read_loras, with_family
         from engine.requests.loras import lora_choices
 
-        files = tuple(read_loras(lora_choices([{"path": lo.path, "scale": lo.scale} for lo in body.loras])))
+        files = with_family(target.ticket.source.family,
+                            read_loras(lora_choices([{"path": lo.path, "scale": lo.scale} for lo in body.loras])))
         if files and target is not self._loaded.target():
             from engine.runtime.lora_check import check_loras
 

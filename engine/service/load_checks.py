@@ -19,7 +19,7 @@ from engine.policy.inference import Plan, plan_inference
 from engine.preflight.borrowed import borrowed_access_error
 from engine.preflight.hub import diffusers_refusal, weights_report
 from engine.preflight.lora import plan_input as lora_plan_input
-from engine.preflight.lora import read_loras
+from engine.preflight.lora import read_loras, with_family
 from engine.preflight.model import resolve_model
 from engine.requests.inference import InferenceRequest
 from engine.requests.loras import LoraLike, lora_choices
@@ -53,7 +53,7 @@ class LoadChecks:
         diffusers_only = bool(loras) or controlnet is not None
         if refusal is not None and (diffusers_only or source.kind not in source.family.sdcpp.kinds):
             raise refusal  # refused first, whatever else the request carries
-        lora_files = tuple(read_loras(lora_choices(loras)))
+        lora_files = with_family(source.family, read_loras(lora_choices(loras)))  # a pair's halves on their experts
         if controlnet is not None:
             controlnet = check_controlnet(source.family, controlnet)
         if source.stored_layout is not None:  # converted on meta from the headers: never loaded wrong
@@ -66,7 +66,8 @@ class LoadChecks:
             check_loras(self._registry, source, lora_files)
         if shaped is not None:
             request = shaped(source)
-        request = dataclasses.replace(request, loras=lora_plan_input(lora_files, switching=switching))
+        request = dataclasses.replace(request, loras=lora_plan_input(lora_files, switching=switching,
+                                                                     family=source.family))
         hardware = self._machine.hardware(verify=verify or None)
         available = self._machine.available_memory(verify=verify or None)
         plan = self.plan(source, controlnet, request, hardware, available)

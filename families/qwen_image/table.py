@@ -10,6 +10,7 @@ from engine.contract.types import (
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    FewStepLora,
     FusionSite,
     LoraLayout,
     LoraTargetShape,
@@ -148,6 +149,10 @@ QWEN_IMAGE = FamilySpec(
         # and ComfyUI spell them alike); the image MLP by its ``net`` (Qwen-Image 2.1's
         # SwiGLU is an ``img_mlp`` too).
         key_markers=("img_mlp.net", "img_mlp_net", "txt_mlp", "img_mod", "txt_mod"),
+        # Lightning (lightx2v's step distillation): 4 or 8 steps without CFG, by its file names
+        # (``Qwen-Image-Lightning-4steps-V1.0.safetensors``, ``...-Edit-Lightning-8steps-...``).
+        few_step=(FewStepLora("Qwen-Image-Lightning, 4 steps", "*lightning*4step*", steps=4, guidance=1.0),
+                  FewStepLora("Qwen-Image-Lightning, 8 steps", "*lightning*8step*", steps=8, guidance=1.0)),
     ),
     training=TrainingSpec(
         # How engine.testing.memory_figures builds the denoiser (real widths, reduced depths).

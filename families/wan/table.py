@@ -18,6 +18,7 @@ from engine.contract.types import (
     Checkpoint,
     ComponentSizes,
     FamilySpec,
+    FewStepLora,
     LatentGeometry,
     LoraLayout,
     LoraTargetShape,
@@ -162,6 +163,15 @@ WAN = FamilySpec(
             ("blocks_{i}_cross_attn_v_img", ("blocks.{i}.attn2.add_v_proj",)),
             ("blocks_{i}_ffn_0", ("blocks.{i}.ffn.net.0.proj",)),
             ("blocks_{i}_ffn_2", ("blocks.{i}.ffn.net.2",)),
+        ),
+        # lightx2v's 4-step distillation of Wan 2.2, published as a high-noise and a low-noise
+        # file (``..._4steps_..._high_noise.safetensors``): guidance 1 on both experts, each half
+        # on its expert; the single-file 2.1 LoRAs (``lightx2v_..._4step...``) likewise.
+        few_step=(
+            FewStepLora("lightx2v 4-step, low-noise half", "*4step*low*noise*", steps=4, guidance=1.0,
+                        component="transformer_2"),
+            FewStepLora("lightx2v 4-step, high-noise half", "*4step*high*noise*", steps=4, guidance=1.0),
+            FewStepLora("lightx2v 4-step", "*lightx2v*4step*", steps=4, guidance=1.0),
         ),
     ),
     training=TrainingSpec(
