@@ -30,9 +30,14 @@ class LoraSampling:
 
 
 class _Lora(Protocol):
-    path: Path
-    scale: float
-    sampling: tuple[int | None, float | None] | None
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def scale(self) -> float: ...
+
+    @property
+    def sampling(self) -> tuple[int | None, float | None] | None: ...
 
     @property
     def name(self) -> str: ...

@@ -59,6 +59,9 @@ class LoraFile:
     component: str | None = None
     #: (steps, guidance) it says it samples at (``sampling`` in its metadata: a few-step LoRA).
     sampling: tuple[int | None, float | None] | None = None
+    #: ``lora`` (low-rank pairs, DoRA's included), or LyCORIS' ``lokr`` (Kronecker factors) or
+    #: ``loha`` (Hadamard products), told from its tensor names.
+    adapter_type: str = "lora"
 
     @property
     def name(self) -> str:
@@ -88,8 +91,10 @@ def read_lora(choice: LoraChoice) -> LoraFile:
             code="invalid_lora",
         )
     shapes, metadata = _header_shapes(path)
-    lora_shapes = {k: s for k, s in shapes.items() if "lora" in k.lower() or k.endswith(".alpha")}
-    ranks = [s[0] for k, s in shapes.items() if k.endswith(_DOWN) and s]
+    kind = adapter_type(shapes)
+    lora_shapes = {k: s for k, s in shapes.items() if "lora" in k.lower() or k.endswith(".alpha") or kind != "lora"}
+    ranks = ([s[0] for k, s in shapes.items() if k.endswith(_DOWN) and s] if kind == "lora"
+             else [min(s) for k, s in shapes.items() if k.rpartition(".")[2] in _LYCORIS_FACTORS and s])
     if not ranks:
         raise PreflightError(
             f"{path} holds no LoRA matrices (no lora_A / lora_down keys); is it a full checkpoint? "
@@ -104,7 +109,23 @@ def read_lora(choice: LoraChoice) -> LoraFile:
         params=sum(math.prod(s) for s in lora_shapes.values()),
         component=_component(metadata),
         sampling=_sampling(path, metadata),
+        adapter_type=kind,
     )
+
+
+#: The tensor names of LyCORIS' adapters (peft's names too), by type.
+LYCORIS_PARAMS: dict[str, tuple[str, ...]] = {
+    "lokr": ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"),
+    "loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"),
+}
+#: The low-rank factors whose smaller side is the rank.
+_LYCORIS_FACTORS = ("lokr_w1_a", "lokr_w2_a", "hada_w1_a", "hada_w2_a", "lokr_w1", "lokr_w2")
+
+
+def adapter_type(shapes: Iterable[str]) -> str:
+    """``lokr`` or ``loha`` where a tensor has one of their names, else ``lora``."""
+    params = {key.rpartition(".")[2] for key in shapes}
+    return next((kind for kind, names in LYCORIS_PARAMS.items() if params & set(names)), "lora")
 
 
 #: A LoRA's own word on how it samples: ``{"steps": 4, "guidance": 1.0}`` in its metadata.

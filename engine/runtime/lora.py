@@ -95,6 +95,11 @@ class LoraSet:
                 name = self._new_name()
                 if self.hooks is not None:
                     self.hooks.load(file, name)
+                elif file.adapter_type != "lora":  # LoKr / LoHa: peft's own adapter types
+                    from engine.runtime.lycoris import load
+
+                    denoiser = self.family.pipeline.denoiser if self.family is not None else "transformer"
+                    load(getattr(self.pipe, file.component or denoiser), file, name)
                 else:
                     self.pipe.load_lora_weights(self._loadable(file), adapter_name=name, **_into(self.pipe, file,
                                                                                                     self.family))

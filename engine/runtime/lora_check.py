@@ -150,6 +150,9 @@ def check_loras(registry: Registry, source: ModelSource, files: Sequence[LoraFil
     pipeline_cls = _pipeline_class(root)
     skeleton = _Skeleton(root)
     for file in files:
+        if file.adapter_type != "lora":  # LoKr / LoHa: matched module by module on the skeleton
+            _check_lycoris(registry, source.family, file, skeleton.get(file.component or source.family.pipeline.denoiser))
+            continue
         state = converted_state_dict(pipeline_cls, file, unet_config=skeleton.unet_config(),
                                      family=source.family, denoiser=skeleton.get(source.family.pipeline.denoiser))
         state = _onto_component(source.family, file, state, skeleton.get)
@@ -163,6 +166,9 @@ def check_on_pipeline(registry: Registry, family: FamilySpec, pipe: Any, files: 
     components = {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
     unet = components.get("unet")
     for file in files:
+        if file.adapter_type != "lora":
+            _check_lycoris(registry, family, file, components.get(file.component or family.pipeline.denoiser))
+            continue
         state = converted_state_dict(type(pipe), file, unet_config=getattr(unet, "config", None),
                                      family=family, denoiser=components.get(family.pipeline.denoiser))
         state = _onto_component(family, file, state, components.get)
@@ -182,6 +188,17 @@ def _onto_component(
                            "with a two-expert model, or use the run's first LoRA")
     prefix = family.pipeline.denoiser + "."
     return {(file.component + "." + k[len(prefix):]) if k.startswith(prefix) else k: v for k, v in state.items()}
+
+
+def _check_lycoris(registry: Registry, family: FamilySpec, file: LoraFile, denoiser: torch.nn.Module | None) -> None:
+    """Refuse a LoKr / LoHa file any of whose tensors names a module the denoiser lacks."""
+    from engine.runtime.lycoris import grouped
+
+    if denoiser is None:
+        raise mismatch_error(registry, family, file, [file.component or family.pipeline.denoiser], 1)
+    modules, foreign = grouped(file, denoiser)
+    if foreign or not modules:
+        raise mismatch_error(registry, family, file, foreign or ["(no adapted module)"], len(modules) + len(foreign))
 
 
 def _refuse_unmatched(
