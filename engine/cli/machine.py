@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.server.settings import is_loopback
 
     settings = serve_settings(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise EngineError(f"--threads {args.threads}: give 1 or more threads", code="invalid_request")
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # every plan this process makes takes it as the user's say
     outputs = settings.output_roots[0]
     settings.check_bind(args.host)
     check_port_free(args.host, args.port)

@@ -155,6 +155,9 @@ def _add_serve(commands: Commands) -> None:
                        help="another name clients may reach the server by (a reverse proxy's; repeatable; "
                             "'*' for any). A loopback server answers only loopback names otherwise")
     serve.add_argument("--load", metavar="PATH", help="load this model at start")
+    serve.add_argument("--threads", type=int, default=None, metavar="N",
+                       help="CPU threads for every model this server loads (as OMP_NUM_THREADS, which the plan "
+                            "takes as your say; default: the plan's, one per physical core or one for a tiny model)")
     serve.add_argument(
         "--insecure-no-token", action="store_true",
         help="allow a non-loopback --host without a token (anyone who reaches it can use the engine)",

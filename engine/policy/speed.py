@@ -280,9 +280,16 @@ def resolve_fp16_accumulation(
     return auto(False, f"{dtype} compute drifts with it; only the max tier takes that trade")
 
 
+#: A denoiser below this many bf16 GB (50 M parameters) is too narrow to feed two CPU threads:
+#: on the tiny models two threads used about 8x the CPU of one for the same steps (OpenMP's
+#: barriers spin while a partner thread is descheduled; FACTS.md, "CPU compute").
+NARROW_DENOISER_GB = 0.1
+
+
 def resolve_threads(hardware: HardwareProfile, requested: int | None,
-                    env: Mapping[str, str] | None = None) -> Resolved[int | None]:
-    """CPU threads for compute-bound GEMMs: one per physical core.
+                    env: Mapping[str, str] | None = None, denoiser_gb: float | None = None) -> Resolved[int | None]:
+    """CPU threads for compute-bound GEMMs: one per physical core, one where the denoiser is too
+    narrow to feed two (``denoiser_gb`` below :data:`NARROW_DENOISER_GB`).
 
     SMT siblings share one core's FPU, so a second thread on it adds contention, not GEMM
     throughput; a core without a sibling is a whole core (on a 2-core machine without SMT
@@ -299,6 +306,9 @@ def resolve_threads(hardware: HardwareProfile, requested: int | None,
     if omp.isdigit() and int(omp) > 0:
         return auto(int(omp), f"OMP_NUM_THREADS={omp} in the environment")
     count, cores = hardware.cpu_count, hardware.physical_cores
+    if denoiser_gb is not None and denoiser_gb < NARROW_DENOISER_GB and (cores or count or 2) > 1:
+        return auto(1, f"a {denoiser_gb * 1000:.0f} MB denoiser is too narrow to feed two threads: one (two spin at "
+                       "their barriers, about 8x the CPU for the same steps on tiny models)")
     if cores is not None:
         if count is not None and count > cores:
             return auto(cores, f"{cores} physical cores of {count} logical (SMT siblings share one core's FPU)")

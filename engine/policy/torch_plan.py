@@ -343,7 +343,7 @@ class TorchPlanner:
             # sd.cpp computes on its CPU backend whatever the accelerator: its threads are the CPU's
             "threads": resolve_threads(
                 hardware.replace(vendor="cpu") if self.engine.value == "sdcpp" else hardware, self.request.threads,
-                env=self.env,
+                env=self.env, denoiser_gb=None if self.engine.value == "sdcpp" else self.model.sizes.transformer_gb,
             ),
             "cpu_kernel": resolve_cpu_kernel(hardware, dtype=dtype.value, engine=self.engine.value, tier=tier),
             "lora": resolve_lora(

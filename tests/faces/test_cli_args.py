@@ -50,6 +50,7 @@ REFUSED: list[tuple[list[str], str, str]] = [
     # The rows of this wave's fields: the engine, replicas, nodes (refused before Ray or a rank starts).
     (["plan", "--family", "flux", "--engine", "nope"], "invalid_request", "--engine must be 'auto', 'diffusers' or 'sdcpp'"),
     (["serve", "--replicas", "0"], "invalid_request", "--replicas must be at least 1"),
+    (["serve", "--threads", "0"], "invalid_request", "--threads 0: give 1 or more threads"),
     (["serve", "--replicas", "2", "--ray-autoscaling", "{nope"], "invalid_request", "--ray-autoscaling is not JSON"),
     (["train", "--tiny", "sdxl", "--data", ".", "--nodes", "2"], "invalid_config", "needs --main-address HOST:PORT"),
     (["train", "--tiny", "sdxl", "--data", ".", "--nodes", "2", "--node-rank", "2", "--main-address", "h:1"],

@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -308,6 +310,23 @@ def test_cpu_threads_are_one_per_physical_core(cpus: int | None, cores: int | No
     assert shared.value == 3 and "OMP_NUM_THREADS=3" in shared.reason
     assert table_plan("sdxl", cpu).value("threads") == threads
     assert table_plan("sdxl", "h100").value("threads") is None
+
+
+def test_a_tiny_denoiser_plans_one_thread_and_a_real_width_one_a_thread_per_core(
+    tiny_pipeline: Callable[[str], Path],
+) -> None:
+    """The tiny FLUX (15 MB of transformer) cannot feed two threads (they spin at their barriers);
+    SDXL at its real width (5.1 GB of UNet) takes one per physical core, as on this 2-core machine."""
+    from engine.preflight.model import resolve_model
+
+    registry = load_registry()
+    cpu = preset("cpu").replace(cpu_count=2, physical_cores=2)
+    facts = resolve_model(registry, tiny_pipeline("flux")).facts(registry)
+    tiny = plan_inference(registry, facts, cpu, InferenceRequest(), env={})["threads"]
+    assert tiny.value == 1 and "too narrow to feed two threads" in tiny.reason
+    assert table_plan("sdxl", cpu).value("threads") == 2
+    asked = plan_inference(registry, facts, cpu, InferenceRequest(threads=2), env={})["threads"]
+    assert asked.value == 2  # an explicit count wins
 
 
 def test_invalid_request_values_are_refused_with_a_code() -> None:
