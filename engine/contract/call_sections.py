@@ -86,6 +86,10 @@ class SpeedRules:
     eager_fusions: tuple[FusionSite, ...] = ()
     #: Optimisations denied to the family, each with its reason.
     optimization_deny: tuple[OptimizationDeny, ...] = ()
+    #: Modules (name endings) whose output depends on the prompt's embeddings alone (the text
+    #: projection, each cross-attention's key and value projections and key norm): computed
+    #: once per prompt per call, an exact cache (plugin API 2, additive; ``engine.runtime.text_kv``).
+    text_kv_sites: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,7 @@ class Generation:
     _active: Any
     _images: int
     _store_compile_cache: Any
+    text_kv: Any
 
     def generate(self, request: GenerateRequest, progress: Progress | None = None,
                  cancel: threading.Event | None = None) -> list[Image.Image]:
@@ -197,6 +198,8 @@ class Generation:
             if request.loras is not None:
                 self.set_loras(request.loras)
             self._active = pipe
+            if self.text_kv is not None:
+                self.text_kv.reset()  # a LoRA or its scale may have changed since the last call
             try:
                 self._recheck_step_cache(effective)
                 self._images += 1

@@ -142,6 +142,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
             self._apply_attention()
             self._apply_loras()
             self._apply_fusions()
+            self._apply_text_kv()
             self._apply_compile()
             self._set_step_cache(self.plan["step_cache"].value == "fbcache")
         except BaseException:
@@ -173,6 +174,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
             "capabilities": capabilities.to_dict(self.capabilities) if self.capabilities else None,
             "compile_cache": self.compile_cache_status(),
             "eager_fusions": self.fusions.to_dict() if self.fusions is not None else None,
+            "text_kv_cache": self.text_kv.to_dict() if self.text_kv is not None else None,
         }
 
     # -- LoRAs ------------------------------------------------------------------

@@ -84,6 +84,18 @@ class SpeedControls:
             why = "; ".join(f"{name}: {reason}" for name, reason in self.fusions.skipped.items())
             self._record("eager_fusions", Resolved(False, "auto", f"no block could be fused ({why})"))
 
+    #: The exact prompt cache installed at load (None: the family names no sites, or compile runs).
+    text_kv: Any = None
+
+    def _apply_text_kv(self) -> None:
+        """Memoise what the denoisers compute from the prompt alone (the family's
+        ``text_kv_sites``): bit-identical, so on at every tier, but not under regional compile."""
+        from engine.runtime.text_kv import install
+
+        self.text_kv = None
+        if self.plan.value("compile") != "regional":
+            self.text_kv = install(self.denoisers, self.source.family.speed.text_kv_sites)
+
     #: Generate calls since load, and whether the regional compile has run.
     _images = 0
     _compiled = False

@@ -220,5 +220,8 @@ WAN = FamilySpec(
         # WanPipeline opens "cond" / "uncond" cache contexts around each expert's call.
         cache_context_pipelines=("WanPipeline", "WanImageToVideoPipeline"),
     ),
-    speed=SpeedRules(compile_regions=("WanTransformerBlock",)),
+    # The prompt's projections (the text embedder, each block's cross-attention keys, values and
+    # key norm) depend on the prompt alone: computed once per prompt per call.
+    speed=SpeedRules(compile_regions=("WanTransformerBlock",),
+                     text_kv_sites=("condition_embedder.text_embedder", "attn2.to_k", "attn2.to_v", "attn2.norm_k")),
 )

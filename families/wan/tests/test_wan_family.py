@@ -210,3 +210,29 @@ def test_a14b_samples_by_its_publishers_recipe() -> None:
     assert a14b is not None and (a14b.default_steps, a14b.default_guidance, a14b.expert_guidance) == (40, 4.0, 3.0)
     notes = (Path(__file__).resolve().parents[3] / "docs" / "architecture.md").read_text(encoding="utf-8")
     assert "Wan 2.2 T2V-A14B samples 40 steps at guidance 4.0" in notes and "50 / 5.0" in notes
+
+
+@pytest.mark.slow
+def test_the_prompts_keys_and_values_are_computed_once_per_call_and_the_clip_is_unchanged(
+    tiny_pipeline: Callable[[str], Path],
+) -> None:
+    """The exact text K/V cache is on by default: from the second step the text embedder and each
+    block's cross-attention keys and values come from memory (both CFG prompts); the clip equals
+    the one with the cache's modules run every step (stock ``WanPipeline``, bit for bit)."""
+    import numpy as np
+    import torch
+    from diffusers import WanPipeline
+
+    from engine.service.facade import Engine
+
+    folder = tiny_pipeline("wan")
+    with Engine() as engine:
+        engine.images.load(str(folder))
+        clip = engine.videos.generate("a square", frames=5, steps=3, width=64, height=64, seed=2, guidance=4.0)
+        cache = engine.status()["pipeline"]["text_kv_cache"]  # type: ignore[index]
+    assert cache["sites"] > 0 and cache["misses"] == 2 * cache["sites"]  # each module, once per prompt (cond, uncond)
+    assert cache["hits"] == 2 * 2 * cache["sites"]  # steps 2 and 3, both prompts
+    plain = WanPipeline.from_pretrained(str(folder))(
+        "a square", num_frames=5, num_inference_steps=3, width=64, height=64, guidance_scale=4.0,
+        generator=torch.Generator("cpu").manual_seed(2), output_type="pil").frames[0]
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(clip.frames, plain, strict=True))
