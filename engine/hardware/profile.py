@@ -64,6 +64,15 @@ class CpuGemm:
     fp32_onednn: float
     bf16: float
     threads: int
+    #: When they were measured (``YYYY-MM-DD``) and the machine's 1-minute load then.
+    measured_on: str = ""
+    load: float | None = None
+
+    @property
+    def when(self) -> str:
+        """How a plan quotes the figures' age and load (``measured here on 2 threads, 2026-12-07, load 1.2``)."""
+        return "".join([f", {self.measured_on}" if self.measured_on else "",
+                        f", load {self.load:.1f}" if self.load is not None else ""])
 
     @property
     def fp32_best(self) -> tuple[str, float]:

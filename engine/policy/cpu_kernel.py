@@ -38,7 +38,7 @@ def bf16_gain(hardware: HardwareProfile) -> str:
     if gemm.bf16 < BF16_MARGIN * fp32:
         return ""
     return (f"{isa}: bf16 GEMMs ran {gemm.bf16:.0f} GFLOP/s against fp32's {fp32:.0f} ({kernel}), "
-            f"{gemm.bf16 / fp32:.1f}x, measured here on {gemm.threads} threads")
+            f"{gemm.bf16 / fp32:.1f}x, measured here on {gemm.threads} threads{gemm.when}")
 
 
 def cpu_dtype(hardware: HardwareProfile, *, fp32_fits: bool, exact: bool) -> Resolved[str]:

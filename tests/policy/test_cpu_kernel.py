@@ -57,7 +57,38 @@ def test_the_gemm_figures_are_measured_once_and_read_back_without_torch(tmp_path
     entries = json.loads(cache.read_text())
     (entry,) = entries.values()
     assert entry["fp32_mkl"] > 0 and entry["bf16"] > 0
+    assert isinstance(entry["measured_epoch"], float) and "load" in entry  # their age and load, quoted with them
     read = ("import sys, json; from engine.hardware.probe import probe; g = probe(verify=False).cpu_gemm;"
             " print(json.dumps([g.fp32_mkl, 'torch' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", read], env=env, check=True, capture_output=True, text=True)
     assert json.loads(out.stdout) == [entry["fp32_mkl"], False]
+
+
+def test_figures_are_measured_again_when_stale_or_taken_under_load(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry read back carries its date and load (quoted in the plan's reason); one older than
+    30 days, one taken at a load above the cores more than an hour ago, or one without its time
+    (an earlier version's) is not read back, so the next verified probe measures again."""
+    import time
+
+    from engine.hardware import gemm
+
+    monkeypatch.setenv(gemm.ENV_FILE, str(tmp_path / "gemm.json"))
+    monkeypatch.setattr(gemm, "physical_cores", lambda: 2)
+    now = time.time()
+
+    def entry(age: float, load: float | None) -> dict[str, object]:
+        return {"fp32_mkl": 170.0, "fp32_onednn": 215.0, "bf16": 430.0, "threads": 2,
+                "measured_at": "2026-12-01T10:00:00", "measured_epoch": now - age, "load": load}
+
+    key = gemm.cache_key("AVX512-BF16", 2)
+    for age, load, kept in ((60.0, 0.5, True), (40 * 86400.0, 0.5, False), (2 * 3600.0, 9.0, False),
+                            (60.0, 9.0, True), (60.0, None, True)):
+        (tmp_path / "gemm.json").write_text(json.dumps({key: entry(age, load)}))
+        figures = gemm.cached("AVX512-BF16", 2)
+        assert (figures is not None) == kept, (age, load)
+        if figures is not None:
+            assert figures.measured_on == "2026-12-01" and figures.when.startswith(", 2026-12-01")
+    (tmp_path / "gemm.json").write_text(json.dumps({key: {k: v for k, v in entry(60.0, 0.5).items()
+                                                           if k != "measured_epoch"}}))
+    assert gemm.cached("AVX512-BF16", 2) is None
