@@ -12,12 +12,12 @@ module of the model is checked against the model's own module tree by
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import stored
 from engine.errors import EngineError, PreflightError
 from engine.contract.plugins import Registry
 from engine.requests.inference import LoraPlanInput
@@ -137,8 +137,8 @@ def _sampling(path: Path, metadata: dict[str, str]) -> tuple[int | None, float |
     if SAMPLING_KEY not in metadata:
         return None
     try:
-        said = json.loads(metadata[SAMPLING_KEY])
-    except ValueError:
+        said = stored.parse_json(metadata[SAMPLING_KEY], path)
+    except ValueError:  # UnreadableRecord is one
         said = None
     steps, guidance = (said.get("steps"), said.get("guidance")) if isinstance(said, dict) else (0, "")
     if not ((steps is None or (isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= 1000))
