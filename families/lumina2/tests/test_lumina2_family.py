@@ -72,30 +72,7 @@ def test_a_lora_trains_moves_the_image_and_reloads_from_its_comfyui_export(
 ) -> None:
     """Four steps on two images: the LoRA moves the image, scale 0 is the base, and the kohya
     file ComfyUI reads (``lora_unet_`` + the transformer's module names) gives the same image."""
-    from safetensors.torch import load_file
+    from engine.testing.lora_roundtrip import train_and_reload
 
-    from engine.hardware.probe import probe
-    from engine.requests.training import TrainingConfig
-    from engine.service.facade import Engine
-    from engine.testing.datasets import write_dataset
-    from engine.training.preflight import preflight_training
-    from engine.training.trainer import run_training
-
-    data = write_dataset(tmp_path / "data", count=2, size=64)
-    config = TrainingConfig.from_data({"base_model": str(lumina), "dataset_dir": str(data), "resolution": 64,
-                                       "steps": 4, "lora_rank": 4, "learning_rate": 5e-2, "device": "cpu", "seed": 1,
-                                       "export_kohya": True})
-    plan = preflight_training(engine_registry, config, probe(verify=False))
-    end = run_training(plan, tmp_path / "run", lambda _event: None, lambda: None, registry=engine_registry)
-    assert end["type"] == "completed", end
-    lora, kohya = tmp_path / "run" / "pytorch_lora_weights.safetensors", tmp_path / "run" / "lora_kohya.safetensors"
-    modules = {key.split(".")[0] for key in load_file(str(kohya))}
+    modules = train_and_reload(engine_registry, lumina, tmp_path)
     assert modules and all(m.startswith("lora_unet_") and "_attn_to_" in m for m in modules)
-    asked = {"width": 64, "height": 64, "steps": 2, "seed": 5}
-    with Engine(registry=engine_registry, hardware=probe(verify=False)) as engine:
-        engine.images.load(str(lumina))
-        images = [engine.images.generate("a red fox", loras=loras, **asked)[0]
-                  for loras in ([], [f"{lora}:1.0"], [f"{lora}:0.0"], [f"{kohya}:1.0"])]
-    base, moved, zero, comfy = (np.asarray(image).astype(int) for image in images)
-    assert np.abs(moved - base).max() > 8
-    assert np.abs(zero - base).max() <= 1 and np.abs(comfy - moved).max() <= 1
