@@ -34,10 +34,9 @@ def train_and_reload(registry: Any, folder: Path, workdir: Path, *, prompt: str 
     end = run_training(plan, workdir / "run", lambda _event: None, lambda: None, registry=registry)
     assert end["type"] == "completed", end
     lora, kohya = workdir / "run" / "pytorch_lora_weights.safetensors", workdir / "run" / "lora_kohya.safetensors"
-    asked = {"width": 64, "height": 64, "steps": 2, "seed": 5}
     with Engine(registry=registry, hardware=probe(verify=False)) as engine:
         engine.images.load(str(folder))
-        images = [engine.images.generate(prompt, loras=loras, **asked)[0]
+        images = [engine.images.generate(prompt, loras=loras, width=64, height=64, steps=2, seed=5)[0]
                   for loras in ([], [f"{lora}:1.0"], [f"{lora}:0.0"], [f"{kohya}:1.0"])]
     base, moved, zero, comfy = (np.asarray(image).astype(int) for image in images)
     assert np.abs(moved - base).max() > 8, "the LoRA did not move the image"
