@@ -112,6 +112,10 @@ class Rendering:
     #: the images come back RGBA (saved as PNG with their alpha). False: RGB, an input's alpha
     #: flattened away. (Plugin API 2.)
     alpha: bool = False
+    #: The side the pipeline renders at when a request names no size, where that is not
+    #: 1024 px (a 2K-native model's 2048): what the activation guard sizes such a request for.
+    #: (Plugin API 2, additive.)
+    native_side: int | None = None
 
     @property
     def sides(self) -> int:

@@ -61,5 +61,7 @@ HUNYUAN_IMAGE = FamilySpec(
     pipeline=PipelineLayout(guidance_kwarg="distilled_guidance_scale", cache_context_pipelines=(PIPELINE_CLASS,)),
     speed=SpeedRules(compile_regions=("HunyuanImageTransformerBlock", "HunyuanImageSingleTransformerBlock")),
     # A 32x VAE read unpatched: one token per 32 x 32 pixels.
-    rendering=Rendering(geometry=LatentGeometry(spatial_compression=32, patch_size=1, latent_channels=64)),
+    # 2K-native: its pipeline's default is 2048 x 2048 (64 latent tokens a side).
+    rendering=Rendering(geometry=LatentGeometry(spatial_compression=32, patch_size=1, latent_channels=64),
+                        native_side=2048),
 )

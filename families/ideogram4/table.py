@@ -78,5 +78,7 @@ IDEOGRAM4 = FamilySpec(
     # The unconditional transformer denoises beside the conditional one, every step.
     pipeline=PipelineLayout(experts=("unconditional_transformer",), cache_context_pipelines=()),
     speed=SpeedRules(compile_regions=("Ideogram4TransformerBlock",)),
-    rendering=Rendering(geometry=LatentGeometry(spatial_compression=8, patch_size=2, latent_channels=32)),
+    # Native 2K: the pipeline's default size (a request naming none) is 2048 x 2048.
+    rendering=Rendering(geometry=LatentGeometry(spatial_compression=8, patch_size=2, latent_channels=32),
+                        native_side=2048),
 )

@@ -59,6 +59,19 @@ def test_ideogram4_plans_both_transformers_on_the_cards_people_use(card: str, me
         assert "37.2 GB of weights" in plan["memory_mode"].reason
 
 
+def test_a_request_naming_no_size_is_sized_at_its_native_2k() -> None:
+    """The pipeline renders 2048 x 2048 when no size is asked: the plan's guard sizes for that."""
+    from engine.contract.plugins import load_registry
+    from engine.policy.request_shape import request_shape
+    from engine.requests.inference import InferenceRequest
+
+    registry = load_registry()
+    for name in ("ideogram4", "hunyuan_image"):
+        shape = request_shape(registry.family(name), None, InferenceRequest())
+        assert (shape.width, shape.height) == (2048, 2048), name
+    assert request_shape(registry.family("flux"), None, InferenceRequest()).width == 1024
+
+
 def test_the_model_cards_guidance_runs_on_its_schedule() -> None:
     assert guidance_schedule(48) == (7.0,) * 45 + (3.0,) * 3  # the pipeline's own default
     assert guidance_schedule(4) == (7.0, 3.0, 3.0, 3.0) and guidance_schedule(2) == (7.0, 7.0)
