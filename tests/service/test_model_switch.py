@@ -71,12 +71,34 @@ def served(tmp_path_factory: pytest.TempPathFactory,
     truncated_pipeline(tiny_pipeline("zimage"), models / "cut-zimage", "transformer")
     (models / "not-a-pipeline").mkdir()
     (models / "not-a-pipeline" / "notes.txt").write_text("no model_index.json here")
+    _hidream_without_its_llama(tiny_pipeline("hidream"), models / "hidream-no-llama")
+    _ideogram_fp8_cut(models / "ideogram-fp8-cut")
     engine = WatchedEngine(registry=load_registry(), hardware=probe(verify=False), runs_dir=base / "runs")
     host = HostModel(engine)
     engine.images.load(str(models / "tiny-sdxl"))
     settings = ServerSettings(model_roots=(models,), output_roots=(base / "runs",), token=TOKEN, queue_size=12)
     with LiveServer(create_app(engine, settings)) as url:
         yield url, engine, host, models
+
+
+def _hidream_without_its_llama(full: Path, target: Path) -> None:
+    """As HiDream publishes it: the Llama encoder named, not shipped (the suite's hub is offline
+    and its cache holds no copy of the repo the engine would take it from)."""
+    from families.hidream.tiny import write_repo_layout
+
+    write_repo_layout(full, target)
+
+
+def _ideogram_fp8_cut(target: Path) -> None:
+    """Ideogram's fp8 layout with a block's output projection gone: its conversion cannot cover it."""
+    from safetensors.torch import load_file, save_file
+
+    from families.ideogram4.tiny import build_tiny_pipeline, write_fp8_fused_layout
+
+    dense = build_tiny_pipeline(target.parent.parent / "ideogram-dense")
+    write_fp8_fused_layout(dense, target)
+    file = next((target / "transformer").glob("*.safetensors"))
+    save_file({k: v for k, v in load_file(str(file)).items() if not k.startswith("layers.1.attention.o.")}, str(file))
 
 
 def _submit(url: str, prompt: str, **fields: Any) -> dict[str, Any]:
@@ -170,6 +192,8 @@ DOOMED = [
     ("jobs", {"model": "tiny-wan"}, 400, "wrong_output"),  # a video model through the images door
     ("jobs", {"model": "flux.1-dev"}, 400, "hub_not_allowed"),
     ("jobs", {"model": "tiny-zimage", "frames": 9}, 400, "wrong_output"),
+    ("jobs", {"model": "hidream-no-llama"}, 400, "component_missing"),  # its Llama's repo: not cached, hub offline
+    ("jobs", {"model": "ideogram-fp8-cut"}, 500, "load_failed"),  # the fp8 layout converted on meta first
     ("generations", {"model": "tiny-wan"}, 400, "wrong_output"),
     ("generations", {"model": "no-such-model"}, 404, "model_not_found"),
     ("videos", {"model": "tiny-zimage"}, 400, "wrong_output"),  # an image model through the videos door
