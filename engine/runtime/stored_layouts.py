@@ -30,7 +30,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 class LayoutNotConverted(EngineError):
     """The family's converter would leave parameters unset, tensors unread or shapes wrong."""
 
-    code = "load_failed"
+    code = "corrupt_checkpoint"
 
 
 def check_stored_layout(source: ModelSource) -> None:

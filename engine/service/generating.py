@@ -89,7 +89,7 @@ class GenerateChecks:
         if shape is None and family.rendering.output == "frames":  # the loaded model: its clip decided here
             shape, decided["note"] = _clip(target.ticket.source, body, seconds)
         check_references(family, checkpoint, sizes)
-        _check_sampling(checkpoint or family.default_checkpoint, body)
+        _check_sampling(checkpoint or family.default_checkpoint, body, family.pipeline.guidance_kwarg)
         loras = self._loras(body, target, load)
         if shape is not None:
             body = body.model_copy(update={"frames": shape.frames, "fps": shape.fps, "width": shape.width,
@@ -171,9 +171,13 @@ class GenerateChecks:
         return files
 
 
-def _check_sampling(chosen: Checkpoint, body: GenerateBody) -> None:
+def _check_sampling(chosen: Checkpoint, body: GenerateBody, guidance_kwarg: str = "guidance_scale") -> None:
     """Refuse sampling settings the checkpoint cannot take: a second expert's guidance on a
-    one-denoiser model, a step count off a distilled checkpoint's own schedule."""
+    one-denoiser model, a step count off a distilled checkpoint's own schedule, guidance asked of
+    a guidance-distilled checkpoint whose guidance a guider would hold (it ships none)."""
+    if "." in guidance_kwarg and chosen.default_guidance == 0 and body.guidance is not None and body.guidance > 1:
+        raise EngineError(f"guidance={body.guidance:g}: {chosen.label} is guidance-distilled and has no guider to "
+                          "take it; leave guidance out", code="invalid_request")
     if body.guidance_2 is not None and chosen.expert_guidance is None:  # a two-expert checkpoint says its own
         raise EngineError(f"guidance_2 is a two-expert model's low-noise guidance; {chosen.label} has one "
                           "denoiser: drop guidance_2 (--guidance-2)", code="invalid_request")

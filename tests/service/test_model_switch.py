@@ -193,7 +193,7 @@ DOOMED = [
     ("jobs", {"model": "flux.1-dev"}, 400, "hub_not_allowed"),
     ("jobs", {"model": "tiny-zimage", "frames": 9}, 400, "wrong_output"),
     ("jobs", {"model": "hidream-no-llama"}, 400, "component_missing"),  # its Llama's repo: not cached, hub offline
-    ("jobs", {"model": "ideogram-fp8-cut"}, 500, "load_failed"),  # the fp8 layout converted on meta first
+    ("jobs", {"model": "ideogram-fp8-cut"}, 400, "corrupt_checkpoint"),  # the fp8 layout converted on meta first
     ("generations", {"model": "tiny-wan"}, 400, "wrong_output"),
     ("generations", {"model": "no-such-model"}, 404, "model_not_found"),
     ("videos", {"model": "tiny-zimage"}, 400, "wrong_output"),  # an image model through the videos door

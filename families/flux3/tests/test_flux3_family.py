@@ -120,3 +120,18 @@ def test_a_diffusers_lora_moves_the_image(engine_registry: Registry, folder: Pat
         moved = np.asarray(engine.images.generate("a red fox", loras=[f"{path}:1.0"], **asked)[0]).astype(int)
         zero = np.asarray(engine.images.generate("a red fox", loras=[f"{path}:0.0"], **asked)[0]).astype(int)
     assert np.abs(moved - base).max() > 8 and np.abs(zero - base).max() <= 1
+
+
+def test_guidance_asked_of_the_distilled_checkpoint_is_refused_before_anything_loads(
+    engine_registry: Registry, tiny_pipeline: Callable[..., Path],
+) -> None:
+    """The distilled model has no guider: ``guidance=4`` is refused with what to do, nothing loaded."""
+    from engine.errors import EngineError
+    from engine.service.facade import Engine
+
+    distilled = tiny_pipeline("flux3", "flux3-distilled")
+    with Engine(registry=engine_registry) as engine:
+        with pytest.raises(EngineError) as refused:
+            engine.images.generate("a red fox", model=str(distilled), guidance=4.0, width=64, height=64, steps=1)
+        assert engine.images.session is None
+    assert refused.value.code == "invalid_request" and "guidance-distilled" in refused.value.message

@@ -160,7 +160,7 @@ def test_an_fp8_repo_its_conversion_cannot_cover_is_refused_before_anything_is_e
         with pytest.raises(EngineError) as refused:
             engine.images.load(str(broken))
         assert engine.images.session is resident
-    assert refused.value.code == "load_failed"
+    assert refused.value.code == "corrupt_checkpoint"
     assert "layers.1.attention.to_out.0.weight" in refused.value.message, refused.value.message
 
 
