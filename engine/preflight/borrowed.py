@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.contract.types import BorrowedComponent, FamilySpec
 from engine.errors import PreflightError
-from engine.preflight.hub import hub_gate_error, hub_offline
+from engine.preflight.hub import cached_file, hub_gate_error, hub_offline
 from engine.preflight.source import ModelSource
 from engine.requests.references import ALLOW_DOWNLOAD_ENV
 
@@ -31,20 +31,10 @@ def borrowed_gb(borrowed: tuple[BorrowedComponent, ...]) -> float:
 
     total = 0.0
     for component in borrowed:
-        config = _cached(component.repo, "config.json") if component.gb else None
+        config = cached_file(component.repo, "config.json") if component.gb else None
         files = sorted(Path(config).parent.glob("*.safetensors")) if config else []
         total += dense_gb(tensor_shapes(files)) if files else component.gb
     return total
-
-
-def _cached(repo: str, file: str) -> str | None:
-    """Where the hub cache holds ``file`` of ``repo`` (None: not there); reads the cache only."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    found = try_to_load_from_cache(repo, file)
-    return found if isinstance(found, str) else None
 
 
 def borrowed_access_error(source: ModelSource, *, allow_download: bool) -> PreflightError | None:
@@ -53,7 +43,7 @@ def borrowed_access_error(source: ModelSource, *, allow_download: bool) -> Prefl
     location, family, borrowed = source.location, source.family, source.borrowed
 
     for repo in dict.fromkeys(b.repo for b in borrowed):
-        if _cached(repo, "config.json") is not None:
+        if cached_file(repo, "config.json") is not None:
             continue
         names = " and ".join(b.component for b in borrowed if b.repo == repo)
         what = (f"{location} has no {names}: {family.label}'s repos name it without shipping it, and the "

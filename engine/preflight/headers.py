@@ -71,11 +71,7 @@ def sizes_by_scheme(shapes: Shapes, dense_modules: Sequence[str] = ()) -> dict[s
 
 def tensor_shapes(files: list[Path]) -> Shapes:
     """(name, shape) of every tensor in ``files``, from their headers (no weights read)."""
-    return [
-        (name, tuple(int(d) for d in info.get("shape", [])))  # type: ignore[union-attr]
-        for file in files
-        for name, info in _safetensors_header(file).items()
-    ]
+    return [(name, shape) for file in files for name, _, shape in tensor_layout(file)]
 
 
 def tensor_storage(files: list[Path]) -> list[tuple[str, str, int, int]]:

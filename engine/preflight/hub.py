@@ -143,11 +143,17 @@ def hub_download_gb(repo: str, timeout_s: float = 10.0) -> float:
 
 def in_hub_cache(repo: str) -> bool:
     """Whether the local hub cache holds ``repo``'s pipeline (reads the cache only)."""
+    return cached_file(repo, "model_index.json") is not None
+
+
+def cached_file(repo: str, file: str) -> str | None:
+    """Where the local hub cache holds ``file`` of ``repo`` (None: not there); reads the cache only."""
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
-        return False
-    return isinstance(try_to_load_from_cache(repo, "model_index.json"), str)
+        return None
+    found = try_to_load_from_cache(repo, file)
+    return found if isinstance(found, str) else None
 
 
 def download_gb(source: ModelSource, sizes: ComponentSizes) -> float:

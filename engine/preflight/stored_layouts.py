@@ -11,10 +11,8 @@ and the status say it and the loader converts it (:mod:`engine.runtime.stored_la
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 from engine.contract.types import FamilySpec, StoredLayout
-from engine.preflight.headers import tensor_shapes
 
 
 def layout_of_names(family: FamilySpec, names: Iterable[str]) -> StoredLayout | None:
@@ -25,9 +23,3 @@ def layout_of_names(family: FamilySpec, names: Iterable[str]) -> StoredLayout | 
     names = tuple(names)
     return next((layout for layout in layouts if any(name.endswith(layout.marker) for name in names)), None)
 
-
-def layout_of_folder(family: FamilySpec, folder: Path) -> StoredLayout | None:
-    """The stored layout of the component at ``folder`` (its safetensors headers read)."""
-    if not family.quantisation.stored_layouts:
-        return None
-    return layout_of_names(family, (name for name, _ in tensor_shapes(sorted(Path(folder).glob("*.safetensors")))))

@@ -46,6 +46,7 @@ from engine.runtime.modular import load_modular
 from engine.preflight.pipeline_index import modular_index
 from engine.preflight.quantised_folder import STORED_SCHEMES, read_marker
 from engine.runtime.prequantised import load_quantised
+from engine.runtime.stored_layouts import converted_denoisers
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -186,7 +187,7 @@ class PipelineLoading:
                 for name in (denoiser_name, *source.family.pipeline.experts):
                     if read_marker(folder / name) is not None:
                         components[name] = load_quantised(getattr(diffusers, config[name][1]), folder / name, dtype)
-            components.update(_converted_denoisers(source, Path(str(root)), dtype))
+            components.update(converted_denoisers(source, Path(str(root)), dtype))
             if from_file:
                 extra: dict[str, Any] = {}
                 if source.kind == "gguf":
@@ -261,32 +262,6 @@ class PipelineLoading:
                     num_blocks_per_group=1,
                     use_stream=True,
                 )
-
-
-def _converted_denoisers(source: ModelSource, root: Path, dtype: torch.dtype) -> dict[str, Any]:
-    """The denoisers a local folder stores in a publisher's own layout, converted into
-    diffusers' (see :mod:`engine.runtime.stored_layouts`); read from the headers here too, so a
-    hub download is converted as a local folder is (never loaded random-initialised)."""
-    import diffusers
-
-    from engine.preflight.stored_layouts import layout_of_folder
-    from engine.runtime.stored_layouts import load_converted
-
-    family = source.family
-    if not family.quantisation.stored_layouts or source.kind not in ("pipeline", "hub"):
-        return {}
-    if not root.is_dir():  # a hub repo: its denoisers fetched (or found in the cache) first
-        from huggingface_hub import snapshot_download
-
-        root = Path(snapshot_download(str(root), allow_patterns=["model_index.json",
-                                                                 *(f"{name}/*" for name in family.denoisers)]))
-    config = diffusers.DiffusionPipeline.load_config(str(root))
-    converted = {}
-    for name in family.denoisers:
-        layout = layout_of_folder(family, root / name) if name in config else None
-        if layout is not None:
-            converted[name] = load_converted(getattr(diffusers, config[name][1]), root / name, layout, dtype)
-    return converted
 
 
 def denoisers_of(pipe: Any, family: Any) -> list[Any]:

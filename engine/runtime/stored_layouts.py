@@ -11,21 +11,15 @@ strictly, so a layout converted wrong can never run random-initialised.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.contract.types import StoredLayout
+from engine.contract.types import FamilySpec, StoredLayout
 from engine.errors import EngineError
 from engine.preflight.source import ModelSource
-
-#: safetensors dtypes as torch's, for the meta tensors of a header.
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-
 
 class LayoutNotConverted(EngineError):
     """The family's converter would leave parameters unset, tensors unread or shapes wrong."""
@@ -33,27 +27,59 @@ class LayoutNotConverted(EngineError):
     code = "corrupt_checkpoint"
 
 
-def check_stored_layout(source: ModelSource) -> None:
-    """Refuse, before anything is evicted, a folder whose stored layout the family's converter
-    cannot turn into the model: converted on ``meta`` from the headers alone."""
+def stored_denoisers(family: FamilySpec, root: Path) -> dict[str, tuple[StoredLayout, list[Any]]]:
+    """Each denoiser of the pipeline at ``root`` stored in one of the family's layouts, with its
+    tensors' (name, dtype, shape) from its headers (read once here)."""
     import diffusers
 
-    from engine.preflight.headers import tensor_storage
-    from engine.preflight.stored_layouts import layout_of_folder
+    from engine.preflight.headers import tensor_layout
+    from engine.preflight.stored_layouts import layout_of_names
 
-    layout, folder = source.stored_layout, Path(source.location)
-    if layout is None or source.kind != "pipeline":
+    config = diffusers.DiffusionPipeline.load_config(str(root))
+    found = {}
+    for name in family.denoisers:
+        if name not in config:
+            continue
+        rows = [row for file in sorted((root / name).glob("*.safetensors")) for row in tensor_layout(file)]
+        layout = layout_of_names(family, (tensor for tensor, _, _ in rows))
+        if layout is not None:
+            found[name] = (layout, rows)
+    return found
+
+
+def check_stored_layout(source: ModelSource) -> None:
+    """Refuse, before anything is evicted, a folder whose stored layout the family's converter
+    cannot turn into the model: converted on ``meta`` tensors of the stored shapes (the values
+    never matter to which names and shapes come out)."""
+    import diffusers
+
+    folder = Path(source.location)
+    if source.stored_layout is None or source.kind != "pipeline":
         return
     config = diffusers.DiffusionPipeline.load_config(str(folder))
-    for name in source.family.denoisers:
-        if name not in config or layout_of_folder(source.family, folder / name) is None:
-            continue
-        shapes = {tensor: shape for tensor, shape in _header_shapes(folder / name)}
-        dtypes = {tensor: dtype for tensor, dtype, _, _ in tensor_storage(sorted((folder / name).glob("*.safetensors")))}
-        stored = {tensor: torch.empty(shape, dtype=_DTYPES.get(dtypes[tensor], torch.float32), device="meta")
-                  for tensor, shape in shapes.items()}
+    for name, (layout, rows) in stored_denoisers(source.family, folder).items():
+        stored = {tensor: torch.empty(shape, device="meta") for tensor, _, shape in rows}
         model = _empty(getattr(diffusers, config[name][1]), folder / name)
         _compare(folder / name, layout, _converter(layout)(stored, torch.bfloat16), model)
+
+
+def converted_denoisers(source: ModelSource, root: Path, dtype: torch.dtype) -> dict[str, Any]:
+    """The denoisers a folder stores in a publisher's own layout, converted into diffusers' and
+    loaded strictly; read from the headers at load too, so a hub download is converted as a
+    local folder is (never loaded random-initialised)."""
+    import diffusers
+
+    family = source.family
+    if not family.quantisation.stored_layouts or source.kind not in ("pipeline", "hub"):
+        return {}
+    if not root.is_dir():  # a hub repo: its denoisers fetched (or found in the cache) first
+        from huggingface_hub import snapshot_download
+
+        root = Path(snapshot_download(str(root), allow_patterns=["model_index.json",
+                                                                 *(f"{name}/*" for name in family.denoisers)]))
+    config = diffusers.DiffusionPipeline.load_config(str(root))
+    return {name: load_converted(getattr(diffusers, config[name][1]), root / name, layout, dtype)
+            for name, (layout, _) in stored_denoisers(family, root).items()}
 
 
 def load_converted(model_class: Any, folder: Path, layout: StoredLayout, dtype: torch.dtype) -> Any:
@@ -96,8 +122,3 @@ def _compare(folder: Path, layout: StoredLayout, state: dict[str, torch.Tensor],
             "looks like: download it again, or load the dense repo"
         )
 
-
-def _header_shapes(folder: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
-    from engine.preflight.headers import tensor_shapes
-
-    yield from tensor_shapes(sorted(folder.glob("*.safetensors")))

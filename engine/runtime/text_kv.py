@@ -73,9 +73,9 @@ def _version(tensor: torch.Tensor) -> int:
 
 def install(denoisers: Iterable[torch.nn.Module], sites: tuple[str, ...]) -> TextKVCache | None:
     """Wrap every module of ``denoisers`` whose name ends with one of ``sites``; None where none does."""
-    cache = TextKVCache()
     if not sites:
         return None
+    cache = TextKVCache()
     for denoiser in denoisers:
         for name, module in denoiser.named_modules():
             if name.endswith(sites) and not getattr(module, _WRAPPED, False):

@@ -28,8 +28,15 @@ def dequantised(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
             continue
         scale = stored.get(name.removesuffix(".weight") + ".scale_weight") if name.endswith(".weight") else None
         if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            tensor = tensor.float()
-            if scale is not None:
-                tensor = tensor * scale.float().reshape(-1, *([1] * (tensor.ndim - 1)) if scale.numel() > 1 else ())
+            tensor = scaled(tensor, scale)
         state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return state
+
+
+def scaled(codes: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """float8 ``codes`` times ``scale`` in fp32: one scale for the tensor (a scalar, or of one
+    element), or one per output row; no scale: the codes' own values."""
+    values = codes.float()
+    if scale is None:
+        return values
+    return values * scale.float().reshape(-1, *([1] * (values.ndim - 1)) if scale.numel() > 1 else ())

@@ -34,6 +34,15 @@ def write_single_file(pipeline_dir: Path, denoiser: str, target: Path) -> Path:
     return target
 
 
+def fp8_rounded(weight: torch.Tensor, *, per_row: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` as float8_e4m3fn codes, their fp32 scale (its absolute maximum over 448, for the
+    tensor or per row) and the values they hold in ``weight``'s dtype (the dense twin)."""
+    peak = weight.abs().amax(dim=1) if per_row else weight.abs().amax()
+    scale = peak.clamp(min=1e-12).float() / torch.finfo(torch.float8_e4m3fn).max
+    codes = (weight.float() / (scale[:, None] if per_row else scale)).to(torch.float8_e4m3fn)
+    return codes, scale, (codes.float() * (scale[:, None] if per_row else scale)).to(weight.dtype)
+
+
 def write_fp8_scaled(pipeline_dir: Path, denoiser: str, target: Path, dense: Path | None = None) -> Path:
     """``target``: the denoiser as ComfyUI's ``fp8_scaled`` files lay it out: every 2-D weight of
     its blocks in float8_e4m3fn with a scalar ``scale_weight`` (its absolute maximum over 448) and
@@ -48,10 +57,8 @@ def write_fp8_scaled(pipeline_dir: Path, denoiser: str, target: Path, dense: Pat
         if not (name.endswith(".weight") and weight.ndim == 2 and "blocks" in name):
             stored[name] = held[name] = weight
             continue
-        scale = weight.abs().amax().clamp(min=1e-12).float() / torch.finfo(torch.float8_e4m3fn).max
-        codes = (weight.float() / scale).to(torch.float8_e4m3fn)
+        codes, scale, held[name] = fp8_rounded(weight, per_row=False)
         stored[name], stored[name.removesuffix(".weight") + ".scale_weight"] = codes, scale
-        held[name] = (codes.float() * scale).to(weight.dtype)
     target.parent.mkdir(parents=True, exist_ok=True)
     save_file(stored, str(target))
     if dense is not None:

@@ -16,6 +16,8 @@ import re
 
 import torch
 
+from engine.runtime.upstream_files import scaled
+
 _SCALE = ".weight_scale"
 _FUSED = re.compile(r"^(layers\.\d+\.attention)\.qkv\.weight$")
 _OUT = re.compile(r"^(layers\.\d+\.attention)\.o\.weight$")
@@ -32,7 +34,7 @@ def split_fused_fp8(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
             continue
         module = key.removesuffix(".weight")
         if module in scales:
-            tensor = tensor.float() * scales[module].float().reshape(-1, *([1] * (tensor.ndim - 1)))
+            tensor = scaled(tensor, scales[module])
         tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
         if fused := _FUSED.match(key):
             for part, rows in zip(("to_q", "to_k", "to_v"), tensor.chunk(3, dim=0)):

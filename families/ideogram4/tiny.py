@@ -71,6 +71,8 @@ def write_fp8_fused_layout(dense: pathlib.Path, out: pathlib.Path) -> pathlib.Pa
 
     from safetensors.torch import load_file, save_file
 
+    from engine.testing.checkpoints import fp8_rounded
+
     out = pathlib.Path(out)
     shutil.copytree(dense, out)
     for name in ("transformer", "unconditional_transformer"):
@@ -82,10 +84,8 @@ def write_fp8_fused_layout(dense: pathlib.Path, out: pathlib.Path) -> pathlib.Pa
             if not (key.startswith("layers.") and key.endswith(".weight") and weight.ndim == 2):
                 held[key] = stored[key] = weight
                 continue
-            scale = weight.abs().amax(dim=1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-            fp8 = (weight / scale[:, None]).to(torch.float8_e4m3fn)
-            held[key] = (fp8.to(weight.dtype) * scale[:, None]).to(weight.dtype)
-            stored[key], stored[key.removesuffix(".weight") + ".weight_scale"] = fp8, scale.float()
+            codes, scale, held[key] = fp8_rounded(weight, per_row=True)
+            stored[key], stored[key.removesuffix(".weight") + ".weight_scale"] = codes, scale
         for i in sorted({int(key.split(".")[1]) for key in stored if ".attention.to_q." in key}):
             block = f"layers.{i}.attention"
             parts = [(stored.pop(f"{block}.to_{p}.weight"), stored.pop(f"{block}.to_{p}.weight_scale")) for p in "qkv"]
