@@ -27,9 +27,9 @@ class LayoutNotConverted(EngineError):
     code = "corrupt_checkpoint"
 
 
-def stored_denoisers(family: FamilySpec, root: Path) -> dict[str, tuple[StoredLayout, list[Any]]]:
+def stored_denoisers(family: FamilySpec, root: Path) -> dict[str, tuple[StoredLayout, list[Any], Any]]:
     """Each denoiser of the pipeline at ``root`` stored in one of the family's layouts, with its
-    tensors' (name, dtype, shape) from its headers (read once here)."""
+    tensors' (name, dtype, shape) from its headers (read once here) and its diffusers class."""
     import diffusers
 
     from engine.preflight.headers import tensor_layout
@@ -43,7 +43,7 @@ def stored_denoisers(family: FamilySpec, root: Path) -> dict[str, tuple[StoredLa
         rows = [row for file in sorted((root / name).glob("*.safetensors")) for row in tensor_layout(file)]
         layout = layout_of_names(family, (tensor for tensor, _, _ in rows))
         if layout is not None:
-            found[name] = (layout, rows)
+            found[name] = (layout, rows, getattr(diffusers, config[name][1]))
     return found
 
 
@@ -51,15 +51,12 @@ def check_stored_layout(source: ModelSource) -> None:
     """Refuse, before anything is evicted, a folder whose stored layout the family's converter
     cannot turn into the model: converted on ``meta`` tensors of the stored shapes (the values
     never matter to which names and shapes come out)."""
-    import diffusers
-
     folder = Path(source.location)
     if source.stored_layout is None or source.kind != "pipeline":
         return
-    config = diffusers.DiffusionPipeline.load_config(str(folder))
-    for name, (layout, rows) in stored_denoisers(source.family, folder).items():
+    for name, (layout, rows, model_class) in stored_denoisers(source.family, folder).items():
         stored = {tensor: torch.empty(shape, device="meta") for tensor, _, shape in rows}
-        model = _empty(getattr(diffusers, config[name][1]), folder / name)
+        model = _empty(model_class, folder / name)
         _compare(folder / name, layout, _converter(layout)(stored, torch.bfloat16), model)
 
 
@@ -67,8 +64,6 @@ def converted_denoisers(source: ModelSource, root: Path, dtype: torch.dtype) -> 
     """The denoisers a folder stores in a publisher's own layout, converted into diffusers' and
     loaded strictly; read from the headers at load too, so a hub download is converted as a
     local folder is (never loaded random-initialised)."""
-    import diffusers
-
     family = source.family
     if not family.quantisation.stored_layouts or source.kind not in ("pipeline", "hub"):
         return {}
@@ -77,9 +72,8 @@ def converted_denoisers(source: ModelSource, root: Path, dtype: torch.dtype) -> 
 
         root = Path(snapshot_download(str(root), allow_patterns=["model_index.json",
                                                                  *(f"{name}/*" for name in family.denoisers)]))
-    config = diffusers.DiffusionPipeline.load_config(str(root))
-    return {name: load_converted(getattr(diffusers, config[name][1]), root / name, layout, dtype)
-            for name, (layout, _) in stored_denoisers(family, root).items()}
+    return {name: load_converted(model_class, root / name, layout, dtype)
+            for name, (layout, _, model_class) in stored_denoisers(family, root).items()}
 
 
 def load_converted(model_class: Any, folder: Path, layout: StoredLayout, dtype: torch.dtype) -> Any:
