@@ -1,5 +1,5 @@
-"""A checkpoint its publisher stored quantised (ComfyUI's ``fp8_scaled``): kept as stored where
-the machine computes it, else dequantised to the compute dtype on load, said in the plan.
+"""A checkpoint its publisher stored quantised: kept in the engine's scheme for it where the
+machine computes that scheme, else dequantised to the compute dtype on load, said in the plan.
 
 Torch-free. The format is named by the preflight from the file's headers
 (:mod:`engine.preflight.upstream_files`); this module decides what the plan does with it.
@@ -15,8 +15,22 @@ from engine.policy.quant import scheme_unsupported_reason
 from engine.policy.resolved import Resolved, auto
 from engine.policy.scheme_choice import SchemeChoice
 
-#: The engine scheme each upstream format is kept as where the machine computes it.
-KEPT_AS: dict[str, str] = {"fp8_scaled": "fp8", "fp8_e4m3fn": "fp8"}
+#: The engine scheme each upstream format is kept as where the machine computes it (a file of
+#: several formats, ``mixed (...)``, is dequantised: the engine lays one scheme per denoiser).
+KEPT_AS: dict[str, str] = {
+    "fp8_scaled": "fp8", "fp8_e4m3fn": "fp8", "float8_e4m3fn": "fp8", "bfl_fp8r": "fp8",
+    "int8_tensorwise": "int8", "int8_convrot": "int8", "nvfp4": "nvfp4", "bfl_nvfp4": "nvfp4", "mxfp8": "mxfp8",
+}
+#: Formats diffusers' own quantizer loads (``bfl``): kept packed on any machine, dequantised by
+#: diffusers in each forward where the machine has no kernel for them.
+THROUGH_DIFFUSERS: dict[str, str] = {"bfl_fp8r": "bfl", "bfl_nvfp4": "bfl"}
+#: How each kept format's weights reach the engine's scheme, for the plan's reason.
+_HOW = {
+    "int8_convrot": "its int8 codes rotated back (ConvRot) and re-laid per row as torchao int8",
+    "int8_tensorwise": "its int8 codes re-laid per row as torchao int8",
+    "nvfp4": "its fp4 codes and block scales re-laid as torchao nvfp4",
+    "mxfp8": "its codes and block scales re-laid as torchao mxfp8",
+}
 
 
 def stored_format_choice(fmt: str | None, stored: str | None, quant: Resolved[str | None], hardware: HardwareProfile,
@@ -30,9 +44,9 @@ def stored_format_choice(fmt: str | None, stored: str | None, quant: Resolved[st
     scheme is refused (re-quantising a dequantised fp8 file adds a second rounding)."""
     if fmt is None:
         return stored, quant
-    kept = KEPT_AS[fmt]
-    why = scheme_unsupported_reason(kept, hardware, dtype)
-    if why is None:
+    kept = KEPT_AS.get(fmt)
+    why = scheme_unsupported_reason(kept, hardware, dtype) if kept else "its layers are stored in several formats"
+    if why is None or fmt in THROUGH_DIFFUSERS:
         if quant.source == "explicit" and quant.asked != kept:
             raise PreflightError(
                 f"quant={quant.asked or 'none'}: the file is stored {fmt} and loads as {kept}; it is not made dense "
@@ -40,17 +54,24 @@ def stored_format_choice(fmt: str | None, stored: str | None, quant: Resolved[st
         return kept, quant
     if quant.source == "explicit" and quant.asked not in (None, "none"):
         raise PreflightError(
-            f"quant={quant.asked}: the file is stored {fmt}, which this machine computes no {kept} for ({why}): it "
-            f"loads dequantised to {dtype}; drop quant, or load the dense file to quantise it",
+            f"quant={quant.asked}: the file is stored {fmt}, which this machine does not compute as stored ({why}): "
+            f"it loads dequantised to {dtype}; drop quant, or load the dense file to quantise it",
             code="prequantised_model",
         )
     return None, auto(None, f"the file is stored {fmt}; dequantised to {dtype} on load: {why}")
 
 
-def kept_as_stored(choice: SchemeChoice, fmt: str | None, kept: str | None) -> SchemeChoice:
+def kept_as_stored(choice: SchemeChoice, fmt: str | None, kept: str | None, hardware: HardwareProfile,
+                   dtype: str) -> SchemeChoice:
     """``choice`` with the plan's reason for a stored file kept as stored (``kept``), where one is."""
     if fmt is None or kept is None:
         return choice
-    return dataclasses.replace(choice, quant=auto(kept, f"the file is stored {fmt} (float8 weights with their "
-                                                        f"scales): kept {kept}, its weights re-laid per row as "
-                                                        "torchao tensors on the host"))
+    if fmt in THROUGH_DIFFUSERS:
+        why = scheme_unsupported_reason(kept, hardware, dtype)
+        how = (f"diffusers dequantises each layer to {dtype} as it runs ({why})" if why else
+               "diffusers computes it with its kernels where the card has them")
+        reason = f"the file is stored {fmt}: loaded through diffusers' {THROUGH_DIFFUSERS[fmt]} quantizer, its layers kept packed; {how}"
+    else:
+        how = _HOW.get(fmt, "float8 weights with their scales: kept fp8, its weights re-laid per row as torchao tensors")
+        reason = f"the file is stored {fmt} ({how}) on the host"
+    return dataclasses.replace(choice, quant=auto(kept, reason))

@@ -210,7 +210,7 @@ class TorchPlanner:
             base_name=self.base_name, tier=self.request.speed,
             memory_for=lambda scheme: self.memory(dtype.value, scheme), label=self.family.pipeline.denoiser_label,
         )
-        choice = kept_as_stored(choice, self.model.stored_format, self.base_quant)  # a publisher's fp8 file, kept
+        choice = kept_as_stored(choice, self.model.stored_format, self.base_quant, self.hardware, dtype.value)  # a publisher's fp8 file, kept
         if choice.memory is None:
             raise self.does_not_fit(dtype.value)
         encoder_memory, chosen = self.encoders_memory(dtype.value, choice.quant.value, choice.memory)

@@ -142,8 +142,14 @@ def read_safetensors_file(file: Path) -> tuple[dict[str, dict[str, object]], int
 
 def _safetensors_header(file: Path) -> dict[str, dict[str, object]]:
     """The header of a complete safetensors file (its tensor data fills the file exactly)."""
+    return complete_safetensors_file(file)[0]
+
+
+def complete_safetensors_file(file: Path) -> tuple[dict[str, dict[str, object]], int, dict[str, str]]:
+    """:func:`read_safetensors_file` of a file the user gave as a checkpoint: one that is not a
+    complete safetensors file is refused (``corrupt_checkpoint``), saying what is wrong."""
     try:
-        return read_safetensors_header(file)[0]
+        return read_safetensors_file(file)
     except ValueError as exc:
         raise NotAPipeline(
             f"{file} is not a complete safetensors file ({exc}); re-download or re-export it",

@@ -21,11 +21,11 @@ from engine.preflight.headers import (
     Shapes,
     check_same_model,
     gguf_shapes,
+    complete_safetensors_file,
     sizes_by_scheme,
-    tensor_layout,
     whole_pipeline_sizes,
 )
-from engine.preflight.upstream_files import UpstreamFormat, is_format_tensor, upstream_format
+from engine.preflight.upstream_files import UpstreamFormat, upstream_format
 from engine.preflight.source import ModelNotFound, ModelSource, NotAPipeline, unknown_family
 from engine.requests.references import is_hub_id
 from engine.contract.types import Checkpoint, ComponentSizes, FamilySpec
@@ -85,13 +85,17 @@ def single_file_source(
 
 
 def _read_file(file: Path, suffix: str) -> tuple[Shapes, UpstreamFormat | None]:
-    """The file's tensor shapes (the one header read; a format's own tensors left out) and the
-    format its publisher stored it in (a ComfyUI fp8 file, checked scale by scale), if any."""
+    """The file's tensor shapes (the one header read; a format's own tensors left out, each
+    weight as the model holds it) and the format its publisher stored it in, checked scale by
+    scale (:mod:`engine.preflight.upstream_files`), if any."""
     if suffix == ".gguf":
         return gguf_shapes(file), None
-    layout = tensor_layout(file)
-    upstream = upstream_format(file, layout)
-    return [(name, shape) for name, _, shape in layout if not is_format_tensor(name)], upstream
+    header, start, metadata = complete_safetensors_file(file)
+    upstream = upstream_format(file, header, start, metadata)
+    shapes = [(name, tuple(int(d) for d in info.get("shape", []))) for name, info in header.items()]  # type: ignore[attr-defined]
+    if upstream is None:
+        return shapes, None
+    return [(name, upstream.shapes.get(name, shape)) for name, shape in shapes if name not in upstream.own], upstream
 
 
 def whole_file_source(

@@ -1,83 +1,130 @@
 """Single files stored quantised by their publishers, told and checked from their headers.
 
-ComfyUI's ``fp8_scaled`` files hold each Linear's weight in float8 with a ``scale_weight``
-beside it (the weight is ``fp8 x scale``; sometimes a ``scale_input`` for fp8 activations) and
-an empty ``scaled_fp8`` tensor naming the format; plain fp8 casts hold float8 weights with no
-scale (a scale of 1). Read as a dense file, either would load its float8 codes as weights, or
-with their scales missing. This module names the format from the header alone, checks every
-scale against its weight (a weight with its scale missing, or a scale of another shape, refuses
-the file naming the tensor), and refuses a file holding quantised tensors of a layout the engine
-does not read yet (int8 or packed 4-bit codes: ConvRot, nvfp4, mxfp8, SVDQuant), before anything
-is evicted. Torch-free.
+What people download for ComfyUI and from the model makers is often quantised already: the
+older ComfyUI ``fp8_scaled`` (a ``scale_weight`` beside each float8 weight and an empty
+``scaled_fp8`` tensor naming it), plain fp8 casts, ComfyUI's mixed-precision files (a marker
+per layer, :mod:`engine.preflight.quant_markers`: float8, ConvRot int8, nvfp4, mxfp8), and
+Black Forest Labs' FP8R and NVFP4 linears. Read as a dense file, any of them would load its
+codes as weights, or without their scales. This module names the format from the header (and
+the markers' few bytes), checks every quantised layer's codes and scales
+(:mod:`engine.preflight.quantised_linears`), and gives the shape of each weight the codes
+encode, so the file is sized and matched against its base as the model it holds. A layout it
+does not read (Nunchaku's SVDQuant, int8 or packed codes with no marker saying how) is refused
+naming a tensor, before anything is evicted. Torch-free.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import PreflightError
-from engine.policy.stored_formats import KEPT_AS
+from engine.preflight.quant_markers import SUFFIX as MARKER_SUFFIX
+from engine.preflight.quant_markers import LayerMarker, layer_markers
+from engine.preflight.quantised_linears import FORMATS, Tensors, checked_linear, own_tensors
 
 #: safetensors dtypes of float8 codes, and of integer or packed codes.
 FLOAT8 = ("F8_E4M3", "F8_E5M2")
 PACKED = ("I8", "U8", "I4", "U4", "F4")
-#: The tensors ComfyUI writes beside the weights (the format's marker, the activation scales).
-_MARKERS = ("scaled_fp8",)
-_SCALE, _INPUT_SCALE = ".scale_weight", ".scale_input"
+#: The empty tensor the older ComfyUI fp8 files carry to name their format.
+_FP8_SCALED_MARKER = "scaled_fp8"
+#: Tensors only Nunchaku's SVDQuant layers carry (the low-rank branch, the smoothing).
+_SVDQUANT = (".proj_down", ".proj_up", ".smooth_factor", ".wscales")
+#: The names any format gives a Linear's scales.
+_SCALE_NAMES = frozenset(suffix for spec in FORMATS.values() for suffix in (*spec.scales, *spec.optional))
 
 
 @dataclass(frozen=True)
 class UpstreamFormat:
-    """How a single file is stored: its format's name and the engine scheme it is kept as."""
+    """How a single file is stored: each quantised layer's format, the shape of each weight
+    whose codes are stored in another (packed or padded), and the format's own tensors."""
 
-    name: str
-    kept_as: str
+    layers: Mapping[str, LayerMarker]
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    own: frozenset[str] = frozenset()
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The formats its layers are stored in (ConvRot int8 named apart from plain int8)."""
+        return tuple(sorted({scheme_of(marker) for marker in self.layers.values()}))
+
+    @property
+    def name(self) -> str:
+        formats = self.formats
+        return formats[0] if len(formats) == 1 else f"mixed ({', '.join(formats)})"
 
 
-def upstream_format(file: Path, storage: list[tuple[str, str, tuple[int, ...]]]) -> UpstreamFormat | None:
-    """The format ``file`` is stored in, from its tensors' (name, dtype, shape); None: dense.
-    Refuses (``corrupt_checkpoint``) a scale missing or mismatched, and (``unsupported_format``)
-    quantised codes of a layout the engine does not read."""
-    dtypes = {name: dtype for name, dtype, _ in storage}
-    shapes = {name: shape for name, _, shape in storage}
-    packed = [name for name, dtype, _ in storage if dtype in PACKED and name not in _MARKERS]
-    if packed:
+def scheme_of(marker: LayerMarker) -> str:
+    """A layer's format as the plan names it: ``int8_convrot`` for rotated int8."""
+    return "int8_convrot" if marker.format == "int8_tensorwise" and marker.convrot_group else marker.format
+
+
+def upstream_format(file: Path, header: dict[str, dict[str, object]], data_start: int,
+                    metadata: dict[str, str]) -> UpstreamFormat | None:
+    """The format ``file`` is stored in (its header entries, where its data starts, its
+    ``__metadata__``); None: dense. Refuses (``corrupt_checkpoint``) a scale missing or
+    mismatched, naming it, and (``unsupported_format``) codes of a layout it does not read."""
+    tensors: Tensors = {name: (str(info.get("dtype")), tuple(int(d) for d in info.get("shape", [])))  # type: ignore[attr-defined]
+                        for name, info in header.items()}
+    layers = _layers(file, tensors, layer_markers(file, header, data_start, metadata))
+    if layers is None:
+        return None
+    shapes, own = {}, {name for name in tensors if name.endswith(MARKER_SUFFIX) or name == _FP8_SCALED_MARKER}
+    for layer, marker in layers.items():
+        shape = checked_linear(file, layer, marker.format, tensors, marker.orig_shape)
+        own.update(own_tensors(layer, marker.format))
+        if shape != tensors[f"{layer}.weight"][1]:
+            shapes[f"{layer}.weight"] = shape
+    _refuse_leftovers(file, tensors, layers, own)
+    return UpstreamFormat(layers, shapes, frozenset(own))
+
+
+def _layers(file: Path, tensors: Tensors, markers: dict[str, LayerMarker]) -> dict[str, LayerMarker] | None:
+    """Each quantised layer and its format, by the file's own signs (markers, then the older
+    ComfyUI names, then BFL's), or None where nothing in it is quantised."""
+    if markers:
+        return markers
+    svdquant = next((name for name in tensors if name.endswith(_SVDQUANT)), None)
+    if svdquant is not None:
         raise PreflightError(
-            f"{file} holds quantised codes ({packed[0]} is {dtypes[packed[0]]}, {len(packed)} such tensors): a "
-            "pre-quantised layout this engine does not read yet (int8 ConvRot, nvfp4, mxfp8 or SVDQuant files); "
-            "load the dense (bf16) file, or a GGUF of the model",
+            f"{file} is a Nunchaku SVDQuant file ({svdquant}): its W4A4 layers run only on Nunchaku's CUDA "
+            "kernels, which diffusers loads from a diffusers folder whose transformer config names "
+            "quant_method nunchaku_lite (int4 on Turing to Ada and Blackwell, nvfp4 on Blackwell; not Hopper); "
+            "load that folder on such a GPU, or the dense file",
             code="unsupported_format",
         )
-    float8 = [name for name, dtype, _ in storage if dtype in FLOAT8 and name not in _MARKERS]
-    if not float8:
-        return None
-    scales = {name.removesuffix(_SCALE) for name in dtypes if name.endswith(_SCALE)}
-    if not scales and not any(name in dtypes for name in _MARKERS):
-        return UpstreamFormat("fp8_e4m3fn", KEPT_AS["fp8_e4m3fn"])  # a plain cast: each scale is 1
-    for name in float8:
-        module = name.removesuffix(".weight")
-        if module not in scales:
-            raise PreflightError(
-                f"{file} is stored fp8_scaled but {name} has no {module}{_SCALE}: its values would load "
-                "unscaled; download the file again",
-                code="corrupt_checkpoint",
-            )
-        scale = shapes[module + _SCALE]
-        rows = shapes[name][0] if shapes[name] else 1
-        if tuple(scale) not in ((), (1,), (rows,), (rows, 1)):
-            raise PreflightError(
-                f"{file}: {module}{_SCALE} has shape {list(scale)}, which scales neither all of {name} "
-                f"({list(shapes[name])}) nor each of its rows; download the file again",
-                code="corrupt_checkpoint",
-            )
-    orphans = sorted(module + _SCALE for module in scales if module + ".weight" not in float8)
-    if orphans:
-        raise PreflightError(f"{file}: {orphans[0]} scales no float8 weight; download the file again",
-                             code="corrupt_checkpoint")
-    return UpstreamFormat("fp8_scaled", KEPT_AS["fp8_scaled"])
+    weights = [name.removesuffix(".weight") for name, (dtype, _) in tensors.items()
+               if name.endswith(".weight") and dtype in (*FLOAT8, *PACKED)]
+    if _FP8_SCALED_MARKER in tensors or any(name.endswith(".scale_weight") for name in tensors):
+        return {layer: LayerMarker("fp8_scaled") for layer in weights}
+    if any(name.endswith(".weight_scale") for name in tensors):
+        return {name.removesuffix(".weight_scale"): LayerMarker(
+            "bfl_nvfp4" if name.replace(".weight_scale", ".weight_scale_2") in tensors else "bfl_fp8r")
+            for name in tensors if name.endswith(".weight_scale")}
+    packed = next((f"{layer}.weight" for layer in weights if tensors[f"{layer}.weight"][0] in PACKED), None)
+    if packed is not None:
+        raise unsupported(file, packed, tensors[packed][0])
+    return {layer: LayerMarker("fp8_e4m3fn") for layer in weights} or None
 
 
-def is_format_tensor(name: str) -> bool:
-    """A tensor of the format itself (a scale, the marker), not of the model."""
-    return name.endswith((_SCALE, _INPUT_SCALE)) or name in _MARKERS
+def _refuse_leftovers(file: Path, tensors: Tensors, layers: Mapping[str, LayerMarker], own: set[str]) -> None:
+    """Refuse a scale that scales no quantised layer, and codes no layer's format reads."""
+    weights = {f"{layer}.weight" for layer in layers}
+    for name, (dtype, _) in tensors.items():
+        if name in own or name in weights:
+            continue
+        if name.rsplit(".", 1)[-1] in _SCALE_NAMES:
+            raise PreflightError(f"{file}: {name} scales no quantised weight; download the file again",
+                                 code="corrupt_checkpoint")
+        if dtype in (*FLOAT8, *PACKED):
+            raise unsupported(file, name, dtype)
+
+
+def unsupported(file: Path, name: str, dtype: str) -> PreflightError:
+    return PreflightError(
+        f"{file} holds quantised codes ({name} is {dtype}) with no scale or marker saying how they are stored: "
+        "a layout this engine does not read (it reads ComfyUI's fp8_scaled and marked float8, ConvRot int8, "
+        "nvfp4 and mxfp8 files, and BFL's FP8R and NVFP4); load the dense (bf16) file, or a GGUF of the model",
+        code="unsupported_format",
+    )

@@ -45,6 +45,7 @@ from engine.runtime.whole_file import load_whole_file
 from engine.runtime.modular import load_modular
 from engine.preflight.pipeline_index import modular_index
 from engine.preflight.quantised_folder import STORED_SCHEMES, read_marker
+from engine.policy.stored_formats import THROUGH_DIFFUSERS
 from engine.runtime.prequantised import load_quantised
 from engine.runtime.stored_layouts import converted_denoisers
 
@@ -103,7 +104,8 @@ class PipelineLoading:
         scheme = plan.value("transformer_quant")
         pipe = self._load_pipeline(dtype, str(scheme) if scheme else None)
         self.quantised_layers, self.onednn_layers, self.placement = 0, 0, None
-        if scheme and scheme != "nf4" and self.source.prequantised_scheme is None:
+        quantised_by_loader = self.source.prequantised_scheme is not None or self.source.upstream_format in THROUGH_DIFFUSERS
+        if scheme and scheme != "nf4" and not quantised_by_loader:
             keep = quantize.module_filter(str(scheme), self.source.family.quantisation.int8_dense_modules)
             for denoiser in denoisers_of(pipe, self.source.family):  # every expert, or the load fails
                 self.placement = quantize_on_host_then_place(
@@ -193,7 +195,9 @@ class PipelineLoading:
                 if source.kind == "gguf":
                     extra["quantization_config"] = diffusers.GGUFQuantizationConfig(compute_dtype=dtype)
                 weights: Any = source.location
-                if source.upstream_format is not None:  # stored fp8 by its publisher: scaled back first
+                if source.upstream_format in THROUGH_DIFFUSERS:  # BFL's linears: diffusers' own quantizer
+                    extra["quantization_config"] = diffusers.BFLQuantizationConfig(compute_dtype=dtype)
+                elif source.upstream_format is not None:  # stored quantised by its publisher: decoded first
                     from engine.runtime.upstream_files import dequantised
 
                     weights = dequantised(Path(source.location), dtype)

@@ -142,3 +142,20 @@ def write_sized_controlnet(class_name: str, gb: float, target: Path, width: int 
     rows = max(1, int(gb * 1e9 / (2 * width)))
     _write_sparse_safetensors(target / "diffusion_pytorch_model.safetensors", [("filler.weight", (rows, width))])
     return target
+
+
+def refused_beside_resident(registry: object, base: Path, broken: Path) -> object:
+    """The error a load of ``broken`` (a single file on ``base``) raises while ``base`` is
+    loaded, after checking the resident pipeline stayed: the 0-eviction proof for a file."""
+    import pytest
+
+    from engine.errors import EngineError
+    from engine.service.facade import Engine
+
+    with Engine(registry=registry) as engine:  # type: ignore[arg-type]
+        engine.images.load(str(base))
+        resident = engine.images.session
+        with pytest.raises(EngineError) as refused:
+            engine.images.load(str(broken), base=str(base))
+        assert engine.images.session is resident, "the resident pipeline was evicted before the refusal"
+    return refused.value

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.contract.plugins import Registry
-from engine.errors import EngineError, PreflightError
+from engine.errors import PreflightError
 
 
 @pytest.fixture(scope="module")
@@ -88,25 +88,20 @@ def test_on_the_cpu_it_renders_the_dense_model_it_encodes(
 
 @pytest.mark.parametrize(("change", "named"), [
     (lambda s: {k: v for k, v in s.items() if k != "transformer_blocks.0.attn.to_q.scale_weight"},
-     "transformer_blocks.0.attn.to_q.weight has no transformer_blocks.0.attn.to_q.scale_weight"),
+     "transformer_blocks.0.attn.to_q.weight is stored fp8_scaled but transformer_blocks.0.attn.to_q.scale_weight is missing"),
     (lambda s: {**s, "transformer_blocks.0.attn.to_q.scale_weight": s["transformer_blocks.0.attn.to_q.scale_weight"]
-                .repeat(3)}, "transformer_blocks.0.attn.to_q.scale_weight has shape [3]"),
+                .repeat(3)}, "transformer_blocks.0.attn.to_q.scale_weight is F32 [3], which does not scale"),
 ], ids=["scale-missing", "scale-mismatched"])
 def test_a_scale_missing_or_mismatched_is_refused_naming_the_tensor_before_anything_is_evicted(
     engine_registry: Registry, files: tuple[Path, Path, Path], tmp_path: Path, change: Callable[[dict], dict],
     named: str,
 ) -> None:
-    from engine.service.facade import Engine
+    from engine.testing.checkpoints import refused_beside_resident
 
     base, scaled, _ = files
     broken = _resaved(scaled, tmp_path / "flux1-dev-fp8_scaled.safetensors", change)
-    with Engine(registry=engine_registry) as engine:
-        engine.images.load(str(base))
-        resident = engine.images.session
-        with pytest.raises(EngineError) as refused:
-            engine.images.load(str(broken), base=str(base))
-        assert engine.images.session is resident
-    assert refused.value.code == "corrupt_checkpoint" and named in refused.value.message, refused.value.message
+    error = refused_beside_resident(engine_registry, base, broken)
+    assert error.code == "corrupt_checkpoint" and named in error.message, error.message  # type: ignore[attr-defined]
 
 
 def test_a_layout_of_int8_codes_the_engine_does_not_read_is_refused_naming_a_tensor(
