@@ -14,6 +14,7 @@ from pathlib import Path
 from engine import __version__
 from engine.cli import images, machine, training
 from engine.deprecation import register, told
+from engine.requests.choices import STORED_SCHEMES
 from engine.cli.common import DOWNLOAD_HELP, Parser, add_controls, add_json, add_verbose, port_number
 from engine.requests import GENERATE_CONTROLS, MODEL_CONTROLS, PLAN_CONTROLS
 from engine.server.settings import DEFAULT_GALLERY_GB
@@ -127,7 +128,7 @@ def _add_quantize(commands: Commands) -> None:
     quantize = commands.add_parser("quantize", help="store a pipeline's denoiser quantised (int8 / fp8), "
                                    "so it loads with no dense transient and no quantising")
     quantize.add_argument("--model", required=True, metavar="DIR", help="a diffusers pipeline folder")
-    quantize.add_argument("--scheme", required=True, choices=("int8", "fp8"), help="how to store the denoiser")
+    quantize.add_argument("--scheme", required=True, choices=STORED_SCHEMES, help="how to store the denoiser")
     quantize.add_argument("-o", "--output", required=True, type=Path, metavar="DIR",
                           help="the pipeline folder to write (new or empty)")
     quantize.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 # Named here before they had a module of their own (API 1 plugins import them from here).
+from engine.contract.schemes import SCHEMES
 from engine.contract.video_spec import OUTPUT_KINDS as OUTPUT_KINDS, OutputKind as OutputKind, VideoSpec as VideoSpec
 
 if TYPE_CHECKING:  # annotations only: engine.contract.types imports this module
@@ -94,7 +95,8 @@ class QuantRules:
         own = dict(self.factors)
         if inference:
             own.update(self.inference_factors)
-        return own.get(scheme)
+        row = SCHEMES.get(scheme)
+        return own.get(scheme, own.get(row.sized_as) if row is not None and row.sized_as else None)
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,16 @@ class Scheme:
     #: Whether text encoders may be held in it (see :data:`ENCODER_SCHEME_ROWS`, the
     #: encoders' own table, which adds ``fp8_dynamic``).
     encoder: bool
+    #: The scheme whose family factors it takes where a family declares none of its own (it
+    #: stores the same layers alike).
+    sized_as: str | None = None
 
 
 SCHEMES: Mapping[str, Scheme] = MappingProxyType({s.name: s for s in (
     Scheme("bf16", 1.00, 1.00, "dense", False, None, "", trainable=True, encoder=False),
     Scheme("int8", 0.55, 1.00, "torchao", True, None, "", trainable=True, encoder=True),
+    # int8 with ConvRot's block-Hadamard rotation of each Linear's inputs (weights stored rotated).
+    Scheme("int8_convrot", 0.55, 1.00, "torchao", True, None, "", trainable=False, encoder=False, sized_as="int8"),
     Scheme("fp8", 0.55, 1.00, "torchao", True, "fp8", "an NVIDIA GPU of capability 8.9+ (Ada, Hopper, Blackwell)",
            trainable=True, encoder=True),
     Scheme("mxfp8", 0.58, 1.00, "torchao", True, "mxfp8", "a Blackwell GPU (sm100+)", trainable=True,
@@ -54,6 +59,8 @@ SCHEMES: Mapping[str, Scheme] = MappingProxyType({s.name: s for s in (
     Scheme("nf4", 0.30, 1.00, "bitsandbytes", False, None, "", trainable=True, encoder=True),
 )})
 
+#: Schemes ``quantize`` stores a denoiser folder in (torchao's safetensors support covers them).
+STORED_SCHEMES: tuple[str, ...] = ("int8", "int8_convrot", "fp8")
 #: Transformer weight schemes, dense first.
 QUANT_SCHEMES: tuple[str, ...] = tuple(SCHEMES)
 #: Schemes torchao builds (nf4 is bitsandbytes).

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from engine.hardware.profile import NATIVE_BF16_MIN_CAPABILITY, HardwareProfile
 from engine.policy.resolved import Resolved, auto, explicit
+from engine.policy.quant_filter import INT8_LIKE
 from engine.contract.schemes import QUANT_REQUESTS, SCHEMES, TORCHAO_SCHEMES  # noqa: F401  (re-exported)
 from engine.contract.types import FamilySpec
 
@@ -123,8 +124,8 @@ def scheme_unsupported_reason(scheme: str, hardware: HardwareProfile, dtype: str
     if needs is not None and not getattr(hardware, needs):
         return (f"{scheme} needs {SCHEMES[scheme].needs_text}; this is {hardware.device_name} "
                 f"({hardware.capability_label})")
-    if scheme == "int8" and hardware.vendor == "mps":
-        return "int8 (torchao) is not supported on Apple MPS"
+    if scheme in INT8_LIKE and hardware.vendor == "mps":
+        return f"{scheme} (torchao) is not supported on Apple MPS"
     return None
 
 

@@ -27,6 +27,8 @@ MIN_FEATURES = 512
 #: Name fragments int8 leaves dense in every family (norms, modulation, the
 #: timestep / guidance / pooled embedders); families add theirs.
 INT8_SKIP: tuple[str, ...] = ("norm", "mod", "adaln", "timestep", "guidance", "pooled")
+#: The schemes those rules apply to (int8 activations: the layers whose range int8 clips stay dense).
+INT8_LIKE = ("int8", "int8_convrot")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class WeightLayout:
 LAYOUTS = {
     # int8 data + fp32 scale and int8 zero point per row (torchao Int8Tensor).
     "int8": WeightLayout(1.0, 5.0, 1),
+    # int8 laid alike, its rows rotated in ConvRot groups (inputs a multiple of 16).
+    "int8_convrot": WeightLayout(1.0, 5.0, 16),
     # e4m3 data + fp32 scale per row.
     "fp8": WeightLayout(1.0, 4.0, 16),
     # e4m3 data + one e8m0 scale per 32-element block.
@@ -69,7 +73,7 @@ def quantises(
         return False
     if in_features % layout.dims_multiple or out_features % layout.dims_multiple:
         return False
-    if scheme != "int8":
+    if scheme not in INT8_LIKE:
         return True
     name = module_name.lower()
     return not any(token.lower() in name for token in (*INT8_SKIP, *dense_modules))

@@ -19,14 +19,15 @@ from engine.policy.scheme_choice import SchemeChoice
 #: several formats, ``mixed (...)``, is dequantised: the engine lays one scheme per denoiser).
 KEPT_AS: dict[str, str] = {
     "fp8_scaled": "fp8", "fp8_e4m3fn": "fp8", "float8_e4m3fn": "fp8", "bfl_fp8r": "fp8",
-    "int8_tensorwise": "int8", "int8_convrot": "int8", "nvfp4": "nvfp4", "bfl_nvfp4": "nvfp4", "mxfp8": "mxfp8",
+    "int8_tensorwise": "int8", "int8_convrot": "int8_convrot", "nvfp4": "nvfp4", "bfl_nvfp4": "nvfp4", "mxfp8": "mxfp8",
 }
 #: Formats diffusers' own quantizer loads (``bfl``): kept packed on any machine, dequantised by
 #: diffusers in each forward where the machine has no kernel for them.
 THROUGH_DIFFUSERS: dict[str, str] = {"bfl_fp8r": "bfl", "bfl_nvfp4": "bfl"}
 #: How each kept format's weights reach the engine's scheme, for the plan's reason.
 _HOW = {
-    "int8_convrot": "its int8 codes rotated back (ConvRot) and re-laid per row as torchao int8",
+    "int8_convrot": "its int8 codes re-laid per row as torchao int8, still rotated (ConvRot): the inputs are "
+                    "rotated as they arrive",
     "int8_tensorwise": "its int8 codes re-laid per row as torchao int8",
     "nvfp4": "its fp4 codes and block scales re-laid as torchao nvfp4",
     "mxfp8": "its codes and block scales re-laid as torchao mxfp8",

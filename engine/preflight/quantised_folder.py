@@ -29,16 +29,16 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from engine import stored
+from engine.contract.schemes import STORED_SCHEMES as STORED_SCHEMES  # re-exported
 from engine.errors import PreflightError
 from engine.preflight.headers import read_safetensors_file
 
 #: The denoiser folder's note of what it holds (the engine's, beside diffusers' config.json).
 MARKER = "diffusion_engine_quantized.json"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
-#: Schemes stored this way (torchao's safetensors support covers their tensor types).
-STORED_SCHEMES: tuple[str, ...] = ("int8", "fp8")
 #: Each scheme's torchao tensor class and the safetensors dtype of its quantised data.
-QUANTISED_CLASS: dict[str, tuple[str, str]] = {"int8": ("Int8Tensor", "I8"), "fp8": ("Float8Tensor", "F8_E4M3")}
+QUANTISED_CLASS: dict[str, tuple[str, str]] = {"int8": ("Int8Tensor", "I8"), "int8_convrot": ("Int8Tensor", "I8"),
+                                                "fp8": ("Float8Tensor", "F8_E4M3")}
 #: The objects a stored tensor's metadata may hold (torchao's own reader allows these and more:
 #: the engine accepts only what its two schemes write).
 ALLOWED_OBJECTS = frozenset({"Int8Tensor", "Float8Tensor", "Float8MMConfig", "QuantizeTensorToFloat8Kwargs",
@@ -63,7 +63,7 @@ class CorruptQuantisedModel(PreflightError):
 class StoredMarker:
     """:data:`MARKER` as read back (every field checked; the model class since this release)."""
 
-    scheme: Literal["int8", "fp8"]
+    scheme: Literal["int8", "int8_convrot", "fp8"]
     device: Literal["cpu", "cuda"]
     dtype: Literal["float32", "bfloat16", "float16"]
     made_from: Annotated[str, Field(max_length=4096)]

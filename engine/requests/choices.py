@@ -9,7 +9,7 @@ them from here. The quantisation schemes themselves are the plugin contract's
 
 from __future__ import annotations
 
-from engine.contract.schemes import ENCODER_SCHEMES, QUANT_REQUESTS, TRAINING_PRECISIONS
+from engine.contract.schemes import ENCODER_SCHEMES, QUANT_REQUESTS, STORED_SCHEMES, TRAINING_PRECISIONS
 from engine.contract.types import ATTENTION_KERNELS
 
 #: The runtime that runs a load: diffusers (torch), stable-diffusion.cpp (the CPU engine), or decided.
@@ -36,6 +36,6 @@ TINY_DEFAULTS: dict[str, int] = {"width": 64, "height": 64, "steps": 4}
 __all__ = [
     "TINY_DEFAULTS",
     "ATTENTION_BACKENDS", "COMPILE_REQUESTS", "DEVICES", "DTYPES", "ENGINES", "MEMORY_MODES", "QUANT_REQUESTS",
-    "SPEED_REQUESTS", "SPEED_TIERS", "STEP_CACHES", "TEXT_ENCODER_MEMORY_REQUESTS", "TEXT_ENCODER_QUANT_REQUESTS",
+    "SPEED_REQUESTS", "SPEED_TIERS", "STORED_SCHEMES", "STEP_CACHES", "TEXT_ENCODER_MEMORY_REQUESTS", "TEXT_ENCODER_QUANT_REQUESTS",
     "TRAINING_PRECISIONS", "VAE_TILING_REQUESTS",
 ]

@@ -39,3 +39,55 @@ def rotated(values: torch.Tensor, group: int) -> torch.Tensor:
         raise ValueError(f"{width} channels do not split into ConvRot groups of {group}")
     hadamard = regular_hadamard(group).to(values.device, values.dtype)
     return (values.reshape(*values.shape[:-1], width // group, group) @ hadamard).reshape(values.shape)
+
+
+#: The group ConvRot's own exports use; narrower layers take the widest power of 4 dividing them.
+DEFAULT_GROUP = 256
+_GROUPS = (256, 64, 16)
+#: The attribute a rotated Linear carries: its group.
+ROTATED = "_convrot_group"
+
+
+def group_for(in_features: int) -> int:
+    """The Hadamard group for a Linear of ``in_features`` inputs (0: none divides them)."""
+    return next((group for group in _GROUPS if in_features % group == 0), 0)
+
+
+def rotate_inputs(module: torch.nn.Module, group: int) -> None:
+    """Rotate what ``module`` (a Linear whose weight is stored rotated) receives, as it runs."""
+
+    def hook(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return (rotated(args[0], group), *args[1:])
+
+    setattr(module, ROTATED, group)
+    module.register_forward_pre_hook(hook)
+
+
+def rotate_linears(root: torch.nn.Module, keep: object) -> int:
+    """Store every Linear under ``root`` that ``keep(module, name)`` takes rotated (its weight
+    times the Hadamard, in groups), rotating its inputs as they arrive; the output is the
+    same product. Returns how many were rotated (a layer no group divides is left alone)."""
+    count = 0
+    for name, module in root.named_modules():
+        if not isinstance(module, torch.nn.Linear) or hasattr(module, ROTATED) or not keep(module, name):  # type: ignore[operator]
+            continue
+        group = group_for(module.in_features)
+        if group:
+            with torch.no_grad():
+                module.weight.copy_(rotated(module.weight.float(), group).to(module.weight.dtype))
+            rotate_inputs(module, group)
+            count += 1
+    return count
+
+
+def restore_rotations(root: torch.nn.Module, quantised: object) -> int:
+    """After a stored ConvRot model is loaded: rotate the inputs of every Linear
+    ``quantised(module)`` says holds a stored (rotated) weight, in the group its width takes."""
+    count = 0
+    for module in root.modules():
+        if isinstance(module, torch.nn.Linear) and not hasattr(module, ROTATED) and quantised(module):  # type: ignore[operator]
+            group = group_for(module.in_features)
+            if group:
+                rotate_inputs(module, group)
+                count += 1
+    return count

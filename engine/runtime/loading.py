@@ -188,7 +188,8 @@ class PipelineLoading:
                 folder = Path(source.location)
                 for name in (denoiser_name, *source.family.pipeline.experts):
                     if read_marker(folder / name) is not None:
-                        components[name] = load_quantised(getattr(diffusers, config[name][1]), folder / name, dtype)
+                        components[name] = load_quantised(getattr(diffusers, config[name][1]), folder / name, dtype,
+                                                           scheme=source.prequantised_scheme)
             components.update(converted_denoisers(source, Path(str(root)), dtype))
             if from_file:
                 extra: dict[str, Any] = {}
@@ -200,10 +201,14 @@ class PipelineLoading:
                 elif source.upstream_format is not None:  # stored quantised by its publisher: decoded first
                     from engine.runtime.upstream_files import dequantised
 
-                    weights = dequantised(Path(source.location), dtype)
+                    weights = dequantised(Path(source.location), dtype, keep_rotated=scheme == "int8_convrot")
                 components[denoiser_name] = denoiser_cls.from_single_file(
                     weights, config=root, subfolder=denoiser_name, dtype=dtype, **extra
                 )
+                if scheme == "int8_convrot" and source.upstream_format is not None:  # kept in its own rotation
+                    from engine.runtime.upstream_files import rotate_as_stored
+
+                    rotate_as_stored(components[denoiser_name], Path(source.location))
             elif scheme == "nf4":
                 components[denoiser_name] = denoiser_cls.from_pretrained(
                     root, subfolder=denoiser_name, dtype=dtype,

@@ -40,9 +40,10 @@ def save_quantised(model: Any, folder: Path, note: dict[str, Any]) -> Path:
     return folder
 
 
-def load_quantised(model_class: Any, folder: Path, dtype: Any) -> Any:
+def load_quantised(model_class: Any, folder: Path, dtype: Any, scheme: str | None = None) -> Any:
     """The stored model, built on ``meta`` and given the stored tensors (no dense weights ever);
-    its plain floating parameters (norms, biases, kept-dense Linears) in ``dtype``."""
+    its plain floating parameters (norms, biases, kept-dense Linears) in ``dtype``; a ConvRot
+    model's quantised Linears rotate their inputs again (their weights are stored rotated)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -60,6 +61,10 @@ def load_quantised(model_class: Any, folder: Path, dtype: Any) -> Any:
         for name, param in list(module.named_parameters(recurse=False)):
             if type(param.data) is torch.Tensor and param.is_floating_point() and param.dtype != dtype:
                 setattr(module, name, torch.nn.Parameter(param.data.to(dtype), requires_grad=False))
+    if scheme == "int8_convrot":
+        from engine.runtime.convrot import restore_rotations
+
+        restore_rotations(model, lambda module: type(module.weight.data) is not torch.Tensor)
     return model.eval().requires_grad_(False)
 
 

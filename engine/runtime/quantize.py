@@ -47,10 +47,11 @@ ModuleFilter = Callable[[torch.nn.Module, str], bool]
 Transform = Callable[[torch.nn.Module, ModuleFilter], None]
 
 #: Schemes the installed torchao quantises off the GPU (see the module doc).
-HOST_SCHEMES = frozenset({"int8"})
+HOST_SCHEMES = frozenset({"int8", "int8_convrot"})
 #: Why each scheme quantises where it does; printed in the placement record.
 SITE_REASONS = {
     "int8": "torchao's int8 quantises with plain torch ops, on any device",
+    "int8_convrot": "ConvRot rotates and torchao's int8 quantises with plain torch ops, on any device",
     "fp8": "torchao's fp8 quantisation needs the sm89+ GPU (and, on sm90, its Triton kernel) at quantisation time",
     "mxfp8": "torchao picks mxfp8's quantisation kernels for the Blackwell GPU",
     "nvfp4": "torchao picks nvfp4's quantisation kernels for the Blackwell GPU",
@@ -132,7 +133,7 @@ def torchao_config(scheme: str, device: str) -> object:
         PerRow,
     )
 
-    if scheme == "int8":
+    if scheme in ("int8", "int8_convrot"):
         # Dynamic per-token activations on GPUs (int8 GEMMs); weight-only on CPU.
         return Int8DynamicActivationInt8WeightConfig() if device == "cuda" else Int8WeightOnlyConfig()
     if scheme == "fp8":
@@ -159,6 +160,10 @@ def torchao_transform(scheme: str, device: str) -> Transform:
     def apply(module: torch.nn.Module, keep: ModuleFilter) -> None:
         from torchao.quantization import quantize_
 
+        if scheme == "int8_convrot":  # weights stored rotated, inputs rotated as they arrive
+            from engine.runtime.convrot import rotate_linears
+
+            rotate_linears(module, keep)
         quantize_(module, torchao_config(scheme, device), filter_fn=keep)
 
     return apply

@@ -14,6 +14,7 @@ diffusers' ``bfl`` quantizer loads them (:data:`engine.policy.stored_formats.THR
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -29,8 +30,9 @@ def stored_format(file: Path) -> UpstreamFormat | None:
     return upstream_format(file, *complete_safetensors_file(file))
 
 
-def dequantised(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The file's weights in ``dtype``, every quantised Linear decoded."""
+def dequantised(file: Path, dtype: torch.dtype, *, keep_rotated: bool = False) -> dict[str, torch.Tensor]:
+    """The file's weights in ``dtype``, every quantised Linear decoded (``keep_rotated``: a
+    ConvRot layer's values left rotated, for a model that rotates its inputs, :func:`rotate_as_stored`)."""
     from safetensors.torch import load_file
 
     stored, fmt = load_file(str(file)), stored_format(file)
@@ -43,11 +45,25 @@ def dequantised(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         if name.endswith(".weight") and layer in layers:
             marker = layers[layer]
             spec = FORMATS[marker.format]
+            if keep_rotated:
+                marker = dataclasses.replace(marker, convrot_group=0)
             tensor = decoded(marker, tensor, {suffix: stored[f"{layer}.{suffix}"] for suffix in (*spec.scales, *spec.optional)
                                               if f"{layer}.{suffix}" in stored})
             tensor = tensor[tuple(slice(0, d) for d in fmt.shapes.get(name, tensor.shape))]  # type: ignore[union-attr]
         state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return state
+
+
+def rotate_as_stored(model: torch.nn.Module, file: Path) -> int:
+    """Rotate the inputs of each of ``model``'s Linears ``file`` stores ConvRot-rotated, in its
+    group (their weights were read still rotated); returns how many."""
+    from engine.runtime.convrot import rotate_inputs
+
+    fmt = stored_format(file)
+    layers = {layer: marker.convrot_group for layer, marker in (fmt.layers.items() if fmt else ()) if marker.convrot_group}
+    for layer, group in layers.items():
+        rotate_inputs(model.get_submodule(layer), group)
+    return len(layers)
 
 
 def decoded(marker: LayerMarker, codes: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -28,7 +28,7 @@ class QuantizeBody(Body):
     """A pipeline folder to store quantised, where, and for which device."""
 
     model: str = Field(..., min_length=1, max_length=4096)
-    scheme: Literal["int8", "fp8"]
+    scheme: Literal["int8", "int8_convrot", "fp8"]
     output: str = Field(..., min_length=1, max_length=4096)
     device: Literal["auto", "cpu", "cuda"] = "auto"
 

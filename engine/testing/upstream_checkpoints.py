@@ -25,7 +25,7 @@ BFL = ("bfl_fp8r", "bfl_nvfp4")
 
 
 def write_upstream(pipeline_dir: Path, denoiser: str, target: Path, fmt: str, dense: Path | None = None,
-                   *, group: int = 64, in_metadata: bool = False) -> Path:
+                   *, group: int = 256, in_metadata: bool = False) -> Path:
     """``target``: the denoiser with every 2-D weight of its blocks stored in ``fmt`` (ConvRot
     int8 rotated in groups of ``group`` inputs; ``in_metadata``: ComfyUI's markers in the
     file's ``__metadata__`` rather than as tensors); ``dense``: the values they encode."""

@@ -75,13 +75,13 @@ def test_comfyuis_markers_are_read_from_the_files_metadata_as_well(
 
 #: The engine scheme each format stays in per card; None: dequantised to the compute dtype.
 KEPT = {
-    "rtx4090": {"float8_e4m3fn": "fp8", "int8_tensorwise": "int8", "int8_convrot": "int8", "nvfp4": None,
+    "rtx4090": {"float8_e4m3fn": "fp8", "int8_tensorwise": "int8", "int8_convrot": "int8_convrot", "nvfp4": None,
                 "mxfp8": None, "bfl_fp8r": "fp8", "bfl_nvfp4": "nvfp4"},
-    "b200": {"float8_e4m3fn": "fp8", "int8_tensorwise": "int8", "int8_convrot": "int8", "nvfp4": "nvfp4",
+    "b200": {"float8_e4m3fn": "fp8", "int8_tensorwise": "int8", "int8_convrot": "int8_convrot", "nvfp4": "nvfp4",
              "mxfp8": "mxfp8", "bfl_fp8r": "fp8", "bfl_nvfp4": "nvfp4"},
     "t4": {"float8_e4m3fn": None, "int8_tensorwise": None, "int8_convrot": None, "nvfp4": None, "mxfp8": None,
            "bfl_fp8r": "fp8", "bfl_nvfp4": "nvfp4"},
-    "cpu": {"float8_e4m3fn": None, "int8_tensorwise": "int8", "int8_convrot": "int8", "nvfp4": None, "mxfp8": None,
+    "cpu": {"float8_e4m3fn": None, "int8_tensorwise": "int8", "int8_convrot": "int8_convrot", "nvfp4": None, "mxfp8": None,
             "bfl_fp8r": "fp8", "bfl_nvfp4": "nvfp4"},
 }
 
@@ -119,8 +119,9 @@ def test_on_the_cpu_each_renders_the_model_its_codes_encode(
     engine_registry: Registry, written: Callable[[str], tuple[Path, Path, Path]], fmt: str,
 ) -> None:
     """Pixel for pixel the dense twin's image (an int8 file kept int8: the twin quantised int8
-    alike; BFL's layers dequantised by diffusers as they run: within one level), and within the
-    format's rounding of the original model's. BFL's Linears stay packed in memory."""
+    alike; ConvRot's kept in its own rotation, the twin rotated and quantised at load, and BFL's
+    layers dequantised by diffusers as they run: within one level), and within the format's
+    rounding of the original model's. BFL's Linears stay packed in memory."""
     import torch
 
     from engine.requests.inference import InferenceRequest
@@ -128,7 +129,7 @@ def test_on_the_cpu_each_renders_the_model_its_codes_encode(
 
     base, stored, twin = written(fmt)
     asked, images = {"width": 64, "height": 64, "steps": 2, "seed": 3}, {}
-    twin_request = InferenceRequest(quant="int8") if fmt.startswith("int8") else InferenceRequest()
+    twin_request = InferenceRequest(quant=KEPT["cpu"][fmt] or "auto")
     with Engine(registry=engine_registry) as engine:
         for name, model, given, request in (("stored", stored, base, InferenceRequest()), ("twin", twin, base, twin_request),
                                             ("original", base, None, InferenceRequest())):
@@ -138,7 +139,7 @@ def test_on_the_cpu_each_renders_the_model_its_codes_encode(
                 assert type(layer).__name__ in ("BFLFP8RLinear", "BFLNVFP4Linear")
                 assert layer.weight.dtype in (torch.float8_e4m3fn, torch.uint8)
             images[name] = np.asarray(engine.images.generate("a red fox", **asked)[0]).astype(int)
-    assert np.abs(images["stored"] - images["twin"]).max() <= (1 if fmt in BFL else 0)
+    assert np.abs(images["stored"] - images["twin"]).max() <= (1 if fmt in (*BFL, "int8_convrot") else 0)
     assert np.abs(images["stored"] - images["original"]).mean() < (16 if "fp4" in fmt else 8)
 
 
