@@ -171,6 +171,9 @@ _ROWS: tuple[ErrorCode, ...] = (
     ErrorCode("insufficient_memory", 400, "The job would not fit in the memory this device has, even after "
               "evicting the residents; the message lists what would fit."),
     ErrorCode("not_trainable", 400, "The family's plugin provides no trainer."),
+    ErrorCode("stored_scheme_unsupported", 400, "The model is stored pre-quantised in a scheme this machine "
+              "cannot compute (nf4 without an NVIDIA GPU, fp8 below sm89, SVDQuant on Hopper...); the message "
+              "names what the scheme needs. Load the dense model, or run on such a machine."),
     ErrorCode("prequantised_model", 400, "The model's denoiser is stored pre-quantised in one scheme, and the "
               "request asks for another (or for dense); drop --quant, or load the model it was made from."),
     # -- datasets and LoRAs ---------------------------------------------------------------

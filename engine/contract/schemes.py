@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-Backend = Literal["dense", "torchao", "bitsandbytes"]
+Backend = Literal["dense", "torchao", "bitsandbytes", "sdnq", "nunchaku"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ class Scheme:
     #: The scheme whose family factors it takes where a family declares none of its own (it
     #: stores the same layers alike).
     sized_as: str | None = None
+    #: Whether ``--quant`` may ask for it; False: only read where a checkpoint is stored in it
+    #: by another library (its folder's ``quantization_config`` names it).
+    requestable: bool = True
 
 
 SCHEMES: Mapping[str, Scheme] = MappingProxyType({s.name: s for s in (
@@ -57,6 +60,13 @@ SCHEMES: Mapping[str, Scheme] = MappingProxyType({s.name: s for s in (
     Scheme("nvfp4", 0.33, 1.00, "torchao", True, "mxfp8", "a Blackwell GPU (sm100+)", trainable=False,
            encoder=True),
     Scheme("nf4", 0.30, 1.00, "bitsandbytes", False, None, "", trainable=True, encoder=True),
+    # Stored by other libraries (diffusers' sdnq and nunchaku_lite quantizers), read as stored.
+    Scheme("sdnq", 0.55, 0.55, "sdnq", False, None, "", trainable=False, encoder=False, requestable=False),
+    Scheme("svdquant", 0.30, 0.30, "nunchaku", False, None,
+           "Nunchaku's CUDA kernels: an NVIDIA GPU of Turing, Ampere, Ada or Blackwell (not Hopper)",
+           trainable=False, encoder=False, requestable=False),
+    Scheme("svdquant_nvfp4", 0.30, 0.30, "nunchaku", False, "nvfp4",
+           "Nunchaku's nvfp4 kernels: a Blackwell GPU (sm100+)", trainable=False, encoder=False, requestable=False),
 )})
 
 #: Schemes ``quantize`` stores a denoiser folder in (torchao's safetensors support covers them).
@@ -68,7 +78,10 @@ TORCHAO_SCHEMES: tuple[str, ...] = tuple(n for n, s in SCHEMES.items() if s.back
 #: Schemes quantised on the host and moved to the device already quantised.
 HOST_QUANTISED: frozenset[str] = frozenset(n for n, s in SCHEMES.items() if s.host_quantised)
 #: What ``--quant`` takes: a scheme, ``none`` (dense) or ``auto``.
-QUANT_REQUESTS: tuple[str, ...] = ("auto", "none", *(n for n in SCHEMES if n != "bf16"))
+QUANT_REQUESTS: tuple[str, ...] = ("auto", "none", *(n for n, s in SCHEMES.items() if n != "bf16" and s.requestable))
+#: The ``quant_method`` of a folder's ``quantization_config`` -> the scheme it is stored in.
+STORED_BY_LIBRARY: Mapping[str, str] = MappingProxyType({"bitsandbytes": "nf4", "sdnq": "sdnq",
+                                                         "nunchaku_lite": "svdquant"})
 #: Base precisions a DiT LoRA trainer can hold its frozen base in, ``auto`` last.
 TRAINING_PRECISIONS: tuple[str, ...] = ("nf4", *(n for n, s in SCHEMES.items() if s.trainable and n != "nf4"),
                                         "auto")

@@ -18,14 +18,16 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import TYPE_CHECKING
 
-from engine.contract.schemes import TORCHAO_SCHEMES
+from engine.contract.schemes import SCHEMES, TORCHAO_SCHEMES
 from engine.contract.types import ATTENTION_KERNELS
 
 if TYPE_CHECKING:  # the plan imports this module; only its type is needed here
     from engine.policy.plan import Plan
 
 #: Transformer weights, as loaded (``none``: dense in the compute dtype).
-QUANTS: tuple[str, ...] = ("none", "gguf", "nf4", *TORCHAO_SCHEMES)
+QUANTS: tuple[str, ...] = ("none", "gguf", *(name for name in SCHEMES if name != "bf16"))
+#: Schemes stored by another library, read as stored (a LoRA stays beside their layers).
+LIBRARY_SCHEMES: tuple[str, ...] = tuple(n for n, s in SCHEMES.items() if s.backend in ("sdnq", "nunchaku"))
 OFFLOADS: tuple[str, ...] = ("model_offload", "group_offload", "sequential_offload")
 
 #: Axis name -> its values. ``compile``: ``fullgraph`` is a regional compile
@@ -62,7 +64,7 @@ RULES: tuple[Rule, ...] = (
          "offload hooks run inside the denoiser: a fullgraph compile fails at the first step"),
     Rule("compile", ("fullgraph",), "quant", ("gguf",),
          "GGUF weights dequantise per call inside the blocks: regional compile only, without fullgraph"),
-    Rule("lora", ("fused",), "quant", ("gguf", "nf4", *TORCHAO_SCHEMES),
+    Rule("lora", ("fused",), "quant", ("gguf", "nf4", *TORCHAO_SCHEMES, *LIBRARY_SCHEMES),
          "a LoRA cannot be fused into quantised weights; it stays beside them (unfused)"),
     Rule("lora", ("fused", "unfused"), "compile", ("regional", "fullgraph"),
          "changing adapters on a compiled denoiser recompiles it; compiled LoRAs are hot-swapped in slots"),

@@ -111,6 +111,10 @@ def scheme_unsupported_reason(scheme: str, hardware: HardwareProfile, dtype: str
         if not hardware.bitsandbytes_usable:
             return "nf4 needs bitsandbytes, which is not usable here (pip install 'diffusion-engine[nf4]')"
         return None
+    if SCHEMES[scheme].backend == "sdnq":
+        return None  # torch kernels on any device (the package is checked with the folder)
+    if SCHEMES[scheme].backend == "nunchaku":
+        return _nunchaku_unsupported(scheme, hardware)
     if not hardware.torchao_functional:
         return f"{scheme} needs a functional torchao (missing, or a stub whose quantize_ does nothing)"
     if hardware.vendor == "nvidia" and _below_sm80(hardware):
@@ -126,6 +130,15 @@ def scheme_unsupported_reason(scheme: str, hardware: HardwareProfile, dtype: str
                 f"({hardware.capability_label})")
     if scheme in INT8_LIKE and hardware.vendor == "mps":
         return f"{scheme} (torchao) is not supported on Apple MPS"
+    return None
+
+
+def _nunchaku_unsupported(scheme: str, hardware: HardwareProfile) -> str | None:
+    """Where Nunchaku's kernels run: NVIDIA from Turing, never Hopper; nvfp4 on Blackwell."""
+    capability = hardware.capability if hardware.vendor == "nvidia" else None
+    needs = SCHEMES[scheme].needs
+    if capability is None or capability < (7, 5) or capability[0] == 9 or (needs and not getattr(hardware, needs)):
+        return f"{scheme} needs {SCHEMES[scheme].needs_text}; this is {hardware.device_name} ({hardware.capability_label})"
     return None
 
 

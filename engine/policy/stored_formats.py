@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 from engine.errors import PreflightError
+from engine.contract.types import FamilySpec
 from engine.hardware.profile import HardwareProfile
+from engine.policy.plan import ModelFacts
 from engine.policy.quant import scheme_unsupported_reason
 from engine.policy.resolved import Resolved, auto
 from engine.policy.scheme_choice import SchemeChoice
@@ -32,6 +34,26 @@ _HOW = {
     "nvfp4": "its fp4 codes and block scales re-laid as torchao nvfp4",
     "mxfp8": "its codes and block scales re-laid as torchao mxfp8",
 }
+
+
+def stored_choice(model: ModelFacts, stored: str | None, quant: Resolved[str | None], hardware: HardwareProfile,
+                  dtype: str, family: FamilySpec) -> tuple[str | None, Resolved[str | None]]:
+    """:func:`stored_format_choice` for ``model``, after refusing a model stored pre-quantised
+    in a scheme this machine cannot compute (:func:`refuse_stored_scheme`)."""
+    refuse_stored_scheme(model.prequantised_scheme, hardware, dtype, family.pipeline.denoiser_label)
+    return stored_format_choice(model.stored_format, stored, quant, hardware, dtype)
+
+
+def refuse_stored_scheme(scheme: str | None, hardware: HardwareProfile, dtype: str, label: str) -> None:
+    """Refuse a model stored pre-quantised (a folder, by ``quantize`` or another library) in a
+    scheme this machine cannot compute: loading it would fail after the resident model was gone."""
+    why = scheme_unsupported_reason(scheme, hardware, dtype) if scheme else None
+    if why is not None:
+        raise PreflightError(
+            f"the {label} is stored pre-quantised as {scheme}, which this machine cannot compute ({why}); "
+            f"load the dense model, or run on a machine that computes {scheme}",
+            code="stored_scheme_unsupported",
+        )
 
 
 def stored_format_choice(fmt: str | None, stored: str | None, quant: Resolved[str | None], hardware: HardwareProfile,

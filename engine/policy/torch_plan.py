@@ -44,7 +44,7 @@ from engine.policy.plan import ModelFacts, Plan, requested_by_control
 from engine.policy.quant import lift_denials, lifted_denials, resolve_quant_request
 from engine.policy.resolved import Resolved, auto, explicit, with_requests
 from engine.policy.scheme_choice import MemoryPlan, choose_transformer_scheme
-from engine.policy.stored_formats import kept_as_stored, stored_format_choice
+from engine.policy.stored_formats import kept_as_stored, stored_choice
 from engine.policy.schemes import HOST_QUANTISED, transformer_gb
 from engine.policy.speed import (
     StepCacheThresholds,
@@ -204,7 +204,7 @@ class TorchPlanner:
             family_label=self.family.label, dtype=dtype.value,
             lifted=lifted_denials(self.deny_reasons, self.family, self.hardware),
         )
-        self.base_quant, quant = stored_format_choice(self.model.stored_format, self.base_quant, quant, self.hardware, dtype.value)
+        self.base_quant, quant = stored_choice(self.model, self.base_quant, quant, self.hardware, dtype.value, self.family)
         choice = choose_transformer_scheme(
             quant, prequantised=self.base_quant, base=self.memory(dtype.value, self.base_quant),
             base_name=self.base_name, tier=self.request.speed,

@@ -20,6 +20,7 @@ from engine.policy.encoders import precast_encoders
 from engine.policy.plan import ModelDefaults
 from engine.preflight.folder_checkpoint import checkpoint_by_files, folder_layout
 from engine.preflight.pipeline_index import index_file, parse_index
+from engine.preflight.library_quant import library_scheme
 from engine.preflight.headers import Shapes, measured_sizes, sizes_by_scheme, tensor_storage
 from engine.preflight.quantised_folder import StoredMarker, judge_stored
 from engine.preflight.borrowed import borrowed_gb, lacking
@@ -57,9 +58,8 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
     _check_complete(folder, spec, components, path.name)
     denoiser_config = folder / spec.pipeline.denoiser / "config.json"
     marker = stored_marker(folder, spec, index.entries)  # written by `diffusion-engine quantize`, judged here
-    quantised = marker is not None or spec.is_prequantised(folder.name) or "quantization_config" in (
-        read_json(denoiser_config) if denoiser_config.is_file() else {}
-    )
+    by_library = library_scheme(denoiser_config, read_json(denoiser_config)) if denoiser_config.is_file() else None
+    quantised = marker is not None or by_library is not None or spec.is_prequantised(folder.name)
     sizes, shapes_of = _measured(folder, spec, components, marker, borrowed)
     denoiser_shapes = shapes_of.get(spec.pipeline.denoiser, [])
     every_denoiser = [shape for shapes in shapes_of.values() for shape in shapes]
@@ -72,7 +72,7 @@ def pipeline_source(registry: Registry, folder: Path, forced: FamilySpec | None)
         measured_sizes=sizes,
         scheme_gb=(sizes_by_scheme(every_denoiser, spec.quantisation.int8_dense_modules)
                    if denoiser_shapes and not quantised else None),
-        prequantised_scheme=marker.scheme if marker is not None else "nf4" if quantised else None,
+        prequantised_scheme=marker.scheme if marker is not None else by_library or ("nf4" if quantised else None),
         denoiser_shapes=tuple(denoiser_shapes),
         precast_encoders=precast_encoders({
             name: tensor_storage(sorted((folder / name).glob("*.safetensors")))

@@ -18,7 +18,9 @@ from engine.contract.types import QUANT_SCHEMES
 
 def test_every_list_of_schemes_comes_from_the_table() -> None:
     rows = {c.field: c for c in (*PLAN_CONTROLS, *TRAIN_CONTROLS)}
-    assert rows["quant"].choices == QUANT_REQUESTS == ("auto", "none", *[n for n in SCHEMES if n != "bf16"])
+    assert rows["quant"].choices == QUANT_REQUESTS == ("auto", "none", *[n for n, s in SCHEMES.items()
+                                                                        if n != "bf16" and s.requestable])
+    assert {n for n, s in SCHEMES.items() if not s.requestable} == {"sdnq", "svdquant", "svdquant_nvfp4"}
     assert rows["text_encoder_quant"].choices == TEXT_ENCODER_QUANT_REQUESTS == ("auto", *ENCODER_SCHEMES)
     assert rows["base_precision"].choices == TRAINING_PRECISIONS
     assert set(TRAINING_PRECISIONS) - {"auto"} == {n for n, s in SCHEMES.items() if s.trainable}
