@@ -79,6 +79,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{sizes.text_encoders_gb:.3g} GB, VAE {sizes.vae_gb:.3g} GB" + (f" ({sizes.source})" if sizes.source else ""))
     if plan.lora_sampling is not None:
         print(f"  sampling: {plan.default_steps} steps; {plan.lora_sampling.reason}")
+    if plan.lora_modules is not None:
+        print(f"  loras: {plan.lora_modules.summary()}")
     estimate = plan.estimate
     controlnet = estimate.components.controlnet_gb
     print(f"  memory: {estimate.resident_gb:.1f} GB resident, {estimate.peak_gb:.1f} GB peak, "

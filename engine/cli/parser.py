@@ -94,6 +94,11 @@ def _add_generate(commands: Commands) -> None:
         "--lora", action="append", default=[], metavar="PATH[:SCALE]",
         help="apply a LoRA (.safetensors file or a training run's folder), scale 1.0 by default (repeatable)",
     )
+    generate.add_argument(
+        "--lora-partial", action="store_true",
+        help="apply the modules of each --lora that match this model and skip the rest (the plan counts "
+             "both); without it a LoRA with a module the model lacks is refused",
+    )
     generate.add_argument("--seeds", type=_seed_list, metavar="N,N,...",
                           help="one seed per image (image k replays alone with seed k)")
     generate.add_argument("--overwrite", action="store_true", help="replace existing output files")

@@ -90,7 +90,7 @@ def generate_body(args: argparse.Namespace, seed: int) -> GenerateBody:
     if getattr(args, "tiny", None):
         data.update({k: v for k, v in TINY_DEFAULTS.items() if data.get(k) is None})
     if args.lora:
-        data["loras"] = lora_bodies(args.lora)
+        data["loras"] = lora_bodies(args.lora, partial=getattr(args, "lora_partial", False))
     return validated(GenerateBody, {k: v for k, v in data.items() if v is not None})
 
 

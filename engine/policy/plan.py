@@ -113,6 +113,8 @@ class Plan:
     fallback: Plan | None = None
     #: The steps and guidance a few-step LoRA sets where the request says none, with why.
     lora_sampling: Any = None
+    #: The LoRAs' adapted modules, matched and skipped (a ``LoraModules``); None: no LoRA.
+    lora_modules: Any = None
     #: (width, height) where a request gives none and the model has its own (None: the pipeline's).
     default_size: tuple[int, int] | None = None
     sizes: Mapping[str, ComponentSizes] = field(default_factory=dict)
@@ -165,6 +167,7 @@ class Plan:
             "sizes": {k: dataclasses.asdict(v) for k, v in self.sizes.items()},
             "fallback": self.fallback.to_dict() if self.fallback else None,
             "lora_sampling": self.lora_sampling.to_dict() if self.lora_sampling is not None else None,
+            "lora_modules": self.lora_modules.to_dict() if self.lora_modules is not None else None,
             "sdcpp": self.sdcpp.to_dict() if self.sdcpp else None,
             "available_memory": self.available.to_dict() if self.available else None,
         }

@@ -380,7 +380,7 @@ class TorchPlanner:
             step_cache_threshold=speed.threshold,
             compile_fullgraph=speed.fullgraph,
             attention_install=speed.attention_install,
-            default_steps=self.steps, lora_sampling=self.request.loras.sampling,
+            default_steps=self.steps, lora_sampling=self.request.loras.sampling, lora_modules=self.request.loras.modules,
             fallback=fallback,
             default_size=own_size(model.defaults),
             sizes=MappingProxyType(sizes),

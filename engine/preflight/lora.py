@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import stored
 from engine.errors import EngineError, PreflightError
 from engine.contract.plugins import Registry
-from engine.requests.inference import LoraPlanInput
+from engine.requests.inference import LoraModules, LoraPlanInput
 from engine.preflight.headers import nonfinite_tensors, read_safetensors_file
 # How a request names a LoRA: the request vocabulary's (re-exported for older imports).
 from engine.requests.loras import MAX_SCALE, LoraChoice, LoraLike, lora_choices, parse_lora_arg  # noqa: F401
@@ -62,6 +62,12 @@ class LoraFile:
     #: ``lora`` (low-rank pairs, DoRA's included), or LyCORIS' ``lokr`` (Kronecker factors) or
     #: ``loha`` (Hadamard products), told from its tensor names.
     adapter_type: str = "lora"
+    #: Asked to load partially (``--lora-partial``): the modules that match, the rest skipped.
+    partial: bool = False
+    #: What the pre-eviction check found: how many of its adapted modules match the model, and
+    #: the ones that match nothing (skipped: only a partial LoRA gets this far with any).
+    matched: int = field(default=0, compare=False)
+    unmatched: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def name(self) -> str:
@@ -110,6 +116,7 @@ def read_lora(choice: LoraChoice) -> LoraFile:
         component=_component(metadata),
         sampling=_sampling(path, metadata),
         adapter_type=kind,
+        partial=choice.partial,
     )
 
 
@@ -209,7 +216,8 @@ def mismatch_error(
     return LoraMismatch(
         f"LoRA {file.path} does not fit the loaded {family.label} model: {kind}; "
         f"{len(unmatched)} of {total} adapted modules match nothing here (e.g. {examples}). "
-        f"Nothing was applied; give a LoRA trained for {family.label}"
+        f"Nothing was applied; give a LoRA trained for {family.label}, or ask for the modules that match "
+        f"with --lora-partial (\"partial\": true)"
     )
 
 
@@ -225,6 +233,8 @@ def plan_input(files: Sequence[LoraFile], *, switching: bool = False,
         params=sum(f.params for f in files),
         switching=switching,
         sampling=sampling_of(family, files) if family is not None else None,
+        modules=LoraModules(sum(f.matched for f in files), tuple(m for f in files for m in f.unmatched))
+        if files and any(f.matched or f.unmatched for f in files) else None,
     )
 
 

@@ -93,6 +93,9 @@ class LoraBody(Body):
 
     path: PathText
     scale: Annotated[float, Field(ge=-8, le=8, allow_inf_nan=False)] = 1.0
+    #: Apply the modules that match and skip the rest (the plan counts both); else a LoRA with a
+    #: module the model lacks is refused.
+    partial: bool = False
 
 
 #: LoRAs one request may name.
@@ -255,9 +258,10 @@ class GenerateBody(Body):
         return self.model_dump(exclude={"prompt", "loras", "model"}, exclude_none=True)
 
 
-def lora_bodies(texts: list[str]) -> list[dict[str, object]]:
-    """``PATH[:SCALE]`` strings (the CLI's ``--lora``) as ``{"path", "scale"}`` request items."""
-    return [{"path": c.path, "scale": c.scale} for c in lora_choices(texts)]
+def lora_bodies(texts: list[str], *, partial: bool = False) -> list[dict[str, object]]:
+    """``PATH[:SCALE]`` strings (the CLI's ``--lora``; ``--lora-partial`` for ``partial``) as
+    ``{"path", "scale", "partial"}`` request items."""
+    return [{"path": c.path, "scale": c.scale, "partial": partial} for c in lora_choices(texts)]
 
 
 # -- problems, in the caller's words ---------------------------------------------------

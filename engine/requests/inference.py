@@ -26,6 +26,24 @@ class LoraPlanInput:
     #: The steps and guidance a few-step LoRA among them samples at (an
     #: ``engine.policy.lora_sampling.LoraSampling``), with the reason; None: the checkpoint's.
     sampling: Any = None
+    #: How many of their adapted modules match the model, and those that do not (skipped,
+    #: where the caller asked for a partial load); None: not checked yet.
+    modules: LoraModules | None = None
+
+
+@dataclass(frozen=True)
+class LoraModules:
+    """The pre-eviction check's count of a load's LoRA modules: matched, and skipped by name."""
+
+    matched: int
+    unmatched: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, object]:
+        return {"matched": self.matched, "unmatched": len(self.unmatched), "skipped": list(self.unmatched)}
+
+    def summary(self) -> str:
+        skipped = f"; {len(self.unmatched)} match nothing and are skipped (e.g. {', '.join(self.unmatched[:3])})"
+        return f"{self.matched} adapted modules match the model" + (skipped if self.unmatched else "")
 
 
 @dataclass(frozen=True)

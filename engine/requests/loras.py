@@ -24,6 +24,9 @@ class LoraChoice:
 
     path: str
     scale: float = 1.0
+    #: Apply the modules that match the model and skip the rest (counted in the plan); without
+    #: it a LoRA with any module the model lacks is refused.
+    partial: bool = False
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.scale) or abs(self.scale) > MAX_SCALE:
@@ -48,7 +51,7 @@ def parse_lora_arg(text: str) -> LoraChoice:
     return LoraChoice(text, 1.0)
 
 
-#: What callers may give for a LoRA: ``"PATH[:SCALE]"``, ``{"path", "scale"}``,
+#: What callers may give for a LoRA: ``"PATH[:SCALE]"``, ``{"path", "scale", "partial"}``,
 #: ``(path, scale)`` or a :class:`LoraChoice`.
 LoraLike = Union[str, Path, LoraChoice, Mapping[str, object], tuple[Union[str, Path], float]]
 
@@ -63,7 +66,7 @@ def lora_choices(items: Iterable[LoraLike]) -> tuple[LoraChoice, ...]:
             choices.append(parse_lora_arg(str(item)))
         elif isinstance(item, Mapping) and "path" in item:
             scale = item.get("scale", 1.0)
-            choices.append(LoraChoice(str(item["path"]), float(scale)))  # type: ignore[arg-type]
+            choices.append(LoraChoice(str(item["path"]), float(scale), bool(item.get("partial", False))))  # type: ignore[arg-type]
         elif isinstance(item, tuple) and len(item) == 2:
             choices.append(LoraChoice(str(item[0]), float(item[1])))
         else:

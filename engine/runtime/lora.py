@@ -139,6 +139,11 @@ class LoraSet:
         engine reads itself (fused modules split with this model's widths, where diffusers
         assumes the full-size model's; or every module the model's own by its underscored
         name), the state in diffusers' keys."""
+        if file.unmatched:  # a partial load: the modules the check found nothing for are left out
+            state = converted_state_dict(type(self.pipe), file, family=self.family, denoiser=getattr(
+                self.pipe, self.family.pipeline.denoiser) if self.family is not None else None)
+            skipped = tuple(f"{module}." for module in file.unmatched)
+            return {key: value for key, value in state.items() if not key.startswith(skipped)}
         if self.family is None or not is_kohya(file.keys):
             return str(file.path)
         state = converted_state_dict(type(self.pipe), file, family=self.family,

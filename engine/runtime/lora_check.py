@@ -11,6 +11,8 @@ load the match runs on a skeleton of the model built on the ``meta`` device
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib
 import inspect
 import sys
@@ -141,38 +143,44 @@ def _transformers_model() -> type:
 # -- the check before anything is loaded or evicted ------------------------------------
 
 
-def check_loras(registry: Registry, source: ModelSource, files: Sequence[LoraFile]) -> None:
-    """Refuse (:class:`LoraMismatch`) a LoRA with any key that does not land on
-    ``source``'s model; checked on a weightless ``meta`` skeleton of it."""
+def check_loras(registry: Registry, source: ModelSource, files: Sequence[LoraFile]) -> tuple[LoraFile, ...]:
+    """``files`` with their adapted modules counted against ``source``'s model (checked on a
+    weightless ``meta`` skeleton of it); refuses (:class:`LoraMismatch`) one with a module the
+    model lacks unless it was asked for partially, and one of which nothing matches."""
     if not files:
-        return
+        return ()
     root = _config_root(source)
     pipeline_cls = _pipeline_class(root)
     skeleton = _Skeleton(root)
+    checked = []
     for file in files:
         if file.adapter_type != "lora":  # LoKr / LoHa: matched module by module on the skeleton
-            _check_lycoris(registry, source.family, file, skeleton.get(file.component or source.family.pipeline.denoiser))
+            checked.append(_judged_lycoris(registry, source.family, file,
+                                           skeleton.get(file.component or source.family.pipeline.denoiser)))
             continue
         state = converted_state_dict(pipeline_cls, file, unet_config=skeleton.unet_config(),
                                      family=source.family, denoiser=skeleton.get(source.family.pipeline.denoiser))
         state = _onto_component(source.family, file, state, skeleton.get)
         components = {name: skeleton.get(name) for name in {k.partition(".")[0] for k in state}}
         present = {name: model for name, model in components.items() if model is not None}
-        _refuse_unmatched(registry, source.family, file, state, present)
+        checked.append(_judged(registry, source.family, file, *unmatched_modules(state, present)))
+    return tuple(checked)
 
 
-def check_on_pipeline(registry: Registry, family: FamilySpec, pipe: Any, files: Sequence[LoraFile]) -> None:
+def check_on_pipeline(registry: Registry, family: FamilySpec, pipe: Any, files: Sequence[LoraFile]) -> tuple[LoraFile, ...]:
     """The same check against a loaded pipeline's own modules."""
     components = {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
     unet = components.get("unet")
+    checked = []
     for file in files:
         if file.adapter_type != "lora":
-            _check_lycoris(registry, family, file, components.get(file.component or family.pipeline.denoiser))
+            checked.append(_judged_lycoris(registry, family, file, components.get(file.component or family.pipeline.denoiser)))
             continue
         state = converted_state_dict(type(pipe), file, unet_config=getattr(unet, "config", None),
                                      family=family, denoiser=components.get(family.pipeline.denoiser))
         state = _onto_component(family, file, state, components.get)
-        _refuse_unmatched(registry, family, file, state, components)
+        checked.append(_judged(registry, family, file, *unmatched_modules(state, components)))
+    return tuple(checked)
 
 
 def _onto_component(
@@ -190,24 +198,24 @@ def _onto_component(
     return {(file.component + "." + k[len(prefix):]) if k.startswith(prefix) else k: v for k, v in state.items()}
 
 
-def _check_lycoris(registry: Registry, family: FamilySpec, file: LoraFile, denoiser: torch.nn.Module | None) -> None:
-    """Refuse a LoKr / LoHa file any of whose tensors names a module the denoiser lacks."""
+def _judged_lycoris(registry: Registry, family: FamilySpec, file: LoraFile,
+                    denoiser: torch.nn.Module | None) -> LoraFile:
+    """A LoKr / LoHa file judged as :func:`_judged`: each tensor naming a module the denoiser
+    lacks (or a parameter no adapter type has) is an unmatched module."""
     from engine.runtime.lycoris import grouped
 
     if denoiser is None:
         raise mismatch_error(registry, family, file, [file.component or family.pipeline.denoiser], 1)
     modules, foreign = grouped(file, denoiser)
-    if foreign or not modules:
-        raise mismatch_error(registry, family, file, foreign or ["(no adapted module)"], len(modules) + len(foreign))
+    return _judged(registry, family, file, foreign, len(modules) + len(foreign))
 
 
-def _refuse_unmatched(
-    registry: Registry, family: FamilySpec, file: LoraFile,
-    state: Mapping[str, torch.Tensor], components: Mapping[str, torch.nn.Module],
-) -> None:
-    unmatched, total = unmatched_modules(state, components)
-    if unmatched or total == 0:
-        raise mismatch_error(registry, family, file, unmatched or ["(no adapted module)"], total)
+def _judged(registry: Registry, family: FamilySpec, file: LoraFile, unmatched: Sequence[str], total: int) -> LoraFile:
+    """``file`` with its modules counted; refused where nothing in it matches, or where any
+    module does not and the caller did not ask for the rest alone (``partial``)."""
+    if total == 0 or len(unmatched) == total or (unmatched and not file.partial):
+        raise mismatch_error(registry, family, file, list(unmatched) or ["(no adapted module)"], total)
+    return dataclasses.replace(file, matched=total - len(unmatched), unmatched=tuple(unmatched))
 
 
 def _config_root(source: ModelSource) -> str:

@@ -62,7 +62,7 @@ def load(model: torch.nn.Module, file: LoraFile, adapter_name: str) -> None:
     from peft import inject_adapter_in_model, set_peft_model_state_dict
 
     modules, foreign = grouped(file, model)
-    if foreign or not modules:
+    if (foreign and not file.partial) or not modules:  # a partial load skips them: the plan counted them
         raise LoraMismatch(f"LoRA {file.path} ({file.adapter_type}) adapts {len(foreign)} module(s) this model does "
                            f"not have (e.g. {', '.join(foreign[:3]) or 'none at all'}); nothing was applied. "
                            "Give a LoRA trained for this model")

@@ -191,8 +191,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
                              family=self.source.family)
         self.loras.prepare_hotswap()
         if self._initial_loras:
-            check_on_pipeline(self.registry, self.source.family, self._pipe, self._initial_loras)
-            self.loras.apply(self._initial_loras)
+            self.loras.apply(check_on_pipeline(self.registry, self.source.family, self._pipe, self._initial_loras))
 
     def set_loras(self, files: Sequence[LoraFile]) -> None:
         """Switch the LoRAs or their scales on the loaded pipeline (the base is
@@ -201,8 +200,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
             raise EngineError("no model is loaded", code="not_loaded")
         files = tuple(files)
         if files != self.loras.applied:
-            check_on_pipeline(self.registry, self.source.family, self.pipeline, files)
-            self.loras.apply(files)
+            self.loras.apply(check_on_pipeline(self.registry, self.source.family, self.pipeline, files))
 
     def unload(self) -> None:
         """Release the pipeline and memory, and restore every torch flag."""

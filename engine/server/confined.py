@@ -61,7 +61,7 @@ class Confined:
     def loras(self, bodies: list[LoraBody] | None) -> list[dict[str, object]] | None:
         """The confined LoRAs as :meth:`engine.images.load` takes them."""
         confined = self.lora_bodies(bodies)
-        return None if confined is None else [{"path": b.path, "scale": b.scale} for b in confined]
+        return None if confined is None else [{"path": b.path, "scale": b.scale, "partial": b.partial} for b in confined]
 
     def controlnet(self, value: str | None) -> str | None:
         return str(confine(value, self.settings.model_roots, "ControlNet")) if value else None

@@ -147,7 +147,7 @@ class GenerateChecks:
             shape: VideoShape = decided["shape"]
             return dataclasses.replace(sized, width=shape.width, height=shape.height, frames=shape.frames)
 
-        loras = [{"path": lo.path, "scale": lo.scale} for lo in body.loras or ()] if load is not None else ()
+        loras = [lo.model_dump() for lo in body.loras or ()] if load is not None else ()
         ticket: LoadTicket = self._loaded.checks.check((body.model, options.base, options.family, False), sized,
                                                        loras, options.controlnet, verify=False, shaped=shaped)
         if load is None and loaded is not None and loaded.key == ticket.source.location:
@@ -163,11 +163,11 @@ class GenerateChecks:
         from engine.requests.loras import lora_choices
 
         files = with_family(target.ticket.source.family,
-                            read_loras(lora_choices([{"path": lo.path, "scale": lo.scale} for lo in body.loras])))
+                            read_loras(lora_choices([lo.model_dump() for lo in body.loras])))
         if files and target is not self._loaded.target():
             from engine.runtime.lora_check import check_loras
 
-            check_loras(self._loaded.registry, target.ticket.source, files)  # before that model evicts another
+            files = check_loras(self._loaded.registry, target.ticket.source, files)  # before that model evicts another
         return files
 
 
@@ -263,7 +263,7 @@ def request_body(prompt: str | GenerateBody, loras: Sequence[LoraLike] | None,
     for name, value in uploads.items():  # the body says an image was given (its rules read it); the upload is it
         fields[name] = [UPLOADED] * len(value) if isinstance(value, (list, tuple)) else UPLOADED
     if loras is not None:
-        fields["loras"] = [{"path": c.path, "scale": c.scale} for c in lora_choices(loras)]
+        fields["loras"] = [{"path": c.path, "scale": c.scale, "partial": c.partial} for c in lora_choices(loras)]
     fields = {name: list(value) if isinstance(value, tuple) else value for name, value in fields.items()}
     try:
         if isinstance(prompt, GenerateBody):

@@ -63,7 +63,7 @@ class LoadChecks:
         if lora_files:
             from engine.runtime.lora_check import check_loras
 
-            check_loras(self._registry, source, lora_files)
+            lora_files = check_loras(self._registry, source, lora_files)  # counted: the plan says how many match
         if shaped is not None:
             request = shaped(source)
         request = dataclasses.replace(request, loras=lora_plan_input(lora_files, switching=switching,
@@ -104,7 +104,7 @@ class LoadChecks:
             raise EngineError("this load ticket was issued by another engine; check the load on this one",
                               code="invalid_request")
         if ticket.files_changed():  # a file was rewritten since: every check again, as asked
-            loras = [{"path": str(lora.path), "scale": lora.scale} for lora in ticket.loras]
+            loras = [{"path": str(lora.path), "scale": lora.scale, "partial": lora.partial} for lora in ticket.loras]
             return self.check(ticket.asked, _unplanned(ticket.request), loras, ticket.controlnet, verify=True)
         if ticket.verified:
             return ticket

@@ -40,7 +40,7 @@ def request_recipe(body: GenerateBody, session: Any) -> dict[str, object]:
         "guidance": checkpoint.default_guidance if body.guidance is None else body.guidance,
         **({"guidance_2": checkpoint.expert_guidance if body.guidance_2 is None else body.guidance_2}
            if checkpoint.expert_guidance is not None else {}),
-        "image": body.image, "loras": [{"path": lo.path, "scale": lo.scale} for lo in body.loras or ()],
+        "image": body.image, "loras": [lo.model_dump() for lo in body.loras or ()],
     }
 
 

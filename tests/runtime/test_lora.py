@@ -263,6 +263,39 @@ def test_a_lora_with_some_foreign_keys_is_refused_not_half_applied(
         session.unload()
 
 
+@pytest.mark.slow
+def test_asked_for_partially_the_matching_modules_load_and_the_plan_counts_both(
+    tiny_pipeline: Callable[[str], Path], loras: Callable[..., Path], tmp_path: Path
+) -> None:
+    """``partial``: the module the model lacks is skipped (the image is the clean LoRA's, pixel for
+    pixel), the plan names it; refused without, pointing at --lora-partial; the CLI takes it too."""
+    from safetensors.torch import load_file, save_file
+
+    clean = loras("zimage")
+    state = load_file(clean)
+    key = next(k for k in state if k.endswith("lora_A.weight") and ".layers.0." in k)
+    foreign = key.replace("layers.0.", "layers.99.")
+    state[foreign] = state[key].clone()
+    state[foreign.replace("lora_A", "lora_B")] = state[key.replace("lora_A", "lora_B")].clone()
+    mixed = tmp_path / "mixed.safetensors"
+    save_file(state, str(mixed))
+    base, asked = tiny_pipeline("zimage"), {"steps": 2, "width": 64, "height": 64, "seed": 4}
+    with Engine(hardware=HARDWARE) as engine:
+        with pytest.raises(LoraMismatch, match="--lora-partial"):
+            engine.images.load(str(base), loras=[str(mixed)])
+        status = engine.images.load(str(base), loras=[{"path": str(mixed), "partial": True}])
+        counted = status["plan"]["lora_modules"]  # type: ignore[index]
+        partial = np.asarray(engine.images.generate("a fox", **asked)[0])
+        engine.images.load(str(base), loras=[str(clean)])
+        whole = np.asarray(engine.images.generate("a fox", **asked)[0])
+    module = foreign.removesuffix(".lora_A.weight").removeprefix("diffusion_model.")
+    assert counted["unmatched"] == 1 and counted["matched"] > 0 and module.split(".", 1)[-1] in counted["skipped"][0]
+    assert np.array_equal(partial, whole)
+    code = main(["generate", "--model", str(base), "--lora", str(mixed), "--lora-partial", "--prompt", "x",
+                 "-o", str(tmp_path / "x.png"), "--steps", "1", "--width", "64", "--height", "64"])
+    assert code == 0 and (tmp_path / "x.png").is_file()
+
+
 # -- kohya format in, through the CLI; PNG metadata; no overwrite ----------------------------------
 
 

@@ -131,3 +131,25 @@ def test_a_lokr_with_one_foreign_key_is_refused_naming_it_before_anything_is_evi
             engine.images.load(str(qwen), loras=[f"{file}:1.0"], family=None)
         assert engine.images.session is resident
     assert refused.value.code == "lora_mismatch" and "not_a_block.proj" in refused.value.message, refused.value.message
+
+
+@pytest.mark.slow
+def test_a_lokr_asked_for_partially_skips_its_foreign_tensor_and_renders_the_clean_file(
+    engine_registry: Registry, qwen: Path, tmp_path: Path,
+) -> None:
+    import torch
+
+    from engine.service.facade import Engine
+
+    _, state = _adapted(qwen, "lokr")
+    clean = _write(_with_alpha(state, "lokr"), tmp_path / "clean_lokr.safetensors")
+    foreign = _write({**_with_alpha(state, "lokr"), "not_a_block.proj.lokr_w1": torch.zeros(2, 2)},
+                     tmp_path / "foreign_lokr.safetensors")
+    with Engine(registry=engine_registry) as engine:
+        status = engine.images.load(str(qwen), loras=[{"path": str(foreign), "partial": True}])
+        counted = status["plan"]["lora_modules"]  # type: ignore[index]
+        partial = np.asarray(engine.images.generate("a red fox", **ASKED)[0])
+        engine.images.load(str(qwen), loras=[str(clean)])
+        whole = np.asarray(engine.images.generate("a red fox", **ASKED)[0])
+    assert counted["unmatched"] == 1 and counted["skipped"] == ["transformer.not_a_block.proj"] and counted["matched"] > 0
+    assert np.array_equal(partial, whole)

@@ -5,6 +5,7 @@ requests naming a model evict nothing: the 0-eviction matrix's ``model`` rows.""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -73,10 +74,13 @@ def served(tmp_path_factory: pytest.TempPathFactory,
     (models / "not-a-pipeline" / "notes.txt").write_text("no model_index.json here")
     _hidream_without_its_llama(tiny_pipeline("hidream"), models / "hidream-no-llama")
     _ideogram_fp8_cut(models / "ideogram-fp8-cut")
+    _stored_nf4(models / "tiny-zimage", models / "zimage-nf4")
+    _foreign_lora(base / "loras" / "foreign.safetensors")
     engine = WatchedEngine(registry=load_registry(), hardware=probe(verify=False), runs_dir=base / "runs")
     host = HostModel(engine)
     engine.images.load(str(models / "tiny-sdxl"))
-    settings = ServerSettings(model_roots=(models,), output_roots=(base / "runs",), token=TOKEN, queue_size=12)
+    settings = ServerSettings(model_roots=(models,), output_roots=(base / "runs",), lora_roots=(base / "loras",),
+                              token=TOKEN, queue_size=12)
     with LiveServer(create_app(engine, settings)) as url:
         yield url, engine, host, models
 
@@ -99,6 +103,24 @@ def _ideogram_fp8_cut(target: Path) -> None:
     write_fp8_fused_layout(dense, target)
     file = next((target / "transformer").glob("*.safetensors"))
     save_file({k: v for k, v in load_file(str(file)).items() if not k.startswith("layers.1.attention.o.")}, str(file))
+
+
+def _stored_nf4(dense: Path, target: Path) -> None:
+    """A copy whose denoiser config says bitsandbytes stored it nf4: no NVIDIA GPU computes it here."""
+    shutil.copytree(dense, target)
+    config = json.loads((target / "transformer" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    (target / "transformer" / "config.json").write_text(json.dumps(config))
+
+
+def _foreign_lora(target: Path) -> None:
+    """A LoRA of which no module is Z-Image's: even a partial load has nothing to apply."""
+    import torch
+    from safetensors.torch import save_file
+
+    target.parent.mkdir(parents=True)
+    save_file({"transformer.nope.proj.lora_A.weight": torch.zeros(4, 64),
+               "transformer.nope.proj.lora_B.weight": torch.zeros(64, 4)}, str(target))
 
 
 def _submit(url: str, prompt: str, **fields: Any) -> dict[str, Any]:
@@ -194,6 +216,9 @@ DOOMED = [
     ("jobs", {"model": "tiny-zimage", "frames": 9}, 400, "wrong_output"),
     ("jobs", {"model": "hidream-no-llama"}, 400, "component_missing"),  # its Llama's repo: not cached, hub offline
     ("jobs", {"model": "ideogram-fp8-cut"}, 400, "corrupt_checkpoint"),  # the fp8 layout converted on meta first
+    ("jobs", {"model": "zimage-nf4"}, 400, "stored_scheme_unsupported"),  # bitsandbytes' nf4 with no NVIDIA GPU
+    ("jobs", {"model": "tiny-zimage", "loras": [{"path": "foreign.safetensors", "partial": True}]}, 400,
+     "lora_mismatch"),  # partial, and nothing in it matches
     ("generations", {"model": "tiny-wan"}, 400, "wrong_output"),
     ("generations", {"model": "no-such-model"}, 404, "model_not_found"),
     ("videos", {"model": "tiny-zimage"}, 400, "wrong_output"),  # an image model through the videos door
