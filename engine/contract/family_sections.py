@@ -182,6 +182,9 @@ class FewStepLora:
     #: The expert it lands on where that is not the denoiser (a two-expert model's low-noise half:
     #: ``transformer_2``), for a pair published as two files.
     component: str | None = None
+    #: The flow-matching timestep shift it was distilled at (the scheduler's ``shift`` or
+    #: ``flow_shift``, held constant); None: the checkpoint's schedule.
+    shift: float | None = None
 
 
 @dataclass(frozen=True)

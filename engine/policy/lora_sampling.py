@@ -24,9 +24,11 @@ class LoraSampling:
     steps: int | None
     guidance: float | None
     reason: str
+    #: The flow-matching timestep shift it samples at (None: the checkpoint's schedule).
+    shift: float | None = None
 
     def to_dict(self) -> dict[str, object]:
-        return {"steps": self.steps, "guidance": self.guidance, "reason": self.reason}
+        return {"steps": self.steps, "guidance": self.guidance, "shift": self.shift, "reason": self.reason}
 
 
 class _Lora(Protocol):
@@ -37,7 +39,7 @@ class _Lora(Protocol):
     def scale(self) -> float: ...
 
     @property
-    def sampling(self) -> tuple[int | None, float | None] | None: ...
+    def sampling(self) -> tuple[int | None, float | None, float | None] | None: ...
 
     @property
     def name(self) -> str: ...
@@ -56,15 +58,18 @@ def sampling_of(family: FamilySpec, files: Sequence[_Lora]) -> LoraSampling | No
         if file.scale == 0:
             continue
         if file.sampling is not None:
-            steps, guidance = file.sampling
-            return LoraSampling(steps, guidance, f"LoRA {file.name} samples{_said(steps, guidance)} (its metadata)")
+            steps, guidance, shift = file.sampling
+            return LoraSampling(steps, guidance, f"LoRA {file.name} samples{_said(steps, guidance, shift)} (its metadata)",
+                                shift)
         entry = table_entry(family, file.path)
         if entry is not None:
-            return LoraSampling(entry.steps, entry.guidance,
-                                f"LoRA {file.name} is {entry.name}: it samples{_said(entry.steps, entry.guidance)}")
+            said = _said(entry.steps, entry.guidance, entry.shift)
+            return LoraSampling(entry.steps, entry.guidance, f"LoRA {file.name} is {entry.name}: it samples{said}",
+                                entry.shift)
     return None
 
 
-def _said(steps: int | None, guidance: float | None) -> str:
-    parts = ([f" {steps} steps"] if steps else []) + ([f" at guidance {guidance:g}"] if guidance is not None else [])
+def _said(steps: int | None, guidance: float | None, shift: float | None = None) -> str:
+    parts = ([f" {steps} steps"] if steps else []) + ([f" at guidance {guidance:g}"] if guidance is not None else []) \
+        + ([f", timestep shift {shift:g}"] if shift is not None else [])
     return "".join(parts) or " as its base does"

@@ -57,8 +57,8 @@ class LoraFile:
     #: The pipeline component it adapts where that is not the family's denoiser (a second
     #: expert's LoRA names it in its metadata); None: the denoiser.
     component: str | None = None
-    #: (steps, guidance) it says it samples at (``sampling`` in its metadata: a few-step LoRA).
-    sampling: tuple[int | None, float | None] | None = None
+    #: (steps, guidance, shift) it says it samples at (``sampling`` in its metadata: a few-step LoRA).
+    sampling: tuple[int | None, float | None, float | None] | None = None
     #: ``lora`` (low-rank pairs, DoRA's included), or LyCORIS' ``lokr`` (Kronecker factors) or
     #: ``loha`` (Hadamard products), told from its tensor names.
     adapter_type: str = "lora"
@@ -139,21 +139,26 @@ def adapter_type(shapes: Iterable[str]) -> str:
 SAMPLING_KEY = "sampling"
 
 
-def _sampling(path: Path, metadata: dict[str, str]) -> tuple[int | None, float | None] | None:
-    """The (steps, guidance) its metadata says, each checked; refused where malformed."""
+def _sampling(path: Path, metadata: dict[str, str]) -> tuple[int | None, float | None, float | None] | None:
+    """The (steps, guidance, shift) its metadata says, each checked; refused where malformed."""
     if SAMPLING_KEY not in metadata:
         return None
     try:
         said = stored.parse_json(metadata[SAMPLING_KEY], path)
     except ValueError:  # UnreadableRecord is one
         said = None
-    steps, guidance = (said.get("steps"), said.get("guidance")) if isinstance(said, dict) else (0, "")
+    steps, guidance, shift = (said.get("steps"), said.get("guidance"), said.get("shift")) \
+        if isinstance(said, dict) else (0, "", None)
     if not ((steps is None or (isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= 1000))
-            and (guidance is None or (isinstance(guidance, (int, float)) and not isinstance(guidance, bool)
-                                      and 0 <= guidance <= 100))):
-        raise PreflightError(f"{path}: its metadata's {SAMPLING_KEY!r} must be a JSON object of steps (1-1000) and "
-                             "guidance (0-100); remove or fix it", code="invalid_lora")
-    return steps, float(guidance) if guidance is not None else None
+            and _number_in(guidance, 0, 100) and _number_in(shift, 0.01, 100)):
+        raise PreflightError(f"{path}: its metadata's {SAMPLING_KEY!r} must be a JSON object of steps (1-1000), "
+                             "guidance (0-100) and shift (0.01-100); remove or fix it", code="invalid_lora")
+    return steps, float(guidance) if guidance is not None else None, float(shift) if shift is not None else None
+
+
+def _number_in(value: object, low: float, high: float) -> bool:
+    """None, or a number (not a bool) within ``low..high``."""
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high)
 
 
 def with_family(family: FamilySpec, files: Sequence[LoraFile]) -> tuple[LoraFile, ...]:

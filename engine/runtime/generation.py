@@ -27,6 +27,7 @@ from engine.runtime import family_hooks
 from engine.errors import EngineError
 from engine.contract.plugins import Registry
 from engine.policy.lora_sampling import sampling_of
+from engine.runtime.scheduler_shift import shifted
 from engine.policy.plan import Plan
 from engine.preflight.lora import LoraFile
 from engine.preflight.source import ModelSource
@@ -205,7 +206,7 @@ class Generation:
                 self._images += 1
                 if self._images > 1:
                     self._apply_compile(self._images)
-                with cancel_points(pipe, cancel):
+                with cancel_points(pipe, cancel), shifted(pipe, sampling.shift if sampling is not None else None):
                     images = self._run_batch(pipe, request, steps, effective, strength, fitted, items, progress)
             finally:
                 self._active = None

@@ -151,8 +151,9 @@ QWEN_IMAGE = FamilySpec(
         key_markers=("img_mlp.net", "img_mlp_net", "txt_mlp", "img_mod", "txt_mod"),
         # Lightning (lightx2v's step distillation): 4 or 8 steps without CFG, by its file names
         # (``Qwen-Image-Lightning-4steps-V1.0.safetensors``, ``...-Edit-Lightning-8steps-...``).
-        few_step=(FewStepLora("Qwen-Image-Lightning, 4 steps", "*lightning*4step*", steps=4, guidance=1.0),
-                  FewStepLora("Qwen-Image-Lightning, 8 steps", "*lightning*8step*", steps=8, guidance=1.0)),
+        # Lightning's own scheduler config holds the shift at 3 (base_shift = max_shift = ln 3).
+        few_step=(FewStepLora("Qwen-Image-Lightning, 4 steps", "*lightning*4step*", steps=4, guidance=1.0, shift=3.0),
+                  FewStepLora("Qwen-Image-Lightning, 8 steps", "*lightning*8step*", steps=8, guidance=1.0, shift=3.0)),
     ),
     training=TrainingSpec(
         # How engine.testing.memory_figures builds the denoiser (real widths, reduced depths).

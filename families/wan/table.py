@@ -168,10 +168,11 @@ WAN = FamilySpec(
         # file (``..._4steps_..._high_noise.safetensors``): guidance 1 on both experts, each half
         # on its expert; the single-file 2.1 LoRAs (``lightx2v_..._4step...``) likewise.
         few_step=(
+            # lightx2v samples its 4 steps at flow shift 5 (its inference configs' sample_shift).
             FewStepLora("lightx2v 4-step, low-noise half", "*4step*low*noise*", steps=4, guidance=1.0,
-                        component="transformer_2"),
-            FewStepLora("lightx2v 4-step, high-noise half", "*4step*high*noise*", steps=4, guidance=1.0),
-            FewStepLora("lightx2v 4-step", "*lightx2v*4step*", steps=4, guidance=1.0),
+                        component="transformer_2", shift=5.0),
+            FewStepLora("lightx2v 4-step, high-noise half", "*4step*high*noise*", steps=4, guidance=1.0, shift=5.0),
+            FewStepLora("lightx2v 4-step", "*lightx2v*4step*", steps=4, guidance=1.0, shift=5.0),
         ),
     ),
     training=TrainingSpec(
