@@ -28,7 +28,7 @@ from engine.errors import EngineError
 from engine.contract.plugins import Registry
 from engine.preflight.lora import LoraFile
 from engine.runtime.kohya import is_kohya
-from engine.runtime.lora_check import converted_state_dict
+from engine.runtime.lora_check import DIFFERENCES, converted_state_dict, loadable_state
 from engine.runtime.quantize import first_line
 from engine.contract.types import FamilySpec
 
@@ -139,11 +139,9 @@ class LoraSet:
         engine reads itself (fused modules split with this model's widths, where diffusers
         assumes the full-size model's; or every module the model's own by its underscored
         name), the state in diffusers' keys."""
-        if file.unmatched:  # a partial load: the modules the check found nothing for are left out
-            state = converted_state_dict(type(self.pipe), file, family=self.family, denoiser=getattr(
-                self.pipe, self.family.pipeline.denoiser) if self.family is not None else None)
-            skipped = tuple(f"{module}." for module in file.unmatched)
-            return {key: value for key, value in state.items() if not key.startswith(skipped)}
+        if file.unmatched or any(key.endswith(DIFFERENCES) for key in file.keys):  # what the check did not count in
+            return loadable_state(file, converted_state_dict(type(self.pipe), file, family=self.family, denoiser=getattr(
+                self.pipe, self.family.pipeline.denoiser) if self.family is not None else None))
         if self.family is None or not is_kohya(file.keys):
             return str(file.path)
         state = converted_state_dict(type(self.pipe), file, family=self.family,
@@ -197,7 +195,7 @@ class HookAdapters:
         return getattr(self.pipe, self.family.pipeline.denoiser)
 
     def load(self, file: LoraFile, name: str) -> None:
-        state = converted_state_dict(type(self.pipe), file, family=self.family, denoiser=self.denoiser)
+        state = loadable_state(file, converted_state_dict(type(self.pipe), file, family=self.family, denoiser=self.denoiser))
         prefix = self.family.pipeline.denoiser + "."
         others = sorted({k.partition(".")[0] for k in state if not k.startswith(prefix)})
         if others:

@@ -163,7 +163,7 @@ def check_loras(registry: Registry, source: ModelSource, files: Sequence[LoraFil
         state = _onto_component(source.family, file, state, skeleton.get)
         components = {name: skeleton.get(name) for name in {k.partition(".")[0] for k in state}}
         present = {name: model for name, model in components.items() if model is not None}
-        checked.append(_judged(registry, source.family, file, *unmatched_modules(state, present)))
+        checked.append(_judged(registry, source.family, file, *_counted(file, state, present)))
     return tuple(checked)
 
 
@@ -179,7 +179,7 @@ def check_on_pipeline(registry: Registry, family: FamilySpec, pipe: Any, files: 
         state = converted_state_dict(type(pipe), file, unet_config=getattr(unet, "config", None),
                                      family=family, denoiser=components.get(family.pipeline.denoiser))
         state = _onto_component(family, file, state, components.get)
-        checked.append(_judged(registry, family, file, *unmatched_modules(state, components)))
+        checked.append(_judged(registry, family, file, *_counted(file, state, components)))
     return tuple(checked)
 
 
@@ -208,6 +208,47 @@ def _judged_lycoris(registry: Registry, family: FamilySpec, file: LoraFile,
         raise mismatch_error(registry, family, file, [file.component or family.pipeline.denoiser], 1)
     modules, foreign = grouped(file, denoiser)
     return _judged(registry, family, file, foreign, len(modules) + len(foreign))
+
+
+def _counted(file: LoraFile, state: Mapping[str, torch.Tensor],
+             components: Mapping[str, torch.nn.Module]) -> tuple[list[str], int]:
+    """The file's unmatched modules and how many it adapts: those its converted ``state`` names
+    that the model lacks, and the full-rank differences diffusers' loader drops on the way."""
+    unmatched, total = unmatched_modules(state, components)
+    dropped = dropped_differences(file, state)
+    return unmatched + dropped, total + len(dropped)
+
+
+#: The names of a full-rank difference's tensors: a module's whole weight, its bias.
+DIFFERENCES = (".diff", ".diff_b")
+
+
+def dropped_differences(file: LoraFile, state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The full-rank differences in ``file`` (``<module>.diff`` weights, ``.diff_b`` biases, as
+    trainers write them for norms and embeddings) that hold something and that the conversion to
+    ``state`` does not make a LoRA of: every norm's (diffusers' converters drop them, saying so
+    only in a log line), a ``diff_b`` no converter turned into a LoRA bias, and one left in
+    ``state`` as it was (peft loads no such key). Named ``<module> (full-rank difference)``, so
+    none is dropped unsaid; the loader leaves them out (:func:`loadable_state`)."""
+    keys = [key for key in file.keys if key.endswith(DIFFERENCES)]
+    if not keys:
+        return []
+    from safetensors import safe_open
+
+    kept_bias = any(key.endswith("lora_B.bias") for key in state)
+    left = {key.partition(".")[2] for key in state if key.endswith(DIFFERENCES)}
+    dropped = [key for key in keys if "norm" in key.rpartition(".")[0].lower() or key.partition(".")[2] in left
+               or (key.endswith(".diff_b") and not kept_bias)]
+    with safe_open(str(file.path), framework="pt") as opened:
+        held = [key for key in dropped if bool(opened.get_tensor(key).any())]
+    return sorted({f"{key.rpartition('.')[0]} (full-rank difference)" for key in held})
+
+
+def loadable_state(file: LoraFile, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without what the check counted as not applied: the modules it found nothing for
+    (a partial load) and the full-rank differences left in it (all zero, or skipped)."""
+    skipped = tuple(f"{module}." for module in file.unmatched)
+    return {key: value for key, value in state.items() if not key.startswith(skipped) and not key.endswith(DIFFERENCES)}
 
 
 def _judged(registry: Registry, family: FamilySpec, file: LoraFile, unmatched: Sequence[str], total: int) -> LoraFile:

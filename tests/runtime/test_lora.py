@@ -296,6 +296,38 @@ def test_asked_for_partially_the_matching_modules_load_and_the_plan_counts_both(
     assert code == 0 and (tmp_path / "x.png").is_file()
 
 
+@pytest.mark.slow
+def test_a_norms_full_rank_difference_is_named_never_dropped_unsaid(
+    tiny_pipeline: Callable[[str], Path], loras: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A trainer's ``<norm>.diff`` (a full-rank difference diffusers' loader drops with a log line):
+    refused naming it; asked for partially, the rest loads (the clean LoRA's image) and the plan
+    names it skipped. An all-zero one changes nothing and passes."""
+    from safetensors.torch import load_file, save_file
+
+    clean = loras("zimage")
+    state = load_file(clean)
+    key = next(k for k in state if k.endswith("lora_A.weight") and ".layers.0." in k)
+    prefix = key[: key.index("layers.0.")]
+    norm = f"{prefix}layers.0.attention_norm1.diff"
+    held, zero = tmp_path / "norm_diff.safetensors", tmp_path / "zero_diff.safetensors"
+    save_file({**state, norm: torch.randn(64)}, str(held))
+    save_file({**state, norm: torch.zeros(64)}, str(zero))
+    base, asked = tiny_pipeline("zimage"), {"steps": 2, "width": 64, "height": 64, "seed": 4}
+    with Engine(hardware=HARDWARE) as engine:
+        with pytest.raises(LoraMismatch, match="attention_norm1 \\(full-rank difference\\)"):
+            engine.images.load(str(base), loras=[str(held)])
+        status = engine.images.load(str(base), loras=[{"path": str(held), "partial": True}])
+        skipped = status["plan"]["lora_modules"]["skipped"]  # type: ignore[index]
+        partial = np.asarray(engine.images.generate("a fox", **asked)[0])
+        engine.images.load(str(base), loras=[str(zero)])
+        zeroed = np.asarray(engine.images.generate("a fox", **asked)[0])
+        engine.images.load(str(base), loras=[str(clean)])
+        whole = np.asarray(engine.images.generate("a fox", **asked)[0])
+    assert skipped == [f"{prefix}layers.0.attention_norm1 (full-rank difference)"]
+    assert np.array_equal(partial, whole) and np.array_equal(zeroed, whole)
+
+
 # -- kohya format in, through the CLI; PNG metadata; no overwrite ----------------------------------
 
 
