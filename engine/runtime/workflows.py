@@ -82,7 +82,8 @@ def workflow_pipeline(
                 f"the installed diffusers has no {class_name}; upgrade diffusers to use this workflow"
             )
         try:
-            built = pipeline_cls.from_pipe(loaded, **(extra or {}))
+            built = _keeping_dtypes(pipeline_cls).from_pipe(loaded, **(extra or {}))
+            built.__class__ = pipeline_cls
         except (ValueError, TypeError, AttributeError) as exc:
             raise UnsupportedWorkflow(
                 f"{class_name} cannot be built from the loaded {type(loaded).__name__} ({exc})"
@@ -91,6 +92,23 @@ def workflow_pipeline(
         follow_offload(built, extra or {}, *placement)
         cache[class_name] = built
     return cache[class_name]
+
+
+def _keeping_dtypes(pipeline_cls: type) -> type:
+    """``pipeline_cls`` whose ``from_pipe`` leaves the shared modules in their dtypes.
+
+    diffusers' ``from_pipe`` ends with ``new_pipeline.to(dtype=...)``, float32 unless told
+    another: the modules it shares with the loaded pipeline (the same objects) would be cast with
+    it, a bf16 denoiser upcast to fp32 (twice its memory, and another dtype than its plan's) or,
+    told bf16, a VAE the family keeps in fp32 cast down. The loaded pipeline's dtypes are the
+    plan's; the new pipeline keeps them (its class is put back once built)."""
+
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and set(kwargs) == {"dtype"}:
+            return self
+        return pipeline_cls.to(self, *args, **kwargs)
+
+    return type(pipeline_cls.__name__, (pipeline_cls,), {"to": to, "__module__": pipeline_cls.__module__})
 
 
 def follow_offload(built: Any, extra: dict[str, Any], mode: str, device: str) -> None:
