@@ -66,9 +66,15 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+#: Inputs a denoiser takes in their own precision (it embeds the timestep in the fp32 parts it
+#: keeps, casting as it needs): cast to bf16 they would lose what stock diffusers keeps.
+_OWN_PRECISION = ("timestep", "timesteps", "guidance")
+
+
 def _cast_hook(dtype: torch.dtype) -> Any:
     def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return tuple(_cast(a, dtype) for a in args), {k: _cast(v, dtype) for k, v in kwargs.items()}
+        return tuple(_cast(a, dtype) for a in args), {k: v if k in _OWN_PRECISION else _cast(v, dtype)
+                                                       for k, v in kwargs.items()}
     return hook
 
 

@@ -6,7 +6,9 @@ checked as one: every family's tiny pipeline generates through the facade (the
 whole path: the plan, the loader, the prompt cache, the call the engine builds)
 and through ``DiffusionPipeline.from_pretrained`` called as the family's
 diffusers docs write it (the same prompt, steps, seed on a CPU generator, size and
-guidance). On the CPU the two must not differ by a single level in any pixel.
+guidance, and the dtypes the plan chose: the default's, and bf16 asked for, what a GPU user of the
+model runs, with the components the family keeps in fp32 in fp32 as its docs load them). On the
+CPU the two must not differ by a single level in any pixel.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def clip_frames(family: str) -> int:
     return kit_frames(REGISTRY.family(family).video_of(None))
 
 
-def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> list[np.ndarray]:
-    """Plain diffusers: the folder's own pipeline class, fp32 on the CPU, one seeded CPU generator."""
+def stock(folder: Path, family: str, guidance: float, size: dict[str, int], dtype: Any) -> list[np.ndarray]:
+    """Plain diffusers: the folder's own pipeline class in ``dtype`` (one, or per component), one
+    seeded CPU generator."""
     import diffusers
 
     from engine.runtime.processors import pipeline_processors
@@ -53,10 +56,10 @@ def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> l
     call: dict[str, Any] = {"prompt": PROMPT, "num_inference_steps": STEPS,
                             "generator": torch.Generator("cpu").manual_seed(SEED), **size}
     if (folder / MODULAR_INDEX).is_file():  # a modular pipeline: its blocks, called as diffusers documents
-        return stock_modular(folder, spec, call, guidance)
+        return stock_modular(folder, spec, call, guidance, dtype)
     # A vision-language processor built without torchvision, as the engine builds it (stock
     # transformers builds its video part only with torchvision; the image calls are its own).
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, **pipeline_processors(str(folder)))
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, dtype=dtype, **pipeline_processors(str(folder)))
     if spec.pipeline.guidance_kwarg == "guider.guidance_scale":  # a diffusers guider holds it
         pipe.guider = pipe.guider.new(guidance_scale=guidance)
     else:
@@ -72,7 +75,7 @@ def stock(folder: Path, family: str, guidance: float, size: dict[str, int]) -> l
     return [np.asarray(pipe(**call).images[0])]
 
 
-def stock_modular(folder: Path, spec: Any, call: dict[str, Any], guidance: float) -> list[np.ndarray]:
+def stock_modular(folder: Path, spec: Any, call: dict[str, Any], guidance: float, dtype: Any) -> list[np.ndarray]:
     """A modular pipeline as its docs load it (``ModularPipeline.from_pretrained``, then
     ``load_components``), its processor built without torchvision as the engine builds it
     (transformers builds the video part only with torchvision), a step whose component the
@@ -90,7 +93,7 @@ def stock_modular(folder: Path, spec: Any, call: dict[str, Any], guidance: float
         pipe = blocks.init_pipeline(str(folder))
     processors = pipeline_processors(str(folder))
     pipe.load_components(names=[name for name in pipe.pretrained_component_names
-                                if (folder / name).is_dir() and name not in processors])
+                                if (folder / name).is_dir() and name not in processors], torch_dtype=dtype)
     pipe.update_components(**processors)
     if spec.pipeline.guidance_kwarg == "guider.guidance_scale" and getattr(pipe, "guider", None) is not None:
         pipe.update_components(guider=pipe.guider.new(guidance_scale=guidance))
@@ -100,22 +103,39 @@ def stock_modular(folder: Path, spec: Any, call: dict[str, Any], guidance: float
     return [np.asarray(pipe(**call, output="images")[0])]
 
 
+def stock_dtypes(folder: Path, spec: Any, plan: Any) -> Any:
+    """The dtypes the plan loads each component in, as ``from_pretrained`` takes them."""
+    import json
+
+    from engine.runtime.loading import component_dtypes
+
+    index = folder / (MODULAR_INDEX if (folder / MODULAR_INDEX).is_file() else "model_index.json")
+    return component_dtypes(spec, plan, lambda: json.loads(index.read_text()))
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["auto", "bf16"])
 @pytest.mark.parametrize(("family", "checkpoint"), CASES)
 def test_an_off_tier_image_equals_plain_diffusers_pixel_for_pixel(
-    family: str, checkpoint: str | None, tiny_pipeline: Callable[..., Path], tmp_path: Path
+    family: str, checkpoint: str | None, dtype: str, tiny_pipeline: Callable[..., Path], tmp_path: Path
 ) -> None:
+    """In bf16 the mixed plans (a video VAE kept fp32 beside a bf16 denoiser) are held to it too:
+    the engine once cast the timestep to bf16 on its way into the denoiser, where stock keeps it."""
+    from engine.requests.inference import InferenceRequest
+
     folder = tiny_pipeline(family, checkpoint)
     spec = REGISTRY.family(family)
     size = {"width": 64, "height": 64}
     chosen = spec.checkpoint(checkpoint) if checkpoint else spec.default_checkpoint
     guidance = (chosen.default_guidance if chosen else 0.0) + 1.0  # not the default: the value is passed
     engine = Engine(registry=REGISTRY, hardware=probe(verify=False), runs_dir=tmp_path)
-    engine.images.load(str(folder))
+    engine.images.load(str(folder), request=InferenceRequest(dtype=dtype))
     try:
         plan = engine.status()["pipeline"]["plan"]["resolved"]  # type: ignore[index]
         assert plan["speed_tier"]["value"] == "off", plan["speed_tier"]
         assert plan["transformer_quant"]["value"] in (None, "none")
+        assert plan["dtype"]["value"] == ("fp32" if dtype == "auto" else "bf16"), plan["dtype"]
+        dtypes = stock_dtypes(folder, spec, engine.images.loaded_plan())
         if spec.rendering.output == "frames":
             clip = engine.videos.generate(PROMPT, frames=clip_frames(family), steps=STEPS, seed=SEED, guidance=guidance,
                                           **size)
@@ -125,7 +145,7 @@ def test_an_off_tier_image_equals_plain_diffusers_pixel_for_pixel(
                 PROMPT, steps=STEPS, seed=SEED, guidance=guidance, **size)]
     finally:
         engine.images.unload()
-    theirs = stock(folder, family, guidance, size)
+    theirs = stock(folder, family, guidance, size, dtypes)
     assert len(ours) == len(theirs)
     for frame, (mine, reference) in enumerate(zip(ours, theirs)):
         assert mine.shape == reference.shape
