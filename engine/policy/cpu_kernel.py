@@ -1,10 +1,11 @@
 """CPU compute: the dtype and the GEMM kernel a CPU plan runs, from what the probe found.
 
 Torch-free. A tiny generate spends two thirds of its time in ``addmm``, so the
-kernel is the CPU plan's speed. With no speed request (the off tier, whose images equal
-stock diffusers' pixel for pixel) a CPU computes in fp32 with torch's default kernel,
-and the reason says what a tier would gain here. A speed tier asked for
-(``--speed eager|default|max``) takes the fastest kernel the CPU has:
+kernel is the CPU plan's speed. A plan takes the fastest kernel the CPU has, the default
+included: the model's own dtype where the CPU multiplies it natively (images equal stock
+diffusers' in that dtype pixel for pixel, what a GPU user of the model runs). Only
+``--speed off`` asked for (or ``--dtype fp32``) keeps the exact fp32 upcast, and its reason
+says what bf16 would gain here:
 
 - **bf16** where the CPU multiplies bf16 natively (AMX or AVX512-BF16 in its flags) and
   the measured bf16 GEMM beats the best fp32 one by :data:`BF16_MARGIN`: bf16 ran 3.5x
@@ -45,12 +46,13 @@ def cpu_dtype(hardware: HardwareProfile, *, fp32_fits: bool, exact: bool) -> Res
     """``dtype=auto`` on a CPU (see the module docstring)."""
     gain = bf16_gain(hardware)
     if gain and not exact:
-        return auto("bf16", f"CPU with {gain}")
+        return auto("bf16", f"CPU with {gain}: the model's own dtype, equal to stock diffusers' in bf16 "
+                            "(--dtype fp32 for the exact upcast)")
     if not fp32_fits:
         return auto("bf16", "CPU: fp32 does not fit host memory, bf16 halves it")
     if gain:
-        return auto("fp32", f"CPU, no speed tier asked: fp32 is exact (images equal stock diffusers'); "
-                            f"--speed default computes in bf16 here ({gain})")
+        return auto("fp32", f"CPU, speed off asked: fp32 is exact (images equal stock diffusers' in fp32); "
+                            f"the default computes in bf16 here ({gain})")
     return auto("fp32", f"CPU without native bf16 matmul ({hardware.cpu_isa or 'ISA unknown'}): "
                         "fp32 is exact and faster than emulated bf16")
 

@@ -230,7 +230,7 @@ class TorchPlanner:
         apart = self.memory_apart("fp32") if self.hardware.cuda else None  # on a CPU they share one RAM
         fp32_fits = any(plan is not None and plan[0].value in ("resident", "model_offload")
                         for plan in (self.memory("fp32", None, "auto"), apart))
-        return resolve_dtype(self.family, self.hardware, self.request.dtype, fp32_fits=fp32_fits, exact=self.request.speed in ("auto", "off"))
+        return resolve_dtype(self.family, self.hardware, self.request.dtype, fp32_fits=fp32_fits, exact=self.request.speed == "off")
 
     def does_not_fit(self, dtype: str) -> PreflightError:
         """The refusal for a model no plan fits, in the memory rule's own words."""
@@ -347,8 +347,8 @@ class TorchPlanner:
             ),
             "cpu_kernel": resolve_cpu_kernel(hardware, dtype=dtype.value, engine=self.engine.value, tier=tier),
             "lora": resolve_lora(
-                self.request.loras, quantised=scheme.value or gguf_name, compiled=speed.compile.value == "regional"
-            ),
+                self.request.loras, quantised=scheme.value or gguf_name, compiled=speed.compile.value == "regional",
+                dtype=dtype.value),
             "tf32": resolve_tf32(hardware, tier=tier),
             "text_encoder_quant": movable_encoder_quant(
                 self.encoder_quant, placed, str(encoder_memory.value), hardware

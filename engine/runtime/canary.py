@@ -85,6 +85,10 @@ def measure(output: torch.Tensor) -> dict[str, float]:
     return measured
 
 
+#: What a quantised layer's forward raises where its kernel cannot run here.
+_KERNEL_ERRORS = (RuntimeError, ValueError, NotImplementedError, TypeError, AssertionError)
+
+
 def run_linear(
     layer: torch.nn.Module, name: str, *, scheme: str, dtype: torch.dtype, device: torch.device | str
 ) -> CanaryResult:
@@ -92,13 +96,18 @@ def run_linear(
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(CANARY_ROWS, layer.in_features, generator=generator)  # type: ignore[arg-type]
-    with torch.no_grad():
-        output = layer(inputs.to(device=device, dtype=dtype))
+    label = str(dtype).removeprefix("torch.")
+    where = f"{name} ({scheme}, {label} compute on {device})"
+    try:
+        with torch.no_grad():
+            output = layer(inputs.to(device=device, dtype=dtype))
+    except _KERNEL_ERRORS as exc:  # a kernel this machine cannot run (torchao's mxfp8 GEMM on a CPU)
+        return CanaryResult(ok=False, scheme=scheme, dtype=label, device=str(device), layer=name,
+                            reason=f"the {scheme} canary could not run {where}: {str(exc).splitlines()[0][:200]}",
+                            values={}, cost_s=round(time.perf_counter() - started, 4))
     values = measure(output)
     finite = values["finite_fraction"] == 1.0
     constant = finite and values.get("std", 0.0) == 0.0
-    label = str(dtype).removeprefix("torch.")
-    where = f"{name} ({scheme}, {label} compute on {device})"
     if not finite:
         reason = f"the {scheme} canary produced non-finite output on {where}: {values}"
     elif constant:

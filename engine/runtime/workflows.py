@@ -94,7 +94,7 @@ def workflow_pipeline(
     return cache[class_name]
 
 
-def _keeping_dtypes(pipeline_cls: type) -> type:
+def _keeping_dtypes(pipeline_cls: Any) -> Any:
     """``pipeline_cls`` whose ``from_pipe`` leaves the shared modules in their dtypes.
 
     diffusers' ``from_pipe`` ends with ``new_pipeline.to(dtype=...)``, float32 unless told

@@ -69,13 +69,23 @@ class Quantizer:
         check_new_folder(folder, "output", "quantize")
         return source, target, folder
 
+    def _dtype(self, target: str) -> str:
+        """The dtype the folder is made in: a GPU's bf16, or the dtype a CPU plan computes in by
+        default here (bf16 where it multiplies it natively), so the folder renders what quantising
+        at load renders."""
+        if target != "cpu":
+            return "bf16"
+        from engine.policy.cpu_kernel import cpu_dtype
+
+        return cpu_dtype(self._machine.hardware(), fp32_fits=True, exact=False).value
+
     def quantize(self, model: str, scheme: str, output: str | Path, *, device: str = "auto") -> dict[str, object]:
         """Write ``output``: ``model``'s pipeline with its denoiser(s) stored ``scheme``; what was written."""
         source, target, folder = self.check(model, scheme, output, device=device)
         self._slot.reserve("quantizing")
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            return _write(source, scheme, target, folder)
+            return _write(source, scheme, target, folder, self._dtype(target))
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -83,7 +93,7 @@ class Quantizer:
             self._slot.release("quantizing")
 
 
-def _write(source: ModelSource, scheme: str, device: str, folder: Path) -> dict[str, object]:
+def _write(source: ModelSource, scheme: str, device: str, folder: Path, dtype_name: str) -> dict[str, object]:
     import diffusers
     import torch
     import torchao
@@ -97,7 +107,7 @@ def _write(source: ModelSource, scheme: str, device: str, folder: Path) -> dict[
     stored = [name for name in (family.pipeline.denoiser, *family.pipeline.experts)
               if isinstance(config.get(name), list) and config[name][0]]
     _link_tree(root, folder, skip=set(stored))
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     keep = quantize.module_filter(scheme, family.quantisation.int8_dense_modules)
     layers = 0
     dense_gb = source.measured_sizes.transformer_gb if source.measured_sizes else None

@@ -27,10 +27,14 @@ def test_a_speed_tier_computes_in_bf16_where_the_cpu_multiplies_it_natively() ->
     assert table_plan("flux", ZEN5, speed="default")["dtype"].value == "bf16"
 
 
-def test_no_speed_request_stays_exact_and_says_what_bf16_would_gain() -> None:
-    dtype = table_plan("flux", SAPPHIRE_RAPIDS)["dtype"]
-    assert dtype.value == "fp32" and "--speed default" in dtype.reason and "AMX-BF16" in dtype.reason
-    assert table_plan("flux", ZEN5)["cpu_kernel"].value == "mkl"  # the off tier keeps torch's default kernel
+def test_the_default_computes_bf16_where_the_cpu_multiplies_it_and_speed_off_stays_exact() -> None:
+    default = table_plan("flux", SAPPHIRE_RAPIDS)["dtype"]
+    assert default.value == "bf16" and "AMX-BF16" in default.reason and "--dtype fp32" in default.reason
+    assert table_plan("flux", ZEN5)["dtype"].value == "bf16"
+    exact = table_plan("flux", SAPPHIRE_RAPIDS, speed="off")["dtype"]
+    assert exact.value == "fp32" and "the default computes in bf16 here" in exact.reason and "AMX-BF16" in exact.reason
+    assert table_plan("flux", ZEN5, speed="off")["cpu_kernel"].value == "mkl"  # the off tier keeps torch's kernel
+    assert table_plan("flux", AVX2)["dtype"].value == "fp32"  # emulated bf16 is slower
 
 
 def test_fp32_takes_onednn_only_where_measured_faster() -> None:

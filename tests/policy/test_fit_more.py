@@ -174,7 +174,8 @@ def test_a_precast_fp8_encoder_is_recognised_from_its_header_and_planned_as_stor
     t4 = plan_inference(REGISTRY, facts, preset("t4"))
     upcast = t4["text_encoder_quant"]
     assert upcast.value != "fp8" and "native bf16" in upcast.reason and "upcast" in upcast.reason
-    dense = plan_inference(REGISTRY, resolve_model(REGISTRY, fp8_flux).facts(REGISTRY), probe(verify=False))
+    dense = plan_inference(REGISTRY, resolve_model(REGISTRY, fp8_flux).facts(REGISTRY), probe(verify=False),
+                           InferenceRequest(dtype="fp32"))  # upcast to fp32: larger than the fp8 as stored
     assert dense["text_encoder_quant"].value == "none" and "upcast" in dense["text_encoder_quant"].reason
     assert dense.estimate.components.text_encoders_gb > precast.stored_gb
 

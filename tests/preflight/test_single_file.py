@@ -23,13 +23,14 @@ HARDWARE = probe(verify=False)
 
 
 def same_weights(session: InferenceSession, folder: Path) -> bool:
-    """Every weight of the loaded pipeline's parts equals the diffusers folder's."""
+    """Every weight of the loaded pipeline's parts equals the diffusers folder's (in the dtype
+    the plan loaded it in)."""
     from safetensors.torch import load_file
 
     for part in ("unet", "vae", "text_encoder", "text_encoder_2"):
         loaded = getattr(session.pipeline, part).state_dict()
         for file in (folder / part).glob("*.safetensors"):
-            if any(not torch.equal(loaded[k], v) for k, v in load_file(file).items()):
+            if any(not torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in load_file(file).items()):
                 return False
     return True
 

@@ -129,10 +129,12 @@ def test_on_the_cpu_each_renders_the_model_its_codes_encode(
 
     base, stored, twin = written(fmt)
     asked, images = {"width": 64, "height": 64, "steps": 2, "seed": 3}, {}
-    twin_request = InferenceRequest(quant=KEPT["cpu"][fmt] or "auto")
+    # fp32 throughout: the decoding is what is compared, not bf16's rounding of it
+    twin_request = InferenceRequest(quant=KEPT["cpu"][fmt] or "auto", dtype="fp32")
+    plain = InferenceRequest(dtype="fp32")
     with Engine(registry=engine_registry) as engine:
-        for name, model, given, request in (("stored", stored, base, InferenceRequest()), ("twin", twin, base, twin_request),
-                                            ("original", base, None, InferenceRequest())):
+        for name, model, given, request in (("stored", stored, base, plain), ("twin", twin, base, twin_request),
+                                            ("original", base, None, plain)):
             engine.images.load(str(model), base=str(given) if given else None, request=request)
             if name == "stored" and fmt in BFL:
                 layer = engine.images.session.pipeline.transformer.transformer_blocks[0].attn.to_q  # type: ignore[union-attr]

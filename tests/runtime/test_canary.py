@@ -60,6 +60,18 @@ def test_the_canary_judges_finite_and_not_constant() -> None:
     assert not flat.ok and "constant" in flat.reason
 
 
+def test_a_layer_whose_kernel_cannot_run_here_fails_the_canary_instead_of_the_load() -> None:
+    """torchao's mxfp8 quantises a bf16 layer on a CPU, then its GEMM raises: the canary says so and
+    the planned fallback builds instead of the load failing."""
+
+    class Unrunnable(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("Invalid scaling configuration.")
+
+    result = run_linear(Unrunnable(32, 16), "probe", scheme="mxfp8", dtype=torch.bfloat16, device="cpu")
+    assert not result.ok and "could not run" in result.reason and "Invalid scaling configuration" in result.reason
+
+
 def session(model: Path, request: InferenceRequest) -> InferenceSession:
     source = resolve_model(REGISTRY, model)
     return InferenceSession(REGISTRY, source, plan_inference(REGISTRY, source.facts(REGISTRY), HARDWARE, request), request)
@@ -69,7 +81,9 @@ def session(model: Path, request: InferenceRequest) -> InferenceSession:
 def test_a_scheme_producing_nan_falls_back_before_generation(
     poisoned: Path, tiny_pipeline: Callable[[str], Path]
 ) -> None:
-    broken = session(poisoned, InferenceRequest(quant="int8"))
+    # fp32 asked: the dense fallback then runs no canary of its own (a bf16 one would judge the
+    # same poisoned weights), so the scheme's failure is what this checks
+    broken = session(poisoned, InferenceRequest(quant="int8", dtype="fp32"))
     broken.load()
     try:
         status = broken.status()

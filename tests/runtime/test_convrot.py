@@ -78,8 +78,8 @@ def test_at_load_its_linears_are_stored_rotated_int8_and_the_image_stays_within_
     assert status["quantised_layers"] == images["int8-status"]["quantised_layers"] > 0  # type: ignore[index]
     assert images["rotated"] == (256, "Int8Tensor")
     dense, int8, convrot = (images[k] for k in ("none", "int8", "int8_convrot"))
-    # bench/scheme_drift.py: both well under one level on the tiny model's outlier-free weights
-    assert np.abs(convrot - dense).mean() < 0.5 and np.abs(int8 - dense).mean() < 0.5  # type: ignore[operator]
+    # bench/scheme_drift.py: both about a level or less on the tiny model's outlier-free weights
+    assert np.abs(convrot - dense).mean() < 1.5 and np.abs(int8 - dense).mean() < 1.5  # type: ignore[operator]
     assert not np.array_equal(convrot, int8)  # another scheme, not int8 under a new name
 
 

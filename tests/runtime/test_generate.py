@@ -176,7 +176,10 @@ def test_a_failed_quantised_build_loads_the_fallback_and_says_why(tiny_pipeline:
     session.load()
     try:
         quant = session.plan["transformer_quant"]
-        assert quant.value is None and "mxfp8 quantisation failed" in quant.reason
+        # in fp32 torchao refuses to quantise mxfp8 on a CPU; in bf16 it quantises, and the canary's
+        # forward raises: either way the dense fallback loads, saying why
+        assert quant.value is None and ("mxfp8 quantisation failed" in quant.reason
+                                        or "the mxfp8 canary could not run" in quant.reason), quant.reason
         assert pixels(session).shape == (48, 64, 3)
     finally:
         session.unload()

@@ -102,9 +102,10 @@ def test_lora_changes_the_image_and_equals_stock_diffusers(
 ) -> None:
     folder, file = tiny_pipeline(family), loras(family)
     files = read_loras([LoraChoice(str(file.parent), 1.0)])  # a run folder works as the path
-    unfused = session_for(folder, files, switching=True)
-    fused = session_for(folder, files)
-    stock = session_for(folder)
+    fp32 = InferenceRequest(dtype="fp32")  # where a single LoRA is fused (bf16 keeps it beside the weights)
+    unfused = session_for(folder, files, switching=True, request=fp32)
+    fused = session_for(folder, files, request=fp32)
+    stock = session_for(folder, request=fp32)
     try:
         assert unfused.plan.value("lora") == "unfused" and fused.plan.value("lora") == "fused"
         with_lora, fused_image = image(unfused), image(fused)
@@ -138,7 +139,10 @@ def _facts(family: str) -> ModelFacts:
     ("loras", "request_", "expected"),
     [
         (LoraPlanInput(), InferenceRequest(), "none"),
-        (LoraPlanInput(count=1, max_rank=16, params=10**7), InferenceRequest(quant="none", compile="off"), "fused"),
+        (LoraPlanInput(count=1, max_rank=16, params=10**7), InferenceRequest(quant="none", compile="off", dtype="fp32"),
+         "fused"),
+        # bf16 weights: fused, a LoRA would round them for good
+        (LoraPlanInput(count=1, max_rank=16, params=10**7), InferenceRequest(quant="none", compile="off"), "unfused"),
         (LoraPlanInput(count=1, max_rank=16, params=10**7), InferenceRequest(quant="int8", compile="off"), "unfused"),
         (LoraPlanInput(count=2, max_rank=16, params=10**7), InferenceRequest(quant="none", compile="off"), "unfused"),
         (LoraPlanInput(count=1, max_rank=16, params=10**7, switching=True), InferenceRequest(quant="none", compile="off"), "unfused"),

@@ -82,9 +82,9 @@ def cli_image(family: str, out: Path, capsys: pytest.CaptureFixture[str], *extra
         return _pixels(written.convert("RGB")), report
 
 
-def engine_session(folder: Path, loras: tuple = (), *, switching: bool = False) -> InferenceSession:
+def engine_session(folder: Path, loras: tuple = (), *, switching: bool = False, dtype: str = "auto") -> InferenceSession:
     source = resolve_model(REGISTRY, folder)
-    request = InferenceRequest(loras=plan_input(loras, switching=switching))
+    request = InferenceRequest(loras=plan_input(loras, switching=switching), dtype=dtype)
     session = InferenceSession(REGISTRY, source, plan_inference(REGISTRY, source.facts(REGISTRY), HARDWARE, request),
                                request, loras=loras)
     session.load()
@@ -159,7 +159,8 @@ def test_both_files_of_a_run_keep_its_alpha_and_render_what_the_trainer_had(
     [sample] = sorted((run / "samples").glob("*.png"))
     with Image.open(sample) as written:
         in_memory = _pixels(written.convert("RGB"))
-    session = engine_session(tiny_pipeline(SAMPLED), read_loras([LoraChoice(str(run))]), switching=True)
+    # fp32, as the trainer rendered its sample on this CPU
+    session = engine_session(tiny_pipeline(SAMPLED), read_loras([LoraChoice(str(run))]), switching=True, dtype="fp32")
     try:
         assert session.plan.value("lora") == "unfused"
         through_engine = render(session)

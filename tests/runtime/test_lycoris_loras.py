@@ -82,7 +82,11 @@ def test_each_format_changes_the_image_as_the_peft_reference_does(
         base = np.asarray(engine.images.generate("a red fox", **ASKED)[0]).astype(int)
         ours = np.asarray(engine.images.generate("a red fox", loras=[f"{file}:1.0"], **ASKED)[0]).astype(int)
         zero = np.asarray(engine.images.generate("a red fox", loras=[f"{file}:0.0"], **ASKED)[0]).astype(int)
-    reference = QwenImagePipeline.from_pretrained(str(qwen), transformer=model)
+    from engine.testing.stock import planned_dtypes
+
+    dtypes = planned_dtypes(qwen)  # the reference in the dtypes the engine computed in
+    reference = QwenImagePipeline.from_pretrained(str(qwen), transformer=model.to(  # type: ignore[attr-defined]
+        dtypes if isinstance(dtypes, torch.dtype) else dtypes["default"]), dtype=dtypes)
     theirs = np.asarray(reference("a red fox", num_inference_steps=2, height=64, width=64, true_cfg_scale=1.0,
                                   generator=torch.Generator("cpu").manual_seed(5)).images[0]).astype(int)
     assert np.abs(ours - base).max() > 8, f"{kind} did not move the image"

@@ -60,7 +60,10 @@ def test_a_two_image_edit_equals_plain_diffusers_pixel_for_pixel(folders: dict[s
     finally:
         engine.images.unload()
     # Plain diffusers with the folder's processor built as the folder says (torchvision is not here).
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folders["plus"], **pipeline_processors(str(folders["plus"])))
+    from engine.testing.stock import planned_dtypes
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folders["plus"], dtype=planned_dtypes(folders["plus"]),
+                                                       **pipeline_processors(str(folders["plus"])))
     assert type(pipe).__name__ == "QwenImageEditPlusPipeline"
     theirs = pipe(image=[Image.open(a).convert("RGB"), Image.open(b).convert("RGB")], prompt=PROMPT,
                   negative_prompt=" ", true_cfg_scale=4.0, num_inference_steps=2, width=64, height=64,

@@ -6,8 +6,8 @@ checked as one: every family's tiny pipeline generates through the facade (the
 whole path: the plan, the loader, the prompt cache, the call the engine builds)
 and through ``DiffusionPipeline.from_pretrained`` called as the family's
 diffusers docs write it (the same prompt, steps, seed on a CPU generator, size and
-guidance, and the dtypes the plan chose: the default's, and bf16 asked for, what a GPU user of the
-model runs, with the components the family keeps in fp32 in fp32 as its docs load them). On the
+guidance, and the dtypes the plan chose: the default's, bf16 and fp32 asked for (bf16 is what a GPU
+user of the model runs, and the default where this CPU multiplies it natively), with the components the family keeps in fp32 in fp32 as its docs load them). On the
 CPU the two must not differ by a single level in any pixel.
 """
 
@@ -25,6 +25,7 @@ from engine.contract.plugins import load_registry
 from engine.preflight.pipeline_index import MODULAR_INDEX
 from engine.hardware.probe import probe
 from engine.service.facade import Engine
+from engine.testing.stock import stock_dtypes
 
 REGISTRY = load_registry()
 FAMILIES = sorted(REGISTRY.families)
@@ -103,18 +104,8 @@ def stock_modular(folder: Path, spec: Any, call: dict[str, Any], guidance: float
     return [np.asarray(pipe(**call, output="images")[0])]
 
 
-def stock_dtypes(folder: Path, spec: Any, plan: Any) -> Any:
-    """The dtypes the plan loads each component in, as ``from_pretrained`` takes them."""
-    import json
-
-    from engine.runtime.loading import component_dtypes
-
-    index = folder / (MODULAR_INDEX if (folder / MODULAR_INDEX).is_file() else "model_index.json")
-    return component_dtypes(spec, plan, lambda: json.loads(index.read_text()))
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["auto", "bf16"])
+@pytest.mark.parametrize("dtype", ["auto", "bf16", "fp32"])
 @pytest.mark.parametrize(("family", "checkpoint"), CASES)
 def test_an_off_tier_image_equals_plain_diffusers_pixel_for_pixel(
     family: str, checkpoint: str | None, dtype: str, tiny_pipeline: Callable[..., Path], tmp_path: Path
@@ -134,7 +125,10 @@ def test_an_off_tier_image_equals_plain_diffusers_pixel_for_pixel(
         plan = engine.status()["pipeline"]["plan"]["resolved"]  # type: ignore[index]
         assert plan["speed_tier"]["value"] == "off", plan["speed_tier"]
         assert plan["transformer_quant"]["value"] in (None, "none")
-        assert plan["dtype"]["value"] == ("fp32" if dtype == "auto" else "bf16"), plan["dtype"]
+        # The default computes in the model's own dtype where this CPU multiplies it natively.
+        native = engine.hardware().cpu_bf16_matmul
+        wanted = dtype if dtype != "auto" else "bf16" if native else "fp32"
+        assert plan["dtype"]["value"] == wanted, plan["dtype"]
         dtypes = stock_dtypes(folder, spec, engine.images.loaded_plan())
         if spec.rendering.output == "frames":
             clip = engine.videos.generate(PROMPT, frames=clip_frames(family), steps=STEPS, seed=SEED, guidance=guidance,

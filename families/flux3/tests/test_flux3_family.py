@@ -30,9 +30,8 @@ def folder(tiny_pipeline: Callable[[str], Path]) -> Path:
 
 def _plain(folder: Path, **components: object) -> object:
     """The blocks as diffusers builds them from the folder, the upsampler step popped (the
-    folder does not ship it), every component loaded in fp32 (the processor built without its
+    folder does not ship it), every component loaded in the dtype the engine's plan chose (the processor built without its
     video part, which needs torchvision, as the engine builds it)."""
-    import torch
     from diffusers import Flux3AutoBlocks
 
     from engine.runtime.processors import build_processor
@@ -40,7 +39,9 @@ def _plain(folder: Path, **components: object) -> object:
     blocks = Flux3AutoBlocks()
     blocks.sub_blocks.pop("prompt_upsampler")
     pipe = blocks.init_pipeline(str(folder))
-    pipe.load_components(torch_dtype=torch.float32)
+    from engine.testing.stock import planned_dtypes
+
+    pipe.load_components(torch_dtype=planned_dtypes(folder))
     pipe.update_components(tokenizer=build_processor(folder / "tokenizer", "AutoProcessor"), **components)
     return pipe
 

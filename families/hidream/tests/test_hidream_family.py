@@ -30,7 +30,9 @@ def folder(tiny_pipeline: Callable[[str], Path]) -> Path:
 def _plain(folder: Path, **components: object) -> object:
     from diffusers import HiDreamImagePipeline
 
-    pipe = HiDreamImagePipeline.from_pretrained(str(folder), **components)
+    from engine.testing.stock import planned_dtypes
+
+    pipe = HiDreamImagePipeline.from_pretrained(str(folder), dtype=planned_dtypes(folder), **components)
     pipe.default_sample_size = (math.sqrt(64 * 64) + 1e-6) / pipe.vae_scale_factor
     return pipe
 

@@ -87,7 +87,9 @@ def test_the_cli_image_equals_plain_ideogram4pipeline_on_its_schedule(
 
     from engine.cli import main
 
-    pipe = Ideogram4Pipeline.from_pretrained(str(folder))
+    from engine.testing.stock import planned_dtypes
+
+    pipe = Ideogram4Pipeline.from_pretrained(str(folder), dtype=planned_dtypes(folder))
     for extra, plain in (([], {"guidance_schedule": [7.0, 3.0, 3.0, 3.0]}),
                          (["--guidance", "4"], {"guidance_scale": 4.0, "guidance_schedule": None})):
         out = tmp_path / f"fox{len(extra)}.png"
@@ -191,7 +193,9 @@ def test_an_ai_toolkit_lora_with_fused_qkv_moves_the_image_as_diffusers_loads_it
         engine.images.load(str(folder))
         base = np.asarray(engine.images.generate("a red fox", **asked)[0]).astype(int)
         moved = np.asarray(engine.images.generate("a red fox", loras=[f"{path}:1.0"], **asked)[0]).astype(int)
-    pipe = Ideogram4Pipeline.from_pretrained(str(folder))
+    from engine.testing.stock import planned_dtypes
+
+    pipe = Ideogram4Pipeline.from_pretrained(str(folder), dtype=planned_dtypes(folder))
     pipe.load_lora_weights(str(path))
     plain = np.asarray(pipe("a red fox", height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
                             guidance_schedule=None, generator=_generator(5)).images[0]).astype(int)

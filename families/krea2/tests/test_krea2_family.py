@@ -74,7 +74,9 @@ def test_the_cli_image_equals_plain_krea2pipeline(raw: Path, tmp_path: Path,
     status = main(["generate", "--model", str(raw), "--prompt", "a red fox", "--width", "64", "--height", "64",
                    "--steps", "2", "--seed", "5", "--guidance", "3.5", "-o", str(out)])
     assert status == 0, capsys.readouterr().err[-2000:]
-    plain = Krea2Pipeline.from_pretrained(str(raw))("a red fox", height=TINY_RESOLUTION, width=TINY_RESOLUTION,
+    from engine.testing.stock import planned_dtypes
+
+    plain = Krea2Pipeline.from_pretrained(str(raw), dtype=planned_dtypes(raw))("a red fox", height=TINY_RESOLUTION, width=TINY_RESOLUTION,
                                                     num_inference_steps=2, guidance_scale=3.5,
                                                     generator=torch.Generator("cpu").manual_seed(5)).images[0]
     assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(plain))

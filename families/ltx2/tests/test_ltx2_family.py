@@ -85,7 +85,9 @@ def test_the_engine_clip_equals_plain_ltx2pipeline_and_fps_sets_the_sounds_lengt
         asked = {"prompt": "a fox", "model": str(ltx2), "guidance": 1.0, **_tiny_clip()}
         clip = engine.videos.generate(GenerateBody(**asked))  # type: ignore[arg-type]
         slow = engine.videos.generate(GenerateBody(**asked, fps=12))  # type: ignore[arg-type]
-    plain = LTX2Pipeline.from_pretrained(str(ltx2))(
+    from engine.testing.stock import planned_dtypes
+
+    plain = LTX2Pipeline.from_pretrained(str(ltx2), dtype=planned_dtypes(ltx2))(
         prompt="a fox", height=64, width=64, num_frames=TINY_FRAMES, frame_rate=24.0, num_inference_steps=2,
         guidance_scale=1.0, generator=torch.Generator("cpu").manual_seed(3), output_type="pil")
     assert [f.tobytes() for f in clip.frames] == [f.convert("RGB").tobytes() for f in plain.frames[0]]
@@ -123,7 +125,9 @@ def test_the_distilled_checkpoint_samples_its_own_sigmas_and_refuses_other_step_
         steps: list[int] = []
         clip = engine.videos.generate(GenerateBody(**asked), progress=lambda done, _t: steps.append(done))  # type: ignore[arg-type]
         assert clip.recipe["checkpoint"] == "ltx-2.3-distilled" and steps[-1] == 8
-    plain = LTX2Pipeline.from_pretrained(str(folder))(
+    from engine.testing.stock import planned_dtypes
+
+    plain = LTX2Pipeline.from_pretrained(str(folder), dtype=planned_dtypes(folder))(
         prompt="a fox", height=64, width=64, num_frames=TINY_FRAMES, frame_rate=24.0, num_inference_steps=8,
         sigmas=list(DISTILLED_SIGMAS), guidance_scale=1.0, generator=torch.Generator("cpu").manual_seed(3),
         output_type="pil")

@@ -55,7 +55,9 @@ def test_the_cli_image_equals_plain_lumina2pipeline_with_the_model_cards_truncat
     status = main(["generate", "--model", str(lumina), "--prompt", "a red fox", "--width", "64", "--height", "64",
                    "--steps", "4", "--seed", "5", "-o", str(out)])
     assert status == 0, capsys.readouterr().err[-2000:]
-    pipe = Lumina2Pipeline.from_pretrained(str(lumina))
+    from engine.testing.stock import planned_dtypes
+
+    pipe = Lumina2Pipeline.from_pretrained(str(lumina), dtype=planned_dtypes(lumina))
 
     def plain(**extra: float) -> np.ndarray:
         return np.asarray(pipe("a red fox", height=TINY_RESOLUTION, width=TINY_RESOLUTION, num_inference_steps=4,

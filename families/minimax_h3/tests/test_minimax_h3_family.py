@@ -96,8 +96,10 @@ def test_the_engine_clip_equals_plain_modular_pipeline_loaded_from_the_folder_al
         assert held._pipe.scheduler is swapped and held.scheduler is swapped
     assert steps[-1] == 1  # its scheduler's grid has `steps` points: 2 of them are 1 transformer pass
     plain = ModularPipeline.from_pretrained(str(h3), components_manager=ComponentsManager())
+    from engine.testing.stock import planned_dtypes
+
     plain.load_components(names=["transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "scheduler",
-                                 "audio_scheduler"])
+                                 "audio_scheduler"], torch_dtype=planned_dtypes(h3))
     from engine.runtime.processors import build_processor
 
     plain.update_components(processor=build_processor(h3 / "processor", "Qwen3VLProcessor"))

@@ -31,8 +31,10 @@ def _plain(folder: Path) -> object:
     from diffusers import QwenImage21Pipeline
 
     from engine.runtime.processors import pipeline_processors
+    from engine.testing.stock import planned_dtypes
 
-    return QwenImage21Pipeline.from_pretrained(str(folder), **pipeline_processors(str(folder)))
+    return QwenImage21Pipeline.from_pretrained(str(folder), dtype=planned_dtypes(folder),
+                                               **pipeline_processors(str(folder)))
 
 
 def _generator(seed: int) -> object:
