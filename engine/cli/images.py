@@ -22,7 +22,6 @@ from typing import Any
 
 from engine.cli.common import download_allowed
 from engine.cli.machine import machine_request
-from engine.cli.requests import CONTROL_FLAGS, generate_body, output_paths, plan_body, plan_controls
 from engine.cli.started import PROCESS_STARTED
 from engine.errors import EngineError
 
@@ -38,6 +37,7 @@ class Strict(EngineError):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from engine import Engine
+    from engine.cli.requests import plan_body  # the request models load with the command that uses them
 
     controls = plan_body(args)  # the controls and the request's shape (--width --height --count --frames)
     if args.model is None and args.family is None:
@@ -100,6 +100,8 @@ def report_overrides(controls: Mapping[str, Any], *, strict: bool,
 
     :raises Strict: with ``strict``, instead of warning (before anything loads).
     """
+    from engine.cli.requests import CONTROL_FLAGS
+
     found = [
         {"control": name, "flag": CONTROL_FLAGS.get(name, name), "requested": r.asked,
          "value": r.value, "status": r.outcome, "reason": r.reason}
@@ -124,6 +126,7 @@ def _shown(value: object) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     """One engine question (the ticket: every check, each decision once), then load, generate."""
     from engine import Engine
+    from engine.cli.requests import generate_body, output_paths, plan_controls
 
     controls = plan_controls(args)
     seed = args.seed if args.seed is not None else random.randrange(2**31)

@@ -17,10 +17,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.cli.common import DOWNLOAD_HELP, add_controls, download_allowed
 from engine.errors import EngineError
-from engine.requests import TRAIN_CONTROLS, InvalidConfig, MachineRequest, TrainingConfig, read_config_file
+from engine.requests import TRAIN_CONTROLS, MachineRequest
+
+if TYPE_CHECKING:  # the training config (pydantic) loads with the command that builds one
+    from engine.requests import TrainingConfig
 
 #: What ``--tiny`` trains at when --resolution is not given: small and quick for every family.
 TINY_RESOLUTION = 64
@@ -103,6 +107,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_config(args: argparse.Namespace, base: str | None, previous: dict[str, object] | None) -> TrainingConfig:
     """TrainingConfig defaults < --config FILE < the resumed run's config < the flags given."""
+    from engine.requests import InvalidConfig, TrainingConfig, read_config_file
+
     data: dict[str, object] = dict(read_config_file(args.config)) if args.config else {}
     if previous is not None:
         recorded = previous["config"]

@@ -31,12 +31,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-from PIL import Image
+from typing import TYPE_CHECKING, Any
 
 from engine.requests.references import CLIP_EXTENSIONS
+
+if TYPE_CHECKING:  # numpy and PIL load when a clip is read, not with the preflight
+    import numpy as np
+    from PIL import Image
 
 #: Header caps, checked before decoding: no training clip is an hour long or 100k frames.
 MAX_CLIP_FRAMES = 100_000
@@ -243,6 +244,8 @@ def read_window_sound(path: Path, window: ClipWindow) -> np.ndarray | None:
     wanted = window.sound_samples
     layout = "stereo" if window.sound_channels == 2 else "mono"
     resampler = av.AudioResampler(format="fltp", layout=layout, rate=window.sound_rate)
+    import numpy as np
+
     chunks: list[np.ndarray] = []
     taken = 0
     with av.open(str(path)) as container:

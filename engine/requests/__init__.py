@@ -22,38 +22,10 @@ means one thing whichever door it came in by.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from engine.places import default_datasets_dir, default_runs_dir
 
-from engine.requests.bodies import (
-    MAX_COUNT,
-    MAX_LORAS,
-    MAX_PLAN_STEPS,
-    MAX_SEED,
-    MAX_SIDE,
-    MAX_STEPS,
-    MIN_SIDE,
-    PLAN_FIELDS,
-    SIDE_MULTIPLE,
-    Body,
-    Count,
-    GenerateBody,
-    KeepAliveSeconds,
-    Guidance,
-    LoadBody,
-    LoraBody,
-    Loras,
-    Name,
-    PathText,
-    PlanBody,
-    PlanControls,
-    Prompt,
-    Seed,
-    Side,
-    Steps,
-    describe_problems,
-    lora_bodies,
-    refuse_lone_surrogates,
-)
 from engine.requests.controls import (
     ALL_CONTROLS,
     FIELD_FLAGS,
@@ -79,8 +51,90 @@ from engine.requests.references import (
     is_hub_id,
     looks_like_path,
 )
-from engine.requests.training import InvalidConfig, LossWeighting, Optimizer, TrainingConfig, read_config_file
 
+
+
+if TYPE_CHECKING:  # imported when first used (pydantic's models cost a light command its start)
+    from engine.requests.bodies import (
+        MAX_COUNT,
+        MAX_LORAS,
+        MAX_PLAN_STEPS,
+        MAX_SEED,
+        MAX_SIDE,
+        MAX_STEPS,
+        MIN_SIDE,
+        PLAN_FIELDS,
+        SIDE_MULTIPLE,
+        Body,
+        Count,
+        GenerateBody,
+        KeepAliveSeconds,
+        Guidance,
+        LoadBody,
+        LoraBody,
+        Loras,
+        Name,
+        PathText,
+        PlanBody,
+        PlanControls,
+        Prompt,
+        Seed,
+        Side,
+        Steps,
+        describe_problems,
+        lora_bodies,
+        refuse_lone_surrogates,
+    )
+    from engine.requests.training import InvalidConfig, LossWeighting, Optimizer, TrainingConfig, read_config_file
+
+#: Names whose modules load on first use: the pydantic request models and the training config.
+_LAZY: dict[str, str] = {
+    "MAX_COUNT": "engine.requests.bodies",
+    "MAX_LORAS": "engine.requests.bodies",
+    "MAX_PLAN_STEPS": "engine.requests.bodies",
+    "MAX_SEED": "engine.requests.bodies",
+    "MAX_SIDE": "engine.requests.bodies",
+    "MAX_STEPS": "engine.requests.bodies",
+    "MIN_SIDE": "engine.requests.bodies",
+    "PLAN_FIELDS": "engine.requests.bodies",
+    "SIDE_MULTIPLE": "engine.requests.bodies",
+    "Body": "engine.requests.bodies",
+    "Count": "engine.requests.bodies",
+    "GenerateBody": "engine.requests.bodies",
+    "KeepAliveSeconds": "engine.requests.bodies",
+    "Guidance": "engine.requests.bodies",
+    "LoadBody": "engine.requests.bodies",
+    "LoraBody": "engine.requests.bodies",
+    "Loras": "engine.requests.bodies",
+    "Name": "engine.requests.bodies",
+    "PathText": "engine.requests.bodies",
+    "PlanBody": "engine.requests.bodies",
+    "PlanControls": "engine.requests.bodies",
+    "Prompt": "engine.requests.bodies",
+    "Seed": "engine.requests.bodies",
+    "Side": "engine.requests.bodies",
+    "Steps": "engine.requests.bodies",
+    "describe_problems": "engine.requests.bodies",
+    "lora_bodies": "engine.requests.bodies",
+    "refuse_lone_surrogates": "engine.requests.bodies",
+    "InvalidConfig": "engine.requests.training",
+    "LossWeighting": "engine.requests.training",
+    "Optimizer": "engine.requests.training",
+    "TrainingConfig": "engine.requests.training",
+    "read_config_file": "engine.requests.training",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A request model, imported the first time it is asked for (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 __all__ = [

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from engine.requests.inference import InferenceRequest
+from engine.requests.choices import MAX_KEEP_ALIVE_S as MAX_KEEP_ALIVE_S  # re-exported
 from engine.requests.loras import lora_choices
 from engine.requests.batch import batch_items
 from engine.requests.controls import PLAN_CONTROLS, Control
@@ -176,8 +177,6 @@ class LoadBody(_Shaped):
 #: its table's ``reference_images``, at most this; the most a built-in family takes is ten).
 MAX_INPUT_IMAGES = 16
 
-#: The longest keep-alive, in seconds (a week): ``serve --keep-alive`` and a request's ``keep_alive``.
-MAX_KEEP_ALIVE_S = 7 * 24 * 3600
 #: A keep-alive in seconds: up to a week.
 KeepAliveSeconds = Annotated[float, Field(ge=0, le=MAX_KEEP_ALIVE_S, allow_inf_nan=False)]
 

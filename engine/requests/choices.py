@@ -33,7 +33,12 @@ DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
 #: (written beside it, so a request that names no size stays tiny; ``--tiny`` fills them too).
 TINY_DEFAULTS: dict[str, int] = {"width": 64, "height": 64, "steps": 4}
 
+#: The longest keep-alive, in seconds (a week): ``serve --keep-alive`` and a request's ``keep_alive``.
+MAX_KEEP_ALIVE_S = 7 * 24 * 3600
+
+
 __all__ = [
+    "MAX_KEEP_ALIVE_S",
     "TINY_DEFAULTS",
     "ATTENTION_BACKENDS", "COMPILE_REQUESTS", "DEVICES", "DTYPES", "ENGINES", "MEMORY_MODES", "QUANT_REQUESTS",
     "SPEED_REQUESTS", "SPEED_TIERS", "STORED_SCHEMES", "STEP_CACHES", "TEXT_ENCODER_MEMORY_REQUESTS", "TEXT_ENCODER_QUANT_REQUESTS",

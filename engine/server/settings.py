@@ -13,7 +13,7 @@ from pathlib import Path
 from engine.deprecation import deprecate, register
 from engine.errors import EngineError
 from engine.network import is_loopback
-from engine.requests.bodies import MAX_KEEP_ALIVE_S
+from engine.requests.choices import MAX_KEEP_ALIVE_S
 
 #: Default cap on a request body. The largest legitimate body (a generate
 #: request with two 4000-character prompts, every character escaped) is
