@@ -8,8 +8,9 @@ Its weights are stored in bf16, as FLUX.1 is published. Two sides, alternating (
 engine, plain, engine, ...) after a warm-up call of each, the same prompt, size, steps
 and seed, the same threads:
 
-* **plain**: ``DiffusionPipeline.from_pretrained(folder, dtype=torch.float32)``, as
-  diffusers' docs write a CPU run;
+* **plain**: ``DiffusionPipeline.from_pretrained(folder, dtype=...)``, fp32 as diffusers'
+  docs write a CPU run, or ``--plain-dtype bf16``: the same dtype as the engine's default
+  on a CPU that multiplies bf16 natively (like for like);
 * **engine**: the engine's own session with ``--speed`` (default: ``default``), the
   step cache and the prompt cache off so both sides do the same work; its dtype and
   GEMM kernel are the plan's, read from this CPU (``engine/policy/cpu_kernel.py``).
@@ -101,7 +102,10 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=3072, help="transformer width (FLUX.1: 3072)")
     parser.add_argument("--double", type=int, default=1, help="double-stream blocks (FLUX.1 has 19)")
     parser.add_argument("--single", type=int, default=2, help="single-stream blocks (FLUX.1 has 38)")
-    parser.add_argument("--speed", default="default", help="the engine side's speed tier")
+    parser.add_argument("--speed", default="default", help="the engine side's speed tier (auto: the default)")
+    parser.add_argument("--plain-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="plain diffusers' dtype (bf16: like for like with the engine's bf16 default)")
+    parser.add_argument("--skip-train", action="store_true", help="the generate comparison alone")
     parser.add_argument("--train-family", default="flux")
     parser.add_argument("--train-steps", type=int, default=25)
     args = parser.parse_args()
@@ -129,7 +133,8 @@ def main() -> None:
         for control in ("engine", "dtype", "cpu_kernel", "compile"):
             entry = plan.controls[control]
             print(f"engine plan: {control} = {entry.value} ({entry.reason})")
-        plain = DiffusionPipeline.from_pretrained(folder, dtype=torch.float32)
+        plain_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.plain_dtype]
+        plain = DiffusionPipeline.from_pretrained(folder, dtype=plain_dtype)
         plain.set_progress_bar_config(disable=True)
         # FluxPipeline's own defaults otherwise (512 T5 tokens), as the engine calls it: the same work
         call = {"num_inference_steps": args.steps, "width": args.size, "height": args.size, "guidance_scale": 3.5}
@@ -157,7 +162,8 @@ def main() -> None:
 
         wall = {side: statistics.median(w for w, _ in runs) for side, runs in sides.items()}
         cpu = {side: statistics.median(c for _, c in runs) for side, runs in sides.items()}
-        peaks = {"plain": (figures.fp32_mkl, "fp32 MKL"), "engine": peak_for(plan, figures)}
+        peaks = {"plain": (figures.bf16, "bf16 (oneDNN)") if args.plain_dtype == "bf16" else (figures.fp32_mkl, "fp32 MKL"),
+                 "engine": peak_for(plan, figures)}
         print(f"\ngenerate: FLUX.1 width {args.width}, {args.double} double + {args.single} single blocks, "
               f"{args.size} px, {args.steps} steps, {flops / 1e9:.0f} GFLOP a call (engine: {counted['engine'] / 1e9:.0f}), "
               f"median of {args.rounds}")
@@ -170,9 +176,13 @@ def main() -> None:
             print(f"{side:<8} {wall[side]:>8.3f} {cpu[side]:>8.3f} {achieved:>9.1f} {peak:>10.1f} "
                   f"{share[side]:>7.0%}  {kernel}")
         speedup = wall["plain"] / wall["engine"]
-        print(f"engine vs plain diffusers fp32: {speedup:.2f}x wall, {cpu['plain'] / cpu['engine']:.2f}x CPU time; "
+        print(f"engine vs plain diffusers {args.plain_dtype}: {speedup:.2f}x wall, {cpu['plain'] / cpu['engine']:.2f}x CPU time; "
               "per round: " + ", ".join(f"{p[0] / e[0]:.2f}" for p, e in zip(sides["plain"], sides["engine"])))
 
+        if args.skip_train:
+            print(f"\ntargets: generate at >= 70% of its GEMM peak: {share['engine']:.0%}; "
+                  f"engine vs plain {args.plain_dtype}: {speedup:.2f}x")
+            return
         data = write_dataset(scratch / "data", count=4, size=64)
         row = train_overhead.compare(registry, args.train_family, scratch, data, args.train_steps, args.rounds)
         print(f"\ntrainer ({args.train_family}, tiny, 64 px): engine {row['engine_it_s']:.2f} it/s, plain peft loop "
