@@ -30,6 +30,7 @@ Torch-free.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,27 +43,17 @@ Tensors = dict[str, tuple[str, tuple[int, ...]]]
 NVFP4_BLOCK, MXFP8_BLOCK = 16, 32
 
 
-@dataclass(frozen=True)
-class LinearFormat:
-    """How one format stores a Linear: its codes' dtypes, the suffixes of its scale tensors
-    (required, then optional) and each scale's accepted shapes given the weight's (N, K)."""
-
-    codes: tuple[str, ...]
-    scales: tuple[str, ...]
-    optional: tuple[str, ...] = ()
-    packed: int = 1  # values a stored element holds
+#: A scale's accepted shape given the weight's rows and the inputs it holds: a set of shapes,
+#: or an element count (block scales laid in tiles, whose matrix shape a writer may flatten).
+ShapeRule = Callable[[int, int], "set[tuple[int, ...]] | int"]
 
 
-FORMATS: dict[str, LinearFormat] = {
-    "fp8_e4m3fn": LinearFormat(("F8_E4M3", "F8_E5M2"), ()),  # a plain cast: each scale 1
-    "fp8_scaled": LinearFormat(("F8_E4M3", "F8_E5M2"), ("scale_weight",), ("scale_input",)),
-    "float8_e4m3fn": LinearFormat(("F8_E4M3",), ("weight_scale",), ("input_scale",)),
-    "int8_tensorwise": LinearFormat(("I8",), ("weight_scale",), ("input_scale",)),
-    "nvfp4": LinearFormat(("U8",), ("weight_scale", "weight_scale_2"), ("input_scale",), packed=2),
-    "mxfp8": LinearFormat(("F8_E4M3",), ("weight_scale",), ("input_scale",)),
-    "bfl_fp8r": LinearFormat(("F8_E4M3",), ("weight_scale",), ("input_scale",)),
-    "bfl_nvfp4": LinearFormat(("U8",), ("weight_scale", "weight_scale_2", "input_scale"), packed=2),
-}
+def _one(rows: int, values: int) -> set[tuple[int, ...]]:
+    return {(), (1,)}
+
+
+def _one_or_rows(rows: int, values: int) -> set[tuple[int, ...]]:
+    return {(), (1,), (rows,), (rows, 1)}
 
 
 def tiled_scale_count(rows: int, blocks: int) -> int:
@@ -70,27 +61,52 @@ def tiled_scale_count(rows: int, blocks: int) -> int:
     return -(-rows // 128) * 128 * -(-blocks // 4) * 4
 
 
-def _scale_shapes(fmt: str, rows: int, cols: int) -> dict[str, tuple[tuple[str, ...], object]]:
-    """Each scale's accepted dtypes and shapes (a set of shapes, or an element count) for a weight
-    stored as ``rows x cols`` elements."""
-    one: set[tuple[int, ...]] = {(), (1,)}
-    values = cols * FORMATS[fmt].packed
-    table: dict[str, dict[str, tuple[tuple[str, ...], object]]] = {
-        "fp8_e4m3fn": {},
-        "fp8_scaled": {"scale_weight": (("F32", "BF16", "F16"), one | {(rows,), (rows, 1)}),
-                       "scale_input": (("F32", "BF16", "F16"), one)},
-        "float8_e4m3fn": {"weight_scale": (("F32",), one), "input_scale": (("F32",), one)},
-        "int8_tensorwise": {"weight_scale": (("F32", "BF16", "F16"), one | {(rows,), (rows, 1)}),
-                            "input_scale": (("F32",), one)},
-        "nvfp4": {"weight_scale": (("F8_E4M3",), tiled_scale_count(rows, values // NVFP4_BLOCK)),
-                  "weight_scale_2": (("F32",), one), "input_scale": (("F32",), one)},
-        "mxfp8": {"weight_scale": (("U8", "F8_E8M0"), tiled_scale_count(rows, values // MXFP8_BLOCK)),
-                  "input_scale": (("F32",), one)},
-        "bfl_fp8r": {"weight_scale": (("F32",), {(rows,)}), "input_scale": (("F32",), one)},
-        "bfl_nvfp4": {"weight_scale": (("F8_E4M3",), {(rows, values // NVFP4_BLOCK)}),
-                      "weight_scale_2": (("F32",), one), "input_scale": (("F32",), one)},
-    }
-    return table[fmt]
+@dataclass(frozen=True)
+class Scale:
+    """One scale tensor beside a format's codes: its suffix, dtypes, shape rule, and whether the
+    format needs it."""
+
+    suffix: str
+    dtypes: tuple[str, ...]
+    shape: ShapeRule
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class LinearFormat:
+    """How one format stores a Linear: its codes' dtypes, its scales, how many values a stored
+    element holds and how many inputs a block scale covers."""
+
+    codes: tuple[str, ...]
+    scales: tuple[Scale, ...]
+    packed: int = 1
+    block: int = 1
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        return tuple(scale.suffix for scale in self.scales)
+
+
+_F32 = ("F32",)
+_INPUT = Scale("input_scale", _F32, _one, required=False)
+FORMATS: dict[str, LinearFormat] = {
+    "fp8_e4m3fn": LinearFormat(("F8_E4M3", "F8_E5M2"), ()),  # a plain cast: each scale 1
+    "fp8_scaled": LinearFormat(("F8_E4M3", "F8_E5M2"), (
+        Scale("scale_weight", ("F32", "BF16", "F16"), _one_or_rows),
+        Scale("scale_input", ("F32", "BF16", "F16"), _one, required=False))),
+    "float8_e4m3fn": LinearFormat(("F8_E4M3",), (Scale("weight_scale", _F32, _one), _INPUT)),
+    "int8_tensorwise": LinearFormat(("I8",), (Scale("weight_scale", ("F32", "BF16", "F16"), _one_or_rows), _INPUT)),
+    "nvfp4": LinearFormat(("U8",), (
+        Scale("weight_scale", ("F8_E4M3",), lambda rows, values: tiled_scale_count(rows, values // NVFP4_BLOCK)),
+        Scale("weight_scale_2", _F32, _one), _INPUT), packed=2, block=NVFP4_BLOCK),
+    "mxfp8": LinearFormat(("F8_E4M3",), (
+        Scale("weight_scale", ("U8", "F8_E8M0"), lambda rows, values: tiled_scale_count(rows, values // MXFP8_BLOCK)),
+        _INPUT), block=MXFP8_BLOCK),
+    "bfl_fp8r": LinearFormat(("F8_E4M3",), (Scale("weight_scale", _F32, lambda rows, values: {(rows,)}), _INPUT)),
+    "bfl_nvfp4": LinearFormat(("U8",), (
+        Scale("weight_scale", ("F8_E4M3",), lambda rows, values: {(rows, values // NVFP4_BLOCK)}),
+        Scale("weight_scale_2", _F32, _one), Scale("input_scale", _F32, _one)), packed=2, block=NVFP4_BLOCK),
+}
 
 
 def checked_linear(file: Path, layer: str, fmt: str, tensors: Tensors,
@@ -105,18 +121,18 @@ def checked_linear(file: Path, layer: str, fmt: str, tensors: Tensors,
         raise _corrupt(file, f"{weight} is {dtype} {list(shape)}, not the 2-D {'/'.join(spec.codes)} codes {fmt} stores")
     rows, cols = shape
     values = cols * spec.packed
-    block = {"nvfp4": NVFP4_BLOCK, "bfl_nvfp4": NVFP4_BLOCK, "mxfp8": MXFP8_BLOCK}.get(fmt, 1)
-    if values % block:
-        raise _corrupt(file, f"{weight} holds {values} inputs a row, not whole blocks of {block}")
-    for suffix, (dtypes, shapes) in _scale_shapes(fmt, rows, cols).items():
-        name = f"{layer}.{suffix}"
+    if values % spec.block:
+        raise _corrupt(file, f"{weight} holds {values} inputs a row, not whole blocks of {spec.block}")
+    for scale in spec.scales:
+        name = f"{layer}.{scale.suffix}"
         if name not in tensors:
-            if suffix in spec.scales:
+            if scale.required:
                 raise _corrupt(file, f"{weight} is stored {fmt} but {name} is missing: its values would load unscaled")
             continue
         scale_dtype, scale_shape = tensors[name]
-        fits = math.prod(scale_shape) == shapes if isinstance(shapes, int) else scale_shape in shapes  # type: ignore[operator]
-        if scale_dtype not in dtypes or not fits:
+        accepted = scale.shape(rows, values)
+        fits = math.prod(scale_shape) == accepted if isinstance(accepted, int) else scale_shape in accepted
+        if scale_dtype not in scale.dtypes or not fits:
             raise _corrupt(file, f"{name} is {scale_dtype} {list(scale_shape)}, which does not scale {weight} "
                                  f"({list(shape)}) as {fmt} lays it out")
     logical = (rows, values)
@@ -129,8 +145,7 @@ def checked_linear(file: Path, layer: str, fmt: str, tensors: Tensors,
 
 def own_tensors(layer: str, fmt: str) -> tuple[str, ...]:
     """The names of the format's own tensors for ``layer`` (its scales), not the model's."""
-    spec = FORMATS[fmt]
-    return tuple(f"{layer}.{suffix}" for suffix in (*spec.scales, *spec.optional))
+    return tuple(f"{layer}.{suffix}" for suffix in FORMATS[fmt].suffixes)
 
 
 def _corrupt(file: Path, what: str) -> PreflightError:

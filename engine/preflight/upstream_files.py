@@ -32,7 +32,7 @@ _FP8_SCALED_MARKER = "scaled_fp8"
 #: Tensors only Nunchaku's SVDQuant layers carry (the low-rank branch, the smoothing).
 _SVDQUANT = (".proj_down", ".proj_up", ".smooth_factor", ".wscales")
 #: The names any format gives a Linear's scales.
-_SCALE_NAMES = frozenset(suffix for spec in FORMATS.values() for suffix in (*spec.scales, *spec.optional))
+_SCALE_NAMES = frozenset(suffix for spec in FORMATS.values() for suffix in spec.suffixes)
 
 
 @dataclass(frozen=True)

@@ -191,24 +191,20 @@ class PipelineLoading:
                         components[name] = load_quantised(getattr(diffusers, config[name][1]), folder / name, dtype,
                                                            scheme=source.prequantised_scheme)
             components.update(converted_denoisers(source, Path(str(root)), dtype))
-            if from_file:
+            if from_file and source.upstream_format is not None and source.upstream_format not in THROUGH_DIFFUSERS:
+                from engine.runtime.upstream_files import decoded_denoiser  # stored quantised: decoded first
+
+                components[denoiser_name] = decoded_denoiser(denoiser_cls, Path(source.location), root, denoiser_name,
+                                                             dtype, keep_rotated=scheme == "int8_convrot")
+            elif from_file:
                 extra: dict[str, Any] = {}
                 if source.kind == "gguf":
                     extra["quantization_config"] = diffusers.GGUFQuantizationConfig(compute_dtype=dtype)
-                weights: Any = source.location
                 if source.upstream_format in THROUGH_DIFFUSERS:  # BFL's linears: diffusers' own quantizer
                     extra["quantization_config"] = diffusers.BFLQuantizationConfig(compute_dtype=dtype)
-                elif source.upstream_format is not None:  # stored quantised by its publisher: decoded first
-                    from engine.runtime.upstream_files import dequantised
-
-                    weights = dequantised(Path(source.location), dtype, keep_rotated=scheme == "int8_convrot")
                 components[denoiser_name] = denoiser_cls.from_single_file(
-                    weights, config=root, subfolder=denoiser_name, dtype=dtype, **extra
+                    source.location, config=root, subfolder=denoiser_name, dtype=dtype, **extra
                 )
-                if scheme == "int8_convrot" and source.upstream_format is not None:  # kept in its own rotation
-                    from engine.runtime.upstream_files import rotate_as_stored
-
-                    rotate_as_stored(components[denoiser_name], Path(source.location))
             elif scheme == "nf4":
                 components[denoiser_name] = denoiser_cls.from_pretrained(
                     root, subfolder=denoiser_name, dtype=dtype,

@@ -150,36 +150,29 @@ def check_loras(registry: Registry, source: ModelSource, files: Sequence[LoraFil
     if not files:
         return ()
     root = _config_root(source)
-    pipeline_cls = _pipeline_class(root)
     skeleton = _Skeleton(root)
-    checked = []
-    for file in files:
-        if file.adapter_type != "lora":  # LoKr / LoHa: matched module by module on the skeleton
-            checked.append(_judged_lycoris(registry, source.family, file,
-                                           skeleton.get(file.component or source.family.pipeline.denoiser)))
-            continue
-        state = converted_state_dict(pipeline_cls, file, unet_config=skeleton.unet_config(),
-                                     family=source.family, denoiser=skeleton.get(source.family.pipeline.denoiser))
-        state = _onto_component(source.family, file, state, skeleton.get)
-        components = {name: skeleton.get(name) for name in {k.partition(".")[0] for k in state}}
-        present = {name: model for name, model in components.items() if model is not None}
-        checked.append(_judged(registry, source.family, file, *_counted(file, state, present)))
-    return tuple(checked)
+    return _checked(registry, source.family, files, _pipeline_class(root), skeleton.unet_config(), skeleton.get)
 
 
 def check_on_pipeline(registry: Registry, family: FamilySpec, pipe: Any, files: Sequence[LoraFile]) -> tuple[LoraFile, ...]:
     """The same check against a loaded pipeline's own modules."""
     components = {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
-    unet = components.get("unet")
+    return _checked(registry, family, files, type(pipe), getattr(components.get("unet"), "config", None), components.get)
+
+
+def _checked(registry: Registry, family: FamilySpec, files: Sequence[LoraFile], pipeline_cls: type, unet_config: Any,
+             component_of: Any) -> tuple[LoraFile, ...]:
+    """Each file judged against the components ``component_of(name)`` gives (None: absent)."""
     checked = []
     for file in files:
-        if file.adapter_type != "lora":
-            checked.append(_judged_lycoris(registry, family, file, components.get(file.component or family.pipeline.denoiser)))
+        if file.adapter_type != "lora":  # LoKr / LoHa: matched module by module
+            checked.append(_judged_lycoris(registry, family, file, component_of(file.component or family.pipeline.denoiser)))
             continue
-        state = converted_state_dict(type(pipe), file, unet_config=getattr(unet, "config", None),
-                                     family=family, denoiser=components.get(family.pipeline.denoiser))
-        state = _onto_component(family, file, state, components.get)
-        checked.append(_judged(registry, family, file, *_counted(file, state, components)))
+        state = converted_state_dict(pipeline_cls, file, unet_config=unet_config, family=family,
+                                     denoiser=component_of(family.pipeline.denoiser))
+        state = _onto_component(family, file, state, component_of)
+        present = {name: model for name in {k.partition(".")[0] for k in state} if (model := component_of(name)) is not None}
+        checked.append(_judged(registry, family, file, *_counted(file, state, present)))
     return tuple(checked)
 
 

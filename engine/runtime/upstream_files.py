@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,17 +26,31 @@ from engine.preflight.quantised_linears import FORMATS, MXFP8_BLOCK, NVFP4_BLOCK
 from engine.preflight.upstream_files import UpstreamFormat, upstream_format
 
 
+def decoded_denoiser(denoiser_cls: Any, file: Path, root: Any, subfolder: str, dtype: torch.dtype, *,
+                     keep_rotated: bool) -> Any:
+    """The denoiser ``file`` stores, decoded and loaded by diffusers' single-file loader (its
+    header read once); ``keep_rotated``: ConvRot layers left rotated, their inputs rotated."""
+    fmt = stored_format(file)
+    model = denoiser_cls.from_single_file(dequantised(file, dtype, fmt, keep_rotated=keep_rotated), config=root,
+                                          subfolder=subfolder, dtype=dtype)
+    if keep_rotated:
+        rotate_as_stored(model, fmt)
+    return model
+
+
 def stored_format(file: Path) -> UpstreamFormat | None:
     """How ``file`` is stored (its header read again: the preflight's checks hold for it)."""
     return upstream_format(file, *complete_safetensors_file(file))
 
 
-def dequantised(file: Path, dtype: torch.dtype, *, keep_rotated: bool = False) -> dict[str, torch.Tensor]:
-    """The file's weights in ``dtype``, every quantised Linear decoded (``keep_rotated``: a
-    ConvRot layer's values left rotated, for a model that rotates its inputs, :func:`rotate_as_stored`)."""
+def dequantised(file: Path, dtype: torch.dtype, fmt: UpstreamFormat | None, *,
+                keep_rotated: bool = False) -> dict[str, torch.Tensor]:
+    """The file's weights in ``dtype``, every quantised Linear decoded as ``fmt`` (its
+    :func:`stored_format`) says (``keep_rotated``: a ConvRot layer's values left rotated, for a
+    model that rotates its inputs, :func:`rotate_as_stored`)."""
     from safetensors.torch import load_file
 
-    stored, fmt = load_file(str(file)), stored_format(file)
+    stored = load_file(str(file))
     layers = fmt.layers if fmt is not None else {}
     state: dict[str, torch.Tensor] = {}
     for name, tensor in stored.items():
@@ -44,22 +59,20 @@ def dequantised(file: Path, dtype: torch.dtype, *, keep_rotated: bool = False) -
         layer = name.removesuffix(".weight")
         if name.endswith(".weight") and layer in layers:
             marker = layers[layer]
-            spec = FORMATS[marker.format]
             if keep_rotated:
                 marker = dataclasses.replace(marker, convrot_group=0)
-            tensor = decoded(marker, tensor, {suffix: stored[f"{layer}.{suffix}"] for suffix in (*spec.scales, *spec.optional)
+            tensor = decoded(marker, tensor, {suffix: stored[f"{layer}.{suffix}"] for suffix in FORMATS[marker.format].suffixes
                                               if f"{layer}.{suffix}" in stored})
             tensor = tensor[tuple(slice(0, d) for d in fmt.shapes.get(name, tensor.shape))]  # type: ignore[union-attr]
         state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return state
 
 
-def rotate_as_stored(model: torch.nn.Module, file: Path) -> int:
-    """Rotate the inputs of each of ``model``'s Linears ``file`` stores ConvRot-rotated, in its
-    group (their weights were read still rotated); returns how many."""
+def rotate_as_stored(model: torch.nn.Module, fmt: UpstreamFormat | None) -> int:
+    """Rotate the inputs of each of ``model``'s Linears its file (stored as ``fmt``) holds
+    ConvRot-rotated, in its group (their weights were read still rotated); returns how many."""
     from engine.runtime.convrot import rotate_inputs
 
-    fmt = stored_format(file)
     layers = {layer: marker.convrot_group for layer, marker in (fmt.layers.items() if fmt else ()) if marker.convrot_group}
     for layer, group in layers.items():
         rotate_inputs(model.get_submodule(layer), group)

@@ -24,12 +24,6 @@ def stock_dtypes(folder: Path, spec: Any, plan: Any) -> Any:
     return component_dtypes(spec, plan, lambda: json.loads(index.read_text()))
 
 
-def engine_dtypes(engine: Any, folder: Path) -> Any:
-    """:func:`stock_dtypes` of the pipeline ``engine`` has loaded from ``folder``."""
-    plan = engine.images.loaded_plan()
-    return stock_dtypes(folder, engine.registry.family(plan.family), plan)
-
-
 def planned_dtypes(folder: Path, **request: Any) -> Any:
     """:func:`stock_dtypes` of the plan a load of ``folder`` gets on this machine (checked, not
     loaded), for a reference beside a CLI or server call; ``request``: the load's controls."""

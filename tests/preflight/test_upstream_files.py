@@ -133,7 +133,7 @@ def test_a_plain_fp8_cast_is_named_and_loads_its_codes_as_values(
     import torch
 
     from engine.preflight.model import resolve_model
-    from engine.runtime.upstream_files import dequantised
+    from engine.runtime.upstream_files import dequantised, stored_format
 
     base, _, dense = files
 
@@ -145,6 +145,6 @@ def test_a_plain_fp8_cast_is_named_and_loads_its_codes_as_values(
     from safetensors.torch import load_file
 
     key = "transformer_blocks.0.attn.to_q.weight"
-    weight, codes = dequantised(file, torch.float32)[key], load_file(str(file))[key]
+    weight, codes = dequantised(file, torch.float32, stored_format(file))[key], load_file(str(file))[key]
     assert codes.dtype == torch.float8_e4m3fn and weight.dtype == torch.float32
     assert torch.equal(weight, codes.float())
