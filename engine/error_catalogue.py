@@ -176,6 +176,14 @@ _ROWS: tuple[ErrorCode, ...] = (
               "names what the scheme needs. Load the dense model, or run on such a machine."),
     ErrorCode("prequantised_model", 400, "The model's denoiser is stored pre-quantised in one scheme, and the "
               "request asks for another (or for dense); drop --quant, or load the model it was made from."),
+    ErrorCode("parallel_unsupported", 400, "A request asked to run on several GPUs (`--gpus`) in a way that "
+              "cannot work: more GPUs than the machine has, a denoiser with no context-parallel plan, CFG "
+              "parallel without guidance on every step, a step cache asked beside the split; the message says "
+              "what would work."),
+    ErrorCode("rank_lost", 500, "A rank of a request split across GPUs died before it finished (killed, out of "
+              "memory); the job failed and its other ranks were stopped. The next request starts fresh ranks."),
+    ErrorCode("rank_failed", 500, "A rank of a request split across GPUs raised an unexpected error; the "
+              "message names the rank and the error."),
     # -- datasets and LoRAs ---------------------------------------------------------------
     ErrorCode("bad_dataset", 400, "A dataset image cannot be decoded, or a caption cannot be read."),
     ErrorCode("empty_dataset", 400, "The dataset folder holds no images or clips."),

@@ -90,6 +90,14 @@ class SpeedRules:
     #: projection, each cross-attention's key and value projections and key norm): computed
     #: once per prompt per call, an exact cache (plugin API 2, additive; ``engine.runtime.text_kv``).
     text_kv_sites: tuple[str, ...] = ()
+    #: The denoiser's diffusers class declares a context-parallel plan (``_cp_plan``): one request
+    #: may split its sequence across GPUs (Ulysses or Ring attention). None: undeclared, so the
+    #: engine splits no sequence of it. (Plugin API 2, additive; :mod:`engine.policy.parallel`.)
+    context_parallel: bool | None = None
+    #: Guidance above 1 runs the denoiser twice a step, condition then uncondition, back to back
+    #: with nothing read between (separate calls, not one batch of two): each may run on its own
+    #: GPU (CFG parallel). (Plugin API 2, additive.)
+    cfg_parallel: bool = False
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,10 @@ class Checkpoint:
     #: Settings its pipeline folders' index holds (``(("is_distilled", True),)``): a local folder
     #: whose index says otherwise is not this checkpoint, whatever its name. (Plugin API 2.)
     index_settings: tuple[tuple[str, object], ...] = ()
+    #: Its denoiser's attention heads (``num_attention_heads``), what a context-parallel split
+    #: divides among GPUs; None: read from a folder's denoiser config, unknown for a table plan.
+    #: (Plugin API 2, additive.)
+    attention_heads: int | None = None
 
     @property
     def reference(self) -> str:

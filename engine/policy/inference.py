@@ -32,6 +32,7 @@ from engine.hardware.profile import HardwareProfile
 from engine.policy.available import AvailableMemory, available_memory
 from engine.policy.lora import resolve_lora
 from engine.policy.memory import MemoryThresholds
+from engine.policy.parallel import split_plan
 from engine.policy.plan import CONTROLS, ModelFacts, Plan, requested_by_control
 from engine.policy.resolved import auto
 from engine.policy.runtime_engine import resolve_engine, torch_is_faster, torch_is_slower
@@ -71,11 +72,21 @@ def plan_inference(
 
     A load that goes to sd.cpp (the ``engine`` control) is sized from its files;
     where the torch path would not fit (fp32 on a CPU), the plan keeps sd.cpp
-    and says there is no diffusers fallback (``Plan.diffusers_fits``).
+    and says there is no diffusers fallback (``Plan.diffusers_fits``). A request for
+    several ranks (``gpus``) is split last (:func:`~engine.policy.parallel.split_plan`).
     """
     env = os.environ if env is None else env
     available = available or available_memory(hardware)
     hardware = available.apply(hardware)
+    planned = _one_process(registry, model, hardware, request, env=env, memory_thresholds=memory_thresholds,
+                           cache_thresholds=cache_thresholds, available=available)
+    return split_plan(planned, model, hardware, request)
+
+
+def _one_process(registry: Registry, model: ModelFacts, hardware: HardwareProfile, request: InferenceRequest, *,
+                 env: Mapping[str, str], memory_thresholds: MemoryThresholds,
+                 cache_thresholds: StepCacheThresholds, available: AvailableMemory) -> Plan:
+    """The plan of one process: every control but the split."""
     checked(resolve_speed_tier, request.speed, quantised=False)  # an unknown tier is refused first
     needs = (("LoRAs",) if request.loras.count else ()) + (("a ControlNet",) if model.controlnet_gb else ())
     engine = checked(resolve_engine, request.engine, hardware, model.sdcpp, needs=needs)

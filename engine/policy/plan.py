@@ -42,6 +42,7 @@ CONTROLS: tuple[str, ...] = (
     "speed_tier",
     "fp16_accumulation",
     "threads",
+    "parallel",
     "cpu_kernel",
     "lora",
     "tf32",
@@ -89,6 +90,8 @@ class ModelFacts:
     defaults: ModelDefaults = ModelDefaults()
     #: A single file its publisher stored quantised (``fp8_scaled``), from its header.
     stored_format: str | None = None
+    #: The denoiser's attention heads from a folder's config (None: the checkpoint's table, or unknown).
+    attention_heads: int | None = None
 
     @property
     def sizes(self) -> ComponentSizes:
@@ -134,6 +137,8 @@ class Plan:
     sdcpp: SdcppFiles | None = None
     #: The torch path fits this machine (False: an sd.cpp plan with no diffusers fallback).
     diffusers_fits: bool = True
+    #: How the request splits across ranks (a ``ParallelChoice``); None: one process.
+    parallel: Any = None
 
     def __getitem__(self, control: str) -> Resolved[Any]:
         return self.controls[control]
@@ -170,6 +175,7 @@ class Plan:
             "lora_modules": self.lora_modules.to_dict() if self.lora_modules is not None else None,
             "sdcpp": self.sdcpp.to_dict() if self.sdcpp else None,
             "available_memory": self.available.to_dict() if self.available else None,
+            "parallel": self.parallel.to_dict() if self.parallel is not None else None,
         }
 
 
@@ -187,6 +193,7 @@ def requested_by_control(request: InferenceRequest) -> dict[str, object]:
         "compile": request.compile,
         "speed_tier": "auto" if request.speed == "default" else request.speed,
         "threads": "auto" if request.threads is None else request.threads,
+        "parallel": request.parallel,
         "text_encoder_quant": request.text_encoder_quant,
         "text_encoder_memory": request.text_encoder_memory,
         "vae_tiling": request.vae_tiling,

@@ -15,13 +15,9 @@ from dataclasses import dataclass
 
 from engine.contract.types import Checkpoint, FamilySpec, VideoSpec
 from engine.errors import EngineError
+from engine.policy.video_windows import ClipWindows, InvalidVideoShape, clip_windows
 
 
-class InvalidVideoShape(EngineError):
-    """A frame count or size the family's VAE and denoiser cannot take."""
-
-    code = "invalid_video_shape"
-    http_status = 422
 
 
 @dataclass(frozen=True)
@@ -32,16 +28,26 @@ class VideoShape:
     width: int
     height: int
     fps: int
+    #: The latent frames and tokens of one call (a windowed clip's first window).
     latent_frames: int
     tokens: int
+    #: A clip longer than one call renders, in windows (:mod:`engine.policy.video_windows`); None: one call.
+    windows: ClipWindows | None = None
 
     @property
     def seconds(self) -> float:
         return self.frames / self.fps
 
+    @property
+    def call_frames(self) -> int:
+        """The frames one pipeline call renders (what the memory plan is made for)."""
+        return self.windows.counts[0] if self.windows is not None else self.frames
+
     def to_dict(self) -> dict[str, object]:
+        windows = {"windows": self.windows.to_dict()} if self.windows is not None else {}
         return {"frames": self.frames, "width": self.width, "height": self.height, "fps": self.fps,
-                "seconds": round(self.seconds, 3), "latent_frames": self.latent_frames, "tokens": self.tokens}
+                "seconds": round(self.seconds, 3), "latent_frames": self.latent_frames, "tokens": self.tokens,
+                **windows}
 
 
 def video_spec(family: FamilySpec, checkpoint: Checkpoint | None) -> VideoSpec:
@@ -70,12 +76,16 @@ def presets_text(spec: VideoSpec) -> str:
 
 
 def video_shape(family: FamilySpec, checkpoint: Checkpoint | None, *, frames: int | None = None,
-                width: int | None = None, height: int | None = None, fps: int | None = None) -> VideoShape:
-    """The clip a request renders (its defaults from the checkpoint), or :class:`InvalidVideoShape`."""
+                width: int | None = None, height: int | None = None, fps: int | None = None,
+                window: int | None = None) -> VideoShape:
+    """The clip a request renders (its defaults from the checkpoint), or :class:`InvalidVideoShape`.
+    A clip longer than the checkpoint's trained window (or ``window`` frames) renders in windows
+    where the family can chain them (:func:`~engine.policy.video_windows.clip_windows`)."""
     spec = video_spec(family, checkpoint)
     label = (checkpoint or family.default_checkpoint).label
     count = spec.default_frames if frames is None else frames
-    if not spec.in_range(count):
+    windows = clip_windows(family, checkpoint, spec, count, window)
+    if windows is None and not spec.in_range(count):
         nearest = " and ".join(str(n) for n in spec.nearest(count))
         why = (f"its VAE compresses time by {spec.frame_step}, so a frame count must be {spec.lattice}"
                if not spec.on_lattice(count) else f"its clips run {spec.min_frames} to {spec.max_frames} long")
@@ -95,9 +105,9 @@ def video_shape(family: FamilySpec, checkpoint: Checkpoint | None, *, frames: in
         raise InvalidVideoShape(f"size {w}x{h} is beyond what {label} was trained at "
                                 f"(its presets: {presets_text(spec)}); choose one of them or a smaller size")
     geometry = family.geometry_of(checkpoint)
-    latent = spec.latent_frames(count)
+    latent = spec.latent_frames(windows.counts[0] if windows is not None else count)
     return VideoShape(frames=count, width=w, height=h, fps=fps or spec.fps, latent_frames=latent,
-                      tokens=geometry.image_tokens(w, h) * latent)
+                      tokens=geometry.image_tokens(w, h) * latent, windows=windows)
 
 
 def _other_side(given: int, spec: VideoSpec, default_this: int, default_given: int) -> int:

@@ -70,6 +70,7 @@ class ModelSource:
             sdcpp=sdcpp_files(self.family, self.kind, self.location),
             defaults=self.defaults,
             stored_format=self.upstream_format,
+            attention_heads=denoiser_heads(self.family, self.kind, self.location),
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -84,6 +85,23 @@ class ModelSource:
             "stored_layout": ({"name": self.stored_layout.name, "converted": self.stored_layout.note}
                               if self.stored_layout is not None else None),
         }
+
+
+def denoiser_heads(family: FamilySpec, kind: ModelKind, location: str) -> int | None:
+    """A pipeline folder's denoiser attention heads (its ``config.json``'s ``num_attention_heads``),
+    what a context-parallel split divides; None elsewhere or where the config does not say."""
+    if kind != "pipeline":
+        return None
+    from pathlib import Path
+
+    from engine import stored
+
+    folder = Path(location) / family.pipeline.denoiser
+    try:
+        heads = stored.read_json(folder / "config.json", root=folder).get("num_attention_heads")
+    except (stored.UnreadableRecord, AttributeError):
+        return None
+    return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
 
 
 def unknown_family(registry: Registry, what: str) -> EngineError:

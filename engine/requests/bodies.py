@@ -116,7 +116,7 @@ def _plan_field(control: Control) -> tuple[Any, Any]:
         return Literal[control.choices], control.default
     if control.field == "steps":
         return Annotated[int, Field(ge=1, le=MAX_PLAN_STEPS)] | None, None
-    if control.field == "threads":
+    if control.field in ("threads", "gpus"):
         return Annotated[int, Field(ge=1, le=1024)] | None, None
     if isinstance(control.default, bool):
         return bool, control.default
@@ -223,6 +223,9 @@ class GenerateBody(Body):
     #: anything loads) and the frame rate it is stamped with; omitted: the checkpoint's.
     frames: Annotated[int, Field(ge=1, le=MAX_FRAMES)] | None = None
     fps: Annotated[int, Field(ge=1, le=MAX_FPS)] | None = None
+    #: Frames each window of a long clip renders (each after the first continues from the last
+    #: frame before it); omitted: the checkpoint's trained length, where the clip is longer.
+    window_frames: Annotated[int, Field(ge=1, le=MAX_FRAMES)] | None = None
     #: Seconds the model stays loaded after this call before an idle unload (as Ollama's
     #: ``keep_alive``; 0: unload when done); omitted: the server's ``--keep-alive``.
     keep_alive: KeepAliveSeconds | None = None

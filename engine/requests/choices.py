@@ -22,6 +22,9 @@ SPEED_TIERS: tuple[str, ...] = ("off", "eager", "default", "max")
 #: What ``speed`` takes: a tier, or ``auto`` (off for a dense transformer, default for a quantised one).
 SPEED_REQUESTS: tuple[str, ...] = ("auto", *SPEED_TIERS)
 STEP_CACHES: tuple[str, ...] = ("auto", "off", "fbcache")
+#: How one request splits across GPUs (``--parallel``): ``ulysses`` and ``ring`` split the
+#: sequence (diffusers' context parallel), ``cfg`` runs condition and uncondition on their own GPUs.
+PARALLEL_REQUESTS: tuple[str, ...] = ("auto", "ulysses", "ring", "cfg")
 COMPILE_REQUESTS: tuple[str, ...] = ("auto", "on", "off")
 TEXT_ENCODER_QUANT_REQUESTS: tuple[str, ...] = ("auto", *ENCODER_SCHEMES)
 TEXT_ENCODER_MEMORY_REQUESTS: tuple[str, ...] = ("auto", "resident", "streamed", "host")
@@ -41,6 +44,6 @@ __all__ = [
     "MAX_KEEP_ALIVE_S",
     "TINY_DEFAULTS",
     "ATTENTION_BACKENDS", "COMPILE_REQUESTS", "DEVICES", "DTYPES", "ENGINES", "MEMORY_MODES", "QUANT_REQUESTS",
-    "SPEED_REQUESTS", "SPEED_TIERS", "STORED_SCHEMES", "STEP_CACHES", "TEXT_ENCODER_MEMORY_REQUESTS", "TEXT_ENCODER_QUANT_REQUESTS",
+    "PARALLEL_REQUESTS", "SPEED_REQUESTS", "SPEED_TIERS", "STORED_SCHEMES", "STEP_CACHES", "TEXT_ENCODER_MEMORY_REQUESTS", "TEXT_ENCODER_QUANT_REQUESTS",
     "TRAINING_PRECISIONS", "VAE_TILING_REQUESTS",
 ]

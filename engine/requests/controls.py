@@ -26,6 +26,7 @@ from engine.requests.choices import (
     DTYPES,
     ENGINES,
     MEMORY_MODES,
+    PARALLEL_REQUESTS,
     QUANT_REQUESTS,
     SPEED_REQUESTS,
     STEP_CACHES,
@@ -112,6 +113,10 @@ PLAN_CONTROLS: tuple[Control, ...] = (
             "auto", VAE_TILING_REQUESTS, plan_key="vae_tiling"),
     Control("threads", "--threads", "CPU threads (default: the engine's choice)", PLAN, None,
             plan_key="threads", type=int, metavar="N"),
+    Control("gpus", "--gpus", "run one request on N GPUs of this machine (with --device cpu: N CPU "
+            "processes over gloo); the plan picks how it splits (default 1)", PLAN, None, type=int, metavar="N"),
+    Control("parallel", "--parallel", "how a request on several GPUs splits: the sequence (ulysses, ring) "
+            "or condition and uncondition (cfg)", PLAN, "auto", PARALLEL_REQUESTS, plan_key="parallel"),
     Control("prompt_cache", "--no-prompt-cache", "encode every prompt: neither reuse nor write the prompt "
             "embeddings cached on disk ($DIFFUSION_ENGINE_PROMPT_CACHE, default "
             "~/.cache/diffusion-engine/prompt-embeddings)", PLAN, True, plan_key="prompt_cache",
@@ -165,6 +170,9 @@ GENERATE_CONTROLS: tuple[Control, ...] = (
     Control("frames", "--frames", "a video model's clip length in frames, on its lattice (4k+1 for most; "
             "default: the checkpoint's)", GENERATE, type=int, group="video"),
     Control("fps", "--fps", "a video's frame rate (default: the checkpoint's)", GENERATE, type=int, group="video"),
+    Control("window_frames", "--window-frames", "render the clip in windows of N frames, each after the first "
+            "continuing from the last frame before it (default: one window up to the checkpoint's trained "
+            "length, then windows of that length)", GENERATE, type=int, metavar="N", group="video"),
 )
 
 #: Fields the generate command fills itself (the repeatable --prompt, --lora PATH:SCALE, --seeds N,N).

@@ -61,6 +61,10 @@ class InferenceRequest:
     speed: str = "auto"
     steps: int | None = None
     threads: int | None = None
+    #: Processes one request runs on (GPUs; CPU processes on a CPU); None or 1: this one.
+    gpus: int | None = None
+    #: How they split it: ``auto``, ``ulysses``, ``ring`` or ``cfg`` (:mod:`engine.policy.parallel`).
+    parallel: str = "auto"
     loras: LoraPlanInput = LoraPlanInput()
     text_encoder_quant: str = "auto"
     text_encoder_memory: str = "auto"
@@ -74,6 +78,9 @@ class InferenceRequest:
     count: int = 1
     #: A video's frames the guard sizes for (None: the checkpoint's default clip; images: 1).
     frames: int | None = None
+    #: The guidance asked (``guidance``, then a two-expert model's ``guidance_2``; None or absent: the
+    #: checkpoint's), what CFG parallel needs above 1 on every step.
+    guidance: tuple[float | None, ...] = ()
 
 
 __all__ = ["InferenceRequest", "LoraPlanInput"]

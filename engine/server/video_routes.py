@@ -50,6 +50,8 @@ class OpenAIVideoBody(Body):
     size: Annotated[str, Field(pattern=_SIZE.pattern)] | None = None
     frames: Annotated[int, Field(ge=1, le=MAX_FRAMES)] | None = None
     fps: Annotated[int, Field(ge=1, le=MAX_FPS)] | None = None
+    #: Frames each window of a long clip renders (``GenerateBody.window_frames``).
+    window_frames: Annotated[int, Field(ge=1, le=MAX_FRAMES)] | None = None
     steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     guidance: Guidance | None = None
@@ -62,8 +64,8 @@ class OpenAIVideoBody(Body):
         return (int(match[1]), int(match[2])) if match else (None, None)
 
 
-_NUMBERS = {"seconds": float, "frames": int, "fps": int, "steps": int, "seed": int, "guidance": float,
-            "guidance_2": float}
+_NUMBERS = {"seconds": float, "frames": int, "fps": int, "window_frames": int, "steps": int, "seed": int,
+            "guidance": float, "guidance_2": float}
 
 
 async def read_video_form(request: Request) -> tuple[OpenAIVideoBody, bytes | None]:
@@ -193,7 +195,7 @@ def _video_request(engine: Engine, confined: Confined, form: OpenAIVideoBody, up
     fields: dict[str, Any] = dict(
         prompt=form.prompt, model=confined.request_model(form.model), negative_prompt=form.negative_prompt,
         steps=form.steps, guidance=form.guidance, guidance_2=form.guidance_2, frames=form.frames, fps=form.fps,
-        seed=secrets.randbelow(2**31) if form.seed is None else form.seed)
+        window_frames=form.window_frames, seed=secrets.randbelow(2**31) if form.seed is None else form.seed)
     uploads = {"image": upload} if upload is not None else None
     seconds = None if form.frames else form.seconds
     try:

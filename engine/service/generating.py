@@ -83,7 +83,7 @@ class GenerateChecks:
         target = self._target(body, output, load, seconds, decided)
         family, checkpoint = target.family, target.checkpoint
         check_output(family, output)
-        if output == "images" and (body.frames is not None or body.fps is not None):
+        if output == "images" and (body.frames is not None or body.fps is not None or body.window_frames is not None):
             check_output(family, "frames")  # frames asked of the images door: an image model refuses them
         shape: VideoShape | None = decided.get("shape")
         if shape is None and family.rendering.output == "frames":  # the loaded model: its clip decided here
@@ -138,14 +138,15 @@ class GenerateChecks:
         assert body.model is not None
         options = load or LoadOptions()
         count = 1 if output == "frames" else len(body.images())
-        sized = dataclasses.replace(options.request, width=body.width, height=body.height, count=count)
+        sized = dataclasses.replace(options.request, width=body.width, height=body.height, count=count,
+                                    guidance=(body.guidance, body.guidance_2))
 
         def shaped(source: ModelSource) -> InferenceRequest:
             if source.family.rendering.output != "frames" or output != "frames":
                 return sized
             decided["shape"], decided["note"] = _clip(source, body, seconds)
             shape: VideoShape = decided["shape"]
-            return dataclasses.replace(sized, width=shape.width, height=shape.height, frames=shape.frames)
+            return dataclasses.replace(sized, width=shape.width, height=shape.height, frames=shape.call_frames)
 
         loras = [lo.model_dump() for lo in body.loras or ()] if load is not None else ()
         ticket: LoadTicket = self._loaded.checks.check((body.model, options.base, options.family, False), sized,
@@ -207,7 +208,8 @@ def _clip(source: ModelSource, body: GenerateBody, seconds: float | None) -> tup
         frames, note = snapped.frames, snapped.note()
     sized = body.width is not None or body.height is not None
     shape = video_shape(family, checkpoint, frames=frames or own.frames, fps=body.fps,  # the model's own clip first
-                        width=body.width if sized else own.width, height=body.height if sized else own.height)
+                        width=body.width if sized else own.width, height=body.height if sized else own.height,
+                        window=body.window_frames)
     return shape, note
 
 

@@ -27,6 +27,7 @@ from engine.runtime.protocol import Session
 from engine.service.generating import GenerateChecks, load_options
 from engine.service.loaded import LoadedModel
 from engine.service.machine import Machine
+from engine.service.ranks import split_status, splits
 from engine.service.tickets import GenerateTicket, LoadTicket
 
 if TYPE_CHECKING:
@@ -123,6 +124,8 @@ class Images:
         is checked against the model's module tree first. ``switching`` says
         LoRAs will be changed later (they then stay unfused)."""
         if isinstance(model, GenerateTicket):
+            if splits(model):  # its ranks load it at the generate, each its own copy: nothing loads here
+                return split_status(self._checks.recheck(model))
             model = self._checks.recheck(model).target.ticket
         if not isinstance(model, LoadTicket):
             model = self._loaded.checks.check((model, base, family, switching), request, loras, controlnet,
@@ -167,6 +170,8 @@ class Images:
         ``cancel``, set from any thread, stops the call with :class:`Cancelled` before it starts or
         before the next block of the running step; :meth:`cancel` sets it."""
         ticket = self._checks.ticket(prompt, "images", loras, options)
+        if splits(ticket):  # several ranks: fresh ones load and render it (engine.service.ranks)
+            return list(self._loaded.run_split(ticket, progress, cancel))
         return self._loaded.run(ticket, progress, cancel)
 
     def recipes(self, body: GenerateBody, images: Sequence[Any]) -> list[dict[str, object]]:

@@ -37,6 +37,10 @@ class LoadChecks:
         self._registry, self._machine = registry, machine
         self._allow_download, self._owner = allow_download, owner
 
+    def allow_download(self) -> bool:
+        """Whether a load may download now (the engine's consent, read at each check)."""
+        return self._allow_download()
+
     def check(self, asked: tuple[str, str | None, str | None, bool], request: InferenceRequest,
                loras: Sequence[LoraLike], controlnet: str | None, *, verify: bool,
               shaped: Callable[[ModelSource], InferenceRequest] | None = None) -> LoadTicket:

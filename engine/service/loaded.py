@@ -140,6 +140,25 @@ class LoadedModel:
                 self._slot.release("generating")
                 self.keep_alive.touch(ticket.body.keep_alive)
 
+    def run_split(self, ticket: GenerateTicket, progress: Callable[[int, int], None] | None = None,
+                  cancel: threading.Event | None = None) -> Any:
+        """Run a ticket whose plan splits it across ranks (:mod:`engine.service.ranks`): fresh
+        ranks load its model, render, and rank 0's result comes back (images, or a clip). The
+        loaded model is dropped first where the ranks take the GPUs; on a CPU it stays."""
+        from engine.service.ranks import rank_job, run_on_ranks
+
+        cancel = cancel or threading.Event()
+        with self._generate_lock:
+            self._slot.reserve("generating")
+            self._cancel = cancel
+            try:
+                if ticket.plan.parallel.device == "cuda":
+                    self.drop()
+                return run_on_ranks(rank_job(ticket, self.checks.allow_download()), progress, cancel)
+            finally:
+                self._cancel = None
+                self._slot.release("generating")
+
     def cancel(self) -> bool:
         """Stop the running generate before the next block of its step (it raises
         :class:`Cancelled` to its caller); False when none runs. Queued ones still run."""

@@ -26,6 +26,7 @@ from engine.requests.bodies import GenerateBody
 from engine.requests.inference import InferenceRequest
 from engine.requests.loras import LoraLike
 from engine.service.generating import GenerateChecks, load_options
+from engine.service.ranks import splits
 from engine.service.tickets import GenerateTicket, LoadTicket, Target
 
 if TYPE_CHECKING:
@@ -152,12 +153,52 @@ class Videos:
         negative_prompt, image); ``progress(step, total)`` after each step, ``cancel`` stops it at
         the next step (:class:`~engine.errors.Cancelled`)."""
         ticket = self._checks.ticket(prompt, "frames", loras, options)
+        if ticket.shape is not None and ticket.shape.windows is not None:
+            return self._windowed(ticket, progress, cancel)
+        if splits(ticket):  # several ranks: fresh ones load and render it (engine.service.ranks)
+            return self._loaded.run_split(ticket, progress, cancel)  # its recipe says how the ranks split it
         clips = self._loaded.run(ticket, progress, cancel)
         session = self._loaded.session
         assert ticket.shape is not None and session is not None  # the frames door decided one; run loaded it
         frames, sound = tuple(clips[0]), getattr(clips[0], "sound", None)
         shape = _as_rendered(ticket.shape, frames) if frames else ticket.shape
         return Video(frames=frames, shape=shape, recipe=_recipe(ticket.body, shape, session, sound), sound=sound)
+
+    def _windowed(self, ticket: GenerateTicket, progress: Callable[[int, int], None] | None,
+                  cancel: threading.Event | None) -> Video:
+        """A clip longer than one call, window by window (:mod:`engine.policy.video_windows`):
+        each window after the first an image-to-video call from the last frame so far, that
+        frame blended with the window's first; progress and ``cancel`` over the whole clip."""
+        from PIL import Image
+
+        from engine.errors import Cancelled
+        from engine.service.generating import UPLOADED
+
+        assert ticket.shape is not None and ticket.shape.windows is not None
+        counts = ticket.shape.windows.counts
+        asked, _, uploads, load, _ = ticket.asked
+        cancel = cancel or threading.Event()
+        frames: list[Image.Image] = []
+        for index, count in enumerate(counts):
+            if cancel.is_set():
+                raise Cancelled(f"the clip was cancelled after {index} of its {len(counts)} windows")
+            body = asked.model_copy(update={"frames": count, "window_frames": None})
+            given = dict(uploads)
+            if index:  # continue from the last frame so far, on fresh noise
+                body = body.model_copy(update={"image": UPLOADED, "seed": None if asked.seed is None
+                                               else asked.seed + index})
+                given["image"] = frames[-1]
+            window = self._checks.check(body, "frames", uploads=given, load=load)
+            step = None if progress is None else (
+                lambda done, total, at=index: progress(at * total + done, len(counts) * total))
+            rendered = list(self._loaded.run(window, step, cancel)[0])
+            if index:
+                frames[-1] = Image.blend(frames[-1], rendered.pop(0), 0.5)
+            frames.extend(rendered)
+        session = self._loaded.session
+        assert session is not None
+        shape = _as_rendered(ticket.shape, frames)
+        return Video(frames=tuple(frames), shape=shape, recipe=_recipe(ticket.body, shape, session, None))
 
     check_door = moved("Engine.videos.check_door()", "Engine.videos.check_generate()", "_check_door")
 

@@ -40,6 +40,7 @@ FLUX = FamilySpec(
             repo="black-forest-labs/FLUX.1-dev",
             default_steps=28,
             default_guidance=3.5,
+            attention_heads=24,  # 3072 wide, heads of 128
             matches=("*flux.1-dev*", "*flux1-dev*", "*flux-dev*"),
         ),
         Checkpoint(
@@ -48,6 +49,7 @@ FLUX = FamilySpec(
             repo="black-forest-labs/FLUX.1-schnell",
             default_steps=4,
             default_guidance=0.0,
+            attention_heads=24,  # 3072 wide, heads of 128
             matches=("*flux.1-schnell*", "*flux1-schnell*", "*flux-schnell*"),
         ),
         Checkpoint(
@@ -56,6 +58,7 @@ FLUX = FamilySpec(
             repo="black-forest-labs/FLUX.1-Krea-dev",
             default_steps=28,
             default_guidance=4.5,
+            attention_heads=24,  # 3072 wide, heads of 128
             matches=("*flux.1-krea-dev*", "*flux1-krea*", "*flux-krea*"),
         ),
         Checkpoint(
@@ -64,6 +67,7 @@ FLUX = FamilySpec(
             repo="black-forest-labs/FLUX.1-Kontext-dev",
             default_steps=28,
             default_guidance=2.5,
+            attention_heads=24,  # 3072 wide, heads of 128
             matches=("*flux.1-kontext-dev*", "*flux1-kontext*", "*flux-kontext*"),
             pipeline_class="FluxKontextPipeline",
             workflows=(("edit", "FluxKontextPipeline"), ("inpaint", "FluxKontextInpaintPipeline")),
@@ -217,6 +221,7 @@ FLUX = FamilySpec(
     ),
     speed=SpeedRules(
         compile_regions=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+        context_parallel=True,  # FluxTransformer2DModel declares diffusers' context-parallel plan
         eager_fusions=(
             FusionSite("FluxTransformerBlock", 6), FusionSite("FluxSingleTransformerBlock", 1),
             FusionSite("AdaLayerNormZero", 1), FusionSite("AdaLayerNormZeroSingle", 1),

@@ -164,5 +164,5 @@ FLUX2 = FamilySpec(
         geometry=LatentGeometry(spatial_compression=8, patch_size=2, latent_channels=32),
         vae_decode_per_pixel=768.0,
     ),
-    speed=SpeedRules(compile_regions=("Flux2TransformerBlock", "Flux2SingleTransformerBlock")),
+    speed=SpeedRules(compile_regions=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"), context_parallel=True),
 )

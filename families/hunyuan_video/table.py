@@ -82,5 +82,6 @@ HUNYUAN_VIDEO = FamilySpec(
         guidance_kwarg="guider.guidance_scale",
         cache_context_pipelines=("HunyuanVideo15Pipeline",),
     ),
-    speed=SpeedRules(compile_regions=("HunyuanVideo15TransformerBlock",)),
+    # Its guider runs the transformer once per condition, back to back (no context-parallel plan in diffusers).
+    speed=SpeedRules(compile_regions=("HunyuanVideo15TransformerBlock",), cfg_parallel=True),
 )

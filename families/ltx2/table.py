@@ -84,5 +84,5 @@ LTX2 = FamilySpec(
         # Both open a cache context around each of their transformer passes.
         cache_context_pipelines=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
     ),
-    speed=SpeedRules(compile_regions=("LTX2VideoTransformerBlock",)),
+    speed=SpeedRules(compile_regions=("LTX2VideoTransformerBlock",), context_parallel=True),
 )

@@ -85,5 +85,5 @@ MINIMAX_H3 = FamilySpec(
         cache_context_pipelines=(),
         unused_components=("transformer_ref",),
     ),
-    speed=SpeedRules(compile_regions=("MiniMaxH3TransformerBlock",)),
+    speed=SpeedRules(compile_regions=("MiniMaxH3TransformerBlock",), context_parallel=True),
 )

@@ -228,6 +228,7 @@ QWEN_IMAGE = FamilySpec(
     ),
     speed=SpeedRules(
         compile_regions=("QwenImageTransformerBlock",),
+        context_parallel=True,  # QwenImageTransformer2DModel declares diffusers' context-parallel plan
         eager_fusions=(FusionSite("QwenImageTransformerBlock", 5, ("forward", "_modulate")),),
     ),
     rendering=Rendering(

@@ -96,6 +96,7 @@ WAN = FamilySpec(
         Checkpoint(
             name="wan2.2-ti2v-5b", label="Wan 2.2 TI2V-5B", repo="Wan-AI/Wan2.2-TI2V-5B-Diffusers",
             default_steps=50, default_guidance=5.0, matches=("*wan2.2-ti2v-5b*", "*wan2_2-ti2v*", "*ti2v-5b*"),
+            attention_heads=24,  # 3072 wide, heads of 128
             sizes=ComponentSizes(transformer_gb=10.0, text_encoders_gb=_UMT5_GB, vae_gb=2.8),
             # Text and image to video from one denoiser: the image is the first latent frame.
             workflows=(("txt2img", "WanPipeline"), *_I2V),
@@ -112,22 +113,26 @@ WAN = FamilySpec(
             sizes=ComponentSizes(transformer_gb=57.2, text_encoders_gb=_UMT5_GB, vae_gb=0.5),
             # transformer_2 takes the steps below the boundary (0.875 of the schedule) at its own guidance.
             expert_guidance=3.0,
+            attention_heads=40,
             video=_WAN21_720P,
         ),
         Checkpoint(
             name="wan2.1-t2v-1.3b", label="Wan 2.1 T2V-1.3B", repo="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
             default_steps=50, default_guidance=5.0, matches=("*wan2.1-t2v-1.3b*", "*wan2_1-t2v-1_3b*", "*t2v-1.3b*"),
+            attention_heads=12,
             sizes=ComponentSizes(transformer_gb=2.84, text_encoders_gb=_UMT5_GB, vae_gb=0.5),
         ),
         Checkpoint(
             name="wan2.1-t2v-14b", label="Wan 2.1 T2V-14B", repo="Wan-AI/Wan2.1-T2V-14B-Diffusers",
             default_steps=50, default_guidance=5.0, matches=("*wan2.1-t2v-14b*", "*wan2_1-t2v-14b*"),
+            attention_heads=40,  # 5120 wide, heads of 128
             sizes=ComponentSizes(transformer_gb=28.6, text_encoders_gb=_UMT5_GB, vae_gb=0.5),
             video=_WAN21_720P,
         ),
         Checkpoint(
             name="wan2.1-i2v-14b", label="Wan 2.1 I2V-14B 720p", repo="Wan-AI/Wan2.1-I2V-14B-720P-Diffusers",
             default_steps=50, default_guidance=5.0, matches=("*wan2.1-i2v-14b*", "*wan2_1-i2v-14b*", "*i2v-14b*"),
+            attention_heads=40,
             # Beside UMT5, its CLIP ViT-H image encoder (1.3 GB) conditions every block.
             sizes=ComponentSizes(transformer_gb=32.8, text_encoders_gb=_UMT5_GB + 1.3, vae_gb=0.5),
             pipeline_class="WanImageToVideoPipeline",
@@ -223,6 +228,7 @@ WAN = FamilySpec(
     ),
     # The prompt's projections (the text embedder, each block's cross-attention keys, values and
     # key norm) depend on the prompt alone: computed once per prompt per call.
-    speed=SpeedRules(compile_regions=("WanTransformerBlock",),
+    # WanTransformer3DModel declares diffusers' context-parallel plan; guidance runs it twice a step.
+    speed=SpeedRules(compile_regions=("WanTransformerBlock",), context_parallel=True, cfg_parallel=True,
                      text_kv_sites=("condition_embedder.text_embedder", "attn2.to_k", "attn2.to_v", "attn2.norm_k")),
 )

@@ -214,6 +214,7 @@ DOOMED = [
     ("jobs", {"model": "tiny-wan"}, 400, "wrong_output"),  # a video model through the images door
     ("jobs", {"model": "flux.1-dev"}, 400, "hub_not_allowed"),
     ("jobs", {"model": "tiny-zimage", "frames": 9}, 400, "wrong_output"),
+    ("jobs", {"model": "tiny-zimage", "window_frames": 9}, 400, "wrong_output"),  # windows of an image model
     ("jobs", {"model": "hidream-no-llama"}, 400, "component_missing"),  # its Llama's repo: not cached, hub offline
     ("jobs", {"model": "ideogram-fp8-cut"}, 400, "corrupt_checkpoint"),  # the fp8 layout converted on meta first
     ("jobs", {"model": "zimage-nf4"}, 400, "stored_scheme_unsupported"),  # bitsandbytes' nf4 with no NVIDIA GPU
@@ -223,6 +224,7 @@ DOOMED = [
     ("generations", {"model": "no-such-model"}, 404, "model_not_found"),
     ("videos", {"model": "tiny-zimage"}, 400, "wrong_output"),  # an image model through the videos door
     ("videos", {"model": "tiny-wan", "frames": "8"}, 422, "invalid_video_shape"),
+    ("videos", {"model": "tiny-wan", "window_frames": "6"}, 422, "invalid_video_shape"),  # a window off the lattice
     ("videos", {"model": "cut-zimage"}, 400, "corrupt_checkpoint"),
 ]
 
