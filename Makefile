@@ -69,6 +69,7 @@ bench: $(STAMP)
 # Every GPU path, measured, on the GPU this machine has (report: gpu-check.json).
 gpu-check: $(STAMP)
 	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS)
+	$(BIN)/python bench/parallel_scaling.py --runs 2   # one request split over 1, 2, 4... of its GPUs
 
 clean:
 	rm -rf $(VENV) build *.egg-info

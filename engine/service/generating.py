@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 #: What each output kind is called in a refusal: "no image pipeline is loaded", "no video model...".
 MEDIUM = {"images": "image pipeline", "frames": "video model"}
 
+#: Keyword options of a generate that split it across ranks (``engine.videos.generate(..., gpus=2)``):
+#: plan controls, not request fields, so they ride in the load's request.
+SPLIT_OPTIONS = ("gpus", "parallel")
+
 #: The request fields that carry input images.
 IMAGE_FIELDS = ("image", "mask_image", "control_image")
 
@@ -110,8 +114,22 @@ class GenerateChecks:
                 raise EngineError("a checked ticket carries its request: give loras and options to "
                                   "check_generate, not to generate", code="invalid_request")
             return self.recheck(prompt)
-        body, uploads = request_body(prompt, loras, options)
-        return self.check(body, output, uploads=uploads)
+        split = {name: options[name] for name in SPLIT_OPTIONS if name in options}
+        body, uploads = request_body(prompt, loras, {k: v for k, v in options.items() if k not in split})
+        if not split:
+            return self.check(body, output, uploads=uploads)
+        loaded = self._loaded.target()  # a split names its model: the loaded one where the body does not
+        if body.model is None and loaded is not None:
+            body = body.model_copy(update={"model": loaded.key})
+        from pydantic import ValidationError
+
+        from engine.requests.bodies import PlanControls, describe_problems
+
+        try:
+            request = PlanControls(**split).request()
+        except ValidationError as exc:
+            raise EngineError("; ".join(describe_problems(exc)), code="invalid_request") from None
+        return self.check(body, output, uploads=uploads, load=LoadOptions(request=request))
 
     def recheck(self, ticket: GenerateTicket) -> GenerateTicket:
         """``ticket`` made usable now: checked again, as asked, only when a file it read changed."""

@@ -70,6 +70,7 @@ class Images:
             from engine.preflight.controlnet import check_controlnet, with_controlnet
 
             facts = with_controlnet(facts, check_controlnet(facts.family, controlnet))
+        request = _one_window(facts, request)
         return plan_inference(self._registry, facts, self._machine.hardware(), request,
                               available=self._machine.available_memory())
 
@@ -233,3 +234,17 @@ class Images:
     @staticmethod
     def _weights_of(ticket: LoadTicket) -> Mapping[str, object]:
         return ticket.weights
+
+
+def _one_window(facts: ModelFacts, request: InferenceRequest) -> InferenceRequest:
+    """A plan for a clip longer than its checkpoint renders at once is one window's
+    (:mod:`engine.policy.video_windows`; refused where the family cannot chain windows)."""
+    import dataclasses
+
+    from engine.policy.video_windows import clip_windows
+
+    spec = facts.family.video_of(facts.checkpoint)
+    if request.frames is None or spec is None:
+        return request
+    windows = clip_windows(facts.family, facts.checkpoint, spec, request.frames)
+    return request if windows is None else dataclasses.replace(request, frames=windows.counts[0])

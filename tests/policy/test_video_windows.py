@@ -47,3 +47,16 @@ def test_a_long_clip_a_family_cannot_chain_is_refused_with_the_reason(
         video_shape(spec, spec.checkpoint(checkpoint) if checkpoint else None, frames=frames, window=window,
                     width=64 if window else None, height=64 if window else None)
     assert caught.value.code == "invalid_video_shape" and words in caught.value.message
+
+
+def test_a_long_clip_is_planned_for_one_window() -> None:
+    from engine import Engine
+    from engine.requests.inference import InferenceRequest
+    from engine.requests.machine import MachineRequest
+
+    with Engine(hardware=MachineRequest(preset="rtx4090"), allow_download=False) as engine:
+        long = engine.images.plan(family="wan", checkpoint="wan2.2-ti2v-5b", request=InferenceRequest(frames=361))
+        window = engine.images.plan(family="wan", checkpoint="wan2.2-ti2v-5b", request=InferenceRequest(frames=121))
+        assert long.estimate == window.estimate
+        with pytest.raises(EngineError):  # the plan refuses what the generate would
+            engine.images.plan(family="wan", checkpoint="wan2.1-t2v-14b", request=InferenceRequest(frames=161))

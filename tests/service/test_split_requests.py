@@ -151,3 +151,14 @@ def test_a_split_the_family_cannot_take_is_refused_before_any_rank_starts_or_any
     assert after is not None and before is not None and after["model"]["location"] == str(wan)
     assert after["model"] == before["model"]
     assert not _ranks()
+
+
+def test_python_callers_split_a_generate_with_keywords(engine: Engine, wan: Path, wan_one: np.ndarray) -> None:
+    """``engine.videos.generate(..., gpus=2, parallel=...)``: the same split as a checked request's."""
+    video = engine.videos.generate("a fox in snow", model=str(wan), seed=5, steps=3, width=64, height=64, frames=5,
+                                   gpus=2, parallel="cfg")
+    assert video.recipe["parallel"]["label"] == "cfg 2" and video.recipe["parallel"]["split"] == ["transformer"]
+    assert np.asarray(video.frames[0]).shape == wan_one.shape[1:]
+    with pytest.raises(EngineError) as caught:
+        engine.videos.generate("a fox", model=str(wan), gpus="two")
+    assert caught.value.code == "invalid_request" and "gpus" in caught.value.message

@@ -183,7 +183,8 @@ def test_engine_pipeline_output_reads_frames_or_images_and_a_plugin_may_answer()
 
 @pytest.mark.parametrize(("model", "fields", "code"), [
     ("wan", {"frames": 80}, "invalid_video_shape"),            # off the 4k+1 lattice
-    ("wan", {"frames": 125}, "invalid_video_shape"),           # on it, beyond the range
+    ("wan", {"frames": 13, "window_frames": 6}, "invalid_video_shape"),  # windows off the lattice
+    ("ltx2", {"frames": 265}, "invalid_video_shape"),          # past its window, and its sound cannot be carried
     ("wan", {"width": 80, "height": 64}, "invalid_video_shape"),  # off TI2V's multiple of 32
     ("wan", {"count": 2}, "invalid_request"),                  # one clip per call
     ("wan", {"image": "/no/such/first.png"}, "invalid_image"),  # image to video without its image
