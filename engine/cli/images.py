@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import sys
 import tempfile
@@ -128,6 +129,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine import Engine
     from engine.cli.requests import generate_body, output_paths, plan_controls
 
+    if args.device == "cpu":  # before torch loads: this process and its ranks see no GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = ""
     controls = plan_controls(args)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     body = generate_body(args, seed)

@@ -102,6 +102,9 @@ def _add_generate(commands: Commands) -> None:
     generate.add_argument("--seeds", type=_seed_list, metavar="N,N,...",
                           help="one seed per image (image k replays alone with seed k)")
     generate.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    generate.add_argument("--device", choices=("auto", "cpu"), default="auto",
+                          help="cpu: run on the CPU where a GPU is too (the GPUs hidden from this process and its "
+                               "ranks: --gpus N then starts N CPU processes over gloo); default auto")
     add_controls(generate, GENERATE_CONTROLS)
     _add_plan_args(generate, steps=False)
     generate.add_argument("--strict", action="store_true", help=STRICT_HELP)

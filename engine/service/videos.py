@@ -179,6 +179,7 @@ class Videos:
         asked, _, uploads, load, _ = ticket.asked
         cancel = cancel or threading.Event()
         frames: list[Image.Image] = []
+        engaged: dict[str, object] | None = None  # a split window's recipe (its ranks say what engaged)
         for index, count in enumerate(counts):
             if cancel.is_set():
                 raise Cancelled(f"the clip was cancelled after {index} of its {len(counts)} windows")
@@ -191,13 +192,19 @@ class Videos:
             window = self._checks.check(body, "frames", uploads=given, load=load)
             step = None if progress is None else (
                 lambda done, total, at=index: progress(at * total + done, len(counts) * total))
-            rendered = list(self._loaded.run(window, step, cancel)[0])
+            if splits(window):  # each window on fresh ranks: what engaged is theirs to say
+                split = self._loaded.run_split(window, step, cancel)
+                rendered, engaged = list(split.frames), split.recipe
+            else:
+                rendered = list(self._loaded.run(window, step, cancel)[0])
             if index:
                 frames[-1] = Image.blend(frames[-1], rendered.pop(0), 0.5)
             frames.extend(rendered)
+        shape = _as_rendered(ticket.shape, frames)
+        if engaged is not None:
+            return Video(frames=tuple(frames), shape=shape, recipe={**engaged, **shape.to_dict()})
         session = self._loaded.session
         assert session is not None
-        shape = _as_rendered(ticket.shape, frames)
         return Video(frames=tuple(frames), shape=shape, recipe=_recipe(ticket.body, shape, session, None))
 
     check_door = moved("Engine.videos.check_door()", "Engine.videos.check_generate()", "_check_door")

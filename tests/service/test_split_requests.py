@@ -153,12 +153,17 @@ def test_a_split_the_family_cannot_take_is_refused_before_any_rank_starts_or_any
     assert not _ranks()
 
 
-def test_python_callers_split_a_generate_with_keywords(engine: Engine, wan: Path, wan_one: np.ndarray) -> None:
-    """``engine.videos.generate(..., gpus=2, parallel=...)``: the same split as a checked request's."""
-    video = engine.videos.generate("a fox in snow", model=str(wan), seed=5, steps=3, width=64, height=64, frames=5,
-                                   gpus=2, parallel="cfg")
+def test_python_callers_split_a_generate_with_keywords_and_each_window_of_a_long_clip(
+        engine: Engine, wan: Path, wan_one: np.ndarray) -> None:
+    """``engine.videos.generate(..., gpus=2, parallel=...)``: the split a checked request would get;
+    a clip of two windows runs each window on its ranks, progress over the whole clip."""
+    steps: list[tuple[int, int]] = []
+    video = engine.videos.generate("a fox in snow", model=str(wan), seed=5, steps=3, width=64, height=64, frames=9,
+                                   window_frames=5, gpus=2, parallel="cfg",
+                                   progress=lambda step, total: steps.append((step, total)))
     assert video.recipe["parallel"]["label"] == "cfg 2" and video.recipe["parallel"]["split"] == ["transformer"]
-    assert np.asarray(video.frames[0]).shape == wan_one.shape[1:]
+    assert video.recipe["windows"]["windows"] == [5, 5] and len(video.frames) == 9
+    assert steps[-1] == (6, 6) and np.asarray(video.frames[0]).shape == wan_one.shape[1:]
     with pytest.raises(EngineError) as caught:
         engine.videos.generate("a fox", model=str(wan), gpus="two")
     assert caught.value.code == "invalid_request" and "gpus" in caught.value.message
