@@ -2,7 +2,9 @@
 
 Both train the same LoRA (same targets, rank, AdamW, lr, batch, seed) on the
 same cached latents and prompt embeddings with the same family forward; the
-plain loop is the textbook peft loop with nothing around it. Steady state:
+plain loop is the textbook peft loop with nothing around it, its AdamW the same kernel the
+engine's is (torch's fused one on the CPU: comparing the engine's fused step with an unfused
+loop flattered the engine). Steady state:
 the first steps are warm-up and not counted; the two sides alternate (plain, engine,
 plain, engine...) and each prints its median. Target: engine / plain >= 1.0.
 
@@ -34,6 +36,7 @@ from engine.training.config import TrainingConfig  # noqa: E402
 from engine.training.preflight import preflight_training  # noqa: E402
 from engine.training.buckets import fit  # noqa: E402
 from engine.training.inputs import load_pixels  # noqa: E402
+from engine.training.levers import adamw_kernel  # noqa: E402
 from engine.training.trainer import run_training  # noqa: E402
 
 WARMUP = 5
@@ -78,7 +81,7 @@ def plain_steps_per_s(plan, steps: int) -> tuple[float, float]:  # type: ignore[
     denoiser.add_adapter(LoraConfig(r=plan.config.lora_rank, lora_alpha=plan.config.lora_rank,
                                     init_lora_weights="gaussian", target_modules=list(plan.lora_targets)))
     params = [p for p in denoiser.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=plan.config.learning_rate)
+    optimizer = torch.optim.AdamW(params, lr=plan.config.learning_rate, **adamw_kernel(params))  # the engine's kernel
     scheduler = runtime.training_scheduler(pipe) if plan.objective.prediction != "flow_matching" else None
     generator = torch.Generator().manual_seed(0)
     times, cpus = [], []
