@@ -35,6 +35,7 @@ from engine.contract.plugins import load_registry  # noqa: E402
 from engine.policy.inference import InferenceRequest, plan_inference  # noqa: E402
 from engine.preflight.model import resolve_model  # noqa: E402
 from engine.runtime.session import GenerateRequest, InferenceSession  # noqa: E402
+from engine.testing.stock import stock_dtypes  # noqa: E402
 
 PROMPT = "a lighthouse at dusk"
 
@@ -59,9 +60,11 @@ def bench_family(registry, family: str, folder: Path, runs: int, steps: int, siz
     engine = session(registry, folder, prompt_cache=False)
     cached = session(registry, folder, prompt_cache=True)
     source = engine.source
-    plain = DiffusionPipeline.from_pretrained(folder, dtype=torch.float32)
-    plain.set_progress_bar_config(disable=True)
     spec = registry.family(family)
+    # like for like: plain diffusers in the dtypes the engine's plan loads (bf16 where the CPU
+    # multiplies it natively, a video VAE kept fp32), not the fp32 it once compared against
+    plain = DiffusionPipeline.from_pretrained(folder, dtype=stock_dtypes(folder, spec, engine.plan))
+    plain.set_progress_bar_config(disable=True)
     guidance = (source.checkpoint or spec.default_checkpoint).default_guidance
     extra = {"negative_prompt": " "} if spec.pipeline.guidance_kwarg == "true_cfg_scale" and guidance > 1 else {}
     clip = {"frames": frames} if spec.rendering.output == "frames" else {}

@@ -110,7 +110,7 @@ def plan_combination(plan: Plan) -> dict[str, str]:
         "compile": ("fullgraph" if plan.compile_fullgraph else "regional") if compiled else "off",
         "lora": str(plan.value("lora")),
         "attention": str(plan.value("attention_backend")),
-        "step_cache": "fbcache" if plan.value("step_cache") == "fbcache" or plan.step_cache_may_engage else "off",
+        "step_cache": "fbcache" if plan.value("step_cache") != "off" or plan.step_cache_may_engage else "off",
     }
 
 

@@ -101,6 +101,10 @@ def resolve_step_cache(
         return Resolved("off", source, f"step cache unavailable: {unsupported}", requested), threshold
     if requested == "fbcache":
         return explicit("fbcache", f"pinned on (residual threshold {threshold})"), threshold
+    if requested == "taylorseer":  # asked for only: auto keeps First-Block-Cache (docs/benchmarks.md's drift)
+        return explicit("taylorseer", f"pinned on: TaylorSeer (after {TAYLORSEER_WARMUP} full steps, a full step "
+                                      f"every {TAYLORSEER_INTERVAL}, the ones between predicted from the last full "
+                                      "ones by a first-order Taylor series)"), threshold
     if tier == "off":
         return auto("off", "speed tier off"), threshold
     if steps >= thresholds.min_steps:
@@ -113,6 +117,10 @@ def resolve_step_cache(
         "off",
         f"{steps} steps < {thresholds.min_steps}: a skipped step costs too much on short schedules",
     ), threshold
+
+
+#: TaylorSeer's schedule: full steps before it predicts, and one full step in this many after.
+TAYLORSEER_WARMUP, TAYLORSEER_INTERVAL = 3, 3
 
 
 def step_cache_unsupported(

@@ -295,7 +295,7 @@ class TorchPlanner:
             quantised=quantised, tier=tier.value, denied=self.denied, thresholds=self.cache_thresholds,
             unsupported=self.cache_unsupported,
         )
-        cache_may_engage = cache.value == "fbcache" or (
+        cache_may_engage = cache.value != "off" or (
             request.step_cache == "auto" and "step_cache" not in self.denied and tier.value != "off"
             and self.cache_unsupported is None
         )

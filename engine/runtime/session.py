@@ -75,6 +75,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
         self._pipe: Any = None
         self._flags: flags.FlagSnapshot | None = None
         self._cache_on = False
+        self._cache_kind = "off"
         self._lock = threading.Lock()
         self.quantised_layers = 0
         self.onednn_layers = 0  # fp32 Linears routed through oneDNN (the plan's cpu_kernel)
@@ -144,7 +145,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
             self._apply_fusions()
             self._apply_text_kv()
             self._apply_compile()
-            self._set_step_cache(self.plan["step_cache"].value == "fbcache")
+            self._set_step_cache(str(self.plan["step_cache"].value))
         except BaseException:
             self.unload()
             raise
@@ -209,7 +210,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
         self._workflow_pipes.clear()
         self._controlnet = None
         self.loras = None
-        self._cache_on = False
+        self._cache_on, self._cache_kind = False, "off"
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

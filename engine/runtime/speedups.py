@@ -43,6 +43,8 @@ class SpeedControls:
     _installer: Installer
     _compile_backend: str
     _cache_on: bool
+    #: The step cache engaged: ``off``, ``fbcache`` or ``taylorseer``.
+    _cache_kind: str
     _active: Any
 
     @property
@@ -156,34 +158,47 @@ class SpeedControls:
             return None
         return None if "cache_context" in call else step_cache_unsupported((), pipeline.__name__)
 
-    def _set_step_cache(self, on: bool) -> str | None:
-        """Engage or release the cache; returns why it could not engage (and
-        records it in the plan, with anything half-enabled rolled back)."""
-        if on == self._cache_on:
+    def _set_step_cache(self, kind: str) -> str | None:
+        """Engage the step cache ``kind`` (``fbcache``, ``taylorseer``) or release it (``off``);
+        returns why it could not engage (and records it in the plan, with anything half-enabled
+        rolled back)."""
+        if kind == self._cache_kind:
             return None
-        if not on:
+        if self._cache_on:
             for denoiser in self.denoisers:
                 denoiser.disable_cache()
-            self._cache_on = False
+            self._cache_on, self._cache_kind = False, "off"
+        if kind == "off":
             return None
         failure = self._cache_unsupported()
         if failure is None:
-            from diffusers import FirstBlockCacheConfig
-
             try:  # every expert, or none: a half-cached pair is rolled back
                 for denoiser in self.denoisers:
-                    denoiser.enable_cache(FirstBlockCacheConfig(threshold=self.plan.step_cache_threshold))
+                    denoiser.enable_cache(self._cache_config(kind))
             except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as exc:
                 for denoiser in self.denoisers:
                     if getattr(denoiser, "is_cache_enabled", False):
                         denoiser.disable_cache()
-                failure = f"enabling First-Block-Cache failed ({quantize.first_line(exc)}); rolled back"
+                failure = f"enabling the {kind} step cache failed ({quantize.first_line(exc)}); rolled back"
         if failure is not None:
             was = self.plan["step_cache"]
             self._record("step_cache", Resolved("off", was.source, f"step cache unavailable: {failure}"))
             return failure
-        self._cache_on = True
+        self._cache_on, self._cache_kind = True, kind
         return None
+
+    def _cache_config(self, kind: str) -> Any:
+        """diffusers' config for the step cache ``kind``."""
+        if kind == "taylorseer":
+            from diffusers import TaylorSeerCacheConfig
+
+            from engine.policy.speed import TAYLORSEER_INTERVAL, TAYLORSEER_WARMUP
+
+            return TaylorSeerCacheConfig(cache_interval=TAYLORSEER_INTERVAL, disable_cache_before_step=TAYLORSEER_WARMUP,
+                                         taylor_factors_dtype=None)
+        from diffusers import FirstBlockCacheConfig
+
+        return FirstBlockCacheConfig(threshold=self.plan.step_cache_threshold)
 
     def _recheck_step_cache(self, steps: int) -> None:
         plan = self.plan
@@ -195,7 +210,7 @@ class SpeedControls:
             denied=self.registry.optimization_deny(self.source.family),
             unsupported=self._cache_unsupported(),
         )
-        if self._set_step_cache(resolved.value == "fbcache") is None:
+        if self._set_step_cache(str(resolved.value)) is None:
             self._record("step_cache", resolved)
 
     def _record(self, control: str, resolved: Resolved) -> None:

@@ -268,3 +268,25 @@ def test_hub_id_offline_fails_as_a_load_error_not_a_traceback() -> None:
     with pytest.raises(LoadFailed) as raised:
         session.load()
     assert "FLUX.1-schnell" in raised.value.message
+
+
+@pytest.mark.slow
+def test_taylorseer_predicts_the_steps_between_full_ones_close_to_the_uncached_image(
+        tiny_pipeline: Callable[[str], Path]) -> None:
+    """``--step-cache taylorseer``: engaged as asked, the image moved (steps were predicted, not
+    run) but within a few levels of the uncached one at the same seed."""
+    import numpy as np
+
+    session = session_for(tiny_pipeline("flux"), InferenceRequest(step_cache="taylorseer"))
+    plain = session_for(tiny_pipeline("flux"), InferenceRequest(step_cache="off"))
+    session.load()
+    plain.load()
+    try:
+        assert session.plan["step_cache"].value == "taylorseer" and "TaylorSeer" in session.plan["step_cache"].reason
+        cached, uncached = pixels(session, seed=7, steps=12), pixels(plain, seed=7, steps=12)
+        assert session.status()["step_cache_engaged"] is True and session.denoiser.is_cache_enabled
+        drift = np.abs(cached.astype(np.float32) - uncached.astype(np.float32))
+        assert drift.max() > 0 and drift.mean() < 8
+    finally:
+        session.unload()
+        plain.unload()
