@@ -120,19 +120,6 @@ def test_a_cancel_stops_every_rank(engine: Engine, wan: Path) -> None:
     assert not _ranks()
 
 
-def test_a_flux_image_split_by_ulysses_equals_one_process(engine: Engine,
-                                                          tiny_pipeline: Callable[..., Path]) -> None:
-    flux = tiny_pipeline("flux")
-    one = _image(engine, flux, ONE)
-    assert np.array_equal(_image(engine, flux, _split("ulysses")), one)
-
-
-def test_a_hunyuan_video_clip_split_by_cfg_equals_one_process(engine: Engine,
-                                                              tiny_pipeline: Callable[..., Path]) -> None:
-    folder = tiny_pipeline("hunyuan_video")
-    assert np.array_equal(_clip(engine, folder, _split("cfg")), _clip(engine, folder, ONE))
-
-
 def test_a_split_the_family_cannot_take_is_refused_before_any_rank_starts_or_anything_is_evicted(
         engine: Engine, wan: Path, tiny_pipeline: Callable[..., Path]) -> None:
     """The 0-eviction row of ``gpus``: the loaded model stays, no rank starts."""
