@@ -113,13 +113,6 @@ def test_a_rank_lost_mid_clip_fails_the_job_and_the_next_job_runs_cfg_split(
     assert np.array_equal(_clip(engine, wan, _split("cfg")), wan_one)
 
 
-def test_a_cancel_stops_every_rank(engine: Engine, wan: Path) -> None:
-    cancel = threading.Event()
-    with pytest.raises(Cancelled):
-        _clip(engine, wan, _split("ulysses"), progress=lambda step, total: cancel.set(), cancel=cancel)
-    assert not _ranks()
-
-
 def test_a_split_the_family_cannot_take_is_refused_before_any_rank_starts_or_anything_is_evicted(
         engine: Engine, wan: Path, tiny_pipeline: Callable[..., Path]) -> None:
     """The 0-eviction row of ``gpus``: the loaded model stays, no rank starts."""
@@ -140,17 +133,25 @@ def test_a_split_the_family_cannot_take_is_refused_before_any_rank_starts_or_any
     assert not _ranks()
 
 
-def test_python_callers_split_a_generate_with_keywords_and_each_window_of_a_long_clip(
-        engine: Engine, wan: Path, wan_one: np.ndarray) -> None:
+def test_python_callers_split_a_long_clip_with_keywords_each_window_on_its_ranks_and_a_cancel_stops_them(
+        engine: Engine, wan: Path) -> None:
     """``engine.videos.generate(..., gpus=2, parallel=...)``: the split a checked request would get;
-    a clip of two windows runs each window on its ranks, progress over the whole clip."""
+    a clip of two windows runs each window on fresh ranks, progress over the whole clip; a cancel
+    in the second window stops its ranks (none left) and the clip."""
+    cancel = threading.Event()
     steps: list[tuple[int, int]] = []
-    video = engine.videos.generate("a fox in snow", model=str(wan), seed=5, steps=3, width=64, height=64, frames=9,
-                                   window_frames=5, gpus=2, parallel="cfg",
-                                   progress=lambda step, total: steps.append((step, total)))
-    assert video.recipe["parallel"]["label"] == "cfg 2" and video.recipe["parallel"]["split"] == ["transformer"]
-    assert video.recipe["windows"]["windows"] == [5, 5] and len(video.frames) == 9
-    assert steps[-1] == (6, 6) and np.asarray(video.frames[0]).shape == wan_one.shape[1:]
+
+    def stop_in_the_second_window(step: int, total: int) -> None:
+        steps.append((step, total))
+        if step > total // 2:
+            cancel.set()
+
+    with pytest.raises(Cancelled):
+        engine.videos.generate("a fox in snow", model=str(wan), seed=5, steps=3, width=64, height=64, frames=9,
+                               window_frames=5, gpus=2, parallel="cfg", cancel=cancel,
+                               progress=stop_in_the_second_window)
+    assert steps[:3] == [(1, 6), (2, 6), (3, 6)] and steps[3] == (4, 6)  # the first window whole, on its ranks
+    assert not _ranks()
     with pytest.raises(EngineError) as caught:
         engine.videos.generate("a fox", model=str(wan), gpus="two")
     assert caught.value.code == "invalid_request" and "gpus" in caught.value.message
