@@ -22,3 +22,13 @@ def is_loopback(host: str) -> bool:
         return False
     mapped = getattr(address, "ipv4_mapped", None)
     return bool((mapped or address).is_loopback)
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it): where a local server or a group of
+    ranks listens."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

@@ -40,7 +40,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -49,6 +48,7 @@ from typing import Any
 from ray import serve
 from ray.serve.request_router import RequestRouter
 
+from engine.network import free_loopback_port
 from engine.server.settings import ServerSettings
 
 #: Ray's switch for a machine that is not part of a cluster: its node address is then the
@@ -96,7 +96,7 @@ class EngineReplica:
         if load:
             engine.images.load(load)
         app = create_app(engine, dataclasses.replace(settings, replica=self.name, bind_host="127.0.0.1"))
-        port = _free_port()
+        port = free_loopback_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                                    timeout_graceful_shutdown=2))
         threading.Thread(target=self.server.run, daemon=True, name="replica-server").start()
@@ -154,12 +154,6 @@ def _lost(path: str, owner: str) -> dict[str, Any]:
 
 def kept_headers(headers: Any) -> list[tuple[str, str]]:
     return [(k, v) for k, v in headers.items() if k.lower() not in HOP_HEADERS]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class JobAffinityRouter(RequestRouter):  # type: ignore[misc]

@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection, wait as wait_ready
 from typing import Any
 
 from engine.errors import Cancelled, EngineError
+from engine.network import free_loopback_port
 
 __all__ = ["RankJob", "RankLost", "rank_job", "run_on_ranks", "split_status", "splits"]
 
@@ -71,9 +72,7 @@ def run_on_ranks(job: RankJob, progress: Callable[[int, int], None] | None = Non
 
     :raises RankLost: a rank died; :class:`Cancelled`: ``cancel`` was set; a rank's own
         refusal is raised with its code."""
-    from engine.training.launch import _free_port
-
-    port = _free_port()
+    port = free_loopback_port()
     ranks = [_start(rank, job, port) for rank in range(job.choice.ranks)]
     try:
         result = _follow(ranks, progress, cancel or threading.Event())
@@ -114,13 +113,13 @@ def _follow(ranks: list[_Rank], progress: Callable[[int, int], None] | None, can
     """Read the ranks until rank 0's result, a rank's error, a rank's end or a cancel. A rank's
     pipe closes when it exits (nothing else holds its end), so its end is an end of file here."""
     world = len(ranks)
-    by_reader = {id(r.reader): r for r in ranks}
+    by_reader: dict[Any, _Rank] = {r.reader: r for r in ranks}
     running: list[Any] = [r.reader for r in ranks]
     while True:
         if cancel.is_set():
             raise Cancelled(f"the generate was cancelled; its {world} ranks were stopped")
         for reader in wait_ready(running, timeout=0.2):
-            rank = by_reader[id(reader)]
+            rank = by_reader[reader]
             try:
                 message = rank.reader.recv()
             except EOFError:

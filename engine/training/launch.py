@@ -43,7 +43,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -53,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import stored
+from engine.network import free_loopback_port
 
 #: Seconds the other ranks get to fail on their own once one rank failed.
 GRACE_S = 20.0
@@ -106,7 +106,7 @@ def launch(plan: Any, folder: Path, channel: Any) -> None:
     if nodes > 1:  # every node's ranks meet at node 0's address (torch's TCP rendezvous)
         host, _, port = str(config.main_address).rpartition(":")
     else:
-        host, port = "127.0.0.1", str(_free_port())
+        host, port = "127.0.0.1", str(free_loopback_port())
     errors = Path(tempfile.mkdtemp(prefix="diffusion-engine-ranks-"))
     kind = "MULTI_CPU" if plan.device == "cpu" else "MULTI_GPU"
     try:
@@ -240,8 +240,3 @@ def _ignore(event: dict[str, object]) -> None:
 def _go_on() -> str | None:
     return None  # only each node's first rank reads stop requests; every rank gets the decision
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
