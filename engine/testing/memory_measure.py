@@ -246,6 +246,15 @@ class _TrainStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def prime_optimizer(self) -> None:
+        """Create AdamW's moments as a first step would (zero gradients, one optimizer step),
+        without that step's forward and backward: under fake tensors those cost as much as
+        the measured step itself, and leave nothing the measured step reads."""
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def inference_peak(self) -> int:
         """Live bytes of one forward without gradients, the adapter in."""
         self.model.eval()
@@ -322,7 +331,7 @@ def measure_step(
             shape=latent_shape(d, resolution, frames), dtype=dtype,
             flow=d.spec.training.objective.prediction == "flow_matching",  # type: ignore[union-attr]
         )
-        step(m, None)  # AdamW's moments now exist, as in every later step
+        step.prime_optimizer()  # AdamW's moments now exist, as in every later step
         frozen = [t for t in [*model.parameters(), *model.buffers()] if not t.requires_grad]
         m.weights = _storage_bytes(frozen)
         m.lora_params = _storage_bytes(params)
