@@ -6,7 +6,8 @@ degrees alternate run by run (1, 2, 1, 2...) and medians are compared. Two figur
 
 * **denoise**: first to last step, from the progress the ranks report (what the split divides);
 * **request**: the whole call, which for N > 1 includes starting the ranks and loading the
-  model in each (a split request's ranks are fresh each time).
+  model in each (a split request's ranks are new each time: forked from the engine's warm
+  fork server on Linux, so torch and diffusers are not imported again).
 
 On a CPU the ranks are gloo processes sharing the cores (each gets cores / N threads, the
 single process all of them), so a CPU shows what the split costs in exchanges rather than

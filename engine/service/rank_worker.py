@@ -1,6 +1,7 @@
-"""``python -m engine.service.rank_worker RANK JOB_FD ANSWER_FD PARENT_PID``: one rank of a split request.
+"""``python -m engine.service.rank_worker JOB_FD ANSWER_FD RANK PARENT_PID``: one rank of a split request.
 
-Started by :func:`engine.service.ranks.run_on_ranks`, never by hand: it reads its job from
+Started by :func:`engine.service.ranks.run_on_ranks` (forked from the fork server, or a fresh
+interpreter), never by hand: it reads its job from
 ``JOB_FD`` and answers on ``ANSWER_FD`` (pipes the engine opened for it): its progress (rank
 0), the result (rank 0), or its error. The rank builds an engine of its own and checks and
 loads the request as one process would (its own plan, the split taken out and the controls the
@@ -22,7 +23,7 @@ from engine.service.ranks import JOIN_TIMEOUT_S, RankJob
 
 
 def main(argv: list[str] | None = None) -> None:
-    rank, job_fd, answer_fd, parent = (int(value) for value in (argv or sys.argv[1:]))
+    job_fd, answer_fd, rank, parent = (int(value) for value in (argv or sys.argv[1:]))
     rank_main(rank, job_fd, answer_fd, parent)
 
 

@@ -1,9 +1,10 @@
 """One request on several ranks: the engine starts them, hands each the request, returns rank 0's result.
 
 A ticket whose plan splits it (:mod:`engine.policy.parallel`) runs here instead of on the
-loaded model. The engine starts ``ranks`` fresh processes (not forks: the engine may hold a
-CUDA context and server threads, which a fork must not copy), each of which dies with the
-engine. Each rank joins the process group on the loopback interface through the trainer's
+loaded model. The engine starts ``ranks`` processes, each of which dies with the engine: on
+Linux forked from the engine's fork server (:mod:`engine.training.forkserver`, where torch and
+diffusers are imported already, as its trainers are), elsewhere fresh interpreters; never forks
+of the engine itself, which may hold a CUDA context and server threads a fork must not copy. Each rank joins the process group on the loopback interface through the trainer's
 bounded rendezvous (:func:`engine.training.rendezvous.rendezvous`: gloo on a CPU, NCCL on
 GPUs, one GPU a rank), builds an engine of its own, checks and loads the same request the
 way one process would (its own plan, the split taken out), splits its denoisers
@@ -28,12 +29,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait as wait_ready
-from typing import Any
+from typing import Any, Protocol
 
 from engine.errors import Cancelled, EngineError
 from engine.network import free_loopback_port
 
-__all__ = ["RankJob", "RankLost", "rank_job", "run_on_ranks", "split_status", "splits"]
+__all__ = ["RankJob", "RankLost", "rank_job", "rank_pids", "run_on_ranks", "split_status", "splits"]
 
 #: Seconds every rank waits for the others to join before the job fails.
 JOIN_TIMEOUT_S = 120.0
@@ -66,21 +67,46 @@ def run_on_ranks(job: RankJob, progress: Callable[[int, int], None] | None = Non
                  cancel: threading.Event | None = None) -> Any:
     """Run ``job`` on its ranks; rank 0's result (images, or a :class:`~engine.service.videos.Video`).
 
-    Each rank is a fresh ``python -m engine.service.rank_worker`` (not multiprocessing's spawn,
-    which re-runs the caller's main script: an app's script without a ``__main__`` guard would
-    start itself again), handed the job and answering over a pipe of its own.
+    Each rank runs :mod:`engine.service.rank_worker`, forked from the fork server or a fresh
+    interpreter (never multiprocessing's spawn, which re-runs the caller's main script: an app's
+    script without a ``__main__`` guard would start itself again), handed the job and answering
+    over a pipe of its own.
 
     :raises RankLost: a rank died; :class:`Cancelled`: ``cancel`` was set; a rank's own
         refusal is raised with its code."""
     port = free_loopback_port()
-    ranks = [_start(rank, job, port) for rank in range(job.choice.ranks)]
+    ranks: list[_Rank] = []
     try:
+        for rank in range(job.choice.ranks):
+            ranks.append(_start(rank, job, port))
+            _RUNNING[rank] = ranks[-1].process.pid
         result = _follow(ranks, progress, cancel or threading.Event())
     except BaseException:
         _stop(ranks, grace=0.0)  # the others wait in a collective for the one that is gone
         raise
+    finally:
+        _RUNNING.clear()
     _stop(ranks, grace=FINISH_S)
     return result
+
+
+#: The running split request's ranks: rank -> PID (one split request runs at a time).
+_RUNNING: dict[int, int] = {}
+
+
+def rank_pids() -> dict[int, int]:
+    """The PIDs of the running split request's ranks, by rank (empty while none runs)."""
+    return dict(_RUNNING)
+
+
+class _Process(Protocol):
+    """A rank's process: a :class:`subprocess.Popen`, or one the fork server forked."""
+
+    pid: int
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int | None: ...
 
 
 @dataclass
@@ -88,25 +114,37 @@ class _Rank:
     """One started rank: its process and the end of the pipe it answers on."""
 
     rank: int
-    process: subprocess.Popen[bytes]
+    process: _Process
     reader: Connection
 
 
 def _start(rank: int, job: RankJob, port: int) -> _Rank:
     job_read, job_write = os.pipe()
     answer_read, answer_write = os.pipe()
-    command = [sys.executable, "-m", "engine.service.rank_worker", str(rank), str(job_read), str(answer_write),
-               str(os.getpid())]
     env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(job.choice.ranks),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     try:
-        process = subprocess.Popen(command, pass_fds=(job_read, answer_write), env=env, stdin=subprocess.DEVNULL)
+        process = _launch(rank, (job_read, answer_write), env)
     finally:
         os.close(job_read)
         os.close(answer_write)
     with Connection(job_write, readable=False) as sender:
         sender.send(job)
     return _Rank(rank, process, Connection(answer_read, writable=False))
+
+
+def _launch(rank: int, fds: tuple[int, int], env: dict[str, str]) -> _Process:
+    """``engine.service.rank_worker JOB_FD ANSWER_FD RANK PARENT_PID``: forked from the fork
+    server where there is one (no import of torch and diffusers per rank), else a fresh interpreter."""
+    from engine.training import forkserver
+
+    if forkserver.available():
+        try:
+            return forkserver.server().fork("rank", fds, (str(rank),), env, os.getcwd(), [p for p in sys.path if p])
+        except OSError:
+            pass  # no server to be had: a fresh interpreter, as everywhere else
+    command = [sys.executable, "-m", "engine.service.rank_worker", *map(str, fds), str(rank), str(os.getpid())]
+    return subprocess.Popen(command, pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
 
 
 def _follow(ranks: list[_Rank], progress: Callable[[int, int], None] | None, cancel: threading.Event) -> Any:
@@ -141,9 +179,10 @@ def _follow(ranks: list[_Rank], progress: Callable[[int, int], None] | None, can
                                   code=code)
 
 
-def _exit(process: subprocess.Popen[bytes]) -> int | None:
+def _exit(process: _Process, timeout: float = 5.0) -> int | None:
+    """``process``'s exit code, or None where it has not ended in ``timeout`` seconds."""
     try:
-        return process.wait(timeout=5.0)
+        return process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         return None
 
@@ -163,9 +202,7 @@ def _stop(ranks: list[_Rank], *, grace: float) -> None:
     """Give the ranks ``grace`` seconds to leave, then kill what is left."""
     deadline = time.monotonic() + grace
     for rank in ranks:
-        try:
-            rank.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if _exit(rank.process, max(0.0, deadline - time.monotonic())) is None:
             rank.process.kill()
             rank.process.wait()
         rank.reader.close()

@@ -1,10 +1,12 @@
-"""A warm process that trainer children are forked from: torch and diffusers imported once.
+"""A warm process that trainers and a split request's ranks are forked from: torch and diffusers imported once.
 
 A trainer child started as ``python -m engine.training.child`` spends 4-7 s importing
-torch, diffusers, transformers and peft before its first step, every run. On Linux
-the engine keeps one fork server per engine process instead (``python -m
-engine.training.forkserver``): it imports those once, then forks a trainer per run,
-which starts with them already imported. It is the pattern of torch's own DataLoader
+torch, diffusers, transformers and peft before its first step, every run, and each rank
+of a split request (:mod:`engine.service.ranks`) as much before it loads its copy of the
+model. On Linux the engine keeps one fork server per engine process instead (``python -m
+engine.training.forkserver``): it imports those once, then forks a trainer per run and a
+rank per rank of each split request (:data:`ENTRIES`), which start with them already
+imported. It is the pattern of torch's own DataLoader
 workers (forked from a process that imported torch) and of multiprocessing's
 ``forkserver``, which is not used here for the reason :mod:`engine.training.child`
 gives (its children re-run the host's ``__main__``).
@@ -59,8 +61,12 @@ ENV_SWITCH = "DIFFUSION_ENGINE_TRAINER_FORKSERVER"
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "ONEDNN_", "DNNL_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_",
                    "TORCH", "PYTORCH_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "TRITON_",
                    "PYTHON", "LD_", "XDG_")
-#: Imported once in every server: the trainer's modules, with torch, diffusers and transformers.
-WARM_MODULES = ("engine.training.trainer", "engine.training.child")
+#: What a forked process may become: its name in a fork request -> the module whose
+#: ``main(argv)`` it runs, argv being the descriptors it was handed, the request's arguments
+#: and the server's PID (its parent, which it dies with).
+ENTRIES = {"trainer": "engine.training.child", "rank": "engine.service.rank_worker"}
+#: Imported once in every server: the trainer's and the ranks' modules, with torch, diffusers and transformers.
+WARM_MODULES = ("engine.training.trainer", *ENTRIES.values())
 #: Imported too where torch has no GPU backend (a CPU build): peft, which imports
 #: bitsandbytes and torchao, and diffusers' pipeline loader. Where torch has CUDA (or
 #: ROCm), bitsandbytes' import asks the driver for its devices, after which a forked
@@ -157,8 +163,12 @@ class ForkServer:
         self._process, self._conn = process, conn
         return self
 
-    def fork(self, child_fd: int, env: dict[str, str], cwd: str, path: list[str]) -> Forked:
-        """A trainer running ``engine.training.child`` on ``child_fd``, in ``env`` and ``cwd``."""
+    def fork(self, entry: str, fds: tuple[int, ...], args: tuple[str, ...], env: dict[str, str], cwd: str,
+             path: list[str]) -> Forked:
+        """A process running :data:`ENTRIES` ``[entry]`` with ``fds`` (descriptors of this
+        process, handed over) and ``args``, in ``env`` and ``cwd``."""
+        if entry not in ENTRIES:
+            raise ValueError(f"the fork server runs {sorted(ENTRIES)}, not {entry!r}")
         with self._lock:
             if self._conn is None or self._gone.is_set():
                 raise OSError("the trainer fork server is not running")
@@ -166,10 +176,10 @@ class ForkServer:
             assert server_pid is not None
             with self._reply:
                 self._replies.clear()
-            self._conn.send(("fork", env, cwd, path))
+            self._conn.send(("fork", entry, len(fds), tuple(args), env, cwd, path))
             outputs, opened = _output_fds()
             try:
-                for fd in (child_fd, *outputs):  # the socket, then where this process writes now
+                for fd in (*fds, *outputs):  # its descriptors, then where this process writes now
                     send_handle(self._conn, fd, server_pid)
             finally:
                 for fd in opened:
@@ -179,7 +189,7 @@ class ForkServer:
                                             timeout=FORK_TIMEOUT_S):
                     raise OSError(f"the trainer fork server did not answer in {FORK_TIMEOUT_S:.0f} s")
                 if not self._replies:
-                    raise OSError("the trainer fork server ended before it forked the trainer")
+                    raise OSError(f"the trainer fork server ended before it forked the {entry}")
                 kind, value = self._replies.pop(0)
             if kind != "forked":
                 raise OSError(f"the trainer fork server could not fork: {value}")
@@ -286,11 +296,11 @@ def main(argv: list[str]) -> int:
         if conn not in ready:
             continue
         try:
-            request = conn.recv()
-            handle, stdout, stderr = (recv_handle(conn) for _ in range(3))
+            _, entry, count, args, env, cwd, path = conn.recv()
+            handles = tuple(recv_handle(conn) for _ in range(count))
+            stdout, stderr = recv_handle(conn), recv_handle(conn)
         except (EOFError, OSError):
             return 0  # the engine is gone; its trainers end with this process
-        _, env, cwd, path = request
         settled_read, settled_write = os.pipe()
         try:
             pid = os.fork()
@@ -298,9 +308,9 @@ def main(argv: list[str]) -> int:
             conn.send(("failed", f"{type(exc).__name__}: {exc}"))
             pid = -1
         if pid == 0:
-            _become_trainer(handle, env, cwd, path, outputs=(stdout, stderr), settled=settled_write,
-                            close=(conn.fileno(), wake_read, wake_write, settled_read))
-        for fd in (handle, stdout, stderr, settled_write):
+            _become(ENTRIES[entry], [*map(str, handles), *args], env, cwd, path, outputs=(stdout, stderr),
+                    settled=settled_write, close=(conn.fileno(), wake_read, wake_write, settled_read))
+        for fd in (*handles, stdout, stderr, settled_write):
             os.close(fd)
         if pid > 0:
             with contextlib.suppress(OSError):
@@ -342,10 +352,11 @@ def _reap(conn: Connection) -> None:
             conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
 
 
-def _become_trainer(handle: int, env: dict[str, str], cwd: str, path: list[str], *, outputs: tuple[int, int],
-                    settled: int, close: tuple[int, ...]) -> None:
+def _become(module: str, argv: list[str], env: dict[str, str], cwd: str, path: list[str], *,
+            outputs: tuple[int, int], settled: int, close: tuple[int, ...]) -> None:
     """In the forked process: a session of its own (then ``settled`` is closed, which the
-    server waits for), the engine's present, the trainer; never returns."""
+    server waits for), the engine's present, ``module``'s ``main(argv + [server PID])``;
+    never returns."""
     code = 1
     try:
         os.setsid()  # before the engine hears of it, as Popen's start_new_session
@@ -361,9 +372,7 @@ def _become_trainer(handle: int, env: dict[str, str], cwd: str, path: list[str],
         os.environ.update(env)
         os.chdir(cwd)
         sys.path[:] = path
-        from engine.training import child
-
-        code = child.main([str(handle), str(os.getppid())])
+        code = importlib.import_module(module).main([*argv, str(os.getppid())]) or 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - whatever it was, the trainer ends here with its traceback

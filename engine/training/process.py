@@ -116,7 +116,7 @@ def start_child(plan: TrainingPlan, folder: Path, run_id: str) -> Child:
 def _forked_child(server: Any, run_id: str) -> Child:
     parent_end, child_end = socket.socketpair()
     try:
-        forked = server.fork(child_end.fileno(), child_env(), os.getcwd(), [p for p in sys.path if p])
+        forked = server.fork("trainer", (child_end.fileno(),), (), child_env(), os.getcwd(), [p for p in sys.path if p])
         child = Child(forked, Connection(os.dup(parent_end.fileno())))
     finally:
         child_end.close()

@@ -25,6 +25,7 @@ from engine import Engine
 from engine.errors import Cancelled, EngineError
 from engine.requests.bodies import GenerateBody
 from engine.requests.inference import InferenceRequest
+from engine.service.ranks import rank_pids
 
 pytestmark = pytest.mark.slow
 
@@ -35,17 +36,16 @@ ONE = InferenceRequest(threads=1, step_cache="off", dtype="fp32")
 SEQUENCE_LEVELS = 1
 
 
-def _ranks() -> dict[int, psutil.Process]:
-    """This process's rank workers, by rank."""
-    found = {}
-    for child in psutil.Process().children():
+def _descendants() -> set[int]:
+    """The PIDs of this process's living descendants (the fork server, its ranks and trainers...)."""
+    alive = set()
+    for process in psutil.Process().children(recursive=True):
         try:
-            command = child.cmdline()
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.add(process.pid)
         except psutil.NoSuchProcess:
             continue
-        if "engine.service.rank_worker" in command:
-            found[int(command[command.index("engine.service.rank_worker") + 1])] = child
-    return found
+    return alive
 
 
 def _split(kind: str) -> InferenceRequest:
@@ -97,18 +97,20 @@ def test_a_wan_clip_split_by_its_sequence_equals_one_process(engine: Engine, wan
 def test_a_rank_lost_mid_clip_fails_the_job_and_the_next_job_runs_cfg_split(
         engine: Engine, wan: Path, wan_one: np.ndarray) -> None:
     killed: list[int] = []
+    seen: set[int] = set()
 
     def kill_rank_one(step: int, total: int) -> None:
+        seen.update(rank_pids().values())
         if not killed:
-            rank = _ranks()[1]
-            os.kill(rank.pid, signal.SIGKILL)
-            killed.append(rank.pid)
+            pid = rank_pids()[1]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
 
     with pytest.raises(EngineError) as caught:
         _clip(engine, wan, _split("cfg"), progress=kill_rank_one)
     assert caught.value.code == "rank_lost"
     assert f"rank 1 of 2 (pid {killed[0]}) was killed by signal 9 (SIGKILL)" in caught.value.message
-    assert not _ranks()
+    assert len(seen) == 2 and not seen & _descendants() and not rank_pids()  # the other rank was stopped too
     # the engine lives on: the next job starts fresh ranks, condition and uncondition one each
     assert np.array_equal(_clip(engine, wan, _split("cfg")), wan_one)
 
@@ -117,7 +119,7 @@ def test_a_split_the_family_cannot_take_is_refused_before_any_rank_starts_or_any
         engine: Engine, wan: Path, tiny_pipeline: Callable[..., Path]) -> None:
     """The 0-eviction row of ``gpus``: the loaded model stays, no rank starts."""
     engine.images.load(str(wan), request=ONE)
-    before = engine.images.status()
+    before, processes = engine.images.status(), _descendants()
     sdxl = str(tiny_pipeline("sdxl"))
     for attempt in (lambda: engine.images.check_generate(GenerateBody(prompt="x", model=sdxl),
                                                          request=InferenceRequest(gpus=2)),
@@ -130,7 +132,7 @@ def test_a_split_the_family_cannot_take_is_refused_before_any_rank_starts_or_any
     after = engine.images.status()
     assert after is not None and before is not None and after["model"]["location"] == str(wan)
     assert after["model"] == before["model"]
-    assert not _ranks()
+    assert _descendants() == processes  # no rank started
 
 
 def test_python_callers_split_a_long_clip_with_keywords_each_window_on_its_ranks_and_a_cancel_stops_them(
@@ -140,9 +142,11 @@ def test_python_callers_split_a_long_clip_with_keywords_each_window_on_its_ranks
     in the second window stops its ranks (none left) and the clip."""
     cancel = threading.Event()
     steps: list[tuple[int, int]] = []
+    seen: set[int] = set()
 
     def stop_in_the_second_window(step: int, total: int) -> None:
         steps.append((step, total))
+        seen.update(rank_pids().values())
         if step > total // 2:
             cancel.set()
 
@@ -151,7 +155,7 @@ def test_python_callers_split_a_long_clip_with_keywords_each_window_on_its_ranks
                                window_frames=5, gpus=2, parallel="cfg", cancel=cancel,
                                progress=stop_in_the_second_window)
     assert steps[:3] == [(1, 6), (2, 6), (3, 6)] and steps[3] == (4, 6)  # the first window whole, on its ranks
-    assert not _ranks()
+    assert len(seen) == 4 and not seen & _descendants()  # two ranks a window; the second's were stopped
     with pytest.raises(EngineError) as caught:
         engine.videos.generate("a fox", model=str(wan), gpus="two")
     assert caught.value.code == "invalid_request" and "gpus" in caught.value.message

@@ -112,7 +112,7 @@ def test_a_forked_trainer_writes_where_the_engine_writes_now() -> None:
     os.dup2(write_end, 2)  # the engine's stderr moves after the server started
     try:
         parent_end, child_end = socket.socketpair()
-        forked = server.fork(child_end.fileno(), dict(os.environ), os.getcwd(), [p for p in sys.path if p])
+        forked = server.fork("trainer", (child_end.fileno(),), (), dict(os.environ), os.getcwd(), [p for p in sys.path if p])
         child_end.close()
         conn = Connection(parent_end.detach())
         conn.send(12345)  # not the list of paths it expects: it fails before any plan, with a traceback
