@@ -16,8 +16,6 @@ from engine.contract.plugins import Registry
 from engine.errors import EngineError
 from engine.policy.info import images_info, training_info
 from engine.policy.video_fit import clip_fit
-from engine.preflight.folder import DEFAULTS_FILE
-from engine.preflight.model import resolve_model
 from engine.requests.choices import TINY_DEFAULTS
 from engine.service.machine import Machine
 
@@ -118,6 +116,7 @@ class Catalog:
         (if not: the download a start would need, from the family's table).
         Reads headers and the hub cache only; downloads nothing."""
         from engine.preflight.hub import weights_report
+        from engine.preflight.model import resolve_model  # a model's files are read where one is named
 
         source = resolve_model(self._registry, reference, family=family, base=base)
         return {
@@ -137,6 +136,8 @@ class Catalog:
             built = Path(self._registry.build_tiny_pipeline(spec, _new_folder(Path(folder))))
             # Its own size, steps and clip: a request that names none (OpenAI's size="auto", a
             # videos.create with a prompt alone) stays tiny.
+            from engine.preflight.folder import DEFAULTS_FILE
+
             defaults = {**TINY_DEFAULTS, **_tiny_clip(spec)}
             (built / DEFAULTS_FILE).write_text(json.dumps({"defaults": defaults}) + "\n", encoding="utf-8")
             return built

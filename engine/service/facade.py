@@ -30,28 +30,31 @@ release that removes it (``docs/migration.md`` lists them).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from engine.contract.plugins import Registry, load_registry
 from engine.deprecation import moved
 from engine.errors import Busy, Cancelled, EngineError
 from engine.hardware.profile import HardwareProfile
 from engine.places import default_datasets_dir, default_runs_dir
-from engine.policy.available import AvailableMemory
 from engine.requests.machine import MachineRequest
-from engine.service.catalog import Catalog
-from engine.service.datasets import Datasets
-from engine.service.gallery import Gallery
-from engine.service.images import Images
-from engine.service.loaded import LoadedModel
 from engine.service.machine import Machine
-from engine.service.quantize import Quantizer
 from engine.service.residency import Residency, Resident
 from engine.service.slot import PIPELINE, TRAINER, JobSlot
-from engine.service.training import Training
-from engine.service.videos import Videos
+
+if TYPE_CHECKING:
+    from engine.policy.available import AvailableMemory, Releasable
+    from engine.service.catalog import Catalog
+    from engine.service.datasets import Datasets
+    from engine.service.gallery import Gallery
+    from engine.service.images import Images
+    from engine.service.loaded import LoadedModel
+    from engine.service.quantize import Quantizer
+    from engine.service.training import Training
+    from engine.service.videos import Videos
 
 __all__ = ["Busy", "Cancelled", "Engine", "PIPELINE", "TRAINER"]
 
@@ -61,20 +64,93 @@ def _Moved(part: str, name: str, adapt: Callable[[Any], Any] | None = None) -> m
     return moved(None, f"Engine.{part}.{name}()", f"{part}.{name}", adapt)
 
 
+P = TypeVar("P")
+
+
+class _Part(Generic[P]):
+    """A part of the engine built on its first use, its module imported then: a command that
+    asks the catalog (``info``) or plans (``plan``) imports no loader, trainer or gallery.
+    Built once per engine under the engine's lock (two threads asking first get one part)."""
+
+    def __init__(self, build: Callable[[Engine], P]) -> None:
+        self.build = build
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Engine | None, owner: type) -> P:
+        if engine is None:
+            return self  # type: ignore[return-value]
+        parts = engine.__dict__
+        if self.name not in parts:
+            with engine._parts_lock:
+                if self.name not in parts:
+                    parts[self.name] = self.build(engine)
+        return parts[self.name]  # type: ignore[no-any-return]
+
+
+def _loaded(engine: Engine) -> LoadedModel:
+    from engine.service.loaded import LoadedModel
+
+    consent = lambda: engine.allow_download  # noqa: E731 - read at each check: an app may change it
+    return LoadedModel(engine.registry, engine.machine, engine.slot, allow_download=consent)
+
+
+def _images(engine: Engine) -> Images:
+    from engine.service.images import Images
+
+    return Images(engine.loaded, engine.machine)
+
+
+def _videos(engine: Engine) -> Videos:
+    from engine.service.videos import Videos
+
+    return Videos(engine.loaded, engine.images)
+
+
+def _training(engine: Engine) -> Training:
+    from engine.service.training import Training
+
+    return Training(engine.registry, engine.machine, engine.slot, engine.runs_dir,
+                    allow_download=lambda: engine.allow_download, drop_pipeline=engine._drop_pipeline)
+
+
+def _datasets(engine: Engine) -> Datasets:
+    from engine.service.datasets import Datasets
+
+    return Datasets(engine.dataset_roots, engine.runs_dir, lambda: engine.training.current)
+
+
+def _catalog(engine: Engine) -> Catalog:
+    from engine.service.catalog import Catalog
+
+    return Catalog(engine.registry, engine.machine)
+
+
+def _quantizer(engine: Engine) -> Quantizer:
+    from engine.service.quantize import Quantizer
+
+    return Quantizer(engine.registry, engine.machine, engine.slot)
+
+
 class Engine:
     """One engine per process. Thread-safe: jobs are reserved in one slot under a lock.
 
     Its parts: :attr:`images` (plan, load, generate images), :attr:`videos` (clips),
     :attr:`loaded` (the one loaded model both share), :attr:`training` (plan, start,
     follow and list runs), :attr:`datasets` (the dataset folders a run trains on),
-    :attr:`catalog` (installed families and plugins, model references, tiny builders)."""
+    :attr:`catalog` (installed families and plugins, model references, tiny builders).
+    Each part is built on its first use."""
 
-    loaded: LoadedModel
-    images: Images
-    videos: Videos
-    training: Training
-    datasets: Datasets
-    catalog: Catalog
+    #: The one loaded model (its session, phase, generate queue, keep-alive) both doors share.
+    loaded = _Part(_loaded)
+    images = _Part(_images)
+    #: Clips from a loaded video model: the same loaded-model slot as ``images``.
+    videos = _Part(_videos)
+    training = _Part(_training)
+    datasets = _Part(_datasets)
+    catalog = _Part(_catalog)
+    _quantizer = _Part(_quantizer)
 
     def __init__(
         self,
@@ -104,24 +180,26 @@ class Engine:
         self.slot = JobSlot(residency)
         #: Engines of one process share the GPU: their arbiters hand it over (engine.service.residency).
         self.residency = self.slot.residency
-        self.machine = Machine(hardware, self.residency, held=lambda: self.loaded.held())
-        consent = lambda: self.allow_download  # noqa: E731 - read at each check: an app may change it
-        #: The one loaded model (its session, phase, generate queue, keep-alive) both doors share.
-        self.loaded = LoadedModel(self.registry, self.machine, self.slot, allow_download=consent)
-        self.images = Images(self.loaded, self.machine)
-        #: Clips from a loaded video model: the same loaded-model slot as ``images``.
-        self.videos = Videos(self.loaded, self.images)
-        self.training = Training(self.registry, self.machine, self.slot, self.runs_dir,
-                                 allow_download=consent, drop_pipeline=self.loaded.drop)
-        self.datasets = Datasets(self.dataset_roots, self.runs_dir, lambda: self.training.current)
-        self.catalog = Catalog(self.registry, self.machine)
-        self._quantizer = Quantizer(self.registry, self.machine, self.slot)
+        self._parts_lock = threading.RLock()  # a part's build may ask for another part
+        self.machine = Machine(hardware, self.residency, held=self._held)
+
+    def _held(self) -> Releasable | None:
+        """What evicting the loaded model would release (nothing before the loaded part exists)."""
+        loaded = self.__dict__.get("loaded")
+        return loaded.held() if loaded is not None else None
+
+    def _drop_pipeline(self) -> None:
+        loaded = self.__dict__.get("loaded")
+        if loaded is not None:
+            loaded.drop()
 
     # -- its life ---------------------------------------------------------------------
 
     def close(self) -> None:
         """Unload the loaded model (a running generate stopped before its next block first)."""
-        self.loaded.unload(cancel=True)
+        loaded = self.__dict__.get("loaded")
+        if loaded is not None:
+            loaded.unload(cancel=True)
 
     def __enter__(self) -> Engine:
         return self
@@ -150,6 +228,8 @@ class Engine:
                      max_age_s: float | None = None) -> Gallery:
         """The gallery kept in ``folder`` (its entries read back), bounded by ``max_bytes`` and
         ``max_age_s``: the oldest unpinned outputs go first (:mod:`engine.service.gallery`)."""
+        from engine.service.gallery import Gallery
+
         return Gallery(folder, max_bytes=max_bytes, max_age_s=max_age_s)
 
     def hardware(self, *, verify: bool | None = None) -> HardwareProfile:

@@ -18,22 +18,19 @@ from typing import TYPE_CHECKING, Any
 from engine.deprecation import moved
 from engine.errors import EngineError, UnknownName
 from engine.policy.inference import ModelFacts, Plan, plan_inference
-from engine.policy.info import images_info
-from engine.preflight.model import resolve_model
-from engine.requests.bodies import GenerateBody
 from engine.requests.inference import InferenceRequest
-from engine.requests.loras import LoraLike
-from engine.runtime.protocol import Session
-from engine.service.generating import GenerateChecks, load_options
-from engine.service.loaded import LoadedModel
 from engine.service.machine import Machine
-from engine.service.ranks import split_status, splits
-from engine.service.tickets import GenerateTicket, LoadTicket
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the generate's modules (request bodies, tickets, ranks) load with its first check
     from PIL import Image
 
+    from engine.requests.bodies import GenerateBody
+    from engine.requests.loras import LoraLike
+    from engine.runtime.protocol import Session
+    from engine.service.generating import GenerateChecks
     from engine.service.keep_alive import KeepAlive
+    from engine.service.loaded import LoadedModel
+    from engine.service.tickets import GenerateTicket, LoadTicket
 
 class Images:
     """The image door of one engine: questions, load and generate, over the shared loaded model."""
@@ -42,7 +39,16 @@ class Images:
         self._loaded = loaded
         self._registry = loaded.registry
         self._machine = machine
-        self._checks = GenerateChecks(loaded)
+        self._generate_checks: GenerateChecks | None = None
+
+    @property
+    def _checks(self) -> GenerateChecks:
+        """The generate's checks, built on the first generate or its check (a plan needs none)."""
+        if self._generate_checks is None:
+            from engine.service.generating import GenerateChecks
+
+            self._generate_checks = GenerateChecks(self._loaded)
+        return self._generate_checks
 
     # -- questions --------------------------------------------------------------
 
@@ -57,6 +63,8 @@ class Images:
         here from its table too; :meth:`check_load` refuses both (``base_required``,
         ``download_not_allowed``), as the load would."""
         if model is not None:
+            from engine.preflight.model import resolve_model
+
             facts = resolve_model(self._registry, model, family=family, base=base).facts(self._registry)
         elif family is not None:
             spec = self._registry.family(family)
@@ -89,6 +97,8 @@ class Images:
         """Each family's component sizes and resident GB per scheme, from the
         tables alone: torch-free (the machine from the light probe, never the
         torch-verified one), so a panel can show the trade-off before loading."""
+        from engine.policy.info import images_info
+
         return {
             "hardware": self._machine.hardware(verify=False).to_dict(),
             "families": {f.name: images_info(self._registry, f).to_dict() for f in self._registry.families.values()},
@@ -124,6 +134,9 @@ class Images:
         :class:`~engine.requests.loras.LoraChoice`) are applied at load; each
         is checked against the model's module tree first. ``switching`` says
         LoRAs will be changed later (they then stay unfused)."""
+        from engine.service.ranks import split_status, splits
+        from engine.service.tickets import GenerateTicket, LoadTicket
+
         if isinstance(model, GenerateTicket):
             if splits(model):  # its ranks load it at the generate, each its own copy: nothing loads here
                 return split_status(self._checks.recheck(model))
@@ -158,6 +171,8 @@ class Images:
         ``uploads``: input images given inline (bytes or pictures), by field. ``base``, ``family``,
         ``request`` (the controls) and ``controlnet``: how to load the model ``body`` names, as
         :meth:`load` takes them; given, its LoRAs load with it."""
+        from engine.service.generating import load_options
+
         return self._checks.check(body, "images", uploads=uploads, load=load_options(base, family, request, controlnet))
 
     def generate(self, prompt: str | GenerateBody | GenerateTicket, *,
@@ -170,6 +185,8 @@ class Images:
         It holds the ``generating`` reservation throughout; concurrent generates queue on a lock.
         ``cancel``, set from any thread, stops the call with :class:`Cancelled` before it starts or
         before the next block of the running step; :meth:`cancel` sets it."""
+        from engine.service.ranks import splits
+
         ticket = self._checks.ticket(prompt, "images", loras, options)
         if splits(ticket):  # several ranks: fresh ones load and render it (engine.service.ranks)
             return list(self._loaded.run_split(ticket, progress, cancel))

@@ -4,8 +4,7 @@
 the engine's estimate from what this module measures: the denoiser built at real widths
 and a reduced depth from the family's ``MemoryProbe`` (:class:`Denoiser`), one LoRA
 training step as the trainer runs it, under fake tensors, with every storage's bytes
-counted (:class:`LiveBytes`, :func:`measure_step`). The method and its validation are
-described there.
+counted (:class:`LiveBytes`, :func:`measure_step`). The method and its validation are there.
 """
 
 from __future__ import annotations
@@ -246,15 +245,6 @@ class _TrainStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def prime_optimizer(self) -> None:
-        """Create AdamW's moments as a first step would (zero gradients, one optimizer step),
-        without that step's forward and backward: under fake tensors those cost as much as
-        the measured step itself, and leave nothing the measured step reads."""
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
     def inference_peak(self) -> int:
         """Live bytes of one forward without gradients, the adapter in."""
         self.model.eval()
@@ -331,7 +321,10 @@ def measure_step(
             shape=latent_shape(d, resolution, frames), dtype=dtype,
             flow=d.spec.training.objective.prediction == "flow_matching",  # type: ignore[union-attr]
         )
-        step.prime_optimizer()  # AdamW's moments now exist, as in every later step
+        for p in params:  # AdamW's moments made as a first step makes them, without its forward and backward
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         frozen = [t for t in [*model.parameters(), *model.buffers()] if not t.requires_grad]
         m.weights = _storage_bytes(frozen)
         m.lora_params = _storage_bytes(params)
