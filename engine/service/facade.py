@@ -188,10 +188,10 @@ class Engine:
         loaded = self.__dict__.get("loaded")
         return loaded.held() if loaded is not None else None
 
-    def _drop_pipeline(self) -> None:
+    def _drop_pipeline(self) -> bool:
+        """Drop the loaded pipeline for a training start; False where none was loaded."""
         loaded = self.__dict__.get("loaded")
-        if loaded is not None:
-            loaded.drop()
+        return loaded.drop() if loaded is not None else False
 
     # -- its life ---------------------------------------------------------------------
 
