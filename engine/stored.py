@@ -12,8 +12,8 @@ folder, a shared outputs folder, a planted file. Every such read goes through he
   root once every symlink is followed (:func:`confined_file`); a root that is itself
   a symlink leading out of its parent is refused at start (:func:`confined_root`).
 * **bounded.** A file over ``max_bytes`` is not read (its size is the file system's,
-  before a byte is read); JSON nested deeper than pydantic-core's parser allows
-  (about 200 levels) is refused as malformed, never a ``RecursionError``.
+  before a byte is read); JSON nested deeper than :data:`MAX_NESTING` levels (the bound
+  pydantic-core's parser keeps) is refused as malformed, never a ``RecursionError``.
 * **typed.** Every field is validated (types, ranges, lengths) by pydantic in strict
   mode against the record's own type; a field that fails makes the record unreadable
   (:class:`UnreadableRecord`, naming the file and the field), which a listing logs
@@ -21,8 +21,9 @@ folder, a shared outputs folder, a planted file. Every such read goes through he
 
 Sizes and times a limit acts on (a gallery's bytes and ages) are read from the file
 system by their users, never from a record. Standard library and pydantic only (the
-base room: everything may import it); pydantic is imported when a record is first read,
-so the light paths that import this module (the hardware probe) stay free of it.
+base room: everything may import it); pydantic is imported when a record is first
+validated, so the light paths that only parse one (the hardware probe's GEMM figures) stay
+free of it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ T = TypeVar("T")
 #: The largest record any engine writer makes is a run record with 500 points of five
 #: metrics (about 100 kB); 4 MiB leaves room and keeps a planted giant unread.
 MAX_RECORD_BYTES = 4 * 2**20
+#: Containers a record may nest (pydantic-core's parser refuses deeper, and its serializer,
+#: which validation goes through, fails on deeper still).
+MAX_NESTING = 200
 #: A plain file name: one component, no separator (``.`` and ``..`` are refused apart).
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.\-]{0,254}")
 
@@ -128,15 +132,38 @@ def read_json(path: Path | str, *, root: Path | str | None = None, max_bytes: in
 
 
 def parse_json(data: bytes | str, path: Path | str = "<record>") -> Any:
-    """``data`` as JSON, nesting bounded by the parser (a :class:`UnreadableRecord` for ``path``)."""
-    from pydantic_core import from_json
+    """``data`` as JSON, its nesting bounded by :data:`MAX_NESTING` (a :class:`UnreadableRecord`
+    for ``path``). The standard library's parser: no pydantic import for a record only read."""
+    import json
 
+    deep = "it nests deeper than any record this engine writes"
     try:
-        return from_json(data)
-    except ValueError as exc:
-        deep = "recursion limit" in str(exc)
-        problem = "it nests deeper than any record this engine writes" if deep else f"it is not JSON ({str(exc)[:120]})"
-        raise UnreadableRecord(Path(path), problem) from None
+        value = json.loads(data)
+    except RecursionError:
+        raise UnreadableRecord(Path(path), deep) from None
+    except ValueError as exc:  # JSONDecodeError, and bytes that are no Unicode text
+        raise UnreadableRecord(Path(path), f"it is not JSON ({str(exc)[:120]})") from None
+    if not _nesting_within(data, value, MAX_NESTING):
+        raise UnreadableRecord(Path(path), deep)
+    return value
+
+
+def _nesting_within(data: bytes | str, value: Any, limit: int) -> bool:
+    """Whether ``value`` (parsed from ``data``) nests at most ``limit`` containers deep; walked
+    only where ``data`` opens more than ``limit`` of them (every small record skips it)."""
+    opened = data.count(b"[" if isinstance(data, bytes) else "[") + data.count(b"{" if isinstance(data, bytes) else "{")
+    if opened <= limit:
+        return True
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((child, depth + 1) for child in children)
+    return True
 
 
 def validated(path: Path | str, schema: type[T], value: Any, *,

@@ -81,6 +81,17 @@ class _Loading:
         self.errors.append(PluginLoadError(plugin=plugin, package=package, error=message))
 
 
+def _identity(dist: importlib.metadata.Distribution | None, known: dict[int, tuple[str, str]]) -> tuple[str, str]:
+    """``dist``'s name and version, read from its metadata once (each read parses the file
+    anew, and one package carries many families: the engine's own sixteen)."""
+    if dist is None:
+        return "?", "?"
+    if id(dist) not in known:
+        metadata = dist.metadata
+        known[id(dist)] = (metadata["Name"] or "?", metadata["Version"] or "?")
+    return known[id(dist)]
+
+
 def load_registry(
     *,
     plugins: Iterable[tuple[str, object]] = (),
@@ -108,8 +119,9 @@ def load_registry(
     )
     blocked = {b.strip() for b in env.get(BLOCK_ENV, "").split(",") if b.strip()}
     if entry_points:
+        identities: dict[int, tuple[str, str]] = {}  # a package's name and version, its metadata parsed once
         for ep in importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
-            package = ep.dist.name if ep.dist else "?"
+            package, version = _identity(ep.dist, identities)
             if ep.name in blocked or package in blocked:
                 continue
             try:
@@ -121,7 +133,6 @@ def load_registry(
             except Exception as exc:  # a broken plugin must not take the host down
                 loading.fail(ep.name, package, exc)
                 continue
-            version = ep.dist.version if ep.dist else "?"
             _register(loading, ep.name, plugin, package, version)
     for name, plugin in plugins:
         module = str(getattr(plugin, "__module__", None) or getattr(plugin, "__name__", name))
