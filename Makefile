@@ -7,11 +7,16 @@ DEMO_STAMP := $(VENV)/.installed-demo
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
-# Installs skip byte-compiling (pip --no-compile: a minute of the set-up on 2 cores) and Python
-# writes the .pyc of what is imported, once, on first import; where the environment turns that
-# off (PYTHONDONTWRITEBYTECODE), every process would parse torch and diffusers anew.
+# Byte-code is written once at install, every file in parallel (compileall -j 0: half a minute
+# on 2 cores; pip's own compile, one package after another, took a minute): a process started
+# where the environment sets PYTHONDONTWRITEBYTECODE (common in container images) would
+# otherwise parse torch and diffusers anew at every start (`import torch` 3.7-4.0 CPU-s against
+# 1.5). One file of torch's tests is written for a newer Python and does not compile; the
+# rest do, so compileall's exit status is not the install's.
 unexport PYTHONDONTWRITEBYTECODE
 PIP := $(BIN)/python -m pip install --quiet --no-compile -c constraints.txt
+BYTECODE = $(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+	engine families examples > /dev/null 2>&1 || true
 # stable-diffusion.cpp's binding (the `cpu` extra) builds ggml from its sdist (15-60 min on 2 cores);
 # a wheel already built from that sdist is taken from ../shared/wheels where that folder exists.
 WHEELS := $(wildcard ../shared/wheels)
@@ -28,6 +33,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt examples/diffusion-engine-sd3/pyproject.toml
 	$(PIP) $(FIND_LINKS) -e '.[test,cpu,ray]'
 	$(PIP) -e ./examples/diffusion-engine-sd3
+	$(BYTECODE)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,7 +43,7 @@ install: $(STAMP)
 # editable development install (a superset), that one is kept.
 $(DEMO_STAMP): $(BIN)/python pyproject.toml constraints.txt
 	@if [ -f $(STAMP) ]; then echo "the development install (make test) is in place"; else \
-		$(PIP) '.[charts]'; fi
+		$(PIP) '.[charts]' && $(BYTECODE); fi
 	touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
