@@ -1,7 +1,7 @@
 """Step caches side by side on the same tiny pipeline: speed and drift against no cache.
 
-Each cache (``off``, ``fbcache``, ``taylorseer``) renders the same prompt, seed and steps
-through the engine's own session; the caches alternate call by call after a warm-up call
+Each cache (``off``, ``fbcache``, ``taylorseer``, and ``magcache`` where the checkpoint names
+its ratios) renders the same prompt, seed and steps through the engine's own session; the caches alternate call by call after a warm-up call
 each, and medians are compared. Drift is the mean absolute difference from the uncached
 image, in 8-bit levels (a clip's every frame), at the same seed. Where cache-dit is installed
 (``pip install cache-dit``: not one of the engine's dependencies), its DBCache joins them:
@@ -37,7 +37,7 @@ from engine.policy.inference import InferenceRequest, plan_inference  # noqa: E4
 from engine.preflight.model import resolve_model  # noqa: E402
 from engine.runtime.session import GenerateRequest, InferenceSession  # noqa: E402
 
-CACHES = ("off", "fbcache", "taylorseer")
+CACHES = ("off", "fbcache", "taylorseer", "magcache")
 #: cache-dit's DBCache, where the package is installed.
 CACHE_DIT = "cache-dit"
 

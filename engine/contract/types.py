@@ -142,6 +142,10 @@ class Checkpoint:
     #: divides among GPUs; None: read from a folder's denoiser config, unknown for a table plan.
     #: (Plugin API 2, additive.)
     attention_heads: int | None = None
+    #: Where its MagCache magnitude ratios live (``"module:NAME"``: a sequence of one ratio per
+    #: step, calibrated on this checkpoint; diffusers interpolates them to the steps asked for).
+    #: None: ``--step-cache magcache`` is not offered for it. (Plugin API 2, additive.)
+    mag_ratios: str | None = None
 
     @property
     def reference(self) -> str:

@@ -83,11 +83,14 @@ def resolve_step_cache(
     denied: Mapping[str, str],
     thresholds: StepCacheThresholds = StepCacheThresholds(),
     unsupported: str | None = None,
+    mag_ratios: str | None = None,
 ) -> tuple[Resolved[str], float]:
-    """(``fbcache`` or ``off``, residual threshold). Re-asked at every generate.
+    """(the step cache, residual threshold). Re-asked at every generate.
 
     :param unsupported: why this pipeline cannot carry the cache (its call
         sets no cache context: the first step would fail), or None.
+    :param mag_ratios: where the checkpoint's calibrated MagCache ratios live
+        (``Checkpoint.mag_ratios``); None: MagCache is not offered.
     """
     if requested not in STEP_CACHES:
         raise ValueError(f"step cache {requested!r} is not one of {', '.join(STEP_CACHES)}")
@@ -97,7 +100,7 @@ def resolve_step_cache(
         return Resolved("off", source, f"step cache unavailable: {denied['step_cache']}", requested), threshold
     if requested == "off":
         return explicit("off", "pinned off"), threshold
-    if unsupported and (requested == "fbcache" or tier != "off"):
+    if unsupported and (requested in ("fbcache", "magcache") or tier != "off"):
         return Resolved("off", source, f"step cache unavailable: {unsupported}", requested), threshold
     if requested == "fbcache":
         return explicit("fbcache", f"pinned on (residual threshold {threshold})"), threshold
@@ -105,6 +108,15 @@ def resolve_step_cache(
         return explicit("taylorseer", f"pinned on: TaylorSeer (after {TAYLORSEER_WARMUP} full steps, a full step "
                                       f"every {TAYLORSEER_INTERVAL}, the ones between predicted from the last full "
                                       "ones by a first-order Taylor series)"), threshold
+    if requested == "magcache":  # asked for only, where the checkpoint's ratios are known
+        if mag_ratios is None:
+            return Resolved("off", source, "step cache unavailable: MagCache skips steps by magnitude ratios "
+                            "calibrated on the checkpoint, and its table names none (fbcache and taylorseer "
+                            "need none)", requested), threshold
+        return explicit("magcache", f"pinned on: MagCache (the checkpoint's calibrated magnitude ratios; the "
+                                    f"first {MAGCACHE_RETENTION:.0%} of steps full, then a step skipped while the "
+                                    f"accumulated error stays under {MAGCACHE_THRESHOLD}, at most "
+                                    f"{MAGCACHE_MAX_SKIPS} in a row)"), threshold
     if tier == "off":
         return auto("off", "speed tier off"), threshold
     if steps >= thresholds.min_steps:
@@ -121,6 +133,9 @@ def resolve_step_cache(
 
 #: TaylorSeer's schedule: full steps before it predicts, and one full step in this many after.
 TAYLORSEER_WARMUP, TAYLORSEER_INTERVAL = 3, 3
+#: MagCache's settings (its paper's and diffusers' defaults): the accumulated error a skip may
+#: reach, the most steps skipped in a row, and the share of the first steps always run.
+MAGCACHE_THRESHOLD, MAGCACHE_MAX_SKIPS, MAGCACHE_RETENTION = 0.06, 3, 0.2
 
 
 def step_cache_unsupported(

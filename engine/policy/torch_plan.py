@@ -293,7 +293,7 @@ class TorchPlanner:
         cache, threshold = checked(
             resolve_step_cache, request.step_cache, self.steps,
             quantised=quantised, tier=tier.value, denied=self.denied, thresholds=self.cache_thresholds,
-            unsupported=self.cache_unsupported,
+            unsupported=self.cache_unsupported, mag_ratios=model.checkpoint.mag_ratios if model.checkpoint else None,
         )
         cache_may_engage = cache.value != "off" or (
             request.step_cache == "auto" and "step_cache" not in self.denied and tier.value != "off"

@@ -158,11 +158,11 @@ class SpeedControls:
             return None
         return None if "cache_context" in call else step_cache_unsupported((), pipeline.__name__)
 
-    def _set_step_cache(self, kind: str) -> str | None:
-        """Engage the step cache ``kind`` (``fbcache``, ``taylorseer``) or release it (``off``);
-        returns why it could not engage (and records it in the plan, with anything half-enabled
-        rolled back)."""
-        if kind == self._cache_kind:
+    def _set_step_cache(self, kind: str, steps: int | None = None) -> str | None:
+        """Engage the step cache ``kind`` (``fbcache``, ``taylorseer``, ``magcache`` for a call of
+        ``steps``) or release it (``off``); returns why it could not engage (and records it in the
+        plan, with anything half-enabled rolled back)."""
+        if kind == self._cache_kind and kind != "magcache":  # MagCache's step count is each call's: made anew
             return None
         if self._cache_on:
             for denoiser in self.denoisers:
@@ -174,7 +174,7 @@ class SpeedControls:
         if failure is None:
             try:  # every expert, or none: a half-cached pair is rolled back
                 for denoiser in self.denoisers:
-                    denoiser.enable_cache(self._cache_config(kind))
+                    denoiser.enable_cache(self._cache_config(kind, steps))
             except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as exc:
                 for denoiser in self.denoisers:
                     if getattr(denoiser, "is_cache_enabled", False):
@@ -187,8 +187,10 @@ class SpeedControls:
         self._cache_on, self._cache_kind = True, kind
         return None
 
-    def _cache_config(self, kind: str) -> Any:
-        """diffusers' config for the step cache ``kind``."""
+    def _cache_config(self, kind: str, steps: int | None = None) -> Any:
+        """diffusers' config for the step cache ``kind`` (MagCache's for a call of ``steps``)."""
+        if kind == "magcache":
+            return self._magcache_config(steps or self.plan.default_steps)
         if kind == "taylorseer":
             from diffusers import TaylorSeerCacheConfig
 
@@ -200,6 +202,22 @@ class SpeedControls:
 
         return FirstBlockCacheConfig(threshold=self.plan.step_cache_threshold)
 
+    def _magcache_config(self, steps: int) -> Any:
+        import importlib
+
+        from diffusers import MagCacheConfig
+
+        from engine.policy.speed import MAGCACHE_MAX_SKIPS, MAGCACHE_RETENTION, MAGCACHE_THRESHOLD
+
+        checkpoint = self.source.checkpoint
+        where = checkpoint.mag_ratios if checkpoint is not None else None
+        if where is None:
+            raise ValueError("the checkpoint's table names no MagCache ratios")
+        module, _, name = where.partition(":")
+        ratios = getattr(importlib.import_module(module), name)
+        return MagCacheConfig(threshold=MAGCACHE_THRESHOLD, max_skip_steps=MAGCACHE_MAX_SKIPS,
+                              retention_ratio=MAGCACHE_RETENTION, num_inference_steps=steps, mag_ratios=ratios)
+
     def _recheck_step_cache(self, steps: int) -> None:
         plan = self.plan
         resolved, _ = resolve_step_cache(
@@ -209,8 +227,9 @@ class SpeedControls:
             tier=str(plan.value("speed_tier")),
             denied=self.registry.optimization_deny(self.source.family),
             unsupported=self._cache_unsupported(),
+            mag_ratios=self.source.checkpoint.mag_ratios if self.source.checkpoint is not None else None,
         )
-        if self._set_step_cache(str(resolved.value)) is None:
+        if self._set_step_cache(str(resolved.value), steps) is None:
             self._record("step_cache", resolved)
 
     def _record(self, control: str, resolved: Resolved) -> None:

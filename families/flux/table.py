@@ -41,6 +41,8 @@ FLUX = FamilySpec(
             default_steps=28,
             default_guidance=3.5,
             attention_heads=24,  # 3072 wide, heads of 128
+            # MagCache's ratios for FLUX.1-dev, as diffusers ships them (28 steps, interpolated).
+            mag_ratios="diffusers.hooks.mag_cache:FLUX_MAG_RATIOS",
             matches=("*flux.1-dev*", "*flux1-dev*", "*flux-dev*"),
         ),
         Checkpoint(

@@ -238,6 +238,24 @@ def test_step_cache_follows_the_checkpoints_schedule_and_pins() -> None:
     assert (pinned.value, pinned.source) == ("fbcache", "explicit")
 
 
+def test_magcache_is_offered_where_the_checkpoint_names_its_calibrated_ratios() -> None:
+    """FLUX.1-dev's table names diffusers' ratios: asked for, MagCache is planned; schnell and Wan
+    name none: the asked cache is overridden to off, the reason says what MagCache needs. The
+    table safeguard: without dev's entry, dev is refused the same way."""
+    import dataclasses
+
+    dev = table_plan("flux", "h100", step_cache="magcache")["step_cache"]
+    assert (dev.value, dev.source) == ("magcache", "explicit") and "calibrated magnitude ratios" in dev.reason
+    for family, checkpoint in (("flux", "flux.1-schnell"), ("wan", None)):
+        refused = table_plan(family, "h100", checkpoint, step_cache="magcache")["step_cache"]
+        assert refused.value == "off" and refused.overridden and "calibrated on the checkpoint" in refused.reason
+    spec = REGISTRY.family("flux")
+    bare = dataclasses.replace(spec.default_checkpoint, mag_ratios=None)
+    facts = ModelFacts(spec, bare, REGISTRY.component_sizes(spec, bare))
+    asked = plan_inference(REGISTRY, facts, preset("h100"), InferenceRequest(step_cache="magcache"), env=NO_ENV)
+    assert asked.value("step_cache") == "off"
+
+
 def test_step_cache_is_off_where_the_family_denies_it() -> None:
     result = table_plan("zimage", "h100", steps=28)
     assert result.value("step_cache") == "off" and "cache hooks" in result["step_cache"].reason

@@ -290,3 +290,29 @@ def test_taylorseer_predicts_the_steps_between_full_ones_close_to_the_uncached_i
     finally:
         session.unload()
         plain.unload()
+
+
+@pytest.mark.slow
+def test_magcache_skips_steps_by_the_checkpoints_ratios_and_follows_each_calls_step_count(
+        tiny_pipeline: Callable[[str], Path]) -> None:
+    """``--step-cache magcache`` on FLUX.1-dev (its table names diffusers' calibrated ratios):
+    engaged as asked; at 20 steps the ratios let it skip steps, so the image moves from the
+    uncached one at the same seed; a call of another step count runs with the ratios made for
+    it (an interpolation diffusers does per count), and the uncached session never moves."""
+    import numpy as np
+
+    session = session_for(tiny_pipeline("flux"), InferenceRequest(step_cache="magcache"))
+    plain = session_for(tiny_pipeline("flux"), InferenceRequest(step_cache="off"))
+    session.load()
+    plain.load()
+    try:
+        assert session.plan["step_cache"].value == "magcache" and "MagCache" in session.plan["step_cache"].reason
+        for steps in (20, 12):
+            cached, uncached = pixels(session, seed=7, steps=steps), pixels(plain, seed=7, steps=steps)
+            assert session.status()["step_cache_engaged"] is True and session.denoiser.is_cache_enabled
+            assert np.abs(cached.astype(np.float32) - uncached.astype(np.float32)).max() > 0, steps
+        again = pixels(session, seed=7, steps=12)
+        assert np.array_equal(again, cached)  # its state starts anew each call
+    finally:
+        session.unload()
+        plain.unload()
