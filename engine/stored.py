@@ -151,7 +151,7 @@ def parse_json(data: bytes | str, path: Path | str = "<record>") -> Any:
 def _nesting_within(data: bytes | str, value: Any, limit: int) -> bool:
     """Whether ``value`` (parsed from ``data``) nests at most ``limit`` containers deep; walked
     only where ``data`` opens more than ``limit`` of them (every small record skips it)."""
-    opened = data.count(b"[" if isinstance(data, bytes) else "[") + data.count(b"{" if isinstance(data, bytes) else "{")
+    opened = data.count(b"[") + data.count(b"{") if isinstance(data, bytes) else data.count("[") + data.count("{")
     if opened <= limit:
         return True
     stack: list[tuple[Any, int]] = [(value, 1)]
