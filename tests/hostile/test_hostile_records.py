@@ -466,3 +466,21 @@ def test_the_gallery_over_http_never_reaches_outside_its_folder(tmp_path: Path) 
         assert httpx.get(f"{url}/v1/gallery/{honest}/file").content == _png()
     assert all((outside / f"victim{s}").read_bytes() == b"not the gallery's"
                for s in (".png", ".json", ".thumb.png", ".mp4")), "a file outside the gallery was changed"
+
+
+@pytest.mark.parametrize("depth", [200, 201, 600, 100_000])
+def test_a_record_nests_at_most_two_hundred_deep_whatever_the_parser_could_take(tmp_path: Path, depth: int) -> None:
+    """The standard library's parser reads about 1,000 levels and pydantic's serializer, which
+    validation goes through, fails past about 500: a record is refused past 200 (its brackets
+    counted first, so a small record is never walked), at every depth a file may hold."""
+    from engine import stored
+
+    path = tmp_path / "deep.json"
+    path.write_text("[" * depth + "]" * depth, encoding="utf-8")
+    if depth <= stored.MAX_NESTING:
+        assert stored.read_json(path) is not None
+        return
+    with pytest.raises(stored.UnreadableRecord, match="nests deeper"):
+        stored.read_json(path)
+    with pytest.raises(stored.UnreadableRecord, match="nests deeper"):  # nested in an object too
+        stored.parse_json('{"a": ' + '{"b": ' * depth + "1" + "}" * depth + "}")
