@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from tests.support import session_for, pixels, SIZE
 
+import contextlib
 import dataclasses
 import gc
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -270,26 +272,31 @@ def test_hub_id_offline_fails_as_a_load_error_not_a_traceback() -> None:
     assert "FLUX.1-schnell" in raised.value.message
 
 
+@contextlib.contextmanager
+def cached_and_plain(folder: Path, cache: str) -> Iterator[tuple[Any, Any]]:
+    """Two loaded sessions of ``folder``: one asking for the step cache ``cache``, one uncached."""
+    session = session_for(folder, InferenceRequest(step_cache=cache))
+    plain = session_for(folder, InferenceRequest(step_cache="off"))
+    session.load()
+    plain.load()
+    try:
+        yield session, plain
+    finally:
+        session.unload()
+        plain.unload()
+
+
 @pytest.mark.slow
 def test_taylorseer_predicts_the_steps_between_full_ones_close_to_the_uncached_image(
         tiny_pipeline: Callable[[str], Path]) -> None:
     """``--step-cache taylorseer``: engaged as asked, the image moved (steps were predicted, not
     run) but within a few levels of the uncached one at the same seed."""
-    import numpy as np
-
-    session = session_for(tiny_pipeline("flux"), InferenceRequest(step_cache="taylorseer"))
-    plain = session_for(tiny_pipeline("flux"), InferenceRequest(step_cache="off"))
-    session.load()
-    plain.load()
-    try:
+    with cached_and_plain(tiny_pipeline("flux"), "taylorseer") as (session, plain):
         assert session.plan["step_cache"].value == "taylorseer" and "TaylorSeer" in session.plan["step_cache"].reason
         cached, uncached = pixels(session, seed=7, steps=12), pixels(plain, seed=7, steps=12)
         assert session.status()["step_cache_engaged"] is True and session.denoiser.is_cache_enabled
         drift = np.abs(cached.astype(np.float32) - uncached.astype(np.float32))
         assert drift.max() > 0 and drift.mean() < 8
-    finally:
-        session.unload()
-        plain.unload()
 
 
 @pytest.mark.slow
@@ -298,21 +305,11 @@ def test_magcache_skips_steps_by_the_checkpoints_ratios_and_follows_each_calls_s
     """``--step-cache magcache`` on FLUX.1-dev (its table names diffusers' calibrated ratios):
     engaged as asked; at 20 steps the ratios let it skip steps, so the image moves from the
     uncached one at the same seed; a call of another step count runs with the ratios made for
-    it (an interpolation diffusers does per count), and the uncached session never moves."""
-    import numpy as np
-
-    session = session_for(tiny_pipeline("flux"), InferenceRequest(step_cache="magcache"))
-    plain = session_for(tiny_pipeline("flux"), InferenceRequest(step_cache="off"))
-    session.load()
-    plain.load()
-    try:
+    it (an interpolation diffusers does per count), and each call starts its state anew."""
+    with cached_and_plain(tiny_pipeline("flux"), "magcache") as (session, plain):
         assert session.plan["step_cache"].value == "magcache" and "MagCache" in session.plan["step_cache"].reason
         for steps in (20, 12):
             cached, uncached = pixels(session, seed=7, steps=steps), pixels(plain, seed=7, steps=steps)
             assert session.status()["step_cache_engaged"] is True and session.denoiser.is_cache_enabled
             assert np.abs(cached.astype(np.float32) - uncached.astype(np.float32)).max() > 0, steps
-        again = pixels(session, seed=7, steps=12)
-        assert np.array_equal(again, cached)  # its state starts anew each call
-    finally:
-        session.unload()
-        plain.unload()
+        assert np.array_equal(pixels(session, seed=7, steps=12), cached)
