@@ -132,38 +132,60 @@ def read_json(path: Path | str, *, root: Path | str | None = None, max_bytes: in
 
 
 def parse_json(data: bytes | str, path: Path | str = "<record>") -> Any:
-    """``data`` as JSON, its nesting bounded by :data:`MAX_NESTING` (a :class:`UnreadableRecord`
-    for ``path``). The standard library's parser: no pydantic import for a record only read."""
+    """``data`` as JSON, its nesting bounded by :data:`MAX_NESTING` and its text valid Unicode (a
+    :class:`UnreadableRecord` for ``path``). The standard library's parser, held to what
+    pydantic-core's refused (deeper nesting, lone surrogates): no pydantic import for a record
+    that is only read."""
     import json
 
-    deep = "it nests deeper than any record this engine writes"
+    if isinstance(data, str):
+        try:
+            data = data.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UnreadableRecord(Path(path), _LONE_SURROGATE) from None
     try:
         value = json.loads(data)
     except RecursionError:
-        raise UnreadableRecord(Path(path), deep) from None
+        raise UnreadableRecord(Path(path), _TOO_DEEP) from None
     except ValueError as exc:  # JSONDecodeError, and bytes that are no Unicode text
         raise UnreadableRecord(Path(path), f"it is not JSON ({str(exc)[:120]})") from None
-    if not _nesting_within(data, value, MAX_NESTING):
-        raise UnreadableRecord(Path(path), deep)
+    problem = _malformed(data, value, MAX_NESTING)
+    if problem:
+        raise UnreadableRecord(Path(path), problem)
     return value
 
 
-def _nesting_within(data: bytes | str, value: Any, limit: int) -> bool:
-    """Whether ``value`` (parsed from ``data``) nests at most ``limit`` containers deep; walked
-    only where ``data`` opens more than ``limit`` of them (every small record skips it)."""
-    opened = data.count(b"[") + data.count(b"{") if isinstance(data, bytes) else data.count("[") + data.count("{")
-    if opened <= limit:
-        return True
+_TOO_DEEP = "it nests deeper than any record this engine writes"
+_LONE_SURROGATE = "it holds a lone surrogate (an unpaired \\ud800-\\udfff escape), not Unicode text"
+#: An escape of half a surrogate pair; a pair becomes one character, a lone half stays one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _malformed(data: bytes, value: Any, limit: int) -> str | None:
+    """What makes ``value`` (parsed from ``data``) no record: nesting past ``limit`` containers,
+    or a lone surrogate; None where neither. Walked only where ``data`` opens more than
+    ``limit`` containers or escapes half a surrogate pair (every small record skips it)."""
+    deep = data.count(b"[") + data.count(b"{") > limit
+    halves = _SURROGATE_ESCAPE.search(data) is not None
+    if not (deep or halves):
+        return None
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if isinstance(item, str):
+            if halves and not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return _LONE_SURROGATE
+            continue
+        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item if isinstance(item, list) else None
         if children is None:
             continue
         if depth > limit:
-            return False
+            return _TOO_DEEP
         stack.extend((child, depth + 1) for child in children)
-    return True
+    return None
 
 
 def validated(path: Path | str, schema: type[T], value: Any, *,

@@ -484,3 +484,24 @@ def test_a_record_nests_at_most_two_hundred_deep_whatever_the_parser_could_take(
         stored.read_json(path)
     with pytest.raises(stored.UnreadableRecord, match="nests deeper"):  # nested in an object too
         stored.parse_json('{"a": ' + '{"b": ' * depth + "1" + "}" * depth + "}")
+
+
+@pytest.mark.parametrize(("text", "readable"), [
+    ('{"prompt": "x\\ud800y"}', False),          # half a pair, in a value
+    ('{"x\\udc00": 1}', False),                  # in a key
+    ('{"prompt": "\\ud83d\\ude00"}', True),      # a whole pair: one character
+    ('{"prompt": "\\\\ud800"}', True),           # an escaped backslash: the text "\ud800"
+])
+def test_a_record_holding_a_lone_surrogate_is_refused_a_pair_is_read(tmp_path: Path, text: str,
+                                                                   readable: bool) -> None:
+    """The standard library's parser makes a lone ``\\ud800`` escape a string no encoder takes
+    (pydantic-core's refused it): such a record is unreadable, not served back to fail later."""
+    from engine import stored
+
+    path = tmp_path / "record.json"
+    path.write_text(text, encoding="utf-8")
+    if readable:
+        assert isinstance(stored.read_json(path), dict)
+    else:
+        with pytest.raises(stored.UnreadableRecord, match="lone surrogate"):
+            stored.read_json(path)
