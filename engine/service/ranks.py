@@ -76,27 +76,31 @@ def run_on_ranks(job: RankJob, progress: Callable[[int, int], None] | None = Non
         refusal is raised with its code."""
     port = free_loopback_port()
     ranks: list[_Rank] = []
+    pids: dict[int, int] = {}
+    _RUNNING.append(pids)
     try:
         for rank in range(job.choice.ranks):
             ranks.append(_start(rank, job, port))
-            _RUNNING[rank] = ranks[-1].process.pid
+            pids[rank] = ranks[-1].process.pid
         result = _follow(ranks, progress, cancel or threading.Event())
     except BaseException:
         _stop(ranks, grace=0.0)  # the others wait in a collective for the one that is gone
         raise
     finally:
-        _RUNNING.clear()
+        _RUNNING.remove(pids)
     _stop(ranks, grace=FINISH_S)
     return result
 
 
-#: The running split request's ranks: rank -> PID (one split request runs at a time).
-_RUNNING: dict[int, int] = {}
+#: Each running split request's ranks (rank -> PID); an engine runs one at a time, a process may
+#: hold several engines.
+_RUNNING: list[dict[int, int]] = []
 
 
 def rank_pids() -> dict[int, int]:
-    """The PIDs of the running split request's ranks, by rank (empty while none runs)."""
-    return dict(_RUNNING)
+    """The PIDs of this process's running split request's ranks, by rank (empty while none runs;
+    where several engines split requests at once, the one started first)."""
+    return dict(_RUNNING[0]) if _RUNNING else {}
 
 
 class _Process(Protocol):
