@@ -15,8 +15,8 @@ export TRANSFORMERS_OFFLINE := 1
 # rest do, so compileall's exit status is not the install's.
 unexport PYTHONDONTWRITEBYTECODE
 PIP := $(BIN)/python -m pip install --quiet --no-compile -c constraints.txt
-BYTECODE = $(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
-	engine families examples > /dev/null 2>&1 || true
+BYTECODE = { $(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+	engine families examples > /dev/null 2>&1 || true; }
 # stable-diffusion.cpp's binding (the `cpu` extra) builds ggml from its sdist (15-60 min on 2 cores);
 # a wheel already built from that sdist is taken from ../shared/wheels where that folder exists.
 WHEELS := $(wildcard ../shared/wheels)
