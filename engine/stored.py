@@ -163,29 +163,48 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 def _malformed(data: bytes, value: Any, limit: int) -> str | None:
     """What makes ``value`` (parsed from ``data``) no record: nesting past ``limit`` containers,
-    or a lone surrogate; None where neither. Walked only where ``data`` opens more than
-    ``limit`` containers or escapes half a surrogate pair (every small record skips it)."""
-    deep = data.count(b"[") + data.count(b"{") > limit
-    halves = _SURROGATE_ESCAPE.search(data) is not None
-    if not (deep or halves):
-        return None
+    or a lone surrogate; None where neither. Each is walked for only where ``data`` could hold
+    it: more than ``limit`` containers opened, half a surrogate pair escaped (every small
+    record skips both)."""
+    if data.count(b"[") + data.count(b"{") > limit and _deeper_than(value, limit):
+        return _TOO_DEEP
+    if _SURROGATE_ESCAPE.search(data) and lone_surrogate_in(value):
+        return _LONE_SURROGATE
+    return None
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, str):
-            if halves and not item.isascii():
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError:
-                    return _LONE_SURROGATE
-            continue
-        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item if isinstance(item, list) else None
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
         if children is None:
             continue
         if depth > limit:
-            return _TOO_DEEP
+            return True
         stack.extend((child, depth + 1) for child in children)
-    return None
+    return False
+
+
+def lone_surrogate_in(value: Any) -> bool:
+    """Whether a string (or a key) anywhere in ``value`` holds a lone surrogate: text no UTF-8
+    encoder takes (tokenizers, paths and responses would fail on it later). The request bodies
+    refuse such data with this too."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return False
 
 
 def validated(path: Path | str, schema: type[T], value: Any, *,

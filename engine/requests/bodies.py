@@ -28,6 +28,7 @@ from engine.requests.choices import MAX_KEEP_ALIVE_S as MAX_KEEP_ALIVE_S  # re-e
 from engine.requests.loras import lora_choices
 from engine.requests.batch import batch_items
 from engine.requests.controls import PLAN_CONTROLS, Control
+from engine.stored import lone_surrogate_in
 
 # -- the shared limits ------------------------------------------------------------
 
@@ -58,20 +59,9 @@ PathText = Annotated[str, Field(min_length=1, max_length=4096)]
 
 def refuse_lone_surrogates(data: Any) -> Any:
     """``data`` unchanged, or a ValueError when a string (or key) in it is not valid Unicode."""
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("a string contains a lone surrogate (an unpaired \\ud800-\\udfff "
-                                 "escape); send valid Unicode text") from None
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
+    if lone_surrogate_in(data):
+        raise ValueError("a string contains a lone surrogate (an unpaired \\ud800-\\udfff "
+                         "escape); send valid Unicode text")
     return data
 
 

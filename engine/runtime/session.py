@@ -74,7 +74,6 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
         self._compile_backend = compile_backend
         self._pipe: Any = None
         self._flags: flags.FlagSnapshot | None = None
-        self._cache_on = False
         self._cache_kind = "off"
         self._lock = threading.Lock()
         self.quantised_layers = 0
@@ -157,7 +156,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
             "loaded": self._pipe is not None,
             "model": self.source.to_dict(),
             "plan": self.plan.to_dict(),
-            "step_cache_engaged": self._cache_on,
+            "step_cache_engaged": self._cache_kind != "off",
             "quantised_layers": self.quantised_layers,
             "onednn_layers": self.onednn_layers,
             "text_encoders": {
@@ -210,7 +209,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
         self._workflow_pipes.clear()
         self._controlnet = None
         self.loras = None
-        self._cache_on, self._cache_kind = False, "off"
+        self._cache_kind = "off"
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

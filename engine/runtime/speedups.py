@@ -20,7 +20,7 @@ import torch
 from engine.contract.plugins import Registry
 from engine.policy.plan import Plan
 from engine.requests.inference import InferenceRequest
-from engine.policy.resolved import Resolved, explicit
+from engine.policy.resolved import Resolved
 from engine.policy.speed import resolve_step_cache, step_cache_unsupported
 from engine.preflight.source import ModelSource
 from engine.runtime import capabilities, quantize
@@ -42,8 +42,7 @@ class SpeedControls:
     denoiser: torch.nn.Module
     _installer: Installer
     _compile_backend: str
-    _cache_on: bool
-    #: The step cache engaged: ``off``, ``fbcache`` or ``taylorseer``.
+    #: The step cache engaged: ``off``, ``fbcache``, ``taylorseer`` or ``magcache``.
     _cache_kind: str
     _active: Any
 
@@ -164,10 +163,10 @@ class SpeedControls:
         plan, with anything half-enabled rolled back)."""
         if kind == self._cache_kind and kind != "magcache":  # MagCache's step count is each call's: made anew
             return None
-        if self._cache_on:
+        if self._cache_kind != "off":
             for denoiser in self.denoisers:
                 denoiser.disable_cache()
-            self._cache_on, self._cache_kind = False, "off"
+            self._cache_kind = "off"
         if kind == "off":
             return None
         failure = self._cache_unsupported()
@@ -184,7 +183,7 @@ class SpeedControls:
             was = self.plan["step_cache"]
             self._record("step_cache", Resolved("off", was.source, f"step cache unavailable: {failure}"))
             return failure
-        self._cache_on, self._cache_kind = True, kind
+        self._cache_kind = kind
         return None
 
     def _cache_config(self, kind: str, steps: int | None = None) -> Any:
