@@ -140,13 +140,11 @@ def _start(rank: int, job: RankJob, port: int) -> _Rank:
 def _launch(rank: int, fds: tuple[int, int], env: dict[str, str]) -> _Process:
     """``engine.service.rank_worker JOB_FD ANSWER_FD RANK PARENT_PID``: forked from the fork
     server where there is one (no import of torch and diffusers per rank), else a fresh interpreter."""
-    from engine.training import forkserver
+    from engine.training.forkserver import fork_if_available
 
-    if forkserver.available():
-        try:
-            return forkserver.server().fork("rank", fds, (str(rank),), env, os.getcwd(), [p for p in sys.path if p])
-        except OSError:
-            pass  # no server to be had: a fresh interpreter, as everywhere else
+    forked = fork_if_available("rank", fds, (str(rank),), env)
+    if forked is not None:
+        return forked
     command = [sys.executable, "-m", "engine.service.rank_worker", *map(str, fds), str(rank), str(os.getpid())]
     return subprocess.Popen(command, pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
 

@@ -252,6 +252,18 @@ def server() -> ForkServer:
         return _server
 
 
+def fork_if_available(entry: str, fds: tuple[int, ...], args: tuple[str, ...], env: dict[str, str]) -> Forked | None:
+    """:data:`ENTRIES` ``[entry]`` forked from this process's server, in the present working folder
+    and ``sys.path``; None where no server can be had (another platform, the switch off, a
+    server that could not start): the caller starts a fresh interpreter instead."""
+    if not available():
+        return None
+    try:
+        return server().fork(entry, fds, args, env, os.getcwd(), [p for p in sys.path if p])
+    except OSError:
+        return None
+
+
 def prewarm() -> None:
     """Start the server now, so its imports overlap the caller's own work (the CLI's)."""
     if available():

@@ -98,30 +98,26 @@ def start_child(plan: TrainingPlan, folder: Path, run_id: str) -> Child:
     :mod:`engine.training.child`). The child gets its own session, so a terminal's
     Ctrl-C reaches only the CLI.
     """
-    from engine.training import forkserver
-
-    child = None
-    if forkserver.available():
-        try:
-            child = _forked_child(forkserver.server(), run_id)
-        except OSError:
-            child = None  # no server to be had: a fresh interpreter, as everywhere else
-    if child is None:
+    child = _forked_child(run_id)
+    if child is None:  # no server to be had: a fresh interpreter, as everywhere else
         child = _spawned_child(run_id)
     child.send([p for p in sys.path if p])
     child.send((plan, str(folder)))
     return child
 
 
-def _forked_child(server: Any, run_id: str) -> Child:
+def _forked_child(run_id: str) -> Child | None:
+    from engine.training.forkserver import fork_if_available
+
     parent_end, child_end = socket.socketpair()
     try:
-        forked = server.fork("trainer", (child_end.fileno(),), (), child_env(), os.getcwd(), [p for p in sys.path if p])
-        child = Child(forked, Connection(os.dup(parent_end.fileno())))
+        forked = fork_if_available("trainer", (child_end.fileno(),), (), child_env())
+        child = Child(forked, Connection(os.dup(parent_end.fileno()))) if forked is not None else None
     finally:
         child_end.close()
         parent_end.close()
-    threading.Thread(target=child.keep, name=f"diffusion-engine-train-{run_id}-keeper", daemon=True).start()
+    if child is not None:
+        threading.Thread(target=child.keep, name=f"diffusion-engine-train-{run_id}-keeper", daemon=True).start()
     return child
 
 
