@@ -111,6 +111,7 @@ def probe_clip(path: Path, max_pixels: int, window: ClipWindow | None = None) ->
             limit = window.seconds + 1.0 / window.fps if window is not None else None
             sound = bool(container.streams.audio)
             times, rotation, size = _decode(container, stream, limit)
+            stated = float(stream.average_rate or 0)  # read while open: a closed container's stream answers nothing
     except ClipProblem:
         raise
     except (av.error.FFmpegError, ValueError, IndexError, UnicodeDecodeError) as exc:
@@ -123,7 +124,7 @@ def probe_clip(path: Path, max_pixels: int, window: ClipWindow | None = None) ->
                               "or the clip") from None
     if not times:
         raise ClipProblem("no frames (a zero-length clip)")
-    rate = _rate(stream, times)
+    rate = _rate(stated, times)
     seconds = _length(times, rate)
     upright = size if rotation % 180 == 0 else (size[1], size[0])
     return ClipInfo(
@@ -177,8 +178,9 @@ def _rotation(frame: Any) -> int:
     return int(round(float(angle) / 90.0)) * 90 % 360
 
 
-def _rate(stream: Any, times: list[float]) -> float:
-    rate = float(stream.average_rate or 0)
+def _rate(stated: float, times: list[float]) -> float:
+    """The header's average rate, else the decoded times' own."""
+    rate = stated
     if rate <= 0 and len(times) > 1 and times[-1] > 0:
         rate = (len(times) - 1) / times[-1]
     return rate or 1.0
