@@ -1,7 +1,7 @@
 """Step caches side by side on the same tiny pipeline: speed and drift against no cache.
 
-Each cache (``off``, ``fbcache``, ``taylorseer``, and ``magcache`` where the checkpoint names
-its ratios) renders the same prompt, seed and steps through the engine's own session; the caches alternate call by call after a warm-up call
+Each cache (``off``, ``fbcache``, ``taylorseer``, ``magcache`` where the checkpoint names
+its ratios, ``seacache`` where the pipeline hands it the schedule: Wan's) renders the same prompt, seed and steps through the engine's own session; the caches alternate call by call after a warm-up call
 each, and medians are compared. Drift is the mean absolute difference from the uncached
 image, in 8-bit levels (a clip's every frame), at the same seed. Where cache-dit is installed
 (``pip install cache-dit``: not one of the engine's dependencies), its DBCache joins them:
@@ -37,7 +37,7 @@ from engine.policy.inference import InferenceRequest, plan_inference  # noqa: E4
 from engine.preflight.model import resolve_model  # noqa: E402
 from engine.runtime.session import GenerateRequest, InferenceSession  # noqa: E402
 
-CACHES = ("off", "fbcache", "taylorseer", "magcache")
+CACHES = ("off", "fbcache", "taylorseer", "magcache", "seacache")
 #: cache-dit's DBCache, where the package is installed.
 CACHE_DIT = "cache-dit"
 
@@ -82,6 +82,9 @@ def main() -> None:
             for cache in caches:
                 request = InferenceRequest(step_cache="off" if cache == CACHE_DIT else cache, prompt_cache=False)
                 plan = plan_inference(registry, source.facts(registry), hardware, request)
+                if cache not in ("off", CACHE_DIT) and plan.value("step_cache") == "off":
+                    print(f"  {family:6s} {cache:10s} not offered: {plan['step_cache'].reason}")
+                    continue
                 threshold = plan.step_cache_threshold if args.threshold is None else args.threshold
                 sessions[cache] = InferenceSession(
                     registry, source, dataclasses.replace(plan, step_cache_threshold=threshold), request)
@@ -89,6 +92,7 @@ def main() -> None:
                 if cache == CACHE_DIT:
                     with_cache_dit(sessions[cache], args.steps, threshold)
                 render(sessions[cache], args.steps, frames)  # warm-up
+            caches = tuple(sessions)
             times: dict[str, list[float]] = {cache: [] for cache in caches}
             outputs: dict[str, np.ndarray] = {}
             for _ in range(args.runs):

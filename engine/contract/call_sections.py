@@ -64,6 +64,10 @@ class PipelineLayout:
     #: Pipeline classes whose call opens a cache context around the denoiser
     #: (First-Block-Cache needs one); None when undeclared.
     cache_context_pipelines: tuple[str, ...] | None = None
+    #: Pipeline classes whose call SeaCache can follow: it hands the cache context the schedule
+    #: (step index, sigma, step count) and diffusers has a SeaCache adapter for the denoiser
+    #: (``--step-cache seacache``; plugin API 2, additive). Empty: not offered.
+    sea_cache_pipelines: tuple[str, ...] = ()
     #: Components of the family's repos that none of its workflows calls (a
     #: transformer partition of a workflow the engine does not serve): never required of a
     #: folder, sized or loaded.

@@ -84,6 +84,7 @@ def resolve_step_cache(
     thresholds: StepCacheThresholds = StepCacheThresholds(),
     unsupported: str | None = None,
     mag_ratios: str | None = None,
+    sea_cache: bool = False,
 ) -> tuple[Resolved[str], float]:
     """(the step cache, residual threshold). Re-asked at every generate.
 
@@ -91,6 +92,8 @@ def resolve_step_cache(
         sets no cache context: the first step would fail), or None.
     :param mag_ratios: where the checkpoint's calibrated MagCache ratios live
         (``Checkpoint.mag_ratios``); None: MagCache is not offered.
+    :param sea_cache: whether the call's pipeline can carry SeaCache (the family table's
+        ``PipelineLayout.sea_cache_pipelines``); False: SeaCache is not offered.
     """
     if requested not in STEP_CACHES:
         raise ValueError(f"step cache {requested!r} is not one of {', '.join(STEP_CACHES)}")
@@ -100,7 +103,7 @@ def resolve_step_cache(
         return Resolved("off", source, f"step cache unavailable: {denied['step_cache']}", requested), threshold
     if requested == "off":
         return explicit("off", "pinned off"), threshold
-    if unsupported and (requested in ("fbcache", "magcache") or tier != "off"):
+    if unsupported and (requested in ("fbcache", "magcache", "seacache") or tier != "off"):
         return Resolved("off", source, f"step cache unavailable: {unsupported}", requested), threshold
     if requested == "fbcache":
         return explicit("fbcache", f"pinned on (residual threshold {threshold})"), threshold
@@ -117,6 +120,16 @@ def resolve_step_cache(
                                     f"first {MAGCACHE_RETENTION:.0%} of steps full, then a step skipped while the "
                                     f"accumulated error stays under {MAGCACHE_THRESHOLD}, at most "
                                     f"{MAGCACHE_MAX_SKIPS} in a row)"), threshold
+    if requested == "seacache":  # asked for only, where the pipeline hands SeaCache its schedule
+        if not sea_cache:
+            return Resolved("off", source, "step cache unavailable: SeaCache follows the schedule (step, sigma) "
+                            "that the pipeline hands its cache context, with a diffusers adapter for the "
+                            "denoiser, and the family table lists no such pipeline for this call (fbcache and "
+                            "taylorseer need none)", requested), threshold
+        return explicit("seacache", f"pinned on: SeaCache (the block stack's residual reused while the "
+                                    f"accumulated change of the latents' spectrally filtered indicator stays "
+                                    f"under {SEACACHE_THRESHOLD}; the first and last steps full, at most "
+                                    f"{SEACACHE_MAX_SKIPS} in a row)"), threshold
     if tier == "off":
         return auto("off", "speed tier off"), threshold
     if steps >= thresholds.min_steps:
@@ -136,6 +149,9 @@ TAYLORSEER_WARMUP, TAYLORSEER_INTERVAL = 3, 3
 #: MagCache's settings (its paper's and diffusers' defaults): the accumulated error a skip may
 #: reach, the most steps skipped in a row, and the share of the first steps always run.
 MAGCACHE_THRESHOLD, MAGCACHE_MAX_SKIPS, MAGCACHE_RETENTION = 0.06, 3, 0.2
+#: SeaCache's settings (its paper's and diffusers' defaults): the accumulated relative change
+#: a reuse may reach and the most steps reused in a row (the first and last step always run).
+SEACACHE_THRESHOLD, SEACACHE_MAX_SKIPS = 0.25, 2
 
 
 def step_cache_unsupported(

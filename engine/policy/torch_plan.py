@@ -115,10 +115,9 @@ class TorchPlanner:
         self.base_quant = model.prequantised_scheme
         self.base_name = "GGUF" if model.gguf_transformer_gb is not None else "dense"
         checkpoint = model.checkpoint
-        self.cache_unsupported = step_cache_unsupported(
-            family.pipeline.cache_context_pipelines,
-            family.pipeline_class_of(checkpoint) if checkpoint else None,
-        )
+        pipeline_class = family.pipeline_class_of(checkpoint) if checkpoint else None
+        self.cache_unsupported = step_cache_unsupported(family.pipeline.cache_context_pipelines, pipeline_class)
+        self.sea_cache = pipeline_class in family.pipeline.sea_cache_pipelines  # SeaCache can follow it
         self.requested = requested_by_control(request)
         #: On a CPU the weights stay in RAM whatever the memory mode says.
         self.cpu = hardware.vendor == "cpu"
@@ -294,6 +293,7 @@ class TorchPlanner:
             resolve_step_cache, request.step_cache, self.steps,
             quantised=quantised, tier=tier.value, denied=self.denied, thresholds=self.cache_thresholds,
             unsupported=self.cache_unsupported, mag_ratios=model.checkpoint.mag_ratios if model.checkpoint else None,
+            sea_cache=self.sea_cache,
         )
         cache_may_engage = cache.value != "off" or (
             request.step_cache == "auto" and "step_cache" not in self.denied and tier.value != "off"

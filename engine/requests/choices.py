@@ -21,7 +21,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", *ATTENTION_KERNELS)
 SPEED_TIERS: tuple[str, ...] = ("off", "eager", "default", "max")
 #: What ``speed`` takes: a tier, or ``auto`` (off for a dense transformer, default for a quantised one).
 SPEED_REQUESTS: tuple[str, ...] = ("auto", *SPEED_TIERS)
-STEP_CACHES: tuple[str, ...] = ("auto", "off", "fbcache", "taylorseer", "magcache")
+STEP_CACHES: tuple[str, ...] = ("auto", "off", "fbcache", "taylorseer", "magcache", "seacache")
 #: How one request splits across GPUs (``--parallel``): ``ulysses`` and ``ring`` split the
 #: sequence (diffusers' context parallel), ``cfg`` runs condition and uncondition on their own GPUs.
 PARALLEL_REQUESTS: tuple[str, ...] = ("auto", "ulysses", "ring", "cfg")

@@ -29,6 +29,12 @@ from engine.runtime.compile_cache import CompileCache
 from engine.runtime.fusions import FusionReport, fuse
 
 
+#: Step caches made anew for each call: MagCache's ratios are interpolated to the call's step
+#: count, and SeaCache's trajectory would otherwise start a call from the last call's final step
+#: (which it takes for a non-adjacent step, saying so on the log).
+PER_CALL_CACHES = ("magcache", "seacache")
+
+
 class SpeedControls:
     """Mixin of :class:`~engine.runtime.session.InferenceSession`: attention
     backend, regional compile and step cache on the loaded denoiser."""
@@ -138,6 +144,10 @@ class SpeedControls:
 
     # -- the step cache, re-decided per call ----------------------------------------
 
+    def _pipeline_class(self) -> str:
+        """The class of the pipeline this call runs (a workflow's own, else the loaded one)."""
+        return type(self._active if self._active is not None else self.pipeline).__name__
+
     def _cache_unsupported(self) -> str | None:
         """Why the loaded pipeline cannot carry the step cache, or None.
 
@@ -150,7 +160,7 @@ class SpeedControls:
         family = self.source.family
         pipeline = type(self._active if self._active is not None else self.pipeline)
         if family.pipeline.cache_context_pipelines is not None:
-            return step_cache_unsupported(family.pipeline.cache_context_pipelines, pipeline.__name__)
+            return step_cache_unsupported(family.pipeline.cache_context_pipelines, self._pipeline_class())
         try:
             call = inspect.getsource(pipeline.__call__)
         except (OSError, TypeError):
@@ -158,10 +168,10 @@ class SpeedControls:
         return None if "cache_context" in call else step_cache_unsupported((), pipeline.__name__)
 
     def _set_step_cache(self, kind: str, steps: int | None = None) -> str | None:
-        """Engage the step cache ``kind`` (``fbcache``, ``taylorseer``, ``magcache`` for a call of
+        """Engage the step cache ``kind`` (``fbcache``, ``taylorseer``, ``seacache``, ``magcache`` for a call of
         ``steps``) or release it (``off``); returns why it could not engage (and records it in the
         plan, with anything half-enabled rolled back)."""
-        if kind == self._cache_kind and kind != "magcache":  # MagCache's step count is each call's: made anew
+        if kind == self._cache_kind and kind not in PER_CALL_CACHES:
             return None
         if self._cache_kind != "off":
             for denoiser in self.denoisers:
@@ -190,6 +200,12 @@ class SpeedControls:
         """diffusers' config for the step cache ``kind`` (MagCache's for a call of ``steps``)."""
         if kind == "magcache":
             return self._magcache_config(steps or self.plan.default_steps)
+        if kind == "seacache":
+            from diffusers import SeaCacheConfig
+
+            from engine.policy.speed import SEACACHE_MAX_SKIPS, SEACACHE_THRESHOLD
+
+            return SeaCacheConfig(threshold=SEACACHE_THRESHOLD, max_consecutive_cached=SEACACHE_MAX_SKIPS)
         if kind == "taylorseer":
             from diffusers import TaylorSeerCacheConfig
 
@@ -227,6 +243,7 @@ class SpeedControls:
             denied=self.registry.optimization_deny(self.source.family),
             unsupported=self._cache_unsupported(),
             mag_ratios=self.source.checkpoint.mag_ratios if self.source.checkpoint is not None else None,
+            sea_cache=self._pipeline_class() in self.source.family.pipeline.sea_cache_pipelines,
         )
         if self._set_step_cache(str(resolved.value), steps) is None:
             self._record("step_cache", resolved)

@@ -225,6 +225,10 @@ WAN = FamilySpec(
         experts=("transformer_2",),
         # WanPipeline opens "cond" / "uncond" cache contexts around each expert's call.
         cache_context_pipelines=("WanPipeline", "WanImageToVideoPipeline"),
+        # WanPipeline hands each context the step, sigma and step count, and diffusers' SeaCache
+        # has an adapter for a text-to-video WanTransformer3DModel; the image-to-video pipeline
+        # hands none (SeaCache would run every step, saying nothing).
+        sea_cache_pipelines=("WanPipeline",),
     ),
     # The prompt's projections (the text embedder, each block's cross-attention keys, values and
     # key norm) depend on the prompt alone: computed once per prompt per call.

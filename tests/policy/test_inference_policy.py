@@ -256,6 +256,28 @@ def test_magcache_is_offered_where_the_checkpoint_names_its_calibrated_ratios() 
     assert asked.value("step_cache") == "off"
 
 
+def test_seacache_is_offered_where_the_pipeline_hands_it_the_schedule() -> None:
+    """Wan's text-to-video pipeline hands each cache context the step, sigma and step count, and
+    diffusers has a SeaCache adapter for its denoiser: asked for, SeaCache is planned (Wan 2.1 and
+    the 2.2 TI2V-5B). The image-to-video pipeline and FLUX name neither: the asked cache is
+    overridden to off with what SeaCache needs. The table safeguard: without Wan's list, the
+    text-to-video checkpoint is refused the same way."""
+    import dataclasses
+
+    for checkpoint in ("wan2.1-t2v-1.3b", "wan2.2-ti2v-5b"):
+        planned = table_plan("wan", "h100", checkpoint, step_cache="seacache")["step_cache"]
+        assert (planned.value, planned.source) == ("seacache", "explicit") and "SeaCache" in planned.reason
+    for family, checkpoint in (("wan", "wan2.1-i2v-14b"), ("flux", None), ("hunyuan_video", None)):
+        refused = table_plan(family, "h100", checkpoint, step_cache="seacache")["step_cache"]
+        assert refused.value == "off" and refused.overridden and "hands its cache context" in refused.reason
+    spec = REGISTRY.family("wan")
+    bare = dataclasses.replace(spec, pipeline=dataclasses.replace(spec.pipeline, sea_cache_pipelines=()))
+    chosen = spec.checkpoint("wan2.1-t2v-1.3b")
+    facts = ModelFacts(bare, chosen, REGISTRY.component_sizes(bare, chosen))
+    asked = plan_inference(REGISTRY, facts, preset("h100"), InferenceRequest(step_cache="seacache"), env=NO_ENV)
+    assert asked.value("step_cache") == "off"
+
+
 def test_step_cache_is_off_where_the_family_denies_it() -> None:
     result = table_plan("zimage", "h100", steps=28)
     assert result.value("step_cache") == "off" and "cache hooks" in result["step_cache"].reason

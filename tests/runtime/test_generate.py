@@ -313,3 +313,27 @@ def test_magcache_skips_steps_by_the_checkpoints_ratios_and_follows_each_calls_s
             assert session.status()["step_cache_engaged"] is True and session.denoiser.is_cache_enabled
             assert np.abs(cached.astype(np.float32) - uncached.astype(np.float32)).max() > 0, steps
         assert np.array_equal(pixels(session, seed=7, steps=12), cached)
+
+
+@pytest.mark.slow
+def test_seacache_reuses_wans_block_stack_near_the_uncached_clip_and_never_where_the_pipeline_cannot_follow(
+        tiny_pipeline: Callable[[str], Path]) -> None:
+    """``--step-cache seacache`` on Wan's text-to-video pipeline: engaged as asked; at 20 and 12
+    steps it reuses the block stack's residual on some steps, so the clip moves from the uncached
+    one at the same seed, by a level or two; a repeated call is identical (each call's trajectory
+    starts anew). A call with an image runs WanImageToVideoPipeline, which hands its cache context
+    no schedule: the cache is released for that call and the plan says why."""
+    from PIL import Image
+
+    clip = {"frames": 5, "width": 64, "height": 64}
+    with cached_and_plain(tiny_pipeline("wan"), "seacache") as (session, plain):
+        assert session.plan["step_cache"].value == "seacache"
+        for steps in (20, 12):
+            cached, uncached = pixels(session, seed=7, steps=steps, **clip), pixels(plain, seed=7, steps=steps, **clip)
+            assert session.status()["step_cache_engaged"] is True and session.denoiser.is_cache_enabled
+            drift = np.abs(cached.astype(np.float32) - uncached.astype(np.float32))
+            assert 0 < drift.max() <= 4, steps
+        assert np.array_equal(pixels(session, seed=7, steps=12, **clip), cached)
+        pixels(session, seed=7, steps=12, image=Image.new("RGB", (64, 64), "red"), **clip)
+        assert session.status()["step_cache_engaged"] is False and not session.denoiser.is_cache_enabled
+        assert "hands its cache context" in session.plan["step_cache"].reason
