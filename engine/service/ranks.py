@@ -4,7 +4,8 @@ A ticket whose plan splits it (:mod:`engine.policy.parallel`) runs here instead 
 loaded model. The engine starts ``ranks`` processes, each of which dies with the engine: on
 Linux forked from the engine's fork server (:mod:`engine.training.forkserver`, where torch and
 diffusers are imported already, as its trainers are), elsewhere fresh interpreters; never forks
-of the engine itself, which may hold a CUDA context and server threads a fork must not copy. Each rank joins the process group on the loopback interface through the trainer's
+of the engine itself, which may hold a CUDA context and server threads a fork must not copy.
+Each rank joins the process group on the loopback interface through the trainer's
 bounded rendezvous (:func:`engine.training.rendezvous.rendezvous`: gloo on a CPU, NCCL on
 GPUs, one GPU a rank), builds an engine of its own, checks and loads the same request the
 way one process would (its own plan, the split taken out), splits its denoisers
