@@ -1,8 +1,10 @@
 """Step caches side by side on the same tiny pipeline: speed and drift against no cache.
 
 Each cache (``off``, ``fbcache``, ``taylorseer``, ``magcache`` where the checkpoint names
-its ratios, ``seacache`` where the pipeline hands it the schedule: Wan's) renders the same prompt, seed and steps through the engine's own session; the caches alternate call by call after a warm-up call
-each, and medians are compared. Drift is the mean absolute difference from the uncached
+its ratios, ``seacache`` where the pipeline hands it the schedule: Wan's; one the plan does
+not offer is named, not timed) renders the same prompt, seed and steps through the engine's
+own session; the caches alternate call by call after a warm-up call each, and medians are
+compared. Drift is the mean absolute difference from the uncached
 image, in 8-bit levels (a clip's every frame), at the same seed. Where cache-dit is installed
 (``pip install cache-dit``: not one of the engine's dependencies), its DBCache joins them:
 an uncached session's pipeline handed to ``cache_dit.enable_cache`` with the engine's

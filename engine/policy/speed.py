@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from engine.hardware.profile import HardwareProfile
 from engine.requests.choices import ATTENTION_BACKENDS as ATTENTION_BACKENDS
@@ -32,6 +33,9 @@ from engine.policy.attention import (  # noqa: F401 - re-exported: the attention
 from engine.policy.compatibility import pair_refusal
 from engine.policy.resolved import Resolved, Source, auto, explicit
 from engine.requests.choices import COMPILE_REQUESTS, SPEED_REQUESTS, SPEED_TIERS, STEP_CACHES
+
+if TYPE_CHECKING:
+    from engine.contract.types import Checkpoint, FamilySpec
 
 
 FP16_ACCUM_KILL_SWITCH = "DIFFUSION_ENGINE_DISABLE_FP16_ACCUM"
@@ -152,6 +156,14 @@ MAGCACHE_THRESHOLD, MAGCACHE_MAX_SKIPS, MAGCACHE_RETENTION = 0.06, 3, 0.2
 #: SeaCache's settings (its paper's and diffusers' defaults): the accumulated relative change
 #: a reuse may reach and the most steps reused in a row (the first and last step always run).
 SEACACHE_THRESHOLD, SEACACHE_MAX_SKIPS = 0.25, 2
+
+
+def step_cache_offers(family: FamilySpec, checkpoint: Checkpoint | None, pipeline_class: str | None) -> dict[str, Any]:
+    """What the family's table offers the caches that need it, for a call of ``pipeline_class``:
+    :func:`resolve_step_cache`'s ``mag_ratios`` and ``sea_cache`` (the planner and the loaded
+    session, which re-asks per call with the pipeline the call runs, read them here alike)."""
+    return {"mag_ratios": checkpoint.mag_ratios if checkpoint is not None else None,
+            "sea_cache": pipeline_class in family.pipeline.sea_cache_pipelines}
 
 
 def step_cache_unsupported(

@@ -56,6 +56,7 @@ from engine.policy.speed import (
     resolve_tf32,
     resolve_threads,
     schedule_compile,
+    step_cache_offers,
     step_cache_unsupported,
 )
 from engine.requests.inference import InferenceRequest
@@ -117,7 +118,7 @@ class TorchPlanner:
         checkpoint = model.checkpoint
         pipeline_class = family.pipeline_class_of(checkpoint) if checkpoint else None
         self.cache_unsupported = step_cache_unsupported(family.pipeline.cache_context_pipelines, pipeline_class)
-        self.sea_cache = pipeline_class in family.pipeline.sea_cache_pipelines  # SeaCache can follow it
+        self.cache_offers = step_cache_offers(family, checkpoint, pipeline_class)
         self.requested = requested_by_control(request)
         #: On a CPU the weights stay in RAM whatever the memory mode says.
         self.cpu = hardware.vendor == "cpu"
@@ -292,8 +293,7 @@ class TorchPlanner:
         cache, threshold = checked(
             resolve_step_cache, request.step_cache, self.steps,
             quantised=quantised, tier=tier.value, denied=self.denied, thresholds=self.cache_thresholds,
-            unsupported=self.cache_unsupported, mag_ratios=model.checkpoint.mag_ratios if model.checkpoint else None,
-            sea_cache=self.sea_cache,
+            unsupported=self.cache_unsupported, **self.cache_offers,
         )
         cache_may_engage = cache.value != "off" or (
             request.step_cache == "auto" and "step_cache" not in self.denied and tier.value != "off"

@@ -21,7 +21,7 @@ from engine.contract.plugins import Registry
 from engine.policy.plan import Plan
 from engine.requests.inference import InferenceRequest
 from engine.policy.resolved import Resolved
-from engine.policy.speed import resolve_step_cache, step_cache_unsupported
+from engine.policy.speed import resolve_step_cache, step_cache_offers, step_cache_unsupported
 from engine.preflight.source import ModelSource
 from engine.runtime import capabilities, quantize
 from engine.runtime.attention import DIFFUSERS_BACKENDS, Installer, install_kernel
@@ -48,7 +48,7 @@ class SpeedControls:
     denoiser: torch.nn.Module
     _installer: Installer
     _compile_backend: str
-    #: The step cache engaged: ``off``, ``fbcache``, ``taylorseer`` or ``magcache``.
+    #: The step cache engaged: ``off``, ``fbcache``, ``taylorseer``, ``magcache`` or ``seacache``.
     _cache_kind: str
     _active: Any
 
@@ -144,9 +144,9 @@ class SpeedControls:
 
     # -- the step cache, re-decided per call ----------------------------------------
 
-    def _pipeline_class(self) -> str:
+    def _call_pipeline(self) -> type:
         """The class of the pipeline this call runs (a workflow's own, else the loaded one)."""
-        return type(self._active if self._active is not None else self.pipeline).__name__
+        return type(self._active if self._active is not None else self.pipeline)
 
     def _cache_unsupported(self) -> str | None:
         """Why the loaded pipeline cannot carry the step cache, or None.
@@ -158,9 +158,9 @@ class SpeedControls:
         if missing is not None:
             return missing
         family = self.source.family
-        pipeline = type(self._active if self._active is not None else self.pipeline)
+        pipeline = self._call_pipeline()
         if family.pipeline.cache_context_pipelines is not None:
-            return step_cache_unsupported(family.pipeline.cache_context_pipelines, self._pipeline_class())
+            return step_cache_unsupported(family.pipeline.cache_context_pipelines, pipeline.__name__)
         try:
             call = inspect.getsource(pipeline.__call__)
         except (OSError, TypeError):
@@ -242,8 +242,7 @@ class SpeedControls:
             tier=str(plan.value("speed_tier")),
             denied=self.registry.optimization_deny(self.source.family),
             unsupported=self._cache_unsupported(),
-            mag_ratios=self.source.checkpoint.mag_ratios if self.source.checkpoint is not None else None,
-            sea_cache=self._pipeline_class() in self.source.family.pipeline.sea_cache_pipelines,
+            **step_cache_offers(self.source.family, self.source.checkpoint, self._call_pipeline().__name__),
         )
         if self._set_step_cache(str(resolved.value), steps) is None:
             self._record("step_cache", resolved)
