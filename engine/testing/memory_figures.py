@@ -235,8 +235,11 @@ def check(d: Denoiser, depth: str, resolutions: tuple[int, ...], log: Callable[[
     config = _config(d, overrides)
     errors = []
     for resolution, frames in ((r, f) for r in resolutions for f in d.probe.check_frames or (d.probe.frames,)):
+        inference = 0  # the no-grad forward does not depend on checkpointing: measured once
         for checkpointing in (False, True):
-            m, extra = measure_step(d, overrides, resolution, d.text_tokens, checkpointing, frames=frames)
+            m, extra = measure_step(d, overrides, resolution, d.text_tokens, checkpointing, frames=frames,
+                                    inference=not inference)
+            inference = m.inference_peak = m.inference_peak or inference
             est = estimate_for(d, config, m, extra, resolution, d.text_tokens, checkpointing, frames)
             peak_est = est.training_peak_gb - est.overhead_gb  # allocated bytes, no CUDA context
             lora_meas = m.lora_state / GB

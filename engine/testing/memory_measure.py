@@ -26,13 +26,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from engine.training.levers import adamw_kernel
 from engine.testing.memory_models import Denoiser, _blocks, _conditioning, _config, _pipe_shim
 
 RANK = 16  # the probe LoRA's rank
 
-# ---------------------------------------------------------------------------
-# measuring
-# ---------------------------------------------------------------------------
+# -- measuring ---------------------------------------------------------------
 
 
 class LiveBytes(TorchDispatchMode):
@@ -302,9 +301,10 @@ class _BlockRecorder:
 def measure_step(
     d: Denoiser, overrides: dict[str, Any], resolution: int, text: int, checkpointing: bool,
     *, dtype: torch.dtype = torch.bfloat16, fake: bool = True, profile: bool = False, frames: int = 1,
+    inference: bool = True,
 ) -> tuple[Measured, dict[str, Any]]:
-    """Build the denoiser, take a warm-up step, measure the second one (``frames``: a video
-    family's clip length, fed as its latent frames)."""
+    """Build the denoiser, take a warm-up step with the trainer's AdamW, measure the second one
+    (``frames``: a video family's clip, as latent frames; ``inference``: a no-grad forward too)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = _config(d, overrides)
@@ -313,7 +313,7 @@ def measure_step(
     m = Measured()
     with mode, gpu_rms_norm() as fused_norm, _fake_safe_conversion():
         model, params = _build(d, config, dtype, checkpointing)
-        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, **adamw_kernel(params))
         # Data the runtime reads on the host cannot be fake: a family's
         # probe_conditioning gives it as plain values (one prompt, no padding).
         step = _TrainStep(
@@ -348,7 +348,7 @@ def measure_step(
         extra: dict[str, Any] = {"tracker_peak": tracker.peak}
         if profile:
             extra["profiler_peak"] = _profiler_peak(profiler)
-        m.inference_peak = m.weights + m.lora_params + step.inference_peak()
+        m.inference_peak = m.weights + m.lora_params + step.inference_peak() if inference else 0
         extra["base_shapes"] = _base_shapes(model)
     m.seconds = time.perf_counter() - started
     return m, extra
