@@ -32,7 +32,7 @@ from engine.policy.plan import Plan
 from engine.requests.inference import InferenceRequest
 from engine.preflight.lora import LoraFile
 from engine.preflight.source import ModelSource
-from engine.runtime import capabilities, flags, text_encoders, workflows
+from engine.runtime import capabilities, flags, heap, text_encoders, workflows
 from engine.runtime.attention import Installer, pip_install_wheel
 from engine.runtime.generation import GenerateRequest, Generation
 from engine.runtime.loading import TORCH_DTYPES, LoadFailed, PipelineLoading, Progress, resident
@@ -128,6 +128,7 @@ class InferenceSession(PipelineLoading, SpeedControls, Generation):
                 code="incompatible_plan",
             )
         self._flags = flags.snapshot()
+        heap.settle()  # before the first build: the libraries' objects out of every unload's collection
         try:
             self._apply_process_flags()
             self._pipe = self._build(self.plan, progress)

@@ -165,6 +165,23 @@ def test_unload_releases_the_pipeline(tiny_pipeline: Callable[[str], Path]) -> N
     assert raised.value.code == "not_loaded"
 
 
+def test_the_libraries_are_frozen_before_the_first_build_and_an_unload_still_frees_a_cyclic_model(
+    tiny_pipeline: Callable[[str], Path],
+) -> None:
+    """The load freezes what exists before it builds (torch's, diffusers' objects: out of every
+    later collection's walk), never the model: a pipeline caught in a reference cycle, as hooks
+    make one, is freed by the unload's own collection, with no collection of the test's."""
+    session = session_for(tiny_pipeline("zimage"))
+    session.load()
+    assert gc.get_freeze_count() > 50_000  # torch and diffusers imported: their objects frozen
+    pipeline = session.pipeline
+    pipeline.transformer._back_to_the_pipeline = pipeline  # a cycle: refcounts alone never free it
+    ref = weakref.ref(pipeline.transformer)
+    del pipeline
+    session.unload()
+    assert ref() is None, "the unload's collection left the model: it was frozen with the libraries"
+
+
 def _with_quant_that_fails(plan: Plan) -> Plan:
     """This CPU plan, but asking for mxfp8, whose torchao build fails on CPU."""
     failing = plan.with_control("transformer_quant", explicit("mxfp8"))
