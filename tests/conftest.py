@@ -40,12 +40,23 @@ def _remove_made(folders: tuple[str, ...], maker: int) -> None:
 atexit.register(_remove_made, (os.environ["DIFFUSION_ENGINE_HOME"], os.environ["DIFFUSION_ENGINE_KEYS"]), os.getpid())
 
 
+#: The GEMM figures the first pytest process measured (xdist's controller), for its workers.
+MEASURED_GEMM = "DIFFUSION_ENGINE_TEST_CPU_GEMM"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The suite's home starts as a used machine's does: its CPU GEMMs measured once (a fresh
-    machine's first verified probe measures them and re-plans once; test_cpu_kernel covers that)."""
+    machine's first verified probe measures them and re-plans once; test_cpu_kernel covers that).
+    Measured once per run, not once per process (3.5 s each on a CPU that emulates bf16): an
+    xdist worker's home gets a copy of what the controller measured, read back as any cache is."""
     from engine.hardware import cpu, gemm
 
+    measured = os.environ.get(MEASURED_GEMM)
+    if measured and os.path.isfile(measured) and not gemm.cache_file().exists():
+        gemm.cache_file().parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(measured, gemm.cache_file())
     gemm.measured(cpu.matmul_isa(cpu.cpu_flags()))
+    os.environ[MEASURED_GEMM] = str(gemm.cache_file())
 
 
 @pytest.fixture
