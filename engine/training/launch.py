@@ -107,7 +107,9 @@ def launch(plan: Any, folder: Path, channel: Any) -> None:
         host, _, port = str(config.main_address).rpartition(":")
     else:
         host, port = "127.0.0.1", str(free_loopback_port())
-    errors = Path(tempfile.mkdtemp(prefix="diffusion-engine-ranks-"))
+    # The ranks' error records: in the run's own folder, so a launcher killed with its engine
+    # (no ``finally``) leaves them with the run, not in the machine's temporary folder.
+    errors = Path(tempfile.mkdtemp(prefix=".ranks-", dir=folder))
     kind = "MULTI_CPU" if plan.device == "cpu" else "MULTI_GPU"
     try:
         with patch_environment(nproc=local, node_rank=node, world_size=world, master_addr=host, master_port=port):
@@ -117,6 +119,8 @@ def launch(plan: Any, folder: Path, channel: Any) -> None:
                 nprocs=local, join=False, start_method="fork",
             )
         ends = _wait_all(context.processes, errors, first=node * local)
+        for name in context.error_files:  # torch's own copy of a failed rank's traceback (ours is read)
+            Path(name).unlink(missing_ok=True)
     except Exception as exc:  # the ranks could not be started: the run's error, reported
         channel.emit({"type": "error", "code": "trainer_start_failed",
                       "message": f"the {world} ranks could not start under accelerate: {type(exc).__name__}: {exc}",

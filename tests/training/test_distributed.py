@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -120,6 +121,7 @@ def test_both_ranks_hold_the_same_lora_and_match_a_one_process_run(
 def test_a_killed_rank_fails_the_run_naming_it_and_leaves_no_process(
     tiny_pipeline: Callable[[str], Path], dataset: Path, tmp_path: Path
 ) -> None:
+    tracebacks = set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*"))  # torch's, one per failed rank
     run = TrainingRun(make_plan(tiny_pipeline(FAMILY), dataset, gpus=2, batch_size=1, steps=1000), tmp_path)
     run.start()
     record = wait_for(run, lambda r: r.ranks is not None)  # the ranks are up: rank 0 goes on loading
@@ -131,6 +133,9 @@ def test_a_killed_rank_fails_the_run_naming_it_and_leaves_no_process(
     assert "rank 1 of 2" in record.error["message"] and "signal 9" in record.error["message"]
     assert all(gone(pid) for pid in [*pids, record.pid])
     assert not (tmp_path / record.run_id / "pytorch_lora_weights.safetensors").exists()
+    # Nothing of the ranks is left: not their error records, not torch's copy of rank 0's traceback.
+    assert not list((tmp_path / record.run_id).glob(".ranks-*"))
+    assert set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*")) <= tracebacks
 
 
 def test_gpus_over_the_device_count_is_refused_before_any_eviction(
