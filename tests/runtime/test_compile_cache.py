@@ -198,28 +198,43 @@ def command_pickle(marker: Path) -> bytes:
 
 
 @pytest.mark.slow
-def test_a_planted_artifacts_file_never_runs_on_a_real_compiled_generate(tmp_path: Path) -> None:
-    """``generate --compile on`` twice, for real (inductor): between the two, the saved
-    artifacts are replaced by a file that runs a command when torch unpickles it (what
-    ``torch.compiler.load_cache_artifacts`` does). The second generate drops it unread,
-    compiles afresh and writes its image; the marker never appears."""
-    home, marker = tmp_path / "home", tmp_path / "marker"
-    env = {**os.environ, "DIFFUSION_ENGINE_HOME": str(home), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-           "OMP_NUM_THREADS": "1"}
+def test_a_planted_artifacts_file_never_runs_on_a_real_compiled_generate(
+    tmp_path: Path, tiny_pipeline: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``generate --compile on``, for real (inductor), finds its saved artifacts replaced by a
+    file that runs a command when torch unpickles it (what ``torch.compiler.load_cache_artifacts``
+    does), beside the manifest its last run signed. It drops the file unread, compiles afresh,
+    writes its image and signs what it saved anew; the marker never appears. The cache's name
+    is the one the engine's own session gives this model and plan at load (a load compiles
+    nothing until the first call), so the planted file lies exactly where that generate looks:
+    the manifest it re-signs there is the proof."""
+    from engine.policy.plan import InferenceRequest
+    from tests.support import session_for
 
-    def generate(out: str) -> None:
-        done = subprocess.run([sys.executable, "-m", "engine", "generate", "--tiny", "flux", "--prompt", "a box",
-                               "--steps", "1", "--compile", "on", "-o", str(tmp_path / out)],
-                              capture_output=True, text=True, timeout=300, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-
-    generate("first.png")
-    [saved] = (home / "compile-cache").glob("*.bin")
+    home, marker, model = tmp_path / "home", tmp_path / "marker", tiny_pipeline("flux")
+    monkeypatch.setenv("DIFFUSION_ENGINE_HOME", str(home))
+    session = session_for(model, InferenceRequest(compile="on"))
+    session.load()
+    try:
+        key = session._compile_cache.key
+    finally:
+        session.unload()
+    cache = CompileCache(home / "compile-cache", key)
+    cache.folder.mkdir(parents=True, mode=0o700)
+    saved = cache.folder / f"{key}.bin"
     saved.write_bytes(artifacts_file("inductor", "fplanted", command_pickle(marker)))
-    generate("second.png")
+    saved.with_suffix(".json").write_text(json.dumps(  # the manifest of what the last run saved
+        {"shapes": ["64x64x1"], "hmac": cache.sign(b"the artifacts the last run saved")}), encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", str(model), "--prompt", "a box",
+                           "--steps", "1", "--compile", "on", "-o", str(tmp_path / "image.png")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                               "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
     assert not marker.exists(), "a planted compile-cache file ran"
-    assert (tmp_path / "second.png").is_file()
-    assert json.loads(saved.with_suffix(".json").read_text(encoding="utf-8"))["shapes"]  # rebuilt and signed anew
+    assert (tmp_path / "image.png").is_file()
+    manifest = json.loads(saved.with_suffix(".json").read_text(encoding="utf-8"))
+    assert manifest["hmac"] == cache.sign(saved.read_bytes()), "not rebuilt and signed anew where it looked"
 
 
 def signed_cache(tmp_path: Path, data: bytes) -> CompileCache:
