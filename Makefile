@@ -57,17 +57,21 @@ browser:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; } || \
 		echo "Debian's chromium is missing and cannot be installed here: sudo apt-get install chromium"
 
-# Two xdist workers share the two cores: one compute thread per process (workers and the
-# trainer children they start), or OpenMP threads oversubscribe the cores and spin-wait
-# (measured on 2 cores: 7 min 25 s with torch's default threads, 6 min 8 s with one).
+# One compute thread per process (xdist workers and the trainer children they start), or
+# OpenMP threads oversubscribe the cores and spin-wait (measured on 2 cores: 7 min 25 s with
+# torch's default threads, 6 min 8 s with one). One worker more than the two cores: a fifth of
+# the suite's time is waiting (servers starting, ranks joining, a stop's grace, a child's
+# import), and a third worker fills it (measured on 2 cores: 838 s with two workers, 739 s with
+# three, less CPU time too). WORKERS=N sets another count.
+WORKERS ?= 3
 test: $(STAMP) browser
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # PYTEST_ARGS: more pytest flags for either (`make test PYTEST_ARGS=--durations=30` lists the slowest).
 # The fast loop: every test not marked slow (a test over a few seconds on two cores is marked
-# `slow`), file by file over the two cores as `make test` runs them. `make test` stays the whole suite (CI).
+# `slow`), file by file over the workers as `make test` runs them. `make test` stays the whole suite (CI).
 check: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/info_latency.py

@@ -104,19 +104,19 @@ def cli_json(capsys: pytest.CaptureFixture[str]) -> Callable[..., object]:
 
 
 #: The files that take longest, run first: xdist (``--dist loadfile``) hands whole files to the
-#: two workers in collection order, so a long file collected last leaves one worker alone at the
+#: workers in collection order, so a long file collected last leaves one worker alone at the
 #: end. Ordered by each file's measured total on 2 cores (``--durations=0``); the rest keep their order.
 SLOW_FIRST = (
-    "test_compile_cache.py", "test_memory_preflight.py", "test_readme.py", "test_ltx2_training.py",
-    "test_training_runs.py", "test_replicas.py", "test_distributed.py", "test_video_training.py", "test_demo.py",
-    "test_gpu_check.py", "test_server_fuzz.py", "test_forkserver.py", "test_attention_install.py", "test_web.py",
-    "test_geometry.py", "test_minimax_h3_training.py", "test_types.py", "test_cli_inference.py",
-    "test_library_quantised.py", "test_multi_image_edit.py", "test_lora.py", "test_training_reliability.py",
-    "test_server.py", "test_generate.py", "test_sdcpp.py", "test_training_resume.py", "test_service.py",
-    "test_lora_trained.py", "test_quantize.py", "test_minimax_h3_family.py", "test_running_jobs.py",
-    "test_split_requests.py", "test_ltx2_family.py", "test_equivalence.py", "test_run_confinement.py",
-    "test_training.py", "test_training_preflight.py", "test_runs_folder.py", "test_lora_export.py",
-    "test_server_jobs.py", "test_split_families.py",
+    "test_compile_cache.py", "test_memory_preflight.py", "test_stock_diffusers.py", "test_training_runs.py",
+    "test_web.py", "test_readme.py", "test_ltx2_family.py", "test_video_training.py", "test_distributed.py",
+    "test_sdcpp.py", "test_minimax_h3_family.py", "test_forkserver.py", "test_gpu_check.py", "test_flux2_family.py",
+    "test_ltx2_training.py", "test_replicas.py", "test_service.py", "test_demo.py", "test_server_fuzz.py",
+    "test_types.py", "test_attention_install.py", "test_generate.py", "test_minimax_h3_training.py", "test_lora.py",
+    "test_geometry.py", "test_cli_inference.py", "test_server.py", "test_training_preflight.py",
+    "test_equivalence.py", "test_split_families.py", "test_inference_policy.py", "test_quantize.py",
+    "test_upstream_formats.py", "test_checkpoint_safety.py", "test_images_in_more.py", "test_running_jobs.py",
+    "test_training_resume.py", "test_lora_trained.py", "test_ideogram4_family.py", "test_training_reliability.py",
+    "test_lora_export.py", "test_split_requests.py", "test_library_quantised.py", "test_multi_image_edit.py",
 )
 
 
