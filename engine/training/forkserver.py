@@ -6,10 +6,9 @@ of a split request (:mod:`engine.service.ranks`) as much before it loads its cop
 model. On Linux the engine keeps one fork server per engine process instead (``python -m
 engine.training.forkserver``): it imports those once, then forks a trainer per run and a
 rank per rank of each split request (:data:`ENTRIES`), which start with them already
-imported. It is the pattern of torch's own DataLoader
-workers (forked from a process that imported torch) and of multiprocessing's
-``forkserver``, which is not used here for the reason :mod:`engine.training.child`
-gives (its children re-run the host's ``__main__``).
+imported. It is the pattern of torch's own DataLoader workers (forked from a process
+that imported torch) and of multiprocessing's ``forkserver``, which is not used here for
+the reason :mod:`engine.training.child` gives (its children re-run the host's ``__main__``).
 
 What a trainer keeps from :mod:`engine.training.lineage`'s rules, and how:
 
@@ -58,9 +57,8 @@ from typing import Any
 ENV_SWITCH = "DIFFUSION_ENGINE_TRAINER_FORKSERVER"
 #: Environment variables (by prefix) that libraries read when imported: a fork request
 #: whose values differ from the server's gets a fresh server.
-IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "ONEDNN_", "DNNL_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_",
-                   "TORCH", "PYTORCH_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "TRITON_",
-                   "PYTHON", "LD_", "XDG_")
+IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "ONEDNN_", "DNNL_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "TORCH",
+                   "PYTORCH_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "TRITON_", "PYTHON", "LD_", "XDG_")
 #: What a forked process may become: its name in a fork request -> the module whose
 #: ``main(argv)`` it runs, argv being the descriptors it was handed, the request's arguments
 #: and the server's PID (its parent, which it dies with).
@@ -278,6 +276,7 @@ def main(argv: list[str]) -> int:
     """``python -m engine.training.forkserver FD ENGINE_PID``: import, then fork on request."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     fd, engine_pid = int(argv[0]), int(argv[1])
+    from engine.runtime import heap
     from engine.training.lineage import ORPHAN_EXIT, set_parent_death_signal
 
     set_parent_death_signal(signal.SIGKILL)
@@ -297,6 +296,7 @@ def main(argv: list[str]) -> int:
     if unusable:
         conn.send(("unusable", unusable))
         return 0
+    heap.settle()  # frozen before forking (Python's advice): no child's collection walks or copies it
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.signal(signal.SIGCHLD, lambda *_: _poke(wake_write))
