@@ -10,9 +10,11 @@ them the libraries' modules, classes and functions, which live as long as the pr
 :func:`settle` collects once and freezes what is left (``gc.freeze``: moved to a
 permanent generation the collector never walks again). It runs once per process, when
 the first model is about to be built, so nothing a model owns exists yet and no
-model's memory can be held by the freeze. Freezing stops only the walk: a frozen
-object whose last reference goes is freed as before; only a cycle among objects
-that existed at that moment would outlive its last reference.
+model's memory can be held by the freeze; and in the trainers' fork server before its
+first fork, as Python advises, so no child's collection walks or copies (copy-on-write)
+what it inherited. Freezing stops only the walk: a frozen object whose last reference
+goes is freed as before; only a cycle among objects that existed at that moment would
+outlive its last reference.
 """
 
 from __future__ import annotations
