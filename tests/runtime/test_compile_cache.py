@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.runtime.compile_cache import KILL_SWITCH, CompileCache, Untrusted, user_key
+from engine.runtime.compile_cache import KILL_SWITCH, CompileCache, Untrusted, private_folder, user_key
 
 PROBE = '''
 import json, sys
@@ -220,7 +220,7 @@ def test_a_planted_artifacts_file_never_runs_on_a_real_compiled_generate(
     finally:
         session.unload()
     cache = CompileCache(home / "compile-cache", key)
-    cache.folder.mkdir(parents=True, mode=0o700)
+    private_folder(cache.folder)  # as the engine makes it: 0700
     saved = cache.folder / f"{key}.bin"
     saved.write_bytes(artifacts_file("inductor", "fplanted", command_pickle(marker)))
     saved.with_suffix(".json").write_text(json.dumps(  # the manifest of what the last run saved
