@@ -174,16 +174,18 @@ def _malformed(data: bytes, value: Any, limit: int) -> str | None:
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
+    """Whether a container in ``value`` sits deeper than ``limit`` (``value`` itself at depth 1).
+
+    Walked a level at a time, keeping only containers: a safetensors header of
+    thousands of tensors (each a dict of two short lists) is walked in a few list
+    comprehensions, with no stack entry for a number."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return False
+    return bool(level)
 
 
 def lone_surrogate_in(value: Any) -> bool:

@@ -92,7 +92,8 @@ def tensor_storage(files: list[Path]) -> list[tuple[str, str, int, int]]:
 
 def tensor_layout(file: Path) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every tensor in ``file``, from its header."""
-    return [(name, str(info.get("dtype")), tuple(int(d) for d in info.get("shape", [])))  # type: ignore[union-attr,attr-defined]
+    # Every shape is a list of ints here: a complete file's header was checked entry by entry.
+    return [(name, str(info.get("dtype")), tuple(info["shape"]))  # type: ignore[arg-type,union-attr]
             for name, info in _safetensors_header(file).items()]
 
 
@@ -191,22 +192,35 @@ def nonfinite_tensors(file: Path, header: dict[str, dict[str, object]], data_sta
 
 
 def _data_end(header: dict[str, object]) -> int:
-    """Where the last tensor's bytes end; ValueError for an entry that cannot be read."""
+    """Where the last tensor's bytes end; ValueError for an entry that cannot be read.
+
+    Checked with ``type(...) is`` (JSON makes exact ints and lists; a ``true`` is no
+    dimension) in one plain loop per entry: a real header has thousands of them, read
+    at every load and training start."""
     end = 0
     for name, info in header.items():
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        shape = info.get("shape") if isinstance(info, dict) else None
-        if not (
-            isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) and o >= 0 for o in offsets) and offsets[0] <= offsets[1]
-            and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-        ):
-            raise ValueError(f"tensor {name!r} has no valid shape and data_offsets")
+        offsets = info.get("data_offsets") if type(info) is dict else None
+        shape = info.get("shape") if type(info) is dict else None
+        if type(offsets) is not list or len(offsets) != 2 or type(shape) is not list:
+            raise _unreadable(name)
+        begin, stop = offsets
+        if type(begin) is not int or type(stop) is not int or not 0 <= begin <= stop:
+            raise _unreadable(name)
+        count = 1
+        for dim in shape:
+            if type(dim) is not int or dim < 0:
+                raise _unreadable(name)
+            count *= dim
         width = _DTYPE_BYTES.get(str(info.get("dtype")))  # type: ignore[union-attr]
-        if width is not None and math.prod(shape) * width != offsets[1] - offsets[0]:
-            raise ValueError(f"tensor {name!r} ({shape}) does not fill its {offsets[1] - offsets[0]} bytes")
-        end = max(end, offsets[1])
+        if width is not None and count * width != stop - begin:
+            raise ValueError(f"tensor {name!r} ({shape}) does not fill its {stop - begin} bytes")
+        if stop > end:
+            end = stop
     return end
+
+
+def _unreadable(name: str) -> ValueError:
+    return ValueError(f"tensor {name!r} has no valid shape and data_offsets")
 
 
 #: The most tensors and metadata entries a GGUF header may claim (a real 12B denoiser has about 800).

@@ -350,6 +350,16 @@ def _write_safetensors(path: Path, header: dict[str, object], data: bytes) -> Pa
         ({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, b"\0" * 24, "padded"),
         ({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 16]}}, b"\0" * 16, "does not fill"),
         ({"w": {"dtype": "F32", "shape": [2, 2]}}, b"\0" * 16, "data_offsets"),
+        # Each part of an entry checked: a true is no dimension, offsets run forwards from 0.
+        ({"w": {"dtype": "U8", "shape": [True], "data_offsets": [0, 1]}}, b"\0", "no valid shape"),
+        ({"w": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 0]}}, b"", "no valid shape"),
+        ({"w": {"dtype": "U8", "shape": [1], "data_offsets": [False, 1]}}, b"\0", "no valid shape"),
+        ({"w": {"dtype": "U8", "shape": [1], "data_offsets": [1, 0]}}, b"\0", "no valid shape"),
+        ({"w": {"dtype": "U8", "shape": [1], "data_offsets": [-1, 0]}}, b"\0", "no valid shape"),
+        ({"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1, 2]}}, b"\0", "no valid shape"),
+        ({"w": {"dtype": "U8", "shape": "1", "data_offsets": [0, 1]}}, b"\0", "no valid shape"),
+        ({"w": [1]}, b"", "no valid shape"),
+        ({"w": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 1]}}, b"\0\0", "padded"),
         (["not", "an", "object"], b"", "JSON object"),
     ],
 )
