@@ -22,7 +22,7 @@ BYTECODE = { $(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sys
 WHEELS := $(wildcard ../shared/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS))
 
-.PHONY: demo test check install browser clean bench gpu-check
+.PHONY: demo test check install browser clean bench gpu-check lock
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,20 @@ bench: $(STAMP)
 gpu-check: $(STAMP)
 	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS)
 	$(BIN)/python bench/parallel_scaling.py --runs 2   # one request split over 1, 2, 4... of its GPUs
+
+# The lock: every package `make install` resolved, pinned at the end of constraints.txt, so a
+# fresh clone (and CI) installs the versions the suite last passed with, not each new release.
+# Each pin holds where it was taken (this Python, Linux): elsewhere the ranges in pyproject.toml
+# resolve as before. The hand-written pins above the marker are kept (torch's stays the CPU
+# build's). Run it after upgrading a dependency on purpose and passing `make test`.
+LOCK_MARK := \# --- locked by make lock
+lock: $(STAMP)
+	where="; python_version == \"$$($(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')\" and sys_platform == \"linux\""; \
+	{ sed '/^# --- locked by/,$$d' constraints.txt; echo "$(LOCK_MARK) on $$(date +%Y-%m-%d): the test environment"; \
+	  $(BIN)/python -m pip freeze --exclude-editable | grep -v -i -E '^(torch|playwright|stable.diffusion.cpp.python|mypy|py-spy)==' \
+	  | sed "s|\$$| $$where|"; \
+	} > constraints.txt.new && mv constraints.txt.new constraints.txt
+	touch $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
