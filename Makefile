@@ -84,14 +84,14 @@ gpu-check: $(STAMP)
 # The lock: every package `make install` resolved, pinned at the end of constraints.txt, so a
 # fresh clone (and CI) installs the versions the suite last passed with, not each new release.
 # Each pin holds where it was taken (this Python, Linux): elsewhere the ranges in pyproject.toml
-# resolve as before. The hand-written pins above the marker are kept (torch's stays the CPU
-# build's). Run it after upgrading a dependency on purpose and passing `make test`.
-LOCK_MARK := \# --- locked by make lock
+# resolve as before. The hand-written pins above the marker are kept and not locked again (torch's
+# stays the CPU build's). Run it after upgrading a dependency on purpose and passing `make test`.
+LOCK_MARK := --- locked by make lock
 lock: $(STAMP)
 	where="; python_version == \"$$($(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')\" and sys_platform == \"linux\""; \
-	{ sed '/^# --- locked by/,$$d' constraints.txt; echo "$(LOCK_MARK) on $$(date +%Y-%m-%d): the test environment"; \
-	  $(BIN)/python -m pip freeze --exclude-editable | grep -v -i -E '^(torch|playwright|stable.diffusion.cpp.python|mypy|py-spy)==' \
-	  | sed "s|\$$| $$where|"; \
+	hand=$$(sed -n '/^# $(LOCK_MARK)/q; /^[A-Za-z]/{s/[=<>!~ ;].*//; s/[-_.]/[-_.]/g; p}' constraints.txt | paste -sd '|'); \
+	{ sed '/^# $(LOCK_MARK)/,$$d' constraints.txt; echo "# $(LOCK_MARK) on $$(date +%Y-%m-%d): the test environment"; \
+	  $(BIN)/python -m pip freeze --exclude-editable | grep -v -i -E "^($$hand)==" | sed "s|\$$| $$where|"; \
 	} > constraints.txt.new && mv constraints.txt.new constraints.txt
 	touch $(STAMP)
 

@@ -16,6 +16,7 @@ import os
 import struct
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 from engine import stored
 from engine.errors import PreflightError
@@ -80,20 +81,15 @@ def tensor_storage(files: list[Path]) -> list[tuple[str, str, int, int]]:
     fp8 text encoder, for one) without reading a weight."""
     found = []
     for file in files:
-        for name, info in _safetensors_header(file).items():
-            offsets = info.get("data_offsets", [0, 0])
-            found.append((
-                name, str(info.get("dtype")),
-                math.prod(int(d) for d in info.get("shape", [])),  # type: ignore[union-attr]
-                int(offsets[1]) - int(offsets[0]),  # type: ignore[index]
-            ))
+        for name, info in _safetensors_header(file).items():  # checked: int shapes, two int offsets
+            begin, stop = cast("list[int]", info["data_offsets"])
+            found.append((name, str(info.get("dtype")), math.prod(cast("list[int]", info["shape"])), stop - begin))
     return found
 
 
 def tensor_layout(file: Path) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every tensor in ``file``, from its header."""
-    # Every shape is a list of ints here: a complete file's header was checked entry by entry.
-    return [(name, str(info.get("dtype")), tuple(info["shape"]))  # type: ignore[arg-type,union-attr]
+    return [(name, str(info.get("dtype")), tuple(cast("list[int]", info["shape"])))  # checked: a list of ints
             for name, info in _safetensors_header(file).items()]
 
 
@@ -199,8 +195,9 @@ def _data_end(header: dict[str, object]) -> int:
     at every load and training start."""
     end = 0
     for name, info in header.items():
-        offsets = info.get("data_offsets") if type(info) is dict else None
-        shape = info.get("shape") if type(info) is dict else None
+        if type(info) is not dict:
+            raise _unreadable(name)
+        offsets, shape = info.get("data_offsets"), info.get("shape")
         if type(offsets) is not list or len(offsets) != 2 or type(shape) is not list:
             raise _unreadable(name)
         begin, stop = offsets
@@ -211,7 +208,7 @@ def _data_end(header: dict[str, object]) -> int:
             if type(dim) is not int or dim < 0:
                 raise _unreadable(name)
             count *= dim
-        width = _DTYPE_BYTES.get(str(info.get("dtype")))  # type: ignore[union-attr]
+        width = _DTYPE_BYTES.get(str(info.get("dtype")))
         if width is not None and count * width != stop - begin:
             raise ValueError(f"tensor {name!r} ({shape}) does not fill its {stop - begin} bytes")
         if stop > end:
